@@ -1,0 +1,68 @@
+"""multistream: make generative models stream, through one event protocol.
+
+Example:
+    >>> import multistream as ms
+    >>> llm = ms.load_text_model()                         # doctest: +SKIP
+    >>> for ev in llm.stream("Write a haiku"):             # doctest: +SKIP
+    ...     print(ev.delta, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    EventFormatError,
+    InvalidArgumentError,
+    ModelLoadError,
+    MultistreamError,
+    PromptTooLongError,
+    StreamConsumedError,
+)
+from .events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict, event_from_json, event_json_schema
+from .stream import Stream, StreamWriter
+
+__version__ = "0.1.0"
+
+# Heavy modules (torch, transformers, diffusers) load only when their names are first used, so
+# `import multistream` stays light enough for thin clients of the protocol.
+_LAZY = {
+    "TextModel": "text",
+    "load_text_model": "text",
+}
+
+if TYPE_CHECKING:
+    from .text import TextModel, load_text_model
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'multistream' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(
+    [
+        "ErrorEvent",
+        "Event",
+        "EventFormatError",
+        "ImageEvent",
+        "InvalidArgumentError",
+        "ModelLoadError",
+        "MultistreamError",
+        "PromptTooLongError",
+        "Stream",
+        "StreamConsumedError",
+        "StreamWriter",
+        "TextEvent",
+        "event_from_dict",
+        "event_from_json",
+        "event_json_schema",
+        *_LAZY,
+    ]
+)

@@ -1,0 +1,1 @@
+"""Subcommands of the ``multistream`` command line, one module each (see ``multistream.cli``)."""

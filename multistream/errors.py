@@ -1,0 +1,48 @@
+"""The exception hierarchy: one root, `MultistreamError`, and a subclass per kind of misuse.
+
+Each subclass also derives from the matching built-in (`ValueError`, `RuntimeError`, ...) so code
+that already catches those keeps working.
+
+Example:
+    >>> import multistream as ms
+    >>> try:
+    ...     raise ms.InvalidArgumentError("max_new_tokens must be >= 1, got 0")
+    ... except ms.MultistreamError as err:
+    ...     print(err)
+    max_new_tokens must be >= 1, got 0
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EventFormatError",
+    "InvalidArgumentError",
+    "ModelLoadError",
+    "MultistreamError",
+    "PromptTooLongError",
+    "StreamConsumedError",
+]
+
+
+class MultistreamError(Exception):
+    """Root of every error multistream raises on purpose."""
+
+
+class InvalidArgumentError(MultistreamError, ValueError):
+    """A call got an argument it cannot use; the message names it and says what would work."""
+
+
+class PromptTooLongError(InvalidArgumentError):
+    """The prompt does not fit in the model's context window."""
+
+
+class StreamConsumedError(MultistreamError, RuntimeError):
+    """A stream was iterated again after it ended, was closed, or is being iterated elsewhere."""
+
+
+class EventFormatError(MultistreamError, ValueError):
+    """A wire-form event (a dict from JSON) does not follow the protocol."""
+
+
+class ModelLoadError(MultistreamError, OSError):
+    """A model could not be loaded (missing files, no network for a hub id, bad format)."""

@@ -1,0 +1,305 @@
+"""The event types of the multistream protocol and their JSON wire form.
+
+Every stream (text or image) is a sequence of events. Each event has ``type``, ``stream_id``,
+``seq`` (0, 1, 2, ... with no gaps), ``t`` (seconds since the stream started) and ``is_final``.
+Each stream ends with exactly one event whose ``is_final`` is true, and it is the last one.
+
+Pure Python: importable without torch, so thin clients can parse the protocol.
+
+Example:
+    >>> import multistream as ms
+    >>> ev = ms.TextEvent(stream_id="s1", seq=0, t=0.01, delta="Hi", token_ids=[123], index=0)
+    >>> wire = ev.to_dict()
+    >>> wire["type"], wire["delta"]
+    ('text', 'Hi')
+    >>> ms.event_from_dict(wire) == ev
+    True
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import io
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Union
+
+from .errors import EventFormatError
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+__all__ = [
+    "ErrorEvent",
+    "Event",
+    "ImageEvent",
+    "TextEvent",
+    "event_from_dict",
+    "event_from_json",
+    "event_json_schema",
+]
+
+TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_filter")
+IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _BaseEvent:
+    """Fields every event shares. Use the concrete classes below."""
+
+    type: ClassVar[str] = ""
+    stream_id: str
+    seq: int
+    t: float
+    is_final: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready wire form: plain dicts, lists, str, int, float, bool (bytes as base64).
+
+        Optional fields that are ``None`` are left out, so non-final events stay small.
+        """
+        wire: dict[str, Any] = {"type": self.type}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bytes):
+                value = base64.b64encode(value).decode("ascii")
+            elif isinstance(value, list):
+                value = list(value)
+            elif isinstance(value, dict):
+                value = dict(value)
+            wire[f.name] = value
+        return wire
+
+    def to_json(self) -> str:
+        """The wire form as one line of compact JSON (no newline), e.g. for NDJSON or SSE."""
+        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextEvent(_BaseEvent):
+    """Newly generated text.
+
+    ``delta`` is the text since the previous event; ``token_ids`` are the tokens it came from
+    (a token that completes no character yet rides along with the next event); ``index`` is the
+    position of the first of them in the output. The final event also carries ``finish_reason``,
+    ``text`` (the whole output), ``usage`` and ``metrics``.
+
+    Example:
+        >>> TextEvent(stream_id="s", seq=3, t=0.2, delta=" world", token_ids=[1917], index=1).delta
+        ' world'
+    """
+
+    type: ClassVar[str] = "text"
+    delta: str
+    token_ids: list[int] = field(default_factory=list)
+    index: int = 0
+    finish_reason: str | None = None
+    text: str | None = None
+    usage: dict[str, int] | None = None
+    metrics: dict[str, float] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageEvent(_BaseEvent):
+    """One encoded frame: a denoising preview, or (when ``is_final``) the finished image.
+
+    ``data`` holds the encoded bytes (``mime`` says which format); ``image`` decodes them to a PIL
+    image on first use.
+
+    Example:
+        >>> ev = ImageEvent(stream_id="s", seq=0, t=0.1, step=1, total_steps=20,
+        ...                 width=2, height=2, mime="image/png", data=b"...")
+        >>> ev.step, ev.total_steps
+        (1, 20)
+    """
+
+    type: ClassVar[str] = "image"
+    step: int
+    total_steps: int
+    width: int
+    height: int
+    mime: str
+    data: bytes = field(repr=False)
+    index: int = 0
+    finish_reason: str | None = None
+    metrics: dict[str, float] | None = None
+
+    @functools.cached_property
+    def image(self) -> PILImage.Image:
+        """The frame decoded to a PIL image (decoded once, then cached)."""
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(self.data))
+        img.load()
+        return img
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorEvent(_BaseEvent):
+    """The stream failed; ``error`` is ``{"type": <exception class name>, "message": str}``.
+
+    An error event is always final.
+
+    Example:
+        >>> ErrorEvent(stream_id="s", seq=5, t=1.0, error={"type": "ValueError", "message": "bad"}).is_final
+        True
+    """
+
+    type: ClassVar[str] = "error"
+    is_final: bool = True
+    error: dict[str, str]
+
+
+Event = Union[TextEvent, ImageEvent, ErrorEvent]
+
+_EVENT_CLASSES: dict[str, type[_BaseEvent]] = {cls.type: cls for cls in (TextEvent, ImageEvent, ErrorEvent)}
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise EventFormatError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def event_from_dict(wire: dict[str, Any]) -> Event:
+    """Read an event back from its wire form (the inverse of ``to_dict``; the round trip is exact).
+
+    Raises ``EventFormatError`` naming the first problem when the dict does not follow the protocol.
+
+    Example:
+        >>> ev = event_from_dict({"type": "error", "stream_id": "s", "seq": 0, "t": 0.0,
+        ...                       "is_final": True, "error": {"type": "X", "message": "m"}})
+        >>> ev.error["message"]
+        'm'
+    """
+    _check(isinstance(wire, dict), f"an event must be a JSON object, got {type(wire).__name__}")
+    kind = wire.get("type")
+    cls = _EVENT_CLASSES.get(kind)  # type: ignore[arg-type]
+    _check(cls is not None, f"unknown event type {kind!r}; expected one of {sorted(_EVENT_CLASSES)}")
+    assert cls is not None
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(wire) - set(known) - {"type"}
+    _check(not unknown, f"unknown field(s) {sorted(unknown)} for a {kind!r} event")
+    kwargs: dict[str, Any] = {}
+    for name, value in wire.items():
+        if name == "type":
+            continue
+        if name == "data":
+            _check(isinstance(value, str), "'data' must be a base64 string")
+            try:
+                value = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise EventFormatError(f"'data' is not valid base64: {exc}") from exc
+        kwargs[name] = value
+    _check(isinstance(kwargs.get("stream_id"), str), "'stream_id' must be a string")
+    _check(_is_int(kwargs.get("seq")) and kwargs["seq"] >= 0, "'seq' must be an integer >= 0")
+    _check(isinstance(kwargs.get("t"), (int, float)) and not isinstance(kwargs.get("t"), bool), "'t' must be a number")
+    kwargs["t"] = float(kwargs["t"])
+    _check(isinstance(kwargs.get("is_final", False), bool), "'is_final' must be a boolean")
+    missing = [
+        n for n, f in known.items() if n not in kwargs and f.default is MISSING and f.default_factory is MISSING
+    ]
+    _check(not missing, f"missing field(s) {missing} for a {kind!r} event")
+    try:
+        return cls(**kwargs)  # type: ignore[return-value]
+    except TypeError as exc:
+        raise EventFormatError(f"bad {kind!r} event: {exc}") from exc
+
+
+def event_from_json(line: str | bytes) -> Event:
+    """Parse one JSON-encoded event (an NDJSON line or an SSE ``data:`` payload)."""
+    try:
+        wire = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise EventFormatError(f"event is not valid JSON: {exc}") from exc
+    return event_from_dict(wire)
+
+
+def event_json_schema() -> dict[str, Any]:
+    """A JSON Schema (draft 2020-12) of the wire form, for clients in other languages.
+
+    Example:
+        >>> schema = event_json_schema()
+        >>> sorted(schema["$defs"])
+        ['error', 'image', 'text']
+    """
+    common = {
+        "stream_id": {"type": "string"},
+        "seq": {"type": "integer", "minimum": 0},
+        "t": {"type": "number", "minimum": 0},
+        "is_final": {"type": "boolean"},
+    }
+    metrics = {"type": "object", "additionalProperties": {"type": ["number", "null"]}}
+    text = {
+        "type": "object",
+        "properties": {
+            "type": {"const": "text"},
+            **common,
+            "delta": {"type": "string"},
+            "token_ids": {"type": "array", "items": {"type": "integer"}},
+            "index": {"type": "integer", "minimum": 0},
+            "finish_reason": {"enum": list(TEXT_FINISH_REASONS)},
+            "text": {"type": "string"},
+            "usage": {
+                "type": "object",
+                "properties": {
+                    "prompt_tokens": {"type": "integer", "minimum": 0},
+                    "completion_tokens": {"type": "integer", "minimum": 0},
+                },
+                "required": ["prompt_tokens", "completion_tokens"],
+            },
+            "metrics": metrics,
+        },
+        "required": ["type", "stream_id", "seq", "t", "is_final", "delta"],
+        "additionalProperties": False,
+        "if": {"properties": {"is_final": {"const": True}}},
+        "then": {"required": ["finish_reason", "text", "usage", "metrics"]},
+    }
+    image = {
+        "type": "object",
+        "properties": {
+            "type": {"const": "image"},
+            **common,
+            "step": {"type": "integer", "minimum": 0},
+            "total_steps": {"type": "integer", "minimum": 0},
+            "width": {"type": "integer", "minimum": 1},
+            "height": {"type": "integer", "minimum": 1},
+            "mime": {"type": "string", "pattern": "^image/"},
+            "data": {"type": "string", "contentEncoding": "base64"},
+            "index": {"type": "integer", "minimum": 0},
+            "finish_reason": {"enum": list(IMAGE_FINISH_REASONS)},
+            "metrics": metrics,
+        },
+        "required": ["type", "stream_id", "seq", "t", "is_final", "step", "total_steps", "width", "height", "mime", "data"],
+        "additionalProperties": False,
+        "if": {"properties": {"is_final": {"const": True}}},
+        "then": {"required": ["finish_reason"]},
+    }
+    error = {
+        "type": "object",
+        "properties": {
+            "type": {"const": "error"},
+            **common,
+            "is_final": {"const": True},
+            "error": {
+                "type": "object",
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                "required": ["type", "message"],
+            },
+        },
+        "required": ["type", "stream_id", "seq", "t", "is_final", "error"],
+        "additionalProperties": False,
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "multistream event",
+        "oneOf": [{"$ref": "#/$defs/text"}, {"$ref": "#/$defs/image"}, {"$ref": "#/$defs/error"}],
+        "$defs": {"text": text, "image": image, "error": error},
+    }

@@ -1,0 +1,451 @@
+"""The Stream object: one producer thread runs the model; sync or async consumers read events.
+
+Adapters do not build events themselves. They get a `StreamWriter` and call ``writer.text(...)``,
+``writer.image(...)`` and ``writer.finish_text(...)``; the stream assigns ``seq`` when the consumer
+takes an event, so merging under backpressure never leaves a gap in the sequence.
+
+Backpressure: the model never waits for the consumer. Undelivered text deltas merge into one
+(nothing is lost); an undelivered preview frame is replaced by the newer one for the same image;
+the final event is never dropped. So the buffer stays small however slow the consumer is.
+
+Example:
+    >>> from multistream.stream import Stream
+    >>> def producer(w):
+    ...     w.text("Hello", [1], 0)
+    ...     w.finish_text("", [], 1, finish_reason="stop", text="Hello",
+    ...                   usage={"prompt_tokens": 1, "completion_tokens": 1}, metrics={})
+    >>> [ev.delta for ev in Stream(producer)]
+    ['Hello', '']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from .errors import StreamConsumedError
+from .events import ErrorEvent, Event, ImageEvent, TextEvent
+
+__all__ = ["Stream", "StreamWriter"]
+
+logger = logging.getLogger("multistream")
+
+_NEW, _ITERATING, _DONE, _CLOSED = "new", "iterating", "done", "closed"
+
+
+class _Pending:
+    """An event waiting for its consumer; ``seq`` is given when it is taken."""
+
+    __slots__ = ("cls", "fields", "merge_key")
+
+    def __init__(self, cls: type, fields: dict[str, Any], merge_key: Any) -> None:
+        self.cls = cls
+        self.fields = fields
+        self.merge_key = merge_key
+
+
+class _Channel:
+    """The thread-safe buffer between the producer thread and the consumer.
+
+    Kept apart from `Stream` so the producer thread holds no reference to the Stream: when the
+    user drops the Stream, garbage collection finalizes it and cancels the model.
+    """
+
+    def __init__(self, stream_id: str) -> None:
+        self.stream_id = stream_id
+        self.started_at = time.perf_counter()
+        self.cancel_requested = threading.Event()
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: deque[_Pending] = deque()
+        self._final_put = False
+        self._next_seq = 0
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    # -- producer side -------------------------------------------------------------------------
+
+    def put(self, cls: type, fields: dict[str, Any], merge_key: Any = None) -> bool:
+        """Queue an event; returns False (and drops it) if the final event was already queued."""
+        fields["t"] = time.perf_counter() - self.started_at
+        with self._cond:
+            if self._final_put:
+                return False
+            last = self._pending[-1] if self._pending else None
+            if merge_key is not None and last is not None and last.merge_key == merge_key:
+                _merge_into(last, fields)
+            elif merge_key is not None and merge_key[0] == "preview":
+                # Only the newest preview of each image is worth showing to a slow consumer.
+                stale = next((p for p in self._pending if p.merge_key == merge_key), None)
+                if stale is not None:
+                    self._pending.remove(stale)
+                self._pending.append(_Pending(cls, fields, merge_key))
+            else:
+                self._pending.append(_Pending(cls, fields, merge_key))
+            if fields.get("is_final"):
+                self._final_put = True
+            waiters, self._async_waiters = self._async_waiters, []
+            self._cond.notify_all()
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:  # the consumer's loop is closed; nobody is waiting any more
+                pass
+        return True
+
+    @property
+    def final_put(self) -> bool:
+        return self._final_put
+
+    # -- consumer side -------------------------------------------------------------------------
+
+    def _pop(self) -> Event:
+        item = self._pending.popleft()
+        seq = self._next_seq
+        self._next_seq += 1
+        return item.cls(stream_id=self.stream_id, seq=seq, **item.fields)  # type: ignore[no-any-return]
+
+    def take(self, timeout: float | None = None) -> Event | None:
+        """Block until an event is ready (or the timeout passes: then None)."""
+        with self._cond:
+            if not self._pending and not self._cond.wait_for(lambda: bool(self._pending), timeout):
+                return None
+            return self._pop()
+
+    def take_or_register(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> Event | None:
+        """Take an event if one is ready, else register ``fut`` to be woken by the next put."""
+        with self._cond:
+            if self._pending:
+                return self._pop()
+            self._async_waiters.append((loop, fut))
+            return None
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _merge_into(last: _Pending, new: dict[str, Any]) -> None:
+    """Fold a newer text delta into an undelivered one: deltas and token ids concatenate."""
+    old = last.fields
+    old["delta"] += new["delta"]
+    old["token_ids"] = list(old["token_ids"]) + list(new["token_ids"])
+    old["t"] = new["t"]
+
+
+class StreamWriter:
+    """The producer's handle: what adapters call to emit events. Thread-safe.
+
+    Example (inside an adapter's producer function):
+        >>> def producer(writer: StreamWriter) -> None:
+        ...     for i, piece in enumerate(["a", "b"]):
+        ...         if writer.cancelled:
+        ...             break
+        ...         writer.text(piece, [i], i)
+    """
+
+    def __init__(self, channel: _Channel) -> None:
+        self._channel = channel
+
+    @property
+    def stream_id(self) -> str:
+        return self._channel.stream_id
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the consumer asked to stop; check it every model step."""
+        return self._channel.cancel_requested.is_set()
+
+    @property
+    def finished(self) -> bool:
+        """True once the final event was queued; later events are dropped."""
+        return self._channel.final_put
+
+    def elapsed(self) -> float:
+        """Seconds since the stream started (the clock of every event's ``t``)."""
+        return time.perf_counter() - self._channel.started_at
+
+    def text(self, delta: str, token_ids: list[int], index: int) -> None:
+        """Emit new text. Merges with an undelivered delta if the consumer is behind."""
+        if not delta:
+            return  # the protocol promises no empty non-final deltas
+        self._channel.put(TextEvent, {"delta": delta, "token_ids": list(token_ids), "index": index}, ("text",))
+
+    def finish_text(
+        self,
+        delta: str,
+        token_ids: list[int],
+        index: int,
+        *,
+        finish_reason: str,
+        text: str,
+        usage: dict[str, int],
+        metrics: dict[str, float],
+    ) -> None:
+        """Emit the final text event (once; it is never dropped or merged)."""
+        self._channel.put(
+            TextEvent,
+            {
+                "delta": delta,
+                "token_ids": list(token_ids),
+                "index": index,
+                "is_final": True,
+                "finish_reason": finish_reason,
+                "text": text,
+                "usage": dict(usage),
+                "metrics": dict(metrics),
+            },
+        )
+
+    def image(
+        self,
+        *,
+        step: int,
+        total_steps: int,
+        width: int,
+        height: int,
+        mime: str,
+        data: bytes,
+        index: int = 0,
+        is_final: bool = False,
+        finish_reason: str | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """Emit a preview frame, or the final image when ``is_final``.
+
+        An undelivered preview of the same ``index`` is replaced; final frames are never dropped.
+        """
+        fields: dict[str, Any] = {
+            "step": step,
+            "total_steps": total_steps,
+            "width": width,
+            "height": height,
+            "mime": mime,
+            "data": data,
+            "index": index,
+        }
+        if is_final:
+            fields.update(is_final=True, finish_reason=finish_reason or "stop", metrics=dict(metrics or {}))
+            self._channel.put(ImageEvent, fields)
+        else:
+            self._channel.put(ImageEvent, fields, ("preview", index))
+
+    def forward(self, ev: Event, *, is_final: bool | None = None) -> None:
+        """Re-emit an event from another stream as part of this one (for composed streams).
+
+        ``stream_id``, ``seq`` and ``t`` become this stream's; ``is_final`` can be overridden, so a
+        sub-stream's final event can become an ordinary event of the composed stream.
+        """
+        fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name not in ("stream_id", "seq", "t")}
+        if is_final is not None:
+            fields["is_final"] = is_final
+        merge_key: Any = None
+        if not fields["is_final"] and fields.get("finish_reason") is None:
+            if isinstance(ev, TextEvent):
+                merge_key = ("text",)
+            elif isinstance(ev, ImageEvent):
+                merge_key = ("preview", ev.index)
+        self._channel.put(type(ev), fields, merge_key)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with an ``error`` event describing ``exc``."""
+        message = str(exc) or repr(exc)
+        self._channel.put(ErrorEvent, {"is_final": True, "error": {"type": type(exc).__name__, "message": message}})
+
+
+class Stream:
+    """A live stream of events from one generation; iterate it with ``for`` or ``async for``.
+
+    The model starts at once in a producer thread. ``cancel()`` stops it within one step and the
+    stream ends with ``finish_reason="cancelled"``. Breaking out of the loop, closing the stream,
+    or dropping it also cancels the model. An exception in the model ends the stream with an
+    ``error`` event (and is kept in ``stream.exception``). A stream can be iterated once.
+
+    Example:
+        >>> import multistream as ms
+        >>> llm = ms.load_text_model()                                  # doctest: +SKIP
+        >>> for ev in llm.stream("Write a haiku", max_new_tokens=32):   # doctest: +SKIP
+        ...     print(ev.delta, end="", flush=True)
+    """
+
+    def __init__(
+        self,
+        producer: Callable[[StreamWriter], None],
+        *,
+        kind: str = "text",
+        stream_id: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.stream_id = stream_id or uuid.uuid4().hex
+        self.kind = kind
+        self.final: Event | None = None
+        self.exception: BaseException | None = None
+        self._channel = _Channel(self.stream_id)
+        self._state = _NEW
+        self._state_lock = threading.Lock()
+        # A plain list the producer thread fills, so that thread holds no reference to this Stream.
+        self._exception_box: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=_run_producer,
+            args=(producer, StreamWriter(self._channel), self._exception_box),
+            name=name or f"multistream-{kind}-{self.stream_id[:8]}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    # -- control -------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Ask the model to stop; it does so within one step. The stream then ends with a final
+        event whose ``finish_reason`` is ``"cancelled"`` (unless it had already finished)."""
+        self._channel.cancel_requested.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._channel.cancel_requested.is_set()
+
+    def close(self) -> None:
+        """Cancel the model if it is still running and mark the stream as no longer iterable."""
+        with self._state_lock:
+            if self._state != _DONE:
+                self._state = _CLOSED
+        if not self._channel.final_put:
+            self.cancel()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the producer thread to end; True if it did within ``timeout``."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._channel.final_put:
+                self._channel.cancel_requested.set()
+        except AttributeError:  # __init__ failed half-way
+            pass
+
+    # -- consumption ---------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        with self._state_lock:
+            if self._state == _NEW:
+                self._state = _ITERATING
+                return
+            state = self._state
+        if state == _ITERATING:
+            raise StreamConsumedError(
+                f"stream {self.stream_id} is already being iterated; a stream has one consumer. "
+                "Fan out the events yourself (e.g. keep a list) if several places need them."
+            )
+        if state == _DONE:
+            raise StreamConsumedError(
+                f"stream {self.stream_id} was already consumed to its final event; a stream can be "
+                "iterated once. Keep the events as you read them, or use stream.final for the last one, "
+                "or start a new stream."
+            )
+        raise StreamConsumedError(
+            f"stream {self.stream_id} was closed (the loop was left early, or close()/cancel() ran) "
+            "before its end; start a new stream to generate again."
+        )
+
+    def _on_event(self, ev: Event) -> None:
+        if ev.is_final:
+            self.final = ev
+            if self._exception_box:
+                self.exception = self._exception_box[0]
+
+    def _release(self) -> None:
+        """Called when a consumer loop ends: at the final event, or early (break/close/GC)."""
+        with self._state_lock:
+            finished = self.final is not None
+            self._state = _DONE if finished else _CLOSED
+        if not finished:
+            self.cancel()
+
+    def __iter__(self) -> Iterator[Event]:
+        self._claim()
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Event]:
+        try:
+            while True:
+                ev = self._channel.take()
+                assert ev is not None
+                self._on_event(ev)
+                yield ev
+                if ev.is_final:
+                    return
+        finally:
+            self._release()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        self._claim()
+        return self._aiterate()
+
+    async def _aiterate(self) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                fut: asyncio.Future[None] = loop.create_future()
+                ev = self._channel.take_or_register(loop, fut)
+                if ev is None:
+                    await fut
+                    continue
+                self._on_event(ev)
+                yield ev
+                if ev.is_final:
+                    return
+        finally:
+            self._release()
+
+    def wait(self, on_event: Callable[[Event], Any] | None = None) -> Event:
+        """Consume the whole stream, calling ``on_event`` for each event; return the final event.
+
+        Example:
+            >>> final = llm.stream("hi").wait(on_event=print)   # doctest: +SKIP
+        """
+        for ev in self:
+            if on_event is not None:
+                on_event(ev)
+        assert self.final is not None
+        return self.final
+
+    async def await_final(self, on_event: Callable[[Event], Any] | None = None) -> Event:
+        """The async twin of `wait`."""
+        async for ev in self:
+            if on_event is not None:
+                on_event(ev)
+        assert self.final is not None
+        return self.final
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.kind} id={self.stream_id} state={self._state}>"
+
+
+def _run_producer(
+    producer: Callable[[StreamWriter], None], writer: StreamWriter, exception_box: list[BaseException]
+) -> None:
+    """The producer thread: run the model; turn any exception into the stream's error event."""
+    try:
+        producer(writer)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
+        logger.error("stream %s failed", writer.stream_id, exc_info=exc)
+        exception_box.append(exc)
+        writer.fail(exc)
+    else:
+        if not writer.finished:
+            exc = RuntimeError("the model ended without a final event (a bug in the adapter)")
+            exception_box.append(exc)
+            writer.fail(exc)
