@@ -77,7 +77,7 @@ class _Channel:
             if self._final_put:
                 return False
             last = self._pending[-1] if self._pending else None
-            if merge_key is not None and last is not None and last.merge_key == merge_key:
+            if merge_key == ("text",) and last is not None and last.merge_key == merge_key:
                 _merge_into(last, fields)
             elif merge_key is not None and merge_key[0] == "preview":
                 # Only the newest preview of each image is worth showing to a slow consumer.
@@ -384,6 +384,10 @@ class Stream:
                 ev = self._channel.take()
                 assert ev is not None
                 self._on_event(ev)
+                if ev.is_final:
+                    # The producer returns right after queuing the final event; waiting for that
+                    # keeps a script that exits after its loop from killing a thread mid-cleanup.
+                    self._thread.join(timeout=2.0)
                 yield ev
                 if ev.is_final:
                     return

@@ -1,0 +1,74 @@
+"""``multistream text "prompt"``: print tokens as they arrive, then a summary line on stderr.
+
+Example:
+    $ multistream text "Write a haiku about rivers" --max-new-tokens 48
+    $ multistream text "hi" --json          # one wire event per line (NDJSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..errors import MultistreamError
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("text", help="stream text from a language model", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="the prompt (sent as one user message when the model has a chat template)")
+    p.add_argument("--model", default=None, help="model id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
+    p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..text import load_text_model
+
+    try:
+        llm = load_text_model(args.model, device=args.device)
+        stream = llm.stream(
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            stop=args.stop,
+            chat=False if args.raw else None,
+        )
+    except MultistreamError as exc:
+        print(f"multistream: {exc}", file=sys.stderr)
+        return 2
+    with stream:
+        for ev in stream:
+            if args.json:
+                print(ev.to_json(), flush=True)
+            elif ev.type == "text":
+                sys.stdout.write(ev.delta)
+                sys.stdout.flush()
+    final = stream.final
+    if final is None or final.type == "error":
+        message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
+        print(f"\nmultistream: error: {message}", file=sys.stderr)
+        return 1
+    if not args.json:
+        sys.stdout.write("\n")
+        m, usage = final.metrics or {}, final.usage or {}  # type: ignore[union-attr]
+        print(
+            f"[{usage.get('completion_tokens', 0)} tokens, TTFT {m.get('ttft_ms', 0):.0f} ms, "
+            f"{m.get('tokens_per_s', 0):.1f} tokens/s, finish: {final.finish_reason}]",  # type: ignore[union-attr]
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+import multistream as ms
+
+
+def _samples():
+    return [
+        ms.TextEvent(stream_id="s", seq=0, t=0.001, delta="Hello 世界 🌊", token_ids=[1, 2], index=0),
+        ms.TextEvent(
+            stream_id="s", seq=1, t=0.25, is_final=True, delta="", token_ids=[], index=2,
+            finish_reason="stop", text="Hello 世界 🌊",
+            usage={"prompt_tokens": 3, "completion_tokens": 2},
+            metrics={"ttft_ms": 1.5, "itl_ms_p50": 2.0, "itl_ms_p95": 3.0, "duration_ms": 5.0, "tokens_per_s": 400.0},
+        ),
+        ms.ImageEvent(stream_id="i", seq=0, t=0.1, step=1, total_steps=20, width=8, height=8,
+                      mime="image/jpeg", data=bytes(range(256))),
+        ms.ImageEvent(stream_id="i", seq=1, t=0.2, is_final=True, step=20, total_steps=20, width=64, height=64,
+                      mime="image/png", data=b"\x89PNG", finish_reason="stop", metrics={"duration_ms": 200.0}),
+        ms.ErrorEvent(stream_id="e", seq=3, t=1.0, error={"type": "ValueError", "message": "boom"}),
+    ]
+
+
+@pytest.mark.parametrize("event", _samples(), ids=lambda e: f"{e.type}-{e.seq}")
+def test_round_trip_through_json_is_exact(event):
+    wire = json.loads(json.dumps(event.to_dict()))
+    back = ms.event_from_dict(wire)
+    assert back == event
+    assert type(back) is type(event)
+    assert ms.event_from_json(event.to_json()) == event
+
+
+@pytest.mark.parametrize("event", _samples(), ids=lambda e: f"{e.type}-{e.seq}")
+def test_wire_form_validates_against_schema(event):
+    jsonschema.validate(event.to_dict(), ms.event_json_schema())
+
+
+def test_schema_rejects_a_final_text_event_without_finish_reason():
+    wire = _samples()[0].to_dict() | {"is_final": True}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(wire, ms.event_json_schema())
+
+
+def test_error_event_is_always_final():
+    assert ms.ErrorEvent(stream_id="s", seq=0, t=0.0, error={"type": "X", "message": "m"}).is_final
+
+
+def test_events_are_frozen():
+    ev = _samples()[0]
+    with pytest.raises(AttributeError):
+        ev.delta = "changed"  # type: ignore[misc]
+
+
+def test_image_property_decodes_the_frame():
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (5, 3), (255, 0, 0)).save(buf, format="PNG")
+    ev = ms.ImageEvent(stream_id="i", seq=0, t=0.0, step=1, total_steps=1, width=5, height=3,
+                       mime="image/png", data=buf.getvalue())
+    assert ev.image.size == (5, 3)
+    assert ev.image.getpixel((0, 0)) == (255, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "wire, problem",
+    [
+        ([], "JSON object"),
+        ({"type": "video", "stream_id": "s", "seq": 0, "t": 0}, "unknown event type"),
+        ({"type": "text", "stream_id": "s", "seq": 0, "t": 0, "delta": "x", "colour": 1}, "unknown field"),
+        ({"type": "text", "stream_id": "s", "seq": -1, "t": 0, "delta": "x"}, "'seq'"),
+        ({"type": "text", "stream_id": 5, "seq": 0, "t": 0, "delta": "x"}, "'stream_id'"),
+        ({"type": "text", "stream_id": "s", "seq": 0, "t": 0}, "missing field"),
+        ({"type": "image", "stream_id": "s", "seq": 0, "t": 0, "step": 1, "total_steps": 1, "width": 1,
+          "height": 1, "mime": "image/png", "data": "not base64!"}, "base64"),
+    ],
+)
+def test_bad_wire_events_raise_a_clear_error(wire, problem):
+    with pytest.raises(ms.EventFormatError, match=problem):
+        ms.event_from_dict(wire)
+
+
+def test_protocol_imports_without_torch():
+    code = "import sys, multistream as ms; ms.event_json_schema(); ms.Stream; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
