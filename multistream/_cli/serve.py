@@ -1,0 +1,52 @@
+"""``multistream serve``: the HTTP server (SSE, WebSocket, OpenAI-compatible routes, web client).
+
+Example:
+    $ multistream serve --host 127.0.0.1 --port 8000
+    $ multistream serve --text-model HuggingFaceTB/SmolLM2-360M-Instruct --image-model none --api-key s3cret
+    $ multistream serve --text-model multistream.testing:ScriptedTextModel   # a factory, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve streams over HTTP (SSE, WebSocket, OpenAI API, web client)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--text-model", default="default",
+                   help="'default' (embedded), a hub id or path, 'module:factory', or 'none' (default: default)")
+    p.add_argument("--image-model", default="default", help="like --text-model, for the image model")
+    p.add_argument("--api-key", default=os.environ.get("MULTISTREAM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $MULTISTREAM_API_KEY; unset = open)")
+    p.add_argument("--grace-period", type=float, default=None, metavar="S",
+                   help="seconds a disconnected stream keeps running for a resume (default 30)")
+    p.add_argument("--shutdown-deadline", type=float, default=None, metavar="S",
+                   help="seconds running streams get to finish on SIGTERM (default 20)")
+    p.add_argument("--text-concurrency", type=int, default=None, help="text generations at once (default 4)")
+    p.add_argument("--image-concurrency", type=int, default=None, help="image generations at once (default 1)")
+    p.add_argument("--queue-size", type=int, default=None, help="queued requests per model before 429 (default 64)")
+    p.add_argument("--heartbeat", type=float, default=None, metavar="S", help="SSE heartbeat interval (default 15)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..server import ServerSettings, create_app, serve
+
+    settings = ServerSettings.from_env(
+        api_key=args.api_key or None, grace_period_s=args.grace_period, shutdown_deadline_s=args.shutdown_deadline,
+        text_concurrency=args.text_concurrency, image_concurrency=args.image_concurrency,
+        queue_size=args.queue_size, heartbeat_s=args.heartbeat,
+    )
+
+    def spec(value: str) -> str | None:
+        return None if value.lower() in ("none", "off", "") else value
+
+    app = create_app(text_model=spec(args.text_model), image_model=spec(args.image_model), settings=settings)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

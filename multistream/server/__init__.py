@@ -1,0 +1,31 @@
+"""Serve streams over HTTP: SSE with resume, WebSocket, OpenAI-compatible routes, queueing, metrics.
+
+Example:
+    >>> from multistream.server import create_app, ServerSettings
+    >>> from multistream.testing import ScriptedTextModel
+    >>> app = create_app(text_model=ScriptedTextModel(), settings=ServerSettings(api_key="secret"))
+    >>> # then: uvicorn.run(app) -- or from the shell: multistream serve --port 8000
+"""
+
+from __future__ import annotations
+
+from .app import ServerState, create_app
+from .metrics import Metrics
+from .registry import STOP, ContentFilter, Registry, StreamRecord
+from .runner import serve
+from .settings import ServerSettings
+from .websocket import decode_message, encode_image_frame
+
+__all__ = [
+    "STOP",
+    "ContentFilter",
+    "Metrics",
+    "Registry",
+    "ServerSettings",
+    "ServerState",
+    "StreamRecord",
+    "create_app",
+    "decode_message",
+    "encode_image_frame",
+    "serve",
+]

@@ -1,0 +1,370 @@
+"""Live and finished streams on the server: an append-only event log per stream, fanned out.
+
+One pump task per stream consumes the model's `Stream` into the record's log and wakes the
+subscribers; every connection (SSE, WebSocket, OpenAI route) is a subscriber reading the log from
+its own cursor, so a reconnect replays exactly what came after its last event and then continues
+live: no gap, no duplicate. The server re-numbers nothing unless it must (a content filter that
+drops an event, or a final event it emits itself), and then ``seq`` stays 0, 1, 2, ... without gaps.
+
+A stream whose last subscriber left keeps running for the grace period, then is cancelled. A
+finished stream stays replayable for the retention window, bounded in count and bytes.
+
+Example (inside a running event loop):
+    >>> import asyncio
+    >>> from multistream.testing import ScriptedTextModel
+    >>> from multistream.server import Metrics, ServerSettings
+    >>> async def demo():
+    ...     reg = Registry(ServerSettings(), Metrics())
+    ...     rec = reg.start(ScriptedTextModel(["a", "b"]).stream("hi"), kind="text")
+    ...     return "".join([ev.delta async for ev in rec.subscribe(after=-1)])
+    >>> asyncio.run(demo())
+    'ab'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Union
+
+from ..events import ErrorEvent, Event, ImageEvent, TextEvent
+from ..stream import Stream
+from .metrics import Metrics
+from .settings import ServerSettings
+
+__all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]
+
+logger = logging.getLogger("multistream.server")
+
+
+class _Stop:
+    """Return `STOP` from a content filter to end the stream with ``finish_reason="content_filter"``."""
+
+    _instance: _Stop | None = None
+
+    def __new__(cls) -> _Stop:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "STOP"
+
+
+STOP = _Stop()
+
+# fn(text, part) -> replacement text, None (unchanged) or STOP; part is "prompt" or "delta".
+ContentFilter = Callable[[str, str], Union[str, None, _Stop]]
+
+
+class StreamRecord:
+    """One stream on the server: its event log, subscribers, grace timer and pump task."""
+
+    def __init__(self, stream: Stream, *, kind: str, settings: ServerSettings, metrics: Metrics,
+                 on_done: Callable[[StreamRecord], None], resumable: bool = True, model_name: str = "",
+                 content_filter: ContentFilter | None = None, arrived_at: float | None = None,
+                 prompt_tokens: int = 0) -> None:
+        self.stream = stream
+        self.stream_id = stream.stream_id
+        self.kind = kind
+        self.model_name = model_name
+        self.resumable = resumable
+        self.events: list[Event] = []
+        self.done = False
+        self.finish_reason: str | None = None
+        self.subscribers = 0
+        self.interrupted = False
+        self.bytes = 0
+        self.created = time.time()
+        self.finished_at: float | None = None  # time.monotonic()
+        self._settings = settings
+        self._metrics = metrics
+        self._on_done = on_done
+        self._filter = content_filter
+        self._arrived = arrived_at if arrived_at is not None else time.perf_counter()
+        self._started = time.perf_counter()
+        self._prompt_tokens = prompt_tokens
+        self._json: list[str | None] = []
+        self._changed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._grace: asyncio.TimerHandle | None = None
+        self._force: asyncio.TimerHandle | None = None
+        self._deadline = self._loop.call_later(settings.request_timeout_s, self.cancel)
+        self._drop_epoch = 0
+        self._text = ""          # text as sent (after the filter), for finals the server writes
+        self._n_tokens = 0
+        self._last_text_at: float | None = None
+        self._force_reason = "cancelled"
+        # Nobody attached yet: if nobody ever does, the grace period still ends the generation.
+        self._arm_grace()
+        self.task = self._loop.create_task(self._pump(), name=f"multistream-pump-{self.stream_id[:8]}")
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def json(self, seq: int) -> str:
+        """The wire JSON of event ``seq``, encoded once however many subscribers read it."""
+        cached = self._json[seq]
+        if cached is None:
+            cached = self._json[seq] = self.events[seq].to_json()
+        return cached
+
+    @property
+    def final(self) -> Event | None:
+        return self.events[-1] if self.done else None
+
+    async def subscribe(self, after: int = -1) -> AsyncIterator[Event]:
+        """Events with ``seq > after``: the replay, then live ones, up to and including the final."""
+        self._attach()
+        epoch = self._drop_epoch
+        cursor = max(after + 1, 0)
+        got_final = False
+        try:
+            while True:
+                while cursor < len(self.events):
+                    ev = self.events[cursor]
+                    cursor += 1
+                    got_final = ev.is_final
+                    yield ev
+                    if got_final:
+                        return
+                if self.done or self._drop_epoch != epoch:
+                    return
+                await self._changed.wait()
+        finally:
+            self._detach(got_final or self.done and cursor >= len(self.events))
+
+    # -- control -------------------------------------------------------------------------------
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the model; if it does not end its stream within ``cancel_timeout_s``, the server
+        ends it with a final event of its own."""
+        if self.done:
+            return
+        self._force_reason = reason
+        self.stream.cancel()
+        if self._force is None:
+            self._force = self._loop.call_later(self._settings.cancel_timeout_s, self.force_finish)
+
+    def force_finish(self) -> None:
+        """End the stream now with a server-written final event (the model did not stop in time)."""
+        if not self.done:
+            logger.warning("stream %s: the model did not end after cancel; ending it on the server", self.stream_id)
+            self.task.cancel()
+
+    def drop_subscribers(self) -> None:
+        """Test hook: end every current subscription without its final event (like a dropped link)."""
+        self._drop_epoch += 1
+        self._wake()
+
+    # -- subscribers and grace -----------------------------------------------------------------
+
+    def _attach(self) -> None:
+        self.subscribers += 1
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+
+    def _detach(self, completed: bool) -> None:
+        self.subscribers -= 1
+        if not completed and not self.done:
+            if not self.interrupted:
+                self.interrupted = True
+                self._metrics.interrupted.inc(kind=self.kind)
+            if self.subscribers == 0:
+                self._arm_grace()
+
+    def _arm_grace(self) -> None:
+        if self.done:
+            return
+        grace = self._settings.grace_period_s if self.resumable else 0.0
+        if self._grace is not None:
+            self._grace.cancel()
+        self._grace = self._loop.call_later(grace, self._grace_expired)
+
+    def _grace_expired(self) -> None:
+        self._grace = None
+        if self.subscribers == 0 and not self.done:
+            logger.info("stream %s: no client came back within the grace period; cancelling", self.stream_id)
+            self._metrics.grace_cancelled.inc(kind=self.kind)
+            self.cancel()
+
+    # -- the pump ------------------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        events = self.stream.__aiter__()
+        try:
+            async for ev in events:
+                if isinstance(ev, TextEvent):
+                    ev, stopped = self._filter_text(ev)
+                    if stopped:
+                        self._append(self._server_final("content_filter"))
+                        break
+                    if ev is None:
+                        continue
+                self._append(ev)
+                if ev.is_final:
+                    break
+        except asyncio.CancelledError:
+            if not self.done:
+                self._append(self._server_final(self._force_reason))
+        except Exception as exc:  # noqa: BLE001 - a broken stream must not take the server down
+            logger.exception("stream %s: pump failed", self.stream_id)
+            if not self.done:
+                self._append(ErrorEvent(stream_id=self.stream_id, seq=len(self.events), t=self._t(),
+                                        error={"type": type(exc).__name__, "message": str(exc)}))
+        finally:
+            await events.aclose()
+            self.stream.close()  # cancels the model if it is still running (content filter, force)
+            if not self.done:  # pragma: no cover - defensive: every path above appends a final
+                self._append(self._server_final("cancelled"))
+            self._finish()
+
+    def _filter_text(self, ev: TextEvent) -> tuple[TextEvent | None, bool]:
+        delta = ev.delta
+        if self._filter is not None and delta:
+            try:
+                out = self._filter(delta, "delta")
+            except Exception:  # noqa: BLE001 - a failing filter must fail closed
+                logger.exception("stream %s: content filter raised; stopping the stream", self.stream_id)
+                out = STOP
+            if out is STOP:
+                return None, True
+            if isinstance(out, str):
+                delta = out
+        self._n_tokens += len(ev.token_ids)
+        self._text += delta
+        if ev.is_final:
+            if delta != ev.delta or ev.text != self._text:
+                ev = dataclasses.replace(ev, delta=delta, text=self._text)
+            return ev, False
+        if not delta:
+            return None, False  # redacted to nothing: the protocol has no empty non-final deltas
+        return (dataclasses.replace(ev, delta=delta) if delta != ev.delta else ev), False
+
+    def _t(self) -> float:
+        last = self.events[-1].t if self.events else 0.0
+        return max(last, time.perf_counter() - self._started)
+
+    def _server_final(self, reason: str) -> Event:
+        seq, t = len(self.events), self._t()
+        if self.kind == "text":
+            duration = t * 1000
+            return TextEvent(
+                stream_id=self.stream_id, seq=seq, t=t, delta="", token_ids=[], index=self._n_tokens,
+                is_final=True, finish_reason=reason, text=self._text,
+                usage={"prompt_tokens": self._prompt_tokens, "completion_tokens": self._n_tokens},
+                metrics={"ttft_ms": None, "itl_ms_p50": None, "itl_ms_p95": None,  # type: ignore[dict-item]
+                         "duration_ms": round(duration, 3),
+                         "tokens_per_s": round(self._n_tokens / t, 3) if t > 0 else None},
+            )
+        frame = next((e for e in reversed(self.events) if isinstance(e, ImageEvent)), None)
+        if frame is not None and reason in ("cancelled", "content_filter"):
+            # The best image we have: the newest preview, marked as cut short.
+            return dataclasses.replace(frame, seq=seq, t=t, is_final=True, finish_reason=reason,
+                                       metrics={"duration_ms": round(t * 1000, 3)})
+        return ErrorEvent(stream_id=self.stream_id, seq=seq, t=t,
+                          error={"type": "Cancelled", "message": f"the stream was ended by the server ({reason})"})
+
+    def _append(self, ev: Event) -> None:
+        if ev.seq != len(self.events):
+            ev = dataclasses.replace(ev, seq=len(self.events))
+        now = time.perf_counter()
+        if not self.events:
+            self._metrics.ttft.observe(now - self._arrived, kind=self.kind)
+        if isinstance(ev, TextEvent):
+            if self._last_text_at is not None and ev.delta:
+                self._metrics.inter_token.observe(now - self._last_text_at, kind=self.kind)
+            self._last_text_at = now
+            self.bytes += len(ev.delta) * 2 + 200
+        elif isinstance(ev, ImageEvent):
+            self.bytes += len(ev.data) * 2 + 300  # raw bytes + cached base64 JSON
+            if not ev.is_final and ev.finish_reason is None:
+                self._metrics.preview_bytes.observe(len(ev.data), kind=self.kind)
+        else:
+            self.bytes += 300
+        self.events.append(ev)
+        self._json.append(None)
+        self._metrics.events_sent.inc(kind=self.kind)
+        if ev.is_final:
+            self.done = True
+            self.finish_reason = "error" if isinstance(ev, ErrorEvent) else (getattr(ev, "finish_reason", None) or "stop")
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _finish(self) -> None:
+        self.finished_at = time.monotonic()
+        for handle in (self._grace, self._force, self._deadline):
+            if handle is not None:
+                handle.cancel()
+        self._grace = self._force = None
+        self._metrics.finished.inc(kind=self.kind, finish_reason=self.finish_reason or "unknown")
+        try:
+            self._on_done(self)
+        except Exception:  # noqa: BLE001
+            logger.exception("stream %s: on_done callback failed", self.stream_id)
+
+
+class Registry:
+    """All streams the server knows: live ones, and finished ones within the retention window."""
+
+    def __init__(self, settings: ServerSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.live: dict[str, StreamRecord] = {}
+        self.finished: OrderedDict[str, StreamRecord] = OrderedDict()
+        self.retained_bytes = 0
+        self._done_callbacks: dict[str, Callable[[StreamRecord], None]] = {}
+
+    def start(self, stream: Stream, *, kind: str, on_done: Callable[[StreamRecord], None] | None = None,
+              **options: Any) -> StreamRecord:
+        """Register a model stream and start pumping it. ``options`` go to `StreamRecord`."""
+        def done(record: StreamRecord) -> None:
+            self._finished(record)
+            if on_done is not None:
+                on_done(record)
+
+        record = StreamRecord(stream, kind=kind, settings=self.settings, metrics=self.metrics, on_done=done, **options)
+        self.live[record.stream_id] = record
+        return record
+
+    def get(self, stream_id: str) -> StreamRecord | None:
+        self.evict()
+        return self.live.get(stream_id) or self.finished.get(stream_id)
+
+    def active(self, kind: str | None = None) -> int:
+        return sum(1 for r in self.live.values() if kind is None or r.kind == kind)
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        for record in list(self.live.values()):
+            record.cancel(reason)
+
+    def drop_connections(self) -> int:
+        for record in self.live.values():
+            record.drop_subscribers()
+        return len(self.live)
+
+    def _finished(self, record: StreamRecord) -> None:
+        self.live.pop(record.stream_id, None)
+        if record.resumable:
+            self.finished[record.stream_id] = record
+            self.retained_bytes += record.bytes
+        self.evict()
+
+    def evict(self) -> None:
+        """Drop finished streams past the retention window or beyond the count/byte bounds."""
+        s = self.settings
+        now = time.monotonic()
+        while self.finished:
+            oldest = next(iter(self.finished.values()))
+            expired = oldest.finished_at is not None and now - oldest.finished_at > s.retention_s
+            if not (expired or len(self.finished) > s.max_retained_streams or self.retained_bytes > s.max_retained_bytes):
+                break
+            self.finished.popitem(last=False)
+            self.retained_bytes -= oldest.bytes

@@ -1,0 +1,119 @@
+"""Server settings: limits, timeouts, queueing and retention, with validation.
+
+Example:
+    >>> from multistream.server import ServerSettings
+    >>> s = ServerSettings(grace_period_s=5, max_new_tokens=512)
+    >>> s.grace_period_s, s.max_new_tokens
+    (5.0, 512)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["ServerSettings"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """Everything operational about the server; every field has a production-safe default.
+
+    Streams:
+        grace_period_s: how long a generation keeps running after its last client disconnected,
+            so a reconnect can resume it; then it is cancelled.
+        retention_s / max_retained_streams / max_retained_bytes: finished streams stay replayable
+            for this long, bounded in count and bytes (oldest evicted first).
+        heartbeat_s: SSE comment lines on idle connections (0 disables).
+        send_timeout_s: a client that does not take a message within this is dropped.
+        request_timeout_s: a generation running longer is cancelled.
+        queue_timeout_s: a request waiting longer in the queue gets 503.
+        cancel_timeout_s: after a cancel, how long the model gets to emit its own final event
+            before the server ends the stream itself.
+        shutdown_deadline_s: on SIGTERM, running streams get this long to finish; the rest are
+            cancelled.
+    Admission:
+        text_concurrency / image_concurrency: generations running at once per model.
+        queue_size: requests waiting per model; beyond it, 429 with Retry-After.
+    Per-request limits (a 4xx names the limit): max_new_tokens, default_max_new_tokens,
+        max_prompt_chars, max_steps, max_image_side, max_images, max_body_bytes.
+    Security: api_key (None: open).
+    """
+
+    grace_period_s: float = 30.0
+    retention_s: float = 300.0
+    max_retained_streams: int = 256
+    max_retained_bytes: int = 256 * 1024 * 1024
+    heartbeat_s: float = 15.0
+    send_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+    queue_timeout_s: float = 120.0
+    cancel_timeout_s: float = 10.0
+    shutdown_deadline_s: float = 20.0
+    text_concurrency: int = 4
+    image_concurrency: int = 1
+    queue_size: int = 64
+    max_new_tokens: int = 4096
+    default_max_new_tokens: int = 256
+    max_prompt_chars: int = 100_000
+    max_steps: int = 150
+    max_image_side: int = 2048
+    max_images: int = 4
+    max_body_bytes: int = 1024 * 1024
+    api_key: str | None = None
+    enable_test_hooks: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("api_key",):
+                if value is not None and (not isinstance(value, str) or not value):
+                    raise InvalidArgumentError("api_key must be a non-empty string or None")
+                continue
+            if f.name == "enable_test_hooks":
+                if not isinstance(value, bool):
+                    raise InvalidArgumentError("enable_test_hooks must be a bool")
+                continue
+            if f.type in ("float",) or f.name.endswith("_s"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise InvalidArgumentError(f"ServerSettings.{f.name} must be a number >= 0 (seconds), got {value!r}")
+                object.__setattr__(self, f.name, float(value))
+            else:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise InvalidArgumentError(f"ServerSettings.{f.name} must be an integer >= 1, got {value!r}")
+        if self.default_max_new_tokens > self.max_new_tokens:
+            object.__setattr__(self, "default_max_new_tokens", self.max_new_tokens)
+
+    def replace(self, **changes: Any) -> ServerSettings:
+        """A copy with some fields changed (validated again)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise InvalidArgumentError(f"unknown ServerSettings field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ServerSettings:
+        """Defaults, then ``MULTISTREAM_<FIELD>`` environment variables, then ``overrides``.
+
+        Example: ``MULTISTREAM_GRACE_PERIOD_S=5 MULTISTREAM_API_KEY=secret multistream serve``.
+        """
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(f"MULTISTREAM_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.name == "api_key":
+                values[f.name] = raw or None
+            elif f.name == "enable_test_hooks":
+                values[f.name] = raw.lower() in ("1", "true", "yes")
+            else:
+                try:
+                    values[f.name] = float(raw) if f.name.endswith("_s") else int(raw)
+                except ValueError:
+                    raise InvalidArgumentError(f"MULTISTREAM_{f.name.upper()}={raw!r} is not a number") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

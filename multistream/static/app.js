@@ -1,0 +1,141 @@
+// multistream web client: POST a request, read the SSE reply with fetch + ReadableStream, and
+// resume with the last event id (GET /v1/streams/{id}/events) whenever the connection drops.
+// DOM updates are batched with requestAnimationFrame so a fast stream does not thrash layout.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const ui = { go: $("go"), stop: $("stop"), prompt: $("prompt"), amount: $("amount"), key: $("apikey"),
+             output: $("output"), preview: $("preview"), status: $("status") };
+ui.key.value = localStorage.getItem("multistream.apikey") || "";
+ui.key.addEventListener("change", () => localStorage.setItem("multistream.apikey", ui.key.value));
+
+// Test and debug hook: what the page has seen.
+const state = window.__ms = { streamId: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
+                              error: null, running: false, seqs: [] };
+let pending = { text: "", image: null, status: null };
+let frameRequested = false;
+let controller = null;
+
+function headers(extra) {
+  const h = Object.assign({}, extra || {});
+  if (ui.key.value) h["Authorization"] = "Bearer " + ui.key.value;
+  return h;
+}
+
+function schedule() {
+  if (frameRequested) return;
+  frameRequested = true;
+  requestAnimationFrame(() => {
+    frameRequested = false;
+    if (pending.text) { ui.output.append(document.createTextNode(pending.text)); pending.text = ""; }
+    if (pending.image) { ui.preview.src = pending.image; pending.image = null; }
+    if (pending.status) { ui.status.innerHTML = pending.status; pending.status = null; }
+  });
+}
+
+function setStatus(html) { pending.status = html; schedule(); }
+
+function handle(ev) {
+  if (ev.seq <= state.lastSeq) return;          // a replayed event we already have
+  state.lastSeq = ev.seq;
+  state.streamId = ev.stream_id;
+  state.seqs.push(ev.seq);
+  if (ev.type === "text") {
+    state.text += ev.delta;
+    pending.text += ev.delta;
+  } else if (ev.type === "image") {
+    state.frames += 1;
+    pending.image = "data:" + ev.mime + ";base64," + ev.data;
+  }
+  let line = `stream ${ev.stream_id.slice(0, 8)} · seq ${ev.seq}`;
+  if (ev.type === "image") line += ` · step ${ev.step}/${ev.total_steps}`;
+  if (state.reconnects) line += ` · reconnects ${state.reconnects}`;
+  if (ev.type === "error") {
+    state.error = ev.error;
+    line += ` · <span class="err">error: ${escapeHtml(ev.error.message)}</span>`;
+  }
+  if (ev.is_final) {
+    state.finalEvent = ev;
+    line += ` · <span class="final" id="final">is_final ✓ ${ev.finish_reason || ev.type}</span>`;
+  }
+  setStatus(line);
+}
+
+function escapeHtml(s) {
+  return String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+}
+
+// Read an SSE body incrementally; returns when the body ends (cleanly or not).
+async function readSSE(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value.replace(/\r\n?/g, "\n");
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).replace(/^ /, ""));
+      if (data.length) handle(JSON.parse(data.join("\n")));
+      if (state.finalEvent) { reader.cancel().catch(() => {}); return; }
+    }
+  }
+}
+
+async function errorText(response) {
+  try { const body = await response.json(); return body.error ? body.error.message : JSON.stringify(body); }
+  catch (e) { return response.status + " " + response.statusText; }
+}
+
+async function run(kind, body) {
+  Object.assign(state, { streamId: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
+                         error: null, running: true, seqs: [] });
+  if (kind === "text") ui.output.textContent = "";   // an image run keeps the last text on screen
+  ui.go.disabled = true; ui.stop.disabled = false;
+  setStatus("starting…");
+  controller = new AbortController();
+  let attempt = 0;
+  try {
+    let response = await fetch("/v1/" + kind, { method: "POST", body: JSON.stringify(body), signal: controller.signal,
+                                                headers: headers({ "Content-Type": "application/json" }) });
+    if (!response.ok) { setStatus(`<span class="err">${escapeHtml(await errorText(response))}</span>`); return; }
+    state.streamId = response.headers.get("X-Stream-Id");
+    for (;;) {
+      try { await readSSE(response); } catch (e) { if (controller.signal.aborted) return; }
+      if (state.finalEvent || controller.signal.aborted) return;
+      // The connection dropped before the final event: resume after the last event we have.
+      attempt += 1;
+      if (attempt > 8) { setStatus('<span class="err">connection lost; gave up after 8 tries</span>'); return; }
+      state.reconnects += 1;
+      setStatus(`connection lost; resuming after seq ${state.lastSeq} (try ${attempt})…`);
+      await new Promise((r) => setTimeout(r, Math.min(250 * 2 ** (attempt - 1), 4000)));
+      try {
+        response = await fetch(`/v1/streams/${state.streamId}/events`, { signal: controller.signal,
+                                 headers: headers({ "Last-Event-ID": String(state.lastSeq) }) });
+      } catch (e) { if (controller.signal.aborted) return; continue; }
+      if (response.status === 204) return;                   // nothing left: it had ended
+      if (!response.ok) { setStatus(`<span class="err">${escapeHtml(await errorText(response))}</span>`); return; }
+      attempt = 0;
+    }
+  } finally {
+    state.running = false;
+    ui.go.disabled = false; ui.stop.disabled = true;
+  }
+}
+
+ui.go.addEventListener("click", () => {
+  const kind = document.querySelector("input[name=kind]:checked").value;
+  const amount = parseInt(ui.amount.value, 10) || undefined;
+  const body = kind === "text" ? { prompt: ui.prompt.value, max_new_tokens: amount }
+                               : { prompt: ui.prompt.value, steps: amount };
+  run(kind, body);
+});
+
+ui.stop.addEventListener("click", async () => {
+  if (state.streamId) {
+    // Ask the server to cancel: the stream then ends with finish_reason "cancelled".
+    await fetch(`/v1/streams/${state.streamId}`, { method: "DELETE", headers: headers() }).catch(() => {});
+  }
+});

@@ -1,0 +1,438 @@
+"""Scripted stand-ins for the text and image models, for fast tests of anything built on streams.
+
+`ScriptedTextModel` and `ScriptedImageModel` have the same ``.stream()`` / ``.generate()``
+signatures as the real models and emit scripted events through a real `Stream` (so seq,
+backpressure, cancel and error handling behave exactly as in production), without torch or
+weights. They validate the basic arguments the way the real models do (unknown keyword names,
+``max_new_tokens >= 1``, ``steps >= 1``, ...) and honour ``cancel()`` within one step.
+
+Example:
+    >>> from multistream.testing import ScriptedTextModel, ScriptedImageModel
+    >>> llm = ScriptedTextModel(["Hello", ",", " world"])
+    >>> "".join(ev.delta for ev in llm.stream("hi"))
+    'Hello, world'
+    >>> llm.generate("hi").finish_reason
+    'stop'
+    >>> sd = ScriptedImageModel(steps=4, size=32)
+    >>> events = list(sd.stream("a red circle"))   # previews (a slow reader gets only the newest), then the final
+    >>> events[-1].step, events[-1].is_final, events[-1].mime
+    (4, True, 'image/png')
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import InvalidArgumentError, PromptTooLongError
+from .events import Event, ImageEvent
+from .stream import Stream, StreamWriter
+
+__all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedTextModel"]
+
+DEFAULT_TOKENS: tuple[str, ...] = (
+    "Streams", " carry", " tokens", " one", " by", " one", ",", " and", " previews",
+    " step", " by", " step", ":", " the", " reader", " sees", " them", " as", " they", " come", ".",
+)
+
+_TEXT_KWARGS = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
+    "chunk_tokens", "chunk_ms", "chat",
+)
+_IMAGE_KWARGS = (
+    "negative_prompt", "steps", "guidance_scale", "height", "width", "seed", "num_images", "preview",
+    "preview_every", "preview_format", "preview_quality", "preview_max_side", "final_format",
+)
+_PREVIEW_MODES = ("latent", "x0", "taesd", "vae", "none")
+_FORMATS = {"jpeg": ("JPEG", "image/jpeg"), "jpg": ("JPEG", "image/jpeg"), "png": ("PNG", "image/png"),
+            "webp": ("WEBP", "image/webp")}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidArgumentError(message)
+
+
+def _sleep(writer: StreamWriter, seconds: float) -> None:
+    """Sleep in small slices so a cancel is seen within one step."""
+    end = time.perf_counter() + seconds
+    while not writer.cancelled:
+        left = end - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.01))
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    ok = isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    )
+    _require(ok, "prompt must be a string or a non-empty list of {'role': str, 'content': str} messages, "
+                 f"got {type(prompt).__name__}")
+
+
+def _prompt_text(prompt: str | list[dict[str, str]]) -> str:
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
+class _Counters:
+    """Thread-safe bookkeeping tests read: how many streams run now and how each one ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.active = 0
+        self.started = 0
+        self.finish_reasons: list[str] = []
+
+    def enter(self) -> None:
+        with self._lock:
+            self.active += 1
+            self.started += 1
+
+    def leave(self, reason: str) -> None:
+        with self._lock:
+            self.active -= 1
+            self.finish_reasons.append(reason)
+
+
+class ScriptedTextModel:
+    """A fake text model that streams a fixed list of tokens, ``delay_s`` apart.
+
+    It stops after ``max_new_tokens`` tokens (``finish_reason="length"``) or at the end of the
+    script (``"stop"``); a ``stop`` string ends it with ``"stop_sequence"`` (text held back as the
+    real model does, so deltas never contain a stop string). ``fail_after=n`` raises after n tokens
+    (the stream then ends with an ``error`` event). ``calls`` records each call's arguments;
+    ``active`` counts running generations and ``finish_reasons`` lists how each one ended.
+
+    Example:
+        >>> llm = ScriptedTextModel(["a", "b", "c"], delay_s=0.0)
+        >>> final = llm.generate("hi", max_new_tokens=2)
+        >>> final.text, final.finish_reason
+        ('ab', 'length')
+        >>> llm.stream("hi", max_new_tokens=0)
+        Traceback (most recent call last):
+        ...
+        multistream.errors.InvalidArgumentError: max_new_tokens must be an integer >= 1, got 0
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[str] | None = None,
+        delay_s: float = 0.0,
+        *,
+        first_delay_s: float | None = None,
+        fail_after: int | None = None,
+        name: str = "scripted-text",
+        context_length: int = 2048,
+    ) -> None:
+        _require(tokens is None or (len(tokens) > 0 and all(isinstance(t, str) for t in tokens)),
+                 "tokens must be a non-empty list of strings (or None for the default script)")
+        _require(_is_number(delay_s) and delay_s >= 0, f"delay_s must be a number >= 0, got {delay_s!r}")
+        self.tokens = list(tokens) if tokens is not None else list(DEFAULT_TOKENS)
+        self.delay_s = float(delay_s)
+        self.first_delay_s = self.delay_s if first_delay_s is None else float(first_delay_s)
+        self.fail_after = fail_after
+        self.name = name
+        self.device = "cpu"
+        self.context_length = context_length
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.calls: list[dict[str, Any]] = []
+        self._counters = _Counters()
+
+    @property
+    def active(self) -> int:
+        """Generations running right now (their producer thread has not ended)."""
+        return self._counters.active
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """How each generation that ended so far ended, in order."""
+        return list(self._counters.finish_reasons)
+
+    def count_tokens(self, prompt: str | list[dict[str, str]]) -> int:
+        """Whitespace tokens: good enough to exercise prompt-length limits."""
+        return max(1, len(_prompt_text(prompt).split()))
+
+    def stream(
+        self,
+        prompt: str | list[dict[str, str]],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        chunk_tokens: int = 1,
+        chunk_ms: float | None = None,
+        chat: bool | None = None,
+        **unknown: Any,
+    ) -> Stream:
+        """Validate the arguments now, then stream the script in a producer thread."""
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown argument(s) {sorted(unknown)} for TextModel.stream(); known ones are {list(_TEXT_KWARGS)}"
+            )
+        _check_prompt(prompt)
+        _require(_is_int(max_new_tokens) and max_new_tokens >= 1,
+                 f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        _require(_is_number(temperature) and temperature >= 0, f"temperature must be a number >= 0, got {temperature!r}")
+        _require(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be a number in (0, 1], got {top_p!r}")
+        _require(_is_int(top_k) and top_k >= 0, f"top_k must be an integer >= 0, got {top_k!r}")
+        _require(_is_number(repetition_penalty) and repetition_penalty > 0,
+                 f"repetition_penalty must be a number > 0, got {repetition_penalty!r}")
+        _require(seed is None or _is_int(seed), f"seed must be an integer or None, got {seed!r}")
+        stops = [stop] if isinstance(stop, str) else stop
+        _require(stops is None or (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)),
+                 f"stop must be a non-empty string or a list of them, got {stop!r}")
+        _require(_is_int(chunk_tokens) and chunk_tokens >= 1, f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+        _require(chunk_ms is None or (_is_number(chunk_ms) and chunk_ms > 0),
+                 f"chunk_ms must be a number > 0 or None, got {chunk_ms!r}")
+        _require(chat is None or isinstance(chat, bool), f"chat must be a bool or None, got {chat!r}")
+        prompt_tokens = self.count_tokens(prompt)
+        if prompt_tokens >= self.context_length:
+            raise PromptTooLongError(
+                f"the prompt has {prompt_tokens} tokens but the context window is {self.context_length}; "
+                "shorten the prompt"
+            )
+        self.calls.append({"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                           "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty, "seed": seed,
+                           "stop": stop, "chunk_tokens": chunk_tokens, "chunk_ms": chunk_ms, "chat": chat})
+        self._counters.enter()
+        return Stream(lambda w: self._produce(w, prompt_tokens, max_new_tokens, stops or [], chunk_tokens), kind="text")
+
+    def generate(self, prompt: str | list[dict[str, str]], on_event: Callable[[Event], Any] | None = None,
+                 **kwargs: Any) -> Event:
+        """Stream to the end, calling ``on_event`` for each event; return the final event."""
+        return self.stream(prompt, **kwargs).wait(on_event)
+
+    def _produce(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
+                 chunk_tokens: int) -> None:
+        reason = "error"
+        try:
+            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens)
+        finally:
+            self._counters.leave(reason)
+
+    def _run(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
+             chunk_tokens: int) -> str:
+        emitted = ""      # text already sent
+        held = ""         # text held back: it may be the start of a stop string
+        held_ids: list[int] = []
+        first_index = 0
+        completion = 0
+        stamps: list[float] = []
+        reason: str | None = None
+        for n in range(max_new_tokens):
+            _sleep(w, self.first_delay_s if n == 0 else self.delay_s)
+            if w.cancelled:
+                reason = "cancelled"
+                break
+            if self.fail_after is not None and n >= self.fail_after:
+                raise RuntimeError(f"scripted failure after {n} tokens")
+            if n >= len(self.tokens):
+                reason = "stop"
+                break
+            completion += 1
+            held += self.tokens[n]
+            held_ids.append(n)
+            hit = min((held.find(s) for s in stops if s in held), default=-1)
+            if hit >= 0:
+                held = held[:hit]
+                reason = "stop_sequence"
+                break
+            if completion % chunk_tokens and completion < max_new_tokens:
+                continue
+            keep = max((k for s in stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+            out, held = held[: len(held) - keep], held[len(held) - keep:]
+            if out:
+                w.text(out, held_ids, first_index)
+                stamps.append(w.elapsed())
+                emitted += out
+                first_index = completion
+                held_ids = []
+        emitted += held
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        duration = w.elapsed()
+        metrics = {
+            "ttft_ms": round(stamps[0] * 1000, 3) if stamps else None,
+            "itl_ms_p50": round(statistics.median(gaps) * 1000, 3) if gaps else None,
+            "itl_ms_p95": round(sorted(gaps)[int(0.95 * (len(gaps) - 1))] * 1000, 3) if gaps else None,
+            "duration_ms": round(duration * 1000, 3),
+            "tokens_per_s": round(completion / duration, 3) if duration > 0 else None,
+        }
+        reason = reason or "length"
+        w.finish_text(held, held_ids if held else [], first_index, finish_reason=reason, text=emitted,
+                      usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion},
+                      metrics=metrics)  # type: ignore[arg-type]
+        return reason
+
+
+class ScriptedImageModel:
+    """A fake image model: a noisy frame that turns into a red circle on blue, step by step.
+
+    Each step (``delay_s`` apart) emits a real JPEG preview (unless ``preview="none"``), then the
+    final image (PNG by default) ends the stream. With ``num_images > 1`` the images come one after
+    another; only the last final frame has ``is_final`` (earlier ones carry ``finish_reason``).
+
+    Example:
+        >>> sd = ScriptedImageModel(steps=3, size=16)
+        >>> final = sd.generate("a red circle", preview="none")
+        >>> final.mime, final.width, final.image.size
+        ('image/png', 16, (16, 16))
+    """
+
+    def __init__(self, steps: int = 8, size: int | tuple[int, int] = 64, delay_s: float = 0.0, *,
+                 name: str = "scripted-image", fail_at_step: int | None = None) -> None:
+        _require(_is_int(steps) and steps >= 1, f"steps must be an integer >= 1, got {steps!r}")
+        w, h = (size, size) if _is_int(size) else size  # type: ignore[misc]
+        _require(_is_int(w) and _is_int(h) and w >= 1 and h >= 1, f"size must be an int or (width, height), got {size!r}")
+        self.default_steps = steps
+        self.width, self.height = int(w), int(h)
+        self.delay_s = float(delay_s)
+        self.fail_at_step = fail_at_step
+        self.name = name
+        self.device = "cpu"
+        self.pipeline: Any = None
+        self.calls: list[dict[str, Any]] = []
+        self._counters = _Counters()
+
+    @property
+    def active(self) -> int:
+        return self._counters.active
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return list(self._counters.finish_reasons)
+
+    def stream(
+        self,
+        prompt: str,
+        negative_prompt: str | None = None,
+        steps: int | None = None,
+        guidance_scale: float | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        seed: int | None = None,
+        num_images: int = 1,
+        preview: str = "latent",
+        preview_every: int = 1,
+        preview_format: str = "jpeg",
+        preview_quality: int = 75,
+        preview_max_side: int = 256,
+        final_format: str = "png",
+        **pipeline_kwargs: Any,
+    ) -> Stream:
+        """Validate the arguments now, then stream previews and the final image."""
+        if pipeline_kwargs:
+            raise InvalidArgumentError(
+                f"unknown argument(s) {sorted(pipeline_kwargs)} for ImageModel.stream(); "
+                f"known ones are {list(_IMAGE_KWARGS)}"
+            )
+        _require(isinstance(prompt, str) and prompt.strip() != "", f"prompt must be a non-empty string, got {prompt!r}")
+        _require(negative_prompt is None or isinstance(negative_prompt, str), "negative_prompt must be a string or None")
+        steps = self.default_steps if steps is None else steps
+        _require(_is_int(steps) and steps >= 1, f"steps must be an integer >= 1, got {steps!r}")
+        _require(guidance_scale is None or (_is_number(guidance_scale) and guidance_scale >= 0),
+                 f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
+        height = self.height if height is None else height
+        width = self.width if width is None else width
+        for label, v in (("height", height), ("width", width)):
+            _require(_is_int(v) and v >= 8 and v % 8 == 0, f"{label} must be a multiple of 8 and >= 8, got {v!r}")
+        _require(seed is None or _is_int(seed), f"seed must be an integer or None, got {seed!r}")
+        _require(_is_int(num_images) and num_images >= 1, f"num_images must be an integer >= 1, got {num_images!r}")
+        _require(preview in _PREVIEW_MODES, f"preview must be one of {list(_PREVIEW_MODES)}, got {preview!r}")
+        _require(_is_int(preview_every) and preview_every >= 1, f"preview_every must be an integer >= 1, got {preview_every!r}")
+        _require(preview_format in _FORMATS, f"preview_format must be one of {sorted(_FORMATS)}, got {preview_format!r}")
+        _require(final_format in _FORMATS, f"final_format must be one of {sorted(_FORMATS)}, got {final_format!r}")
+        _require(_is_int(preview_quality) and 1 <= preview_quality <= 100,
+                 f"preview_quality must be an integer in 1..100, got {preview_quality!r}")
+        _require(_is_int(preview_max_side) and preview_max_side >= 8,
+                 f"preview_max_side must be an integer >= 8, got {preview_max_side!r}")
+        args = {"prompt": prompt, "negative_prompt": negative_prompt, "steps": steps, "guidance_scale": guidance_scale,
+                "height": height, "width": width, "seed": seed, "num_images": num_images, "preview": preview,
+                "preview_every": preview_every, "preview_format": preview_format, "preview_quality": preview_quality,
+                "preview_max_side": preview_max_side, "final_format": final_format}
+        self.calls.append(args)
+        self._counters.enter()
+        return Stream(lambda w: self._produce(w, args), kind="image")
+
+    def generate(self, prompt: str, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
+        """Stream to the end, calling ``on_event`` for each event; return the final event."""
+        return self.stream(prompt, **kwargs).wait(on_event)
+
+    def _produce(self, w: StreamWriter, a: dict[str, Any]) -> None:
+        reason = "error"
+        try:
+            reason = self._run(w, a)
+        finally:
+            self._counters.leave(reason)
+
+    def _run(self, w: StreamWriter, a: dict[str, Any]) -> str:
+        from PIL import Image, ImageDraw
+
+        width, height, steps, n_images = a["width"], a["height"], a["steps"], a["num_images"]
+        target = Image.new("RGB", (width, height), (30, 60, 200))
+        ImageDraw.Draw(target).ellipse(
+            (width * 0.2, height * 0.2, width * 0.8, height * 0.8), fill=(220, 30, 30))
+        rng = random.Random(a["seed"] if a["seed"] is not None else 0)
+        started = w.elapsed()
+        first_frame: float | None = None
+        frame = target
+        for index in range(n_images):
+            noise = Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
+            step = 0
+            for step in range(1, steps + 1):
+                _sleep(w, self.delay_s)
+                if w.cancelled:
+                    break
+                if self.fail_at_step is not None and step >= self.fail_at_step:
+                    raise RuntimeError(f"scripted failure at step {step}")
+                frame = Image.blend(noise, target, step / steps)
+                if a["preview"] != "none" and (step % a["preview_every"] == 0 or step == steps):
+                    data, mime, pw, ph = _encode(frame, a["preview_format"], a["preview_quality"], a["preview_max_side"])
+                    w.image(step=step, total_steps=steps, width=pw, height=ph, mime=mime, data=data, index=index)
+                    first_frame = first_frame if first_frame is not None else w.elapsed()
+            cancelled = w.cancelled
+            last = index == n_images - 1 or cancelled
+            data, mime, fw, fh = _encode(frame, a["final_format"], 95, None)
+            metrics = {"duration_ms": round((w.elapsed() - started) * 1000, 3),
+                       "first_preview_ms": round(first_frame * 1000, 3) if first_frame is not None else None}
+            done = ImageEvent(stream_id=w.stream_id, seq=0, t=0.0, step=step if cancelled else steps,
+                              total_steps=steps, width=fw, height=fh, mime=mime, data=data, index=index,
+                              finish_reason="cancelled" if cancelled else "stop", metrics=metrics)
+            # forward() keeps finish_reason on a non-final frame and never merges it away.
+            w.forward(done, is_final=last)
+            if last:
+                return "cancelled" if cancelled else "stop"
+        return "stop"  # pragma: no cover - the loop always returns
+
+
+def _encode(img: Any, fmt: str, quality: int, max_side: int | None) -> tuple[bytes, str, int, int]:
+    from PIL import Image
+
+    if max_side is not None and max(img.size) > max_side:
+        scale = max_side / max(img.size)
+        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BILINEAR)
+    pil_format, mime = _FORMATS[fmt]
+    buf = io.BytesIO()
+    img.save(buf, format=pil_format, **({"quality": quality} if pil_format != "PNG" else {}))
+    return buf.getvalue(), mime, img.width, img.height
+

@@ -1,0 +1,86 @@
+"""The OpenAI-compatible routes, driven by the official `openai` SDK against a real uvicorn."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
+
+TOKENS = ["Hello", ",", " world", "!", " More", " text"]
+
+
+@pytest.fixture(scope="module")
+def srv():  # type: ignore[no-untyped-def]
+    with make_server(ScriptedTextModel(TOKENS, delay_s=0.01), ScriptedImageModel(steps=6, size=32, delay_s=0.02)) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(srv):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="whatever", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=4,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello, world!"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 4
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+def test_chat_non_stream_and_stop(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="m", messages=[{"role": "system", "content": "be brief"},
+                                                              {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                         stop=[" world"], seed=1, temperature=0.5, top_p=0.9)
+    assert out.choices[0].message.content == "Hello,"
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.completion_tokens >= 2
+
+
+def test_chat_errors_use_openai_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    assert "max_new_tokens" in str(info.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[], stream=True)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=3)
+    assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_image_stream_with_partial_images(client: openai.OpenAI) -> None:
+    events = list(client.images.generate(prompt="a red circle", model="x", size="32x32", stream=True, partial_images=2))
+    kinds = [e.type for e in events]
+    assert kinds == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:-1]] == [0, 1]
+    final = Image.open(io.BytesIO(base64.b64decode(events[-1].b64_json)))
+    assert final.size == (32, 32)
+    assert events[-1].usage.total_tokens == 0
+
+
+def test_image_non_stream(client: openai.OpenAI) -> None:
+    out = client.images.generate(prompt="a red circle", size="16x16", n=2, output_format="jpeg")
+    assert len(out.data) == 2
+    img = Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json)))
+    assert img.size == (16, 16) and img.format == "JPEG"
+    with pytest.raises(openai.BadRequestError):
+        client.images.generate(prompt="x", size="huge")
+    with pytest.raises(openai.BadRequestError):
+        client.images.generate(prompt="x", response_format="url")
+
+
+def test_models_list(client: openai.OpenAI, srv) -> None:  # type: ignore[no-untyped-def]
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["scripted-text", "scripted-image"]
+    assert httpx.post(srv.url + "/v1/chat/completions", content=b"nope").json()["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,94 @@
+"""The scripted fakes in multistream.testing behave like the real models' streams."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from multistream import InvalidArgumentError, PromptTooLongError
+from multistream.testing import DEFAULT_TOKENS, ScriptedImageModel, ScriptedTextModel
+
+
+def test_text_script_length_stop_and_chunks() -> None:
+    llm = ScriptedTextModel(["a", "b", "c"])
+    final = llm.generate("hi", max_new_tokens=2)
+    assert (final.text, final.finish_reason, final.usage) == ("ab", "length", {"prompt_tokens": 1, "completion_tokens": 2})
+    events = list(llm.stream("hi"))
+    assert "".join(e.delta for e in events) == events[-1].text == "abc" and events[-1].finish_reason == "stop"
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert set(events[-1].metrics) == {"ttft_ms", "itl_ms_p50", "itl_ms_p95", "duration_ms", "tokens_per_s"}
+    chunked = [e.delta for e in ScriptedTextModel(["a", "b", "c", "d"], delay_s=0.01).stream("x", chunk_tokens=2)]
+    assert chunked[:2] == ["ab", "cd"]
+    assert ScriptedTextModel().generate("x").text == "".join(DEFAULT_TOKENS)
+
+
+def test_text_stop_strings_never_leak() -> None:
+    llm = ScriptedTextModel(["He", "llo", " wo", "rld", "!"])
+    events = list(llm.stream("x", stop=" wor"))
+    assert events[-1].finish_reason == "stop_sequence" and events[-1].text == "Hello"
+    assert "".join(e.delta for e in events) == "Hello"
+
+
+def test_text_cancel_within_one_step_and_counters() -> None:
+    llm = ScriptedTextModel(delay_s=0.05)
+    stream = llm.stream("x", max_new_tokens=100)
+    it = iter(stream)
+    next(it)
+    stream.cancel()
+    rest = list(it)
+    assert rest[-1].finish_reason == "cancelled" and rest[-1].is_final
+    deadline = time.monotonic() + 10
+    while llm.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.active == 0 and llm.finish_reasons == ["cancelled"]
+
+
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 0}, {"max_new_tokens": "3"}, {"temperature": -1},
+                                    {"top_p": 0}, {"top_k": -1}, {"stop": [""]}, {"chunk_tokens": 0}, {"bogus": 1}])
+def test_text_validation(kwargs: dict) -> None:
+    with pytest.raises(InvalidArgumentError):
+        ScriptedTextModel().stream("hi", **kwargs)
+
+
+def test_text_prompt_checks_and_failure() -> None:
+    with pytest.raises(InvalidArgumentError):
+        ScriptedTextModel().stream(42)  # type: ignore[arg-type]
+    with pytest.raises(PromptTooLongError):
+        ScriptedTextModel(context_length=4).stream("one two three four five")
+    final = ScriptedTextModel(fail_after=1).stream([{"role": "user", "content": "hi"}]).wait()
+    assert final.type == "error" and "scripted failure" in final.error["message"]
+
+
+def test_image_previews_then_final() -> None:
+    sd = ScriptedImageModel(steps=4, size=32, delay_s=0.05)
+    events = list(sd.stream("a red circle", seed=3))
+    steps = [e.step for e in events[:-1]]
+    assert steps == sorted(set(steps)) and steps[-1] == 4 and len(steps) >= 2  # a slow reader may skip some
+    assert all(e.mime == "image/jpeg" and not e.is_final for e in events[:-1])
+    final = events[-1]
+    assert final.is_final and final.finish_reason == "stop" and final.mime == "image/png" and final.image.size == (32, 32)
+    assert events[0].data != events[-2].data  # the preview changes with the steps
+
+
+def test_image_options_batch_and_cancel() -> None:
+    sd = ScriptedImageModel(steps=3, size=16)
+    final = sd.generate("x", preview="none", final_format="jpeg", width=24)
+    assert final.mime == "image/jpeg" and final.image.size == (24, 16)
+    events = list(sd.stream("x", num_images=2, preview="none"))
+    assert [(e.index, e.is_final, e.finish_reason) for e in events] == [(0, False, "stop"), (1, True, "stop")]
+    small = list(ScriptedImageModel(steps=2, size=64, delay_s=0.01).stream("x", preview_max_side=32))
+    assert small[0].image.size == (32, 32) and small[-1].image.size == (64, 64)
+    slow = ScriptedImageModel(steps=100, size=16, delay_s=0.05)
+    stream = slow.stream("x")
+    it = iter(stream)
+    next(it)
+    stream.cancel()
+    assert list(it)[-1].finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("kwargs", [{"steps": 0}, {"height": 12}, {"preview": "sharp"}, {"num_images": 0},
+                                    {"preview_quality": 0}, {"final_format": "gif"}, {"strength": 0.5}])
+def test_image_validation(kwargs: dict) -> None:
+    with pytest.raises(InvalidArgumentError):
+        ScriptedImageModel().stream("p", **kwargs)
