@@ -29,9 +29,21 @@ __version__ = "0.1.0"
 _LAZY = {
     "TextModel": "text",
     "load_text_model": "text",
+    "ImageModel": "image",
+    "load_image_model": "image",
+    "fit_latent_rgb": "latent_rgb",
+    "encode_frame": "frames",
+    "chain": "compose",
+    "merge": "compose",
+    "show": "notebook",
 }
 
 if TYPE_CHECKING:
+    from .compose import chain, merge
+    from .notebook import show
+    from .frames import encode_frame
+    from .image import ImageModel, load_image_model
+    from .latent_rgb import fit_latent_rgb
     from .text import TextModel, load_text_model
 
 

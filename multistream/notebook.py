@@ -1,0 +1,265 @@
+"""Show a stream live in Jupyter: text grows, preview frames replace each other, then the result.
+
+``ms.show(stream)`` renders any stream (text, image, or a composed one) in one output area that
+is updated in place (``display(..., display_id=True)`` then ``.update()``), at most ``max_fps``
+times a second and always once more for the final event. Outside Jupyter it prints the text as
+it arrives and a progress line for images. It returns the final event.
+
+Example (in a notebook cell):
+    >>> import multistream as ms
+    >>> llm = ms.load_text_model()                                         # doctest: +SKIP
+    >>> final = ms.show(llm.stream("Write a haiku", max_new_tokens=48))    # doctest: +SKIP
+    >>> final.metrics["tokens_per_s"]                                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from .errors import InvalidArgumentError
+from .events import ErrorEvent, Event, ImageEvent, TextEvent
+from .stream import Stream
+
+__all__ = ["show"]
+
+
+class _Throttle:
+    """Lets an update through at most once per ``interval`` seconds. I/O-free: the caller gives the time."""
+
+    def __init__(self, max_fps: float) -> None:
+        self.interval = 1.0 / max_fps
+        self._last = -float("inf")
+
+    def due(self, now: float) -> bool:
+        return now - self._last >= self.interval
+
+    def mark(self, now: float) -> None:
+        self._last = now
+
+
+@dataclass
+class _Frame:
+    ev: ImageEvent
+    final: bool = False
+
+
+@dataclass
+class _View:
+    """What a stream has shown so far, folded from its events (shared by every renderer)."""
+
+    # Text parts: a composed stream can hold several (each closed by an event with a finish_reason).
+    texts: list[list[str]] = field(default_factory=list)
+    text_done: list[TextEvent | None] = field(default_factory=list)
+    images: dict[int, _Frame] = field(default_factory=dict)
+    final: Event | None = None
+    error: dict[str, str] | None = None
+    events: int = 0
+    t: float = 0.0
+    first_text_t: float | None = None  # when the first text arrived: the live time-to-first-token
+    text_tokens: int = 0
+    frames: int = 0  # preview frames seen (after the stream's own coalescing)
+
+    def apply(self, ev: Event) -> None:
+        self.events += 1
+        self.t = ev.t
+        if isinstance(ev, TextEvent):
+            if not self.texts or self.text_done[-1] is not None:
+                self.texts.append([])
+                self.text_done.append(None)
+            if ev.delta:
+                self.texts[-1].append(ev.delta)
+                if self.first_text_t is None:
+                    self.first_text_t = ev.t
+            self.text_tokens += len(ev.token_ids)
+            if ev.finish_reason is not None:
+                self.text_done[-1] = ev
+        elif isinstance(ev, ImageEvent):
+            self.images[ev.index] = _Frame(ev, final=ev.finish_reason is not None)
+            if ev.finish_reason is None:
+                self.frames += 1
+        elif isinstance(ev, ErrorEvent):
+            self.error = dict(ev.error)
+        if ev.is_final:
+            self.final = ev
+
+    def text(self, part: int) -> str:
+        return "".join(self.texts[part])
+
+
+def _text_summary(ev: TextEvent) -> str:
+    m = ev.metrics or {}
+    u = ev.usage or {}
+    bits = [f"{ev.finish_reason}"]
+    if "completion_tokens" in u:
+        bits.append(f"{u['completion_tokens']} tokens")
+    if m.get("ttft_ms") is not None:
+        bits.append(f"TTFT {m['ttft_ms']:.0f} ms")
+    if m.get("tokens_per_s") is not None:
+        bits.append(f"{m['tokens_per_s']:.1f} tokens/s")
+    return " · ".join(bits)
+
+
+def _image_summary(ev: ImageEvent) -> str:
+    m = ev.metrics or {}
+    bits = [f"{ev.finish_reason}", f"{ev.width}x{ev.height}", f"{ev.step}/{ev.total_steps} steps"]
+    if m.get("duration_ms") is not None:
+        bits.append(f"{m['duration_ms'] / 1000:.2f} s")
+    return " · ".join(bits)
+
+
+def _render_html(view: _View, width: int) -> str:
+    """One self-contained HTML block (inline styles, data URLs) so it works in any Jupyter front end."""
+    parts: list[str] = ['<div class="multistream-show" style="display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start">']
+    if view.texts:
+        parts.append('<div style="flex:1 1 320px;min-width:240px">')
+        for i, done in enumerate(view.text_done):
+            body = html.escape(view.text(i)) or "&#8203;"
+            cursor = "" if done is not None else '<span style="opacity:.5">▍</span>'
+            parts.append(
+                '<pre style="white-space:pre-wrap;word-break:break-word;margin:0 0 4px 0;padding:8px;'
+                f'border-radius:6px;background:rgba(127,127,127,.08);font-size:13px">{body}{cursor}</pre>'
+            )
+            if done is not None:
+                parts.append(f'<div style="font-size:12px;opacity:.7;margin-bottom:8px">{html.escape(_text_summary(done))}</div>')
+        parts.append("</div>")
+    for index in sorted(view.images):
+        frame = view.images[index]
+        ev = frame.ev
+        src = f"data:{ev.mime};base64,{base64.b64encode(ev.data).decode('ascii')}"
+        caption = _image_summary(ev) if frame.final else f"step {ev.step}/{ev.total_steps} · preview"
+        pct = 100 * ev.step / ev.total_steps if ev.total_steps else 100
+        parts.append(
+            f'<figure style="margin:0;width:{width}px">'
+            f'<img src="{src}" alt="image {index}, step {ev.step}" style="width:{width}px;height:auto;'
+            'border-radius:6px;display:block;background:#ddd"/>'
+            f'<div style="height:3px;background:rgba(127,127,127,.2);margin-top:4px"><div style="height:3px;width:{pct:.0f}%;background:#f97316"></div></div>'
+            f'<figcaption style="font-size:12px;opacity:.7">{html.escape(caption)}</figcaption></figure>'
+        )
+    if view.error is not None:
+        parts.append(
+            '<div style="flex-basis:100%;color:#b91c1c;font-family:monospace">'
+            f"{html.escape(view.error.get('type', 'Error'))}: {html.escape(view.error.get('message', ''))}</div>"
+        )
+    if view.final is None:
+        parts.append(f'<div style="flex-basis:100%;font-size:12px;opacity:.6">streaming… {view.t:.1f} s</div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _in_notebook() -> bool:
+    """True inside a Jupyter kernel (where rich display updates reach a front end)."""
+    ip_mod = sys.modules.get("IPython")
+    if ip_mod is None:
+        return False
+    try:
+        ip = ip_mod.get_ipython()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - an odd IPython install must not break show()
+        return False
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def _check_args(stream: Any, max_fps: float, width: int) -> None:
+    if not isinstance(stream, Stream) and not isinstance(stream, Iterable):
+        raise InvalidArgumentError(
+            f"show() needs a multistream Stream (e.g. llm.stream('hi')), got {type(stream).__name__}"
+        )
+    if not (isinstance(max_fps, (int, float)) and max_fps > 0):
+        raise InvalidArgumentError(f"max_fps must be a number > 0 (updates per second), got {max_fps!r}; try 20")
+    if not (isinstance(width, int) and width > 0):
+        raise InvalidArgumentError(f"width must be a positive int (pixels), got {width!r}; try 256")
+
+
+def show(stream: Stream | Iterable[Event], *, max_fps: float = 20.0, width: int = 256, file: TextIO | None = None) -> Event:
+    """Render a stream live and return its final event.
+
+    In Jupyter: one output area updated in place, at most ``max_fps`` times a second (the final
+    event is always shown). Elsewhere: text is printed as it arrives to ``file`` (stdout by
+    default), with a progress line for images. Interrupting (Ctrl-C / the stop button of the
+    kernel) cancels the model.
+
+    Example:
+        >>> final = ms.show(sd.stream("a red circle on a blue background", steps=20))  # doctest: +SKIP
+        >>> final.image                                                            # doctest: +SKIP
+    """
+    _check_args(stream, max_fps, width)
+    view = _View()
+    throttle = _Throttle(max_fps)
+    if _in_notebook() and file is None:
+        from IPython.display import HTML, display
+
+        handle = display(HTML(_render_html(view, width)), display_id=True)
+
+        def render(final: bool) -> None:
+            handle.update(HTML(_render_html(view, width)))  # type: ignore[union-attr]
+
+    else:
+        render = _PlainRenderer(view, file or sys.stdout)
+    try:
+        for ev in stream:
+            view.apply(ev)
+            now = time.monotonic()
+            if ev.is_final or throttle.due(now):
+                render(ev.is_final)
+                throttle.mark(now)
+    except BaseException:
+        if isinstance(stream, Stream):
+            stream.close()  # e.g. a KeyboardInterrupt from the kernel: stop the model too
+        raise
+    if view.final is None:
+        raise InvalidArgumentError("show() got an iterable that ended without a final event; pass a multistream Stream")
+    return view.final
+
+
+class _PlainRenderer:
+    """Prints what is new since the last call: text deltas as they come, a line per image."""
+
+    def __init__(self, view: _View, out: TextIO) -> None:
+        self.view = view
+        self.out = out
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.printed: list[int] = []  # characters printed per text part
+        self.summarized_text: set[int] = set()
+        self.summarized_images: set[int] = set()
+        self.progress_shown = False
+
+    def _clear_progress(self) -> None:
+        if self.progress_shown:
+            self.out.write("\r\x1b[K")
+            self.progress_shown = False
+
+    def __call__(self, final: bool) -> None:
+        view, out = self.view, self.out
+        for i in range(len(view.texts)):
+            if i >= len(self.printed):
+                self._clear_progress()
+                if i:
+                    out.write("\n")
+                self.printed.append(0)
+            text = view.text(i)
+            if len(text) > self.printed[i]:
+                self._clear_progress()
+                out.write(text[self.printed[i] :])
+                self.printed[i] = len(text)
+            done = view.text_done[i]
+            if done is not None and i not in self.summarized_text:
+                self.summarized_text.add(i)
+                out.write(f"\n[{_text_summary(done)}]\n")
+        for index in sorted(view.images):
+            frame = view.images[index]
+            if frame.final and index not in self.summarized_images:
+                self.summarized_images.add(index)
+                self._clear_progress()
+                out.write(f"[image {index}: {_image_summary(frame.ev)}]\n")
+            elif not frame.final and self.tty:
+                out.write(f"\r\x1b[K[image {index}: step {frame.ev.step}/{frame.ev.total_steps}]")
+                self.progress_shown = True
+        if view.error is not None and final:
+            self._clear_progress()
+            out.write(f"\n[error {view.error.get('type')}: {view.error.get('message')}]\n")
+        out.flush()

@@ -1,0 +1,176 @@
+"""The Gradio demo on scripted models: endpoints stream through gradio_client, Stop cancels the model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import multistream as ms
+from multistream._shapes import COLORS, SHAPES, parse_prompt
+from multistream.demo import create_demo, image_prompt_from_text, mount_demo, throttled_views
+from multistream.testing import ScriptedImageModel, ScriptedTextModel
+
+gradio_client = pytest.importorskip("gradio_client")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, ScriptedTextModel, ScriptedImageModel]]:
+    llm = ScriptedTextModel(delay_s=0.03)
+    sd = ScriptedImageModel(steps=12, size=32, delay_s=0.03)
+    demo = create_demo(llm, sd, max_fps=50)
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/", llm, sd
+    finally:
+        demo.close()
+
+
+def _wait_done(job: object, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not job.done() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.05)
+    assert job.done(), "the demo endpoint did not finish"  # type: ignore[attr-defined]
+
+
+def test_endpoints_are_named(served: tuple) -> None:
+    client = gradio_client.Client(served[0], verbose=False)
+    names = set(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
+    assert {"/chat", "/stop_chat", "/image", "/stop_image", "/prompt_to_picture", "/stop_picture"} <= names
+
+
+def test_chat_streams_through_gradio_client(served: tuple) -> None:
+    client = gradio_client.Client(served[0], verbose=False)
+    job = client.submit("hello", [], 64, 0.0, 1.0, -1, api_name="/chat")
+    _wait_done(job)
+    outputs = job.outputs()
+    answers = [_answer(o[0]) for o in outputs]
+    grown = [a for i, a in enumerate(answers) if a and (i == 0 or a != answers[i - 1])]
+    assert len(grown) >= 5, answers  # the answer arrived in several growing states
+    assert all(b.startswith(a) for a, b in zip(grown, grown[1:]))
+    assert grown[-1] == "".join(ScriptedTextModel().tokens)
+    assert "tokens/s" in outputs[-1][2] and "TTFT" in outputs[-1][2]
+
+
+def _answer(history: list) -> str:
+    if not history or history[-1]["role"] != "assistant":
+        return ""
+    content = history[-1]["content"]
+    if isinstance(content, list):
+        return "".join(c.get("text", "") for c in content if isinstance(c, dict))
+    return str(content)
+
+
+def test_image_streams_previews_then_final(served: tuple) -> None:
+    client = gradio_client.Client(served[0], verbose=False)
+    job = client.submit("a red circle on a blue background", 12, 0, "latent", 1, 75, 256, True, api_name="/image")
+    _wait_done(job)
+    outputs = job.outputs()
+    previews = [o[0] for o in outputs if "data:image/jpeg;base64," in o[0]]
+    assert len(set(previews)) >= 4  # several different frames reached the client
+    last = outputs[-1]
+    assert "data:image/png;base64," in last[0] and "stop · 12/12 steps" in last[0]
+    assert last[1] and os.path.exists(last[1])  # the final full-quality image
+    assert last[2].count("<img") >= 3  # the strip of frames
+
+
+def test_prompt_to_picture_is_one_composed_stream(served: tuple) -> None:
+    client = gradio_client.Client(served[0], verbose=False)
+    job = client.submit("the sun over the sea", 8, 0, "latent", api_name="/prompt_to_picture")
+    _wait_done(job)
+    outputs = job.outputs()
+    written = [o[0] for o in outputs]
+    assert len({w for w in written if w}) >= 3  # the LLM's text grew live
+    assert any("data:image/jpeg" in o[2] for o in outputs)
+    assert outputs[-1][3] and "data:image/png" in outputs[-1][2]
+
+
+def test_stop_cancels_the_model(served: tuple) -> None:
+    _, _, sd = served
+    client = gradio_client.Client(served[0], verbose=False)
+    before = len(sd.finish_reasons)
+    job = client.submit("a red circle", 100, 0, "latent", 1, 75, 256, False, api_name="/image")
+    deadline = time.monotonic() + 60
+    while sum("data:image/jpeg" in o[0] for o in job.outputs()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.predict(api_name="/stop_image")
+    _wait_done(job)
+    last = job.outputs()[-1][0]
+    assert "cancelled" in last
+    deadline = time.monotonic() + 10
+    while len(sd.finish_reasons) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sd.finish_reasons[before:] == ["cancelled"]  # the model thread stopped, not just the page
+
+
+async def test_throttled_views_coalesce_and_keep_final() -> None:
+    sd = ScriptedImageModel(steps=300, size=8, delay_s=0.002)
+    views = []
+    async for view in throttled_views(sd.stream("x", steps=300), max_fps=10):
+        views.append((view.images[0].ev.step, view.images[0].final))
+    assert views[-1] == (300, True)
+    assert 2 <= len(views) < 60  # ~0.6 s+ of frames at 10 updates/s, not 300 updates
+
+
+async def test_throttled_views_cancel_the_stream_when_left() -> None:
+    llm = ScriptedTextModel(delay_s=0.01)
+    agen = throttled_views(llm.stream("x", max_new_tokens=10_000), max_fps=100)
+    async for _ in agen:
+        break
+    await agen.aclose()
+    for _ in range(500):
+        if not llm.active:
+            break
+        await asyncio.sleep(0.01)
+    assert llm.finish_reasons == ["cancelled"]
+
+
+@pytest.mark.parametrize(
+    ("text", "idea", "expected"),
+    [
+        ("a green triangle on a white background", "a pine tree in the snow", "a green triangle on a white background"),
+        ("a blue circle on a red background", "the sun over the sea", "a yellow circle on a blue background"),
+        ("Sure! Here is: A big purple star on a black background.", "something", "a large purple star on a black background"),
+        ("", "", "a red circle on a blue background"),
+        ("a red square on a red background", "a ruby", "a red square on a blue background"),
+    ],
+)
+def test_image_prompt_stays_in_the_shapes_vocabulary(text: str, idea: str, expected: str) -> None:
+    prompt = image_prompt_from_text(text, idea)
+    assert prompt == expected
+    shape, color, background = parse_prompt(prompt)
+    assert shape in SHAPES and color in COLORS and background in COLORS and color != background
+
+
+def test_create_demo_bad_arguments() -> None:
+    with pytest.raises(ms.InvalidArgumentError, match="max_fps"):
+        create_demo(ScriptedTextModel(), ScriptedImageModel(), max_fps=0)
+    with pytest.raises(ms.InvalidArgumentError, match="prompt_style"):
+        create_demo(ScriptedTextModel(), ScriptedImageModel(), prompt_style="poetic")
+    with pytest.raises(ms.InvalidArgumentError, match="path"):
+        mount_demo(object(), ScriptedTextModel(), ScriptedImageModel(), path="demo")
+
+
+def test_mount_demo_serves_the_page_from_a_fastapi_app() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = mount_demo(FastAPI(), lambda: ScriptedTextModel(), ScriptedImageModel(), path="/demo")  # a provider works too
+    with TestClient(app) as client:
+        page = client.get("/demo/")
+        assert page.status_code == 200 and "gradio" in page.text.lower()
+        config = client.get("/demo/config").json()
+        assert any(d.get("api_name") == "image" for d in config["dependencies"])

@@ -1,0 +1,110 @@
+"""ms.show(): live rendering in Jupyter (display handle updates) and plain printing elsewhere."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+
+import multistream as ms
+import multistream.notebook as nb
+from multistream.events import ImageEvent, TextEvent
+from multistream.testing import ScriptedImageModel, ScriptedTextModel
+
+
+class _FakeHandle:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def update(self, obj: object) -> None:
+        self.log.append(obj.data)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def fake_jupyter(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Pretend to be in a kernel: record what show() displays and every update of it."""
+    import IPython.display
+
+    log: list[str] = []
+
+    def display(obj: object, display_id: bool = False) -> _FakeHandle:
+        assert display_id is True
+        log.append(obj.data)  # type: ignore[attr-defined]
+        return _FakeHandle(log)
+
+    monkeypatch.setattr(nb, "_in_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", display)
+    return log
+
+
+def test_show_text_in_jupyter_grows_then_shows_metrics(fake_jupyter: list[str]) -> None:
+    llm = ScriptedTextModel(["Hello", ",", " <world>"], delay_s=0.05)
+    final = ms.show(llm.stream("hi"), max_fps=1000)
+    assert isinstance(final, TextEvent) and final.is_final and final.text == "Hello, <world>"
+    assert len(fake_jupyter) >= 4  # the first display, a few updates, the final
+    assert "Hello" in fake_jupyter[2] and "&lt;world&gt;" in fake_jupyter[-1]  # HTML-escaped
+    assert "tokens/s" in fake_jupyter[-1] and "streaming" not in fake_jupyter[-1]
+
+
+def test_show_image_replaces_frames_and_ends_with_final(fake_jupyter: list[str]) -> None:
+    sd = ScriptedImageModel(steps=6, size=16, delay_s=0.03)
+    final = ms.show(sd.stream("a red circle"), max_fps=1000)
+    assert isinstance(final, ImageEvent) and final.mime == "image/png"
+    previews = [h for h in fake_jupyter if "data:image/jpeg;base64," in h]
+    assert len(previews) >= 3
+    assert all(h.count("<img") == 1 for h in fake_jupyter[1:])  # replaced in place, not appended
+    assert "data:image/png;base64," in fake_jupyter[-1] and "6/6 steps" in fake_jupyter[-1]
+
+
+def test_show_throttles_updates_but_always_shows_final(fake_jupyter: list[str]) -> None:
+    llm = ScriptedTextModel([f"t{i} " for i in range(200)], delay_s=0.002)
+    final = ms.show(llm.stream("hi", max_new_tokens=200), max_fps=5)
+    # ~0.4 s or more of streaming at 5 updates/s: far fewer updates than the 200 tokens.
+    assert len(fake_jupyter) < 60
+    assert final.text in fake_jupyter[-1].replace("&#x27;", "'")
+
+
+def test_show_composed_stream_in_jupyter(fake_jupyter: list[str]) -> None:
+    llm, sd = ScriptedTextModel(["a red circle"]), ScriptedImageModel(steps=3, size=16, delay_s=0.02)
+    final = ms.show(ms.chain(llm.stream("x"), lambda f: sd.stream(f.text, steps=3)), max_fps=1000)
+    assert isinstance(final, ImageEvent) and final.is_final
+    assert "a red circle" in fake_jupyter[-1] and "data:image/png" in fake_jupyter[-1]
+
+
+def test_show_prints_outside_jupyter() -> None:
+    out = io.StringIO()
+    llm, sd = ScriptedTextModel(["a", "b", "c"]), ScriptedImageModel(steps=3, size=16)
+    final = ms.show(ms.chain(llm.stream("x"), lambda f: sd.stream("p", steps=3)), file=out)
+    text = out.getvalue()
+    assert text.startswith("abc\n[stop") and "[image 0: stop · 16x16 · 3/3 steps" in text
+    assert final.is_final
+
+
+def test_show_error_is_returned_and_printed() -> None:
+    out = io.StringIO()
+    final = ms.show(ScriptedTextModel(["a", "b"], fail_after=1).stream("x"), file=out)
+    assert final.type == "error" and "scripted failure" in out.getvalue()
+
+
+def test_show_interrupt_cancels_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = ScriptedTextModel(delay_s=0.01)
+    stream = llm.stream("x", max_new_tokens=10_000)
+
+    class Boom(io.StringIO):
+        def write(self, s: str) -> int:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ms.show(stream, file=Boom())
+    deadline = time.monotonic() + 10
+    while llm.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.finish_reasons == ["cancelled"]
+
+
+def test_show_bad_arguments() -> None:
+    with pytest.raises(ms.InvalidArgumentError, match="max_fps"):
+        ms.show(ScriptedTextModel().stream("x"), max_fps=0)
+    with pytest.raises(ms.InvalidArgumentError, match="Stream"):
+        ms.show(42)  # type: ignore[arg-type]
