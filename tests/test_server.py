@@ -345,3 +345,25 @@ def test_real_default_text_model_through_the_server() -> None:
             events = list(iter_events(r))
     check_sequence(events)
     assert events[-1]["finish_reason"] in ("stop", "length") and events[-1]["text"].strip()
+
+
+def test_server_also_serves_the_demo_page_on_its_models():
+    """`multistream serve` mounts the Gradio demo at /demo: one process, API and page."""
+    import gradio_client
+
+    from multistream.server import ServerSettings, create_app
+    from server_fixtures import live_server
+
+    app = create_app(text_model=ScriptedTextModel(), image_model=ScriptedImageModel(), settings=ServerSettings(),
+                     demo_path="/demo")
+    with live_server(app) as srv:
+        page = httpx.get(srv.url + "/demo/", timeout=30)
+        assert page.status_code == 200 and "gradio" in page.text.lower()
+        client = gradio_client.Client(srv.url + "/demo/", verbose=False)
+        answer = client.predict("hello", [], 32, 0.0, 1.0, -1, api_name="/chat")
+        history = answer[0]
+        content = history[-1]["content"]
+        text = "".join(c.get("text", "") for c in content) if isinstance(content, list) else content
+        assert text == "".join(ScriptedTextModel().tokens)
+        # the API keeps working beside it
+        assert httpx.get(srv.url + "/healthz", timeout=10).status_code == 200

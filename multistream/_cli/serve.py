@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 
@@ -31,6 +32,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--image-concurrency", type=int, default=None, help="image generations at once (default 1)")
     p.add_argument("--queue-size", type=int, default=None, help="queued requests per model before 429 (default 64)")
     p.add_argument("--heartbeat", type=float, default=None, metavar="S", help="SSE heartbeat interval (default 15)")
+    p.add_argument("--no-demo", action="store_true", help="do not serve the Gradio demo page at /demo")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -47,6 +49,12 @@ def run(args: argparse.Namespace) -> int:
     def spec(value: str) -> str | None:
         return None if value.lower() in ("none", "off", "") else value
 
-    app = create_app(text_model=spec(args.text_model), image_model=spec(args.image_model), settings=settings)
+    demo_path = None if args.no_demo else "/demo"
+    if demo_path and settings.api_key:
+        # The page's own API calls cannot carry a bearer key, so a keyed server cannot host it.
+        print("multistream serve: --api-key is set, so the demo page at /demo is off", file=sys.stderr)
+        demo_path = None
+    app = create_app(text_model=spec(args.text_model), image_model=spec(args.image_model), settings=settings,
+                     demo_path=demo_path)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

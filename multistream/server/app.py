@@ -360,6 +360,7 @@ def create_app(
     settings: ServerSettings | None = None,
     *,
     content_filter: ContentFilter | None = None,
+    demo_path: str | None = None,
 ) -> FastAPI:
     """Build the ASGI app serving ``text_model`` and/or ``image_model``.
 
@@ -371,6 +372,9 @@ def create_app(
     (``part="delta"``); it returns the text to use (redacted or not), ``None`` to keep it, or
     `STOP` to end the stream with ``finish_reason="content_filter"``. It runs on the event loop,
     so keep it fast.
+
+    ``demo_path`` (e.g. ``"/demo"``, what ``multistream serve`` uses) also serves the Gradio demo
+    page on the same models, so one process serves the API and the page.
 
     Example:
         >>> from multistream.server import create_app, STOP
@@ -495,9 +499,30 @@ def create_app(
     add_websocket_route(app, settings)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
+    if demo_path:
+        _mount_demo(app, demo_path, image_model)
     if settings.api_key:
         app.add_middleware(_AuthMiddleware, key=settings.api_key)
     return app
+
+
+def _mount_demo(app: FastAPI, path: str, image_spec: Any) -> None:
+    """Serve the Gradio demo on the models this server loads (fetched when a request comes)."""
+    from ..demo import mount_demo
+
+    def provider(kind: str) -> Callable[[], Any]:
+        def get() -> Any:
+            slot: ModelSlot = app.state.multistream.models[kind]
+            deadline = time.monotonic() + 300
+            while slot.state in ("pending", "loading") and time.monotonic() < deadline:
+                time.sleep(0.2)  # the page asked before the background load finished: wait for it
+            return slot.get()
+
+        return get
+
+    # The embedded image model draws shapes: constrain the LLM's prompts to its vocabulary.
+    style = "shapes" if image_spec == "default" else "auto"
+    mount_demo(app, provider("text"), provider("image"), path=path, prompt_style=style)
 
 
 async def _janitor(state: ServerState) -> None:
