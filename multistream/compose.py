@@ -31,23 +31,18 @@ __all__ = ["chain", "merge"]
 StreamSource = Union[Stream, Callable[[], Stream]]
 """A stream, or a zero-argument callable that starts one (so it starts only when its turn comes)."""
 
-_POLL_S = 0.01  # how often the cancel relay looks at the composed stream; well under one model step
-
-
 class _CancelRelay:
     """Passes a cancel of the composed stream on to the sub-streams that are running.
 
     The producer thread blocks while it reads a sub-stream, so it cannot look at
-    ``writer.cancelled`` itself; a small watcher thread does, and cancels the sub-streams.
+    ``writer.cancelled`` itself; the writer's cancel callback does the passing on.
     """
 
     def __init__(self, writer: StreamWriter) -> None:
         self._writer = writer
         self._subs: list[Stream] = []
         self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name=f"multistream-relay-{writer.stream_id[:8]}", daemon=True)
-        self._thread.start()
+        writer.on_cancel(self.cancel_all)
 
     def add(self, stream: Stream) -> None:
         with self._lock:
@@ -60,15 +55,6 @@ class _CancelRelay:
             subs = list(self._subs)
         for s in subs:
             s.cancel()
-
-    def _watch(self) -> None:
-        while not self._done.wait(_POLL_S):
-            if self._writer.cancelled:
-                self.cancel_all()
-                return
-
-    def stop(self) -> None:
-        self._done.set()
 
 
 def _start(source: StreamSource, what: str) -> Stream:
@@ -144,7 +130,6 @@ def chain(first: StreamSource, *then: Callable[[Event], Stream | None]) -> Strea
                 writer.forward(final, is_final=False)
                 current = nxt_stream
         finally:
-            relay.stop()
             relay.cancel_all()  # a failure here must not leave a model running
 
     return Stream(producer, kind=kinds[0] if kinds and not then else "mixed")
@@ -227,7 +212,6 @@ def merge(*streams: StreamSource) -> Stream:
             for t in threads:
                 t.join()
         finally:
-            relay.stop()
             relay.cancel_all()
 
     return Stream(producer, kind=kind)

@@ -67,6 +67,29 @@ class _Channel:
         self._final_put = False
         self._next_seq = 0
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._cancel_callbacks: list[Callable[[], Any]] = []
+
+    # -- cancellation --------------------------------------------------------------------------
+
+    def request_cancel(self) -> None:
+        """Set the cancel flag (the producer checks it each step) and run the cancel callbacks once."""
+        with self._cond:
+            if self.cancel_requested.is_set():
+                return
+            self.cancel_requested.set()
+            callbacks, self._cancel_callbacks = self._cancel_callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one failing callback must not block the others
+                logger.exception("a cancel callback of stream %s failed", self.stream_id)
+
+    def add_cancel_callback(self, callback: Callable[[], Any]) -> None:
+        with self._cond:
+            if not self.cancel_requested.is_set():
+                self._cancel_callbacks.append(callback)
+                return
+        callback()  # already cancelled: run it now
 
     # -- producer side -------------------------------------------------------------------------
 
@@ -166,6 +189,14 @@ class StreamWriter:
     def finished(self) -> bool:
         """True once the final event was queued; later events are dropped."""
         return self._channel.final_put
+
+    def on_cancel(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback()`` as soon as the consumer cancels (at once if it already has).
+
+        For producers that block on something other than a model step (e.g. reading sub-streams),
+        so they can pass the cancel on without polling ``cancelled``.
+        """
+        self._channel.add_cancel_callback(callback)
 
     def elapsed(self) -> float:
         """Seconds since the stream started (the clock of every event's ``t``)."""
@@ -304,7 +335,7 @@ class Stream:
     def cancel(self) -> None:
         """Ask the model to stop; it does so within one step. The stream then ends with a final
         event whose ``finish_reason`` is ``"cancelled"`` (unless it had already finished)."""
-        self._channel.cancel_requested.set()
+        self._channel.request_cancel()
 
     @property
     def cancelled(self) -> bool:
@@ -332,7 +363,7 @@ class Stream:
     def __del__(self) -> None:
         try:
             if not self._channel.final_put:
-                self._channel.cancel_requested.set()
+                self._channel.request_cancel()
         except AttributeError:  # __init__ failed half-way
             pass
 
