@@ -31,7 +31,9 @@ from typing import Any
 
 from .errors import InvalidArgumentError, PromptTooLongError
 from .events import Event, ImageEvent
+from .stop_strings import StopMatcher
 from .stream import Stream, StreamWriter
+from .text_options import check_prompt, parse_text_options
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedTextModel"]
 
@@ -40,10 +42,6 @@ DEFAULT_TOKENS: tuple[str, ...] = (
     " step", " by", " step", ":", " the", " reader", " sees", " them", " as", " they", " come", ".",
 )
 
-_TEXT_KWARGS = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
-    "chunk_tokens", "chunk_ms", "chat",
-)
 _IMAGE_KWARGS = (
     "negative_prompt", "steps", "guidance_scale", "height", "width", "seed", "num_images", "preview",
     "preview_every", "preview_format", "preview_quality", "preview_max_side", "final_format",
@@ -74,16 +72,6 @@ def _sleep(writer: StreamWriter, seconds: float) -> None:
         if left <= 0:
             return
         time.sleep(min(left, 0.01))
-
-
-def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, str):
-        return
-    ok = isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
-    )
-    _require(ok, "prompt must be a string or a non-empty list of {'role': str, 'content': str} messages, "
-                 f"got {type(prompt).__name__}")
 
 
 def _prompt_text(prompt: str | list[dict[str, str]]) -> str:
@@ -185,27 +173,13 @@ class ScriptedTextModel:
         chat: bool | None = None,
         **unknown: Any,
     ) -> Stream:
-        """Validate the arguments now, then stream the script in a producer thread."""
-        if unknown:
-            raise InvalidArgumentError(
-                f"unknown argument(s) {sorted(unknown)} for TextModel.stream(); known ones are {list(_TEXT_KWARGS)}"
-            )
-        _check_prompt(prompt)
-        _require(_is_int(max_new_tokens) and max_new_tokens >= 1,
-                 f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        _require(_is_number(temperature) and temperature >= 0, f"temperature must be a number >= 0, got {temperature!r}")
-        _require(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be a number in (0, 1], got {top_p!r}")
-        _require(_is_int(top_k) and top_k >= 0, f"top_k must be an integer >= 0, got {top_k!r}")
-        _require(_is_number(repetition_penalty) and repetition_penalty > 0,
-                 f"repetition_penalty must be a number > 0, got {repetition_penalty!r}")
-        _require(seed is None or _is_int(seed), f"seed must be an integer or None, got {seed!r}")
-        stops = [stop] if isinstance(stop, str) else stop
-        _require(stops is None or (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)),
-                 f"stop must be a non-empty string or a list of them, got {stop!r}")
-        _require(_is_int(chunk_tokens) and chunk_tokens >= 1, f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
-        _require(chunk_ms is None or (_is_number(chunk_ms) and chunk_ms > 0),
-                 f"chunk_ms must be a number > 0 or None, got {chunk_ms!r}")
-        _require(chat is None or isinstance(chat, bool), f"chat must be a bool or None, got {chat!r}")
+        """Validate the arguments now (as the real model does), then stream the script in a thread."""
+        options = parse_text_options(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop, chunk_tokens=chunk_tokens,
+            chunk_ms=chunk_ms, chat=chat, **unknown,
+        )
+        prompt = check_prompt(prompt)
         prompt_tokens = self.count_tokens(prompt)
         if prompt_tokens >= self.context_length:
             raise PromptTooLongError(
@@ -216,7 +190,10 @@ class ScriptedTextModel:
                            "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty, "seed": seed,
                            "stop": stop, "chunk_tokens": chunk_tokens, "chunk_ms": chunk_ms, "chat": chat})
         self._counters.enter()
-        return Stream(lambda w: self._produce(w, prompt_tokens, max_new_tokens, stops or [], chunk_tokens), kind="text")
+        return Stream(
+            lambda w: self._produce(w, prompt_tokens, max_new_tokens, list(options.stop), options.chunk_tokens or 1),
+            kind="text",
+        )
 
     def generate(self, prompt: str | list[dict[str, str]], on_event: Callable[[Event], Any] | None = None,
                  **kwargs: Any) -> Event:
@@ -234,12 +211,13 @@ class ScriptedTextModel:
     def _run(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
              chunk_tokens: int) -> str:
         emitted = ""      # text already sent
-        held = ""         # text held back: it may be the start of a stop string
+        held = ""         # text not sent yet (chunking, or a possible start of a stop string)
         held_ids: list[int] = []
         first_index = 0
         completion = 0
         stamps: list[float] = []
         reason: str | None = None
+        matcher = StopMatcher(stops)
         for n in range(max_new_tokens):
             _sleep(w, self.first_delay_s if n == 0 else self.delay_s)
             if w.cancelled:
@@ -251,23 +229,21 @@ class ScriptedTextModel:
                 reason = "stop"
                 break
             completion += 1
-            held += self.tokens[n]
+            safe, stopped = matcher.feed(self.tokens[n])
+            held += safe
             held_ids.append(n)
-            hit = min((held.find(s) for s in stops if s in held), default=-1)
-            if hit >= 0:
-                held = held[:hit]
+            if stopped:
                 reason = "stop_sequence"
                 break
             if completion % chunk_tokens and completion < max_new_tokens:
                 continue
-            keep = max((k for s in stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
-            out, held = held[: len(held) - keep], held[len(held) - keep:]
-            if out:
-                w.text(out, held_ids, first_index)
+            if held:
+                w.text(held, held_ids, first_index)
                 stamps.append(w.elapsed())
-                emitted += out
+                emitted += held
                 first_index = completion
-                held_ids = []
+                held, held_ids = "", []
+        held += matcher.flush()
         emitted += held
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         duration = w.elapsed()

@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import inspect
 import logging
@@ -28,7 +27,6 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +36,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidArgumentError, ModelLoadError, PromptTooLongError
 from .events import Event, TextEvent
 from .stop_strings import StopMatcher
+from .text_options import TextOptions, check_prompt, parse_text_options
 from .stream import Stream, StreamWriter
 
 __all__ = ["TextModel", "load_text_model", "cache_dir", "resolve_device"]
@@ -130,124 +129,10 @@ def _embedded_model_folder() -> Path:
     return target
 
 
-# -- arguments ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Sampling:
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
-    seed: int | None
-    stop: tuple[str, ...]
-    chunk_tokens: int | None
-    chunk_ms: float | None
-
-
-_STREAM_ARGS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "chunk_tokens",
-    "chunk_ms",
-    "chat",
-)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _reject_unknown(kwargs: dict[str, Any]) -> None:
-    if not kwargs:
-        return
-    name = sorted(kwargs)[0]
-    close = difflib.get_close_matches(name, _STREAM_ARGS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise InvalidArgumentError(
-        f"unknown argument {name!r} for TextModel.stream().{hint} Known arguments: {', '.join(_STREAM_ARGS)}."
-    )
-
-
-def _check_sampling(
-    max_new_tokens: Any,
-    temperature: Any,
-    top_p: Any,
-    top_k: Any,
-    repetition_penalty: Any,
-    seed: Any,
-    stop: Any,
-    chunk_tokens: Any,
-    chunk_ms: Any,
-) -> _Sampling:
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not _is_number(temperature) or temperature < 0:
-        raise InvalidArgumentError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise InvalidArgumentError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
-        raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if not _is_number(repetition_penalty) or repetition_penalty <= 0:
-        raise InvalidArgumentError(f"repetition_penalty must be a number > 0 (1 disables it), got {repetition_penalty!r}")
-    if seed is not None and not _is_int(seed):
-        raise InvalidArgumentError(f"seed must be an integer or None, got {seed!r}")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(not s for s in stops):
-        raise InvalidArgumentError("stop strings must not be empty")
-    if chunk_tokens is not None and (not _is_int(chunk_tokens) or chunk_tokens < 1):
-        raise InvalidArgumentError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
-    if chunk_ms is not None and (not _is_number(chunk_ms) or chunk_ms <= 0):
-        raise InvalidArgumentError(f"chunk_ms must be a number of milliseconds > 0, got {chunk_ms!r}")
-    return _Sampling(
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        repetition_penalty=float(repetition_penalty),
-        seed=seed,
-        stop=stops,
-        chunk_tokens=chunk_tokens,
-        chunk_ms=None if chunk_ms is None else float(chunk_ms),
-    )
-
-
-def _check_messages(messages: list[Any]) -> list[dict[str, str]]:
-    if not messages:
-        raise InvalidArgumentError("messages is empty; pass at least one {'role': 'user', 'content': '...'}")
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidArgumentError(
-                f"messages[{i}] must be a dict with 'role' and 'content' strings, got {message!r}"
-            )
-        if not isinstance(message.get("content"), str):
-            raise InvalidArgumentError(f"messages[{i}]['content'] must be a string, got {message.get('content')!r}")
-        checked.append({"role": message["role"], "content": message["content"]})
-    return checked
-
-
 # -- sampling -----------------------------------------------------------------------------------
 
 
-def _next_token(logits: torch.Tensor, seen: torch.Tensor | None, s: _Sampling, gen: torch.Generator | None) -> int:
+def _next_token(logits: torch.Tensor, seen: torch.Tensor | None, s: TextOptions, gen: torch.Generator | None) -> int:
     """Pick the next token from last-position logits (1-D), as transformers' processors would."""
     if s.repetition_penalty != 1.0 and seen is not None and seen.numel():
         scores = logits.gather(0, seen)
@@ -359,6 +244,7 @@ class TextModel:
         ``chat=False`` (raw completion).
         """
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        prompt = check_prompt(prompt)
         if isinstance(prompt, str):
             if chat is None:
                 chat = has_template
@@ -367,14 +253,10 @@ class TextModel:
                     raise InvalidArgumentError("prompt is empty; a raw completion needs some text to continue")
                 return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
             messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, (list, tuple)):
+        else:
             if chat is False:
                 raise InvalidArgumentError("chat=False needs a prompt string, not a list of messages")
-            messages = _check_messages(list(prompt))
-        else:
-            raise InvalidArgumentError(
-                f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
-            )
+            messages = prompt
         if not has_template:
             raise InvalidArgumentError(
                 f"{self.name} has no chat template; pass a prompt string with chat=False instead of messages"
@@ -412,17 +294,18 @@ class TextModel:
             >>> for ev in llm.stream("Count to 5", max_new_tokens=20, stop=["5"]):   # doctest: +SKIP
             ...     print(ev.delta, end="")
         """
-        _reject_unknown(unknown)
-        sampling = _check_sampling(
-            max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, chunk_tokens, chunk_ms
+        options = parse_text_options(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop, chunk_tokens=chunk_tokens,
+            chunk_ms=chunk_ms, chat=chat, **unknown,
         )
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        prompt_ids = self.encode_prompt(prompt, chat=options.chat)
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLongError(
                 f"the prompt is {len(prompt_ids)} tokens but {self.name} has a context of "
                 f"{self.context_length} tokens; shorten the prompt (or drop early chat turns)"
             )
-        return Stream(lambda writer: self._produce(writer, prompt_ids, sampling), kind="text")
+        return Stream(lambda writer: self._produce(writer, prompt_ids, options), kind="text")
 
     def generate(
         self, prompt: str | list[dict[str, str]], *, on_event: Callable[[Event], Any] | None = None, **kwargs: Any
@@ -436,7 +319,7 @@ class TextModel:
         final = self.stream(prompt, **kwargs).wait(on_event)
         return final  # type: ignore[return-value]
 
-    def _produce(self, writer: StreamWriter, prompt_ids: list[int], s: _Sampling) -> None:
+    def _produce(self, writer: StreamWriter, prompt_ids: list[int], s: TextOptions) -> None:
         """The producer thread: prefill once, then one forward per token with the KV cache."""
         max_new = min(s.max_new_tokens, self.context_length - len(prompt_ids))
         generator = None
