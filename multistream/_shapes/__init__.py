@@ -91,7 +91,9 @@ class Scene:
         return POSITIONS[row * 3 + col]
 
 
-def _jitter(rgb: tuple[int, int, int], rng: np.random.Generator) -> tuple[int, int, int]:
+def _jitter(
+    rgb: tuple[int, int, int], rng: np.random.Generator
+) -> tuple[int, int, int]:
     noise = rng.integers(-_JITTER, _JITTER + 1, size=3)
     return tuple(int(v) for v in np.clip(np.array(rgb) + noise, 0, 255))  # type: ignore[return-value]
 
@@ -114,7 +116,7 @@ def sample_scene(
         background = others[int(rng.integers(len(others)))]
     if background == color:
         raise ValueError(f"background and shape color must differ, both are {color!r}")
-    lo, hi = (_SMALL if rng.random() < 0.5 else _LARGE)
+    lo, hi = _SMALL if rng.random() < 0.5 else _LARGE
     r = float(rng.uniform(lo, hi))
     # Keep the whole shape inside the image, with a small margin.
     m = r + 0.03
@@ -159,7 +161,9 @@ def draw_scene(scene: Scene, size: int = 64, supersample: int = 4) -> Image.Imag
     if scene.shape == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
     elif scene.shape == "square":
-        s = r * 0.9  # a square of the same "radius" looks larger than a circle; even them out
+        s = (
+            r * 0.9
+        )  # a square of the same "radius" looks larger than a circle; even them out
         d.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fg)
     else:
         d.polygon(_polygon(scene, side), fill=fg)
@@ -168,7 +172,9 @@ def draw_scene(scene: Scene, size: int = 64, supersample: int = 4) -> Image.Imag
     return img
 
 
-def caption(scene: Scene, rng: np.random.Generator | None = None, detail: int | None = None) -> str:
+def caption(
+    scene: Scene, rng: np.random.Generator | None = None, detail: int | None = None
+) -> str:
     """Describe a scene in words.
 
     ``detail`` 0 gives color, shape and background only; 1 adds the size; 2 the position;
@@ -182,8 +188,14 @@ def caption(scene: Scene, rng: np.random.Generator | None = None, detail: int | 
     size = f"{scene.size_word} " if detail in (1, 3) else ""
     pos = ""
     if detail in (2, 3):
-        pos = " in the center" if scene.position_word == "center" else f" in the {scene.position_word}"
-    return f"a {size}{scene.color} {scene.shape}{pos} on a {scene.background} background"
+        pos = (
+            " in the center"
+            if scene.position_word == "center"
+            else f" in the {scene.position_word}"
+        )
+    return (
+        f"a {size}{scene.color} {scene.shape}{pos} on a {scene.background} background"
+    )
 
 
 def all_words() -> list[str]:
