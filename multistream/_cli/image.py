@@ -1,0 +1,123 @@
+"""``multistream image "prompt"``: write each denoising preview and the final image to a folder.
+
+Progress (step i/n, ms per step) goes to stderr as the previews arrive; ``--json`` also prints
+each wire event as one line of JSON on stdout (NDJSON; frames are base64 in ``data``).
+
+Example:
+    $ multistream image "a red circle on a blue background" --out out/ --steps 20 --seed 0
+    $ ls out/
+    final.png  step_001.jpg  step_002.jpg  ...
+    $ multistream image "a lighthouse" --model ./sd-turbo --preview x0 --json > events.ndjson
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Any
+
+from ..errors import MultistreamError
+
+_EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("image", help="stream denoising previews from a diffusion model", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("prompt", help="what to draw")
+    p.add_argument("--out", default=None, help="folder for step_NNN.<ext> previews and final.<ext> "
+                   "(default: ./multistream-image; with --json and no --out, nothing is written)")  # fmt: skip
+    p.add_argument("--model", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
+    p.add_argument("--device", default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--preview", default="latent", help="latent | x0 | taesd | vae | none (default: latent)")
+    p.add_argument("--preview-every", type=int, default=1, help="preview every k-th step (default: 1)")
+    p.add_argument("--format", default="jpeg", help="preview format: jpeg | webp | png (default: jpeg)")
+    p.add_argument("--quality", type=int, default=75, help="preview JPEG/WebP quality 1..100 (default: 75)")
+    p.add_argument("--max-side", type=int, default=256, help="previews are scaled down to this (default: 256)")
+    p.add_argument("--final-format", default="png", help="final image format (default: png, lossless)")
+    p.add_argument("--taesd", default=None, help="folder with TAESD (AutoencoderTiny) weights, for --preview taesd")
+    p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
+    p.set_defaults(func=run)
+
+
+def _progress(line: str, final: bool = False) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[2K" + line + ("\n" if final else ""))
+    else:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..image import load_image_model
+
+    # The command prints its own progress; the libraries' loading bars would interleave with it.
+    for module in ("diffusers.utils.logging", "transformers.utils.logging"):
+        try:
+            importlib.import_module(module).disable_progress_bar()
+        except (ImportError, AttributeError):
+            pass
+    out = args.out if args.out is not None else (None if args.json else "multistream-image")
+    try:
+        model = load_image_model(args.model, device=args.device, taesd=args.taesd)
+        stream = model.stream(
+            args.prompt,
+            negative_prompt=args.negative_prompt,
+            steps=args.steps,
+            guidance_scale=args.guidance_scale,
+            height=args.height,
+            width=args.width,
+            seed=args.seed,
+            preview=args.preview,
+            preview_every=args.preview_every,
+            preview_format=args.format,
+            preview_quality=args.quality,
+            preview_max_side=args.max_side,
+            final_format=args.final_format,
+        )
+    except MultistreamError as exc:
+        print(f"multistream: {exc}", file=sys.stderr)
+        return 2
+    if out is not None:
+        os.makedirs(out, exist_ok=True)
+    last_t, last_step = 0.0, 0
+    with stream:
+        for ev in stream:
+            if args.json:
+                print(ev.to_json(), flush=True)
+            if ev.type != "image":
+                continue
+            ext = _EXTENSIONS.get(ev.mime, "bin")
+            if out is not None:
+                name = "final" if ev.is_final else f"step_{ev.step:03d}"
+                if ev.index:
+                    name += f"_{ev.index}"
+                with open(os.path.join(out, f"{name}.{ext}"), "wb") as fh:
+                    fh.write(ev.data)
+            if not ev.is_final and ev.index == 0:
+                # Steps between two previews may be several (preview_every, or skipped frames).
+                ms_per_step = (ev.t - last_t) * 1e3 / max(1, ev.step - last_step)
+                last_t, last_step = ev.t, ev.step
+                _progress(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes")
+    final = stream.final
+    if final is None or final.type == "error":
+        message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
+        _progress(f"multistream: error: {message}", final=True)
+        return 1
+    metrics = final.metrics or {}  # type: ignore[union-attr]
+    where = f" -> {os.path.join(out, 'final.' + _EXTENSIONS.get(final.mime, 'bin'))}" if out else ""  # type: ignore[union-attr]
+    _progress(
+        f"done: {final.width}x{final.height} {final.mime}, {int(metrics.get('steps', 0))} steps, "  # type: ignore[union-attr]
+        f"{metrics.get('ms_per_step', 0):.0f} ms/step, {metrics.get('duration_ms', 0) / 1e3:.1f} s, "
+        f"seed {int(metrics.get('seed', -1))}, finish: {final.finish_reason}{where}",  # type: ignore[union-attr]
+        final=True,
+    )
+    return 0

@@ -1,0 +1,518 @@
+"""Denoising previews: what to show at a step, how to turn latents into pixels, and how to ship them.
+
+The pieces, each small and testable without a real model:
+
+* `PreviewThrottle` decides at which steps a preview is made (``preview_every``).
+* `parse_preview` reads ``preview=`` into a *source* (the noisy latent, or the model's current
+  prediction of the clean image, x0) and a *decoder* (a linear latent->RGB map, TAESD, the VAE):
+
+  ============  =====================  ======================================================
+  ``preview=``  source                 decoder
+  ============  =====================  ======================================================
+  ``"latent"``  noisy latent           linear map (`multistream.latent_rgb`): about free
+  ``"x0"``      predicted clean image  linear map: as cheap, far more informative early on
+  ``"taesd"``   noisy latent           ``diffusers.AutoencoderTiny`` (weights from the user)
+  ``"vae"``     noisy latent           the pipeline's full VAE: best looking, most expensive
+  ``"none"``    -                      no previews, only the final image
+  ============  =====================  ======================================================
+
+  ``"x0+taesd"`` and ``"x0+vae"`` decode the x0 prediction with TAESD or the VAE.
+* `X0Tracker` wraps ``scheduler.step`` for the duration of a run to get x0: the scheduler's own
+  ``pred_original_sample`` (or ``denoised``) where its output has one, else x0 computed from
+  the model output: ``x0 = x_t - sigma * v`` for flow matching (SD3, Flux),
+  ``(x_t - sqrt(1 - a_t) * eps) / sqrt(a_t)`` for variance-preserving schedulers (DDIM, PNDM,
+  DPM-Solver, UniPC ...), ``x_t - sigma * eps`` for sigma-space ones (Euler, LMS, Heun ...), with the
+  ``v_prediction`` and ``sample`` forms too. A scheduler that allows none of these falls back to
+  the noisy latent (`x0_strategy` returns None, and the image model warns once).
+* Decoders run on the model's device; `to_uint8_frames` scales the result down to
+  ``preview_max_side`` there too, so only a small uint8 image crosses to the CPU, and `HostFrames`
+  makes that copy asynchronous on CUDA (pinned memory and an event: the denoising thread never
+  waits for it).
+* `FrameWorker` is the one encoder thread of a stream: it takes the newest pending frame of each
+  image, so the pipeline never waits on JPEG encoding and a slow encoder drops stale frames
+  instead of queueing them.
+
+Example:
+    >>> t = PreviewThrottle(every=3)
+    >>> [s for s in range(1, 11) if t.should_preview(s)]
+    [1, 4, 7, 10]
+    >>> t.count(10)
+    4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .errors import InvalidArgumentError
+from .latent_rgb import LatentRGB, latents_to_rgb, latents_to_vae_space
+
+__all__ = [
+    "PREVIEW_MODES",
+    "FrameWorker",
+    "HostFrames",
+    "LinearDecoder",
+    "PendingFrame",
+    "PreviewPlan",
+    "PreviewThrottle",
+    "VaeDecoder",
+    "X0Tracker",
+    "compute_x0",
+    "false_color",
+    "parse_preview",
+    "to_uint8_frames",
+    "unpack_latents",
+    "x0_strategy",
+]
+
+PREVIEW_MODES: tuple[str, ...] = ("latent", "x0", "taesd", "vae", "none", "x0+taesd", "x0+vae")
+
+
+@dataclass(frozen=True)
+class PreviewPlan:
+    """What ``preview=`` asks for: ``source`` ("latent" | "x0" | None) and ``decoder``
+    ("linear" | "taesd" | "vae" | None)."""
+
+    mode: str
+    source: str | None
+    decoder: str | None
+
+    @property
+    def enabled(self) -> bool:
+        return self.decoder is not None
+
+
+def parse_preview(mode: str) -> PreviewPlan:
+    """Read a ``preview=`` value, or raise `InvalidArgumentError` naming the valid ones.
+
+    Example:
+        >>> parse_preview("x0")
+        PreviewPlan(mode='x0', source='x0', decoder='linear')
+    """
+    if not isinstance(mode, str) or mode.lower() not in PREVIEW_MODES:
+        raise InvalidArgumentError(f"unknown preview={mode!r}; use one of {list(PREVIEW_MODES)}")
+    mode = mode.lower()
+    if mode == "none":
+        return PreviewPlan(mode, None, None)
+    if mode == "latent":
+        return PreviewPlan(mode, "latent", "linear")
+    if mode == "x0":
+        return PreviewPlan(mode, "x0", "linear")
+    if mode.startswith("x0+"):
+        return PreviewPlan(mode, "x0", mode[3:])
+    return PreviewPlan(mode, "latent", mode)
+
+
+class PreviewThrottle:
+    """Decides which steps get a preview: steps 1, 1+k, 1+2k, ... for ``every=k``.
+
+    The first step always gets one (the sooner the user sees something, the better), so a run
+    of ``n`` steps makes exactly ``ceil(n / k)`` previews. The last step's preview is kept even
+    though the final image follows: it costs one cheap decode and keeps the count predictable.
+
+    Example:
+        >>> PreviewThrottle(every=1).count(4), PreviewThrottle(every=4).count(4)
+        (4, 1)
+    """
+
+    def __init__(self, every: int = 1) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise InvalidArgumentError(f"preview_every must be an integer >= 1, got {every!r}")
+        self.every = every
+
+    def should_preview(self, step: int) -> bool:
+        """True if ``step`` (1-based) gets a preview."""
+        return step >= 1 and (step - 1) % self.every == 0
+
+    def count(self, total_steps: int) -> int:
+        """How many previews a run of ``total_steps`` steps makes."""
+        return math.ceil(max(0, total_steps) / self.every)
+
+
+# --- x0: the model's current estimate of the clean latent -------------------------------------
+
+
+def _module_reports_x0(scheduler: Any) -> bool:
+    module = sys.modules.get(type(scheduler).__module__)
+    for value in vars(module).values() if module else ():
+        if isinstance(value, type) and dataclasses.is_dataclass(value):
+            names = {f.name for f in dataclasses.fields(value)}
+            if "pred_original_sample" in names or "denoised" in names:
+                return True
+    return False
+
+
+def _formula_kind(scheduler: Any) -> str | None:
+    config = getattr(scheduler, "config", None)
+    prediction = getattr(config, "prediction_type", None)
+    if (
+        "FlowMatch" in type(scheduler).__name__
+        or prediction == "flow_prediction"
+        or getattr(config, "use_flow_sigmas", False)
+    ) and hasattr(scheduler, "sigmas"):
+        return "flow"
+    if prediction not in (None, "epsilon", "v_prediction", "sample"):
+        return None
+    init_sigma = getattr(scheduler, "init_noise_sigma", None)
+    try:
+        init_sigma = float(init_sigma) if init_sigma is not None else None
+    except (TypeError, ValueError, RuntimeError):
+        init_sigma = None
+    if init_sigma == 1.0 and getattr(scheduler, "alphas_cumprod", None) is not None:
+        return "vp"
+    if hasattr(scheduler, "sigmas") and hasattr(scheduler, "step_index"):
+        return "ve"
+    return None
+
+
+def x0_strategy(scheduler: Any) -> str | None:
+    """How x0 will be had from this scheduler: ``"output"`` (its step output reports it, with the
+    formulas as a fallback), ``"flow"``, ``"vp"``, ``"ve"`` (a formula), or None (not at all)."""
+    if _module_reports_x0(scheduler):
+        return "output"
+    return _formula_kind(scheduler)
+
+
+class X0Tracker:
+    """Wraps ``scheduler.step`` while a run lasts, to get the prediction of the clean latent.
+
+    Use as a context manager around the pipeline call; ``x0()`` then gives the latest step's
+    prediction (None if this scheduler allows none). The original ``step`` is restored on exit,
+    also when the run fails or is cancelled.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.kind = _formula_kind(scheduler)
+        self._x0: torch.Tensor | None = None
+        self._inputs: tuple[torch.Tensor, Any, torch.Tensor, Any] | None = None
+        self._saved: Any = None
+        self._had_attr = False
+        self._alphas: dict[str, torch.Tensor] = {}
+
+    def __enter__(self) -> X0Tracker:
+        scheduler = self.scheduler
+        self._had_attr = "step" in vars(scheduler)
+        original = scheduler.step
+        self._saved = original
+        tracker = self
+
+        # Only schedulers whose output class reports x0 are asked for their output object (and
+        # the caller gets the tuple it asked for back); others are called exactly as they were.
+        force_dict = _module_reports_x0(scheduler)
+
+        # functools.wraps keeps the original signature visible: pipelines inspect it to decide
+        # whether to pass ``eta`` and ``generator`` (ancestral samplers need the seeded generator).
+        @functools.wraps(original)
+        def step(model_output: torch.Tensor, timestep: Any, sample: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            want_tuple = kwargs.get("return_dict", True) is False
+            if force_dict and not args:
+                kwargs["return_dict"] = True
+            out = original(model_output, timestep, sample, *args, **kwargs)
+            x0 = None
+            if not isinstance(out, tuple):
+                x0 = getattr(out, "pred_original_sample", None)
+                if x0 is None:
+                    x0 = getattr(out, "denoised", None)
+                if want_tuple:
+                    to_tuple = getattr(out, "to_tuple", None)
+                    out = to_tuple() if to_tuple is not None else (out.prev_sample,)
+            tracker._x0 = x0
+            if x0 is None and tracker.kind is not None:
+                sigma = None
+                if tracker.kind in ("flow", "ve"):
+                    index = getattr(scheduler, "step_index", None)
+                    sigmas = getattr(scheduler, "sigmas", None)
+                    if index is not None and sigmas is not None and 0 < index <= len(sigmas):
+                        sigma = sigmas[index - 1]  # step() has already moved the index on
+                tracker._inputs = (model_output, timestep, sample, sigma)
+            else:
+                tracker._inputs = None
+            return out
+
+        scheduler.step = step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._had_attr:
+            self.scheduler.step = self._saved
+        else:
+            try:
+                del self.scheduler.step
+            except AttributeError:
+                pass
+        self._inputs = None
+        self._x0 = None
+
+    def x0(self) -> torch.Tensor | None:
+        """The latest step's prediction of the clean (scaled) latent, or None."""
+        if self._x0 is not None:
+            return self._x0
+        if self._inputs is None or self.kind is None:
+            return None
+        model_output, timestep, sample, sigma = self._inputs
+        alpha = self._alpha(timestep, sample) if self.kind == "vp" else None
+        prediction = getattr(self.scheduler.config, "prediction_type", None) or "epsilon"
+        return compute_x0(self.kind, prediction, model_output, sample, sigma=sigma, alpha_cumprod=alpha)
+
+    def _alpha(self, timestep: Any, like: torch.Tensor) -> torch.Tensor:
+        # The table goes to the device once; indexing it never copies host<->device per step
+        # (a blocking copy would stall the CPU until the GPU caught up, every preview).
+        key = str(like.device)
+        table = self._alphas.get(key)
+        if table is None:
+            table = self.scheduler.alphas_cumprod.to(device=like.device, dtype=torch.float32)
+            self._alphas[key] = table
+        shape = (1,) * like.ndim
+        if isinstance(timestep, torch.Tensor) and timestep.device.type != "cpu":
+            index = timestep.reshape(-1)[:1].to(device=like.device).long().clamp(0, len(table) - 1)
+            return table[index].reshape(shape)
+        index_int = min(max(int(timestep), 0), len(table) - 1)
+        return table[index_int].reshape(shape)
+
+
+def compute_x0(
+    kind: str,
+    prediction_type: str,
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    *,
+    sigma: Any = None,
+    alpha_cumprod: Any = None,
+) -> torch.Tensor | None:
+    """The clean-latent estimate from one denoiser output (float32), or None if ``kind`` needs a
+    ``sigma``/``alpha_cumprod`` that is missing.
+
+    ``kind``: ``"flow"`` (x_t = (1 - s) x0 + s noise, v = noise - x0), ``"vp"``
+    (x_t = sqrt(a) x0 + sqrt(1 - a) eps) or ``"ve"`` (x_t = x0 + s eps); ``prediction_type`` as in
+    diffusers scheduler configs: ``"epsilon"``, ``"v_prediction"``, ``"sample"``.
+
+    Example:
+        >>> x0, noise = torch.ones(1, 4, 2, 2), torch.zeros(1, 4, 2, 2)
+        >>> xt = 0.3 * x0 + 0.7 * noise
+        >>> torch.allclose(compute_x0("flow", "flow_prediction", noise - x0, xt, sigma=0.7), x0)
+        True
+    """
+    out = model_output.float()
+    x = sample.float()
+    if kind == "flow":
+        return None if sigma is None else x - _as_scalar(sigma, x) * out
+    if prediction_type == "sample":
+        return out
+    if kind == "vp":
+        if alpha_cumprod is None:
+            return None
+        a = _as_scalar(alpha_cumprod, x)
+        sqrt_a, sqrt_1ma = (a.sqrt(), (1 - a).sqrt()) if isinstance(a, torch.Tensor) else (a**0.5, (1 - a) ** 0.5)
+        if prediction_type == "v_prediction":
+            return sqrt_a * x - sqrt_1ma * out
+        return (x - sqrt_1ma * out) / sqrt_a
+    if kind == "ve" and sigma is not None:
+        s = _as_scalar(sigma, x)
+        if prediction_type == "v_prediction":
+            return out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+        return x - s * out
+    return None
+
+
+def _as_scalar(value: Any, like: torch.Tensor) -> Any:
+    """A Python float for host values (no device copy), a float32 tensor on ``like``'s device else."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.numel() == 1:
+            return float(value)
+        return value.to(device=like.device, dtype=torch.float32)
+    return float(value)
+
+
+# --- latents -> pixels ------------------------------------------------------------------------
+
+
+def unpack_latents(pipeline: Any, latents: torch.Tensor, height: int | None, width: int | None) -> torch.Tensor:
+    """Spatial ``(B, C, H, W)`` latents from what the pipeline holds (Flux packs 2x2 patches into
+    tokens: ``(B, H*W/4, C*4)``; it is unpacked with the pipeline's own ``_unpack_latents``)."""
+    if latents.ndim == 4:
+        return latents
+    if latents.ndim == 5:  # video-shaped (B, C, F, H, W): preview the middle frame
+        return latents[:, :, latents.shape[2] // 2]
+    unpack = getattr(type(pipeline), "_unpack_latents", None)
+    if latents.ndim == 3 and unpack is not None and height and width:
+        return unpack(latents, height, width, pipeline.vae_scale_factor)  # type: ignore[no-any-return]
+    raise InvalidArgumentError(
+        f"cannot preview latents of shape {tuple(latents.shape)} from {type(pipeline).__name__}; use preview='none'"
+    )
+
+
+class LinearDecoder:
+    """Scaled latents -> RGB in [0, 1] with a `LatentRGB` map: one small matrix product."""
+
+    name = "linear"
+
+    def __init__(self, latent_rgb: LatentRGB) -> None:
+        self.latent_rgb = latent_rgb
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents_to_rgb(latents, self.latent_rgb)
+
+
+class VaeDecoder:
+    """Scaled latents -> RGB in [0, 1] with a VAE (``AutoencoderKL``, ``AutoencoderTiny``, ...).
+
+    The latents are unscaled with the *decoder's* config (``scaling_factor``, ``shift_factor``),
+    as a pipeline would if that VAE were its own, so TAESD models decode pipeline latents directly.
+    """
+
+    def __init__(self, vae: Any, name: str = "vae") -> None:
+        self.vae = vae
+        self.name = name
+        param = next(vae.parameters())
+        self.dtype = param.dtype
+        self.device = param.device
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        raw = latents_to_vae_space(latents.to(device=self.device, dtype=self.dtype), self.vae.config)
+        out = self.vae.decode(raw)
+        image = out.sample if hasattr(out, "sample") else out[0]
+        return image.float().add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
+
+
+def false_color(latents: torch.Tensor) -> torch.Tensor:
+    """A map-free look at latents ``(B, C, H, W)``: three channels stretched to [0, 1].
+
+    Used only where no latent->RGB map is at hand and nothing may be decoded (a cancelled run).
+    """
+    x = latents.float()
+    if x.shape[1] >= 3:
+        x = x[:, :3]
+    else:
+        x = x[:, :1].expand(-1, 3, -1, -1)
+    lo = x.amin(dim=(2, 3), keepdim=True)
+    hi = x.amax(dim=(2, 3), keepdim=True)
+    return ((x - lo) / (hi - lo).clamp_min(1e-6)).clamp(0, 1)
+
+
+def to_uint8_frames(rgb: torch.Tensor, max_side: int | None) -> torch.Tensor:
+    """``(B, 3, H, W)`` floats in [0, 1] -> ``(B, h, w, 3)`` uint8, scaled down (area average,
+    i.e. antialiased) so the longer side is at most ``max_side``, on the same device."""
+    height, width = rgb.shape[-2:]
+    if max_side and max(height, width) > max_side:
+        scale = max_side / max(height, width)
+        size = (max(1, round(height * scale)), max(1, round(width * scale)))
+        rgb = F.interpolate(rgb, size=size, mode="area")
+    # nan_to_num: an fp16 model that overflowed must give a dark frame, not garbage bytes.
+    return rgb.nan_to_num(0.0).mul(255.0).add_(0.5).clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+class HostFrames:
+    """A batch of uint8 frames on their way to the CPU.
+
+    On CUDA the copy goes into pinned memory without blocking, and a CUDA event marks its end:
+    the encoder thread waits on the event, the denoising thread never does. Elsewhere the
+    frames are simply moved.
+    """
+
+    def __init__(self, frames: torch.Tensor) -> None:
+        self.shape = tuple(frames.shape)
+        self._event: Any = None
+        if frames.is_cuda:
+            host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+            host.copy_(frames, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._host = host
+        else:
+            self._host = frames.cpu()
+
+    def array(self, index: int) -> Any:
+        """Frame ``index`` as an ``(h, w, 3)`` uint8 numpy array (waits for the copy if needed)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[index].numpy()
+
+
+@dataclass
+class PendingFrame:
+    """One preview of one image of the batch, waiting for the encoder."""
+
+    step: int
+    total_steps: int
+    index: int
+    frames: HostFrames
+    made_at: float = 0.0
+
+
+class FrameWorker:
+    """The stream's single encoder thread: encodes the newest pending frame of each image.
+
+    ``submit`` never blocks (it replaces a frame still pending for the same image and counts it
+    as dropped); ``close`` encodes what is still pending (unless ``flush=False``) and ends the
+    thread, so whatever the caller emits next comes after every preview.
+
+    ``emit(frame)`` does the encoding and sending; an exception in it stops the worker and is
+    raised again by ``close``.
+    """
+
+    def __init__(self, emit: Callable[[PendingFrame], None], name: str = "multistream-frames") -> None:
+        self._emit = emit
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: dict[int, PendingFrame] = {}
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.submitted = 0
+        self.dropped = 0
+        self.emitted = 0
+
+    def submit(self, frame: PendingFrame) -> None:
+        with self._cond:
+            if self._error is not None or self._closing:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            if self._pending.pop(frame.index, None) is not None:
+                self.dropped += 1
+            self._pending[frame.index] = frame
+            self.submitted += 1
+            self._cond.notify()
+
+    def close(self, flush: bool = True) -> None:
+        with self._cond:
+            self._closing = True
+            if not flush:
+                self.dropped += len(self._pending)
+                self._pending.clear()
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending) or self._closing)
+                if not self._pending:
+                    return
+                index = next(iter(self._pending))
+                frame = self._pending.pop(index)
+            try:
+                self._emit(frame)
+                self.emitted += 1
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer by close()
+                with self._cond:
+                    self._error = exc
+                    self._pending.clear()
+                return
