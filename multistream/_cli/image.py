@@ -45,7 +45,28 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--final-format", default="png", help="final image format (default: png, lossless)")
     p.add_argument("--taesd", default=None, help="folder with TAESD (AutoencoderTiny) weights, for --preview taesd")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
+    p.add_argument("--strip", default=None, metavar="FILE.png",
+                   help="also write one picture: the previews in a row, from noise to the final image")
+    p.add_argument("--strip-frames", type=int, default=8, metavar="N",
+                   help="previews in the strip, evenly spread over the run (default: 8)")
     p.set_defaults(func=run)
+
+
+def write_strip(frames: list[Any], final: Any, path: str, count: int, tile: int = 96) -> None:
+    """A row of ``count`` evenly spread preview frames, then the final image, as one PNG."""
+    from PIL import Image
+
+    if count < 1:
+        raise ValueError("--strip-frames must be >= 1")
+    if len(frames) > count:  # evenly spread, first and last preview included
+        spacing = (len(frames) - 1) / max(count - 1, 1)
+        frames = [frames[round(i * spacing)] for i in range(count)]
+    tiles = [ev.image.convert("RGB").resize((tile, tile), Image.Resampling.NEAREST) for ev in [*frames, final]]
+    gap = 4
+    strip = Image.new("RGB", (len(tiles) * (tile + gap) - gap, tile), (255, 255, 255))
+    for i, img in enumerate(tiles):
+        strip.paste(img, (i * (tile + gap), 0))
+    strip.save(path)
 
 
 def _progress(line: str, final: bool = False) -> None:
@@ -89,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         os.makedirs(out, exist_ok=True)
     last_t, last_step = 0.0, 0
+    previews: list[Any] = []
     with stream:
         for ev in stream:
             if args.json:
@@ -103,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                 with open(os.path.join(out, f"{name}.{ext}"), "wb") as fh:
                     fh.write(ev.data)
             if not ev.is_final and ev.index == 0:
+                if args.strip:
+                    previews.append(ev)
                 # Steps between two previews may be several (preview_every, or skipped frames).
                 ms_per_step = (ev.t - last_t) * 1e3 / max(1, ev.step - last_step)
                 last_t, last_step = ev.t, ev.step
@@ -112,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
         _progress(f"multistream: error: {message}", final=True)
         return 1
+    if args.strip:
+        write_strip(previews, final, args.strip, args.strip_frames)
     metrics = final.metrics or {}  # type: ignore[union-attr]
     where = f" -> {os.path.join(out, 'final.' + _EXTENSIONS.get(final.mime, 'bin'))}" if out else ""  # type: ignore[union-attr]
     _progress(
