@@ -99,9 +99,9 @@ class _Channel:
         with self._cond:
             if self._final_put:
                 return False
-            last = self._pending[-1] if self._pending else None
-            if merge_key == ("text",) and last is not None and last.merge_key == merge_key:
-                _merge_into(last, fields)
+            text_target = self._undelivered_text() if merge_key == ("text",) else None
+            if text_target is not None:
+                _merge_into(text_target, fields)
             elif merge_key is not None and merge_key[0] == "preview":
                 # Only the newest preview of each image is worth showing to a slow consumer.
                 stale = next((p for p in self._pending if p.merge_key == merge_key), None)
@@ -120,6 +120,16 @@ class _Channel:
             except RuntimeError:  # the consumer's loop is closed; nobody is waiting any more
                 pass
         return True
+
+    def _undelivered_text(self) -> _Pending | None:
+        """The newest undelivered text delta, looking back past previews only (which are replaced,
+        not kept, so in a text+image stream the buffer stays at one text item and one preview)."""
+        for item in reversed(self._pending):
+            if item.merge_key == ("text",):
+                return item
+            if item.merge_key is None or item.merge_key[0] != "preview":
+                return None
+        return None
 
     @property
     def final_put(self) -> bool:
@@ -248,9 +258,9 @@ class StreamWriter:
         finish_reason: str | None = None,
         metrics: dict[str, float] | None = None,
     ) -> None:
-        """Emit a preview frame, or the final image when ``is_final``.
+        """Emit a preview frame, or a finished image (``finish_reason`` set; ``is_final`` for the last).
 
-        An undelivered preview of the same ``index`` is replaced; final frames are never dropped.
+        An undelivered preview of the same ``index`` is replaced; finished images are never dropped.
         """
         fields: dict[str, Any] = {
             "step": step,
@@ -261,8 +271,9 @@ class StreamWriter:
             "data": data,
             "index": index,
         }
-        if is_final:
-            fields.update(is_final=True, finish_reason=finish_reason or "stop", metrics=dict(metrics or {}))
+        if is_final or finish_reason is not None:
+            # A finished image (the stream's last, or one of a batch) is never merged or dropped.
+            fields.update(is_final=is_final, finish_reason=finish_reason or "stop", metrics=dict(metrics or {}))
             self._channel.put(ImageEvent, fields)
         else:
             self._channel.put(ImageEvent, fields, ("preview", index))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -204,15 +203,17 @@ def _frame(step: int, index: int = 0) -> PendingFrame:
 
 def test_worker_drops_stale_frames_not_newest() -> None:
     gate = threading.Event()
+    encoding = threading.Event()
     seen: list[tuple[int, int]] = []
 
     def emit(frame: PendingFrame) -> None:
+        encoding.set()
         gate.wait(5)  # a slow encoder
         seen.append((frame.step, frame.index))
 
     worker = FrameWorker(emit)
     worker.submit(_frame(1))
-    time.sleep(0.05)  # the worker has taken step 1 and is "encoding" it
+    assert encoding.wait(10)  # the worker has taken step 1 and is "encoding" it
     for step in range(2, 8):
         worker.submit(_frame(step))  # never blocks
     worker.submit(_frame(7, index=1))

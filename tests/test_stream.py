@@ -159,8 +159,8 @@ def test_slow_consumer_gets_merged_deltas_and_nothing_is_lost():
     for ev in stream:
         events.append(ev)
         if len(events) == 1:
-            time.sleep(0.3)  # a slow consumer (a browser, a terminal)
-            producer_done_while_consumer_slept = finished.is_set()
+            # A slow consumer (a browser, a terminal): the model must finish without it.
+            producer_done_while_consumer_slept = finished.wait(30)
     check_protocol(events)
     assert producer_done_while_consumer_slept, "the model waited for the consumer"
     assert "".join(e.delta for e in events) == "".join(pieces) == events[-1].text
@@ -179,7 +179,7 @@ def test_slow_consumer_gets_only_the_newest_preview_and_always_the_final():
                      is_final=True, finish_reason="stop")
 
     stream = Stream(producer, kind="image")
-    time.sleep(0.2)
+    assert stream.join(30)  # everything was produced before the consumer looked
     events = list(stream)
     check_protocol(events)
     assert [e.step for e in events] == [50, 50]
@@ -204,3 +204,38 @@ def test_forward_rewrites_ids_and_can_demote_a_final():
     events = list(outer)
     check_protocol(events)
     assert all(e.stream_id == outer.stream_id for e in events)
+
+
+def test_text_and_previews_interleaved_keep_the_buffer_small():
+    """A text+image stream read slowly: deltas still merge (looking past previews), nothing is lost."""
+    done = threading.Event()
+
+    def producer(writer):
+        for i in range(2000):
+            writer.text(f"{i},", [i], i)
+            writer.image(step=i + 1, total_steps=2000, width=1, height=1, mime="image/png", data=bytes([i % 256]))
+        writer.finish_text("", [], 2000, finish_reason="stop", text="", usage=USAGE, metrics={})
+        done.set()
+
+    stream = Stream(producer)
+    assert done.wait(30)
+    assert len(stream._channel._pending) <= 3  # one merged delta, one preview, the final
+    events = list(stream)
+    check_protocol(events)
+    assert "".join(e.delta for e in events if e.type == "text") == "".join(f"{i}," for i in range(2000))
+
+
+def test_a_finished_image_that_is_not_the_last_is_never_dropped():
+    def producer(writer):
+        writer.image(step=1, total_steps=1, width=1, height=1, mime="image/png", data=b"a", index=0,
+                     finish_reason="stop")
+        writer.image(step=1, total_steps=1, width=1, height=1, mime="image/png", data=b"p", index=0)
+        writer.image(step=1, total_steps=1, width=1, height=1, mime="image/png", data=b"b", index=1,
+                     is_final=True, finish_reason="stop")
+
+    stream = Stream(producer, kind="image")
+    stream.join(10)
+    events = list(stream)
+    check_protocol(events)
+    assert [(e.data, e.finish_reason, e.is_final) for e in events] == [
+        (b"a", "stop", False), (b"p", None, False), (b"b", "stop", True)]
