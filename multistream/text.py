@@ -266,6 +266,10 @@ class TextModel:
             encoded = encoded["input_ids"]
         return [int(i) for i in encoded]
 
+    def count_tokens(self, prompt: str | list[dict[str, str]], chat: bool | None = None) -> int:
+        """How many tokens the prompt takes (chat template included), e.g. for usage reports."""
+        return len(self.encode_prompt(prompt, chat=chat))
+
     # -- streaming ------------------------------------------------------------------------------
 
     def stream(

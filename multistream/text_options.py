@@ -99,8 +99,8 @@ def parse_text_options(
         raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
     if not _is_number(repetition_penalty) or repetition_penalty <= 0:
         raise InvalidArgumentError(f"repetition_penalty must be a number > 0 (1 disables it), got {repetition_penalty!r}")
-    if seed is not None and not _is_int(seed):
-        raise InvalidArgumentError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise InvalidArgumentError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
     if stop is None:
         stops: tuple[str, ...] = ()
     elif isinstance(stop, str):

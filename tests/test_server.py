@@ -97,6 +97,10 @@ def test_resume_after_dropped_connection_has_no_gap_or_duplicate() -> None:
             assert list(iter_events(r)) == first + rest
         assert client.get(f"{srv.url}/v1/streams/{stream_id}/events",
                           headers={"Last-Event-ID": str(rest[-1]["seq"])}).status_code == 204
+        # An EventSource reconnects to its original URL (?after=...) and adds Last-Event-ID: it wins.
+        with client.stream("GET", f"{srv.url}/v1/streams/{stream_id}/events?after=-1",
+                           headers={"Last-Event-ID": str(first[-1]["seq"])}) as r:
+            assert list(iter_events(r)) == rest
         missing = client.get(f"{srv.url}/v1/streams/nope/events")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "stream_not_found"
         assert client.get(f"{srv.url}/v1/streams/{stream_id}/events?after=x").status_code == 400

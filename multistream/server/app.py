@@ -297,9 +297,11 @@ async def _until_disconnected(awaitable: Any, request: Request | None) -> Any:
 
 
 def _after(request: Request) -> int:
-    raw = request.query_params.get("after")
+    # Last-Event-ID wins: an EventSource reconnects to the same URL (with its original ?after=)
+    # and sends the id of the last event it really got.
+    raw = request.headers.get("last-event-id")
     if raw is None:
-        raw = request.headers.get("last-event-id")
+        raw = request.query_params.get("after")
     if raw is None or raw == "":
         return -1
     try:
