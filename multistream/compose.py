@@ -80,7 +80,8 @@ def chain(first: StreamSource, *then: Callable[[Event], Stream | None]) -> Strea
     ``first`` is a stream (or a callable starting one). Each function in ``then`` receives the
     previous part's final event (e.g. the LLM's final `TextEvent`, whose ``.text`` is the whole
     output) and returns the next stream, or ``None`` to end there. The composed stream's final
-    event is the last part's final event; earlier finals arrive as non-final events. A part that
+    event is the last part's final event (for text, its ``text`` is all text of the chain, so the
+    deltas still add up to it); earlier finals arrive as non-final events. A part that
     fails or is cancelled ends the whole chain (its final becomes the chain's final).
 
     Example:
@@ -102,6 +103,16 @@ def chain(first: StreamSource, *then: Callable[[Event], Stream | None]) -> Strea
 
     def producer(writer: StreamWriter) -> None:
         relay = _CancelRelay(writer)
+        streamed: list[str] = []  # every text delta sent so far, across parts
+
+        def send(ev: Event, is_final: bool | None = None) -> None:
+            if isinstance(ev, TextEvent):
+                if is_final and ev.text is not None:
+                    # The chain's final text is all of its text, so deltas still add up to it.
+                    ev = dataclasses.replace(ev, text="".join(streamed) + ev.delta)
+                streamed.append(ev.delta)
+            writer.forward(ev, is_final=is_final)
+
         try:
             current: Stream | None = _start(first, "chain()'s first argument")
             steps = list(then)
@@ -112,22 +123,22 @@ def chain(first: StreamSource, *then: Callable[[Event], Stream | None]) -> Strea
                     if ev.is_final:
                         final = ev
                     else:
-                        writer.forward(ev)
+                        send(ev)
                 assert final is not None
                 if isinstance(final, ErrorEvent) or not steps:
-                    writer.forward(final, is_final=True)
+                    send(final, is_final=True)
                     return
                 if getattr(final, "finish_reason", None) == "cancelled" or writer.cancelled:
-                    writer.forward(_as_cancelled(final), is_final=True)
+                    send(_as_cancelled(final), is_final=True)
                     return
                 # Build the next part before passing this final on, so that a step returning
                 # None can end the chain with this very event as the one final.
                 nxt = steps.pop(0)(final)
                 if nxt is None:
-                    writer.forward(final, is_final=True)
+                    send(final, is_final=True)
                     return
                 nxt_stream = _start(nxt, "the stream returned by a chain() step")
-                writer.forward(final, is_final=False)
+                send(final, is_final=False)
                 current = nxt_stream
         finally:
             relay.cancel_all()  # a failure here must not leave a model running
@@ -194,6 +205,8 @@ def merge(*streams: StreamSource) -> Stream:
                     with lock:
                         remaining[0] -= 1
                         last = remaining[0] == 0
+                        if last and writer.cancelled:
+                            ev = _as_cancelled(ev)  # other parts were cut short
                         # Forward inside the lock so no later sub-stream final can overtake the last.
                         writer.forward(ev, is_final=last)
             except BaseException as exc:  # noqa: BLE001 - a reader failure must still end the stream

@@ -180,9 +180,12 @@ async def throttled_views(stream: Stream, max_fps: float) -> AsyncIterator[_View
                 dirty = False
                 yield view
     finally:
+        stream.cancel()
         if next_ev is not None and not next_ev.done():
             next_ev.cancel()
-        stream.cancel()
+            # The cancelled __anext__ must finish before aclose(), or aclose() finds the generator
+            # still running and raises.
+            await asyncio.gather(next_ev, return_exceptions=True)
         await events.aclose()  # type: ignore[attr-defined]
 
 

@@ -160,3 +160,12 @@ def test_merge_rejects_two_text_streams_and_nothing() -> None:
         ms.merge(llm.stream("a"), llm.stream("b"))
     with pytest.raises(ms.InvalidArgumentError, match="at least one"):
         ms.merge()
+
+
+def test_chained_text_parts_keep_deltas_equal_to_the_final_text():
+    from multistream.testing import ScriptedTextModel
+
+    a, b = ScriptedTextModel(["Hello", " world"]), ScriptedTextModel([" Bye"])
+    events = list(ms.chain(a.stream("x"), lambda final: b.stream(final.text)))
+    assert events[-1].is_final and events[-1].text == "Hello world Bye"
+    assert "".join(e.delta for e in events) == events[-1].text
