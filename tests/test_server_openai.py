@@ -84,3 +84,18 @@ def test_models_list(client: openai.OpenAI, srv) -> None:  # type: ignore[no-unt
     ids = [m.id for m in client.models.list()]
     assert ids == ["scripted-text", "scripted-image"]
     assert httpx.post(srv.url + "/v1/chat/completions", content=b"nope").json()["error"]["type"] == "invalid_request_error"
+
+
+def test_non_streaming_client_that_times_out_cancels_the_generation() -> None:
+    """An SDK timeout on a non-streaming call must not leave the model running to max_tokens."""
+    import time
+
+    model = ScriptedTextModel(["tok"] * 400, delay_s=0.05)
+    with make_server(model) as s:
+        sdk = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):
+            sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=400)
+        deadline = time.monotonic() + 15
+        while model.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert model.finish_reasons == ["cancelled"]

@@ -171,7 +171,8 @@ class ServerState:
                                        arrived_at=arrived_at)
         gate = self.gates[kind]
         waited = time.perf_counter()
-        await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s), request)
+        await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s), request,
+                                  on_abandoned=gate.release)
         self.metrics.queue_wait.observe(time.perf_counter() - waited, kind=kind)
         started = time.perf_counter()
         try:
@@ -278,22 +279,31 @@ def _filtered_stream() -> Stream:
     return Stream(producer, kind="text")
 
 
-async def _until_disconnected(awaitable: Any, request: Request | None) -> Any:
-    """Await ``awaitable`` (a queue wait), giving up if the HTTP client goes away meanwhile."""
+async def _until_disconnected(
+    awaitable: Any, request: Request | None, on_abandoned: Callable[[], Any] | None = None
+) -> Any:
+    """Await ``awaitable`` (a queue wait), giving up if the HTTP client goes away meanwhile.
+
+    ``on_abandoned`` runs when the wait succeeded but its result never reached the caller (the
+    caller was cancelled in between), so an admission slot won then is given back, not leaked.
+    """
     task = asyncio.ensure_future(awaitable)
-    if request is None:
-        return await task
+    delivered = False
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
-                return task.result()
-            if await request.is_disconnected():
+                result = task.result()
+                delivered = True
+                return result
+            if request is not None and await request.is_disconnected():
                 task.cancel()
                 raise Problem(499, "client_closed", "the client went away while queued")
     finally:
         if not task.done():
             task.cancel()
+        elif not delivered and on_abandoned is not None and not task.cancelled() and task.exception() is None:
+            on_abandoned()
 
 
 def _after(request: Request) -> int:

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import math
@@ -201,9 +202,8 @@ def add_openai_routes(app: FastAPI, settings: ServerSettings, state_of: Callable
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         if not stream:
-            final = None
-            async for ev in record.subscribe():
-                final = ev
+            collected = await _collect_until_disconnected(record, request)
+            final = collected[-1] if collected else None
             if isinstance(final, ErrorEvent) or not isinstance(final, TextEvent):
                 return JSONResponse(_error_body(final) if isinstance(final, ErrorEvent) else
                                     {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
@@ -253,7 +253,7 @@ def add_openai_routes(app: FastAPI, settings: ServerSettings, state_of: Callable
         if not stream:
             images: dict[int, ImageEvent] = {}
             error = None
-            async for ev in record.subscribe():
+            for ev in await _collect_until_disconnected(record, request):
                 if isinstance(ev, ErrorEvent):
                     error = ev
                 elif isinstance(ev, ImageEvent) and is_done(ev):
@@ -286,3 +286,24 @@ def add_openai_routes(app: FastAPI, settings: ServerSettings, state_of: Callable
                     sent[ev.index] += 1
 
         return _sse(record, settings, events())
+
+
+async def _collect_until_disconnected(record: Any, request: Request) -> list[Any]:
+    """Every event of a stream, for the non-streaming routes; a client that goes away meanwhile
+    (an SDK timeout, say) cancels the generation instead of leaving it running to the end."""
+
+    async def collect() -> list[Any]:
+        return [ev async for ev in record.subscribe()]
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                record.cancel()
+                raise Problem(499, "client_closed", "the client went away before the answer was ready")
+    finally:
+        if not task.done():
+            task.cancel()

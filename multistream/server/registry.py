@@ -100,7 +100,8 @@ class StreamRecord:
         self._last_text_at: float | None = None
         self._force_reason = "cancelled"
         # Nobody attached yet: if nobody ever does, the grace period still ends the generation.
-        self._arm_grace()
+        # (The full period even for non-resumable streams: their one reader attaches a moment later.)
+        self._arm_grace(on_start=True)
         self.task = self._loop.create_task(self._pump(), name=f"multistream-pump-{self.stream_id[:8]}")
 
     # -- reading -------------------------------------------------------------------------------
@@ -177,10 +178,10 @@ class StreamRecord:
             if self.subscribers == 0:
                 self._arm_grace()
 
-    def _arm_grace(self) -> None:
+    def _arm_grace(self, on_start: bool = False) -> None:
         if self.done:
             return
-        grace = self._settings.grace_period_s if self.resumable else 0.0
+        grace = self._settings.grace_period_s if self.resumable or on_start else 0.0
         if self._grace is not None:
             self._grace.cancel()
         self._grace = self._loop.call_later(grace, self._grace_expired)
