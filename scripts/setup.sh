@@ -8,8 +8,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
-# torch first, so the package's plain `torch` requirement does not pull a multi-GB CUDA build onto a
-# CPU machine; keep any torch that is already installed (e.g. a CUDA build on a GPU machine).
+# torch first, pinned: on this project's CPU machines torch 2.13.0 is a local CPU wheel (seconds to
+# install), where an unpinned `torch` would pull a CUDA build of several GB. Elsewhere pip takes the
+# PyPI build for your platform. A torch that is already installed is kept (install your own first
+# to choose the build, e.g. CUDA on a GPU machine).
 "$PY" -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
 
 if [ "${1:-}" = "--test" ]; then

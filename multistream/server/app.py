@@ -386,7 +386,9 @@ def create_app(
     so keep it fast.
 
     ``demo_path`` (e.g. ``"/demo"``, what ``multistream serve`` uses) also serves the Gradio demo
-    page on the same models, so one process serves the API and the page.
+    page on the same models, so one process serves the API and the page. The page runs through
+    Gradio's own queue (its concurrency limit), not this server's admission gates and request
+    limits, and its API calls cannot carry a bearer key: do not mount it on a keyed server.
 
     Example:
         >>> from multistream.server import create_app, STOP
