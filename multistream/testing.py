@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import io
 import random
 import statistics
 import threading
@@ -31,6 +30,7 @@ from typing import Any
 
 from .errors import InvalidArgumentError, PromptTooLongError
 from .events import Event, ImageEvent
+from .frames import check_format, check_quality, encode_frame
 from .stop_strings import StopMatcher
 from .stream import Stream, StreamWriter
 from .text_options import check_prompt, parse_text_options
@@ -47,9 +47,6 @@ _IMAGE_KWARGS = (
     "preview_every", "preview_format", "preview_quality", "preview_max_side", "final_format",
 )
 _PREVIEW_MODES = ("latent", "x0", "taesd", "vae", "none")
-_FORMATS = {"jpeg": ("JPEG", "image/jpeg"), "jpg": ("JPEG", "image/jpeg"), "png": ("PNG", "image/png"),
-            "webp": ("WEBP", "image/webp")}
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -332,14 +329,14 @@ class ScriptedImageModel:
         width = self.width if width is None else width
         for label, v in (("height", height), ("width", width)):
             _require(_is_int(v) and v >= 8 and v % 8 == 0, f"{label} must be a multiple of 8 and >= 8, got {v!r}")
-        _require(seed is None or _is_int(seed), f"seed must be an integer or None, got {seed!r}")
+        _require(seed is None or (_is_int(seed) and 0 <= seed < 2**63),
+                 f"seed must be an integer from 0 to 2**63-1 or None, got {seed!r}")
         _require(_is_int(num_images) and num_images >= 1, f"num_images must be an integer >= 1, got {num_images!r}")
         _require(preview in _PREVIEW_MODES, f"preview must be one of {list(_PREVIEW_MODES)}, got {preview!r}")
         _require(_is_int(preview_every) and preview_every >= 1, f"preview_every must be an integer >= 1, got {preview_every!r}")
-        _require(preview_format in _FORMATS, f"preview_format must be one of {sorted(_FORMATS)}, got {preview_format!r}")
-        _require(final_format in _FORMATS, f"final_format must be one of {sorted(_FORMATS)}, got {final_format!r}")
-        _require(_is_int(preview_quality) and 1 <= preview_quality <= 100,
-                 f"preview_quality must be an integer in 1..100, got {preview_quality!r}")
+        preview_format = check_format(preview_format, "preview_format")
+        final_format = check_format(final_format, "final_format")
+        preview_quality = check_quality(preview_quality, "preview_quality")
         _require(_is_int(preview_max_side) and preview_max_side >= 8,
                  f"preview_max_side must be an integer >= 8, got {preview_max_side!r}")
         args = {"prompt": prompt, "negative_prompt": negative_prompt, "steps": steps, "guidance_scale": guidance_scale,
@@ -402,13 +399,5 @@ class ScriptedImageModel:
 
 
 def _encode(img: Any, fmt: str, quality: int, max_side: int | None) -> tuple[bytes, str, int, int]:
-    from PIL import Image
-
-    if max_side is not None and max(img.size) > max_side:
-        scale = max_side / max(img.size)
-        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BILINEAR)
-    pil_format, mime = _FORMATS[fmt]
-    buf = io.BytesIO()
-    img.save(buf, format=pil_format, **({"quality": quality} if pil_format != "PNG" else {}))
-    return buf.getvalue(), mime, img.width, img.height
-
+    frame = encode_frame(img, fmt, quality, max_side)
+    return frame.data, frame.mime, frame.width, frame.height
