@@ -33,23 +33,22 @@ async def test_text_and_image_on_one_socket_then_cancel(srv: Any) -> None:
         accepted: dict[str, str] = {}
         by_stream: dict[str, list[Any]] = {}
         cancelled = False
-        async with asyncio.timeout(60):
-            while True:
-                raw = await ws.recv()
-                msg = decode_message(raw)
-                if isinstance(msg, dict):
-                    assert msg["type"] == "accepted", msg
-                    accepted[msg["id"]] = msg["stream_id"]
-                    continue
-                by_stream.setdefault(msg.stream_id, []).append(msg)
-                if isinstance(msg, ImageEvent):
-                    assert isinstance(raw, bytes)  # frames travel as binary, not base64
-                if isinstance(msg, TextEvent) and msg.seq == 3 and not cancelled:
-                    await ws.send(json.dumps({"type": "cancel", "stream_id": msg.stream_id}))
-                    cancelled = True
-                finals = [evs[-1] for evs in by_stream.values() if evs[-1].is_final]
-                if len(finals) == 2:
-                    break
+        while True:
+            raw = await asyncio.wait_for(ws.recv(), 60)
+            msg = decode_message(raw)
+            if isinstance(msg, dict):
+                assert msg["type"] == "accepted", msg
+                accepted[msg["id"]] = msg["stream_id"]
+                continue
+            by_stream.setdefault(msg.stream_id, []).append(msg)
+            if isinstance(msg, ImageEvent):
+                assert isinstance(raw, bytes)  # frames travel as binary, not base64
+            if isinstance(msg, TextEvent) and msg.seq == 3 and not cancelled:
+                await ws.send(json.dumps({"type": "cancel", "stream_id": msg.stream_id}))
+                cancelled = True
+            finals = [evs[-1] for evs in by_stream.values() if evs[-1].is_final]
+            if len(finals) == 2:
+                break
         text_events, image_events = by_stream[accepted["a"]], by_stream[accepted["b"]]
         for evs in (text_events, image_events):
             assert [e.seq for e in evs] == list(range(len(evs)))
