@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .devices import default_dtype, resolve_device, resolve_dtype
 from .errors import InvalidArgumentError, ModelLoadError
 from .events import Event, ImageEvent
 from .frames import EncodedFrame, check_format, check_quality, encode_frame
@@ -89,37 +90,9 @@ class _Cancelled(BaseException):
     """
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None or (isinstance(device, str) and device == "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidArgumentError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
-
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}  # fmt: skip
-
-
-def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or a torch.dtype")
-
-
 def _default_dtype(device: torch.device, class_name: str | None) -> torch.dtype:
-    if device.type != "cuda":
-        return torch.float32
     # Flux overflows float16 (black images); its weights are bfloat16 to begin with.
-    if class_name and class_name.startswith("Flux") and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float16
+    return default_dtype(device, prefer_bf16=bool(class_name and class_name.startswith("Flux")))
 
 
 def _is_int(value: Any) -> bool:
@@ -284,11 +257,11 @@ class ImageModel:
             raise InvalidArgumentError(
                 f"ImageModel needs a diffusers pipeline (with a scheduler), got {type(pipeline).__name__}"
             )
-        torch_dtype = _resolve_dtype(dtype)
+        torch_dtype = resolve_dtype(dtype)
         if device is not None or torch_dtype is not None:
             moves: dict[str, Any] = {}
             if device is not None:
-                moves["device"] = _resolve_device(device)
+                moves["device"] = resolve_device(device)
             if torch_dtype is not None:
                 moves["dtype"] = torch_dtype
             pipeline = pipeline.to(**moves)
@@ -958,8 +931,8 @@ def load_image_model(
             dtype=dtype,
             **model_kw,
         )
-    torch_device = _resolve_device(device)
-    torch_dtype = _resolve_dtype(dtype)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
     if name_or_path is None:
         folder = EMBEDDED_MODEL_DIR
         if not (folder / "model_index.json").is_file():

@@ -33,13 +33,14 @@ from typing import Any, Callable
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .devices import default_dtype, resolve_device, resolve_dtype
 from .errors import InvalidArgumentError, ModelLoadError, PromptTooLongError
 from .events import Event, TextEvent
 from .stop_strings import StopMatcher
 from .text_options import TextOptions, check_prompt, parse_text_options
 from .stream import Stream, StreamWriter
 
-__all__ = ["TextModel", "load_text_model", "cache_dir", "resolve_device"]
+__all__ = ["TextModel", "cache_dir", "load_text_model"]
 
 logger = logging.getLogger("multistream")
 
@@ -49,23 +50,6 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # -- devices and caches -------------------------------------------------------------------------
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"`` means CUDA when present, else CPU; anything else is passed to ``torch.device``."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidArgumentError(f"device={device!r} is not a torch device; use 'auto', 'cpu' or 'cuda'") from exc
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """Half precision on GPUs (bf16 where supported), full precision on the CPU."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
 
 
 def cache_dir() -> Path:
@@ -425,12 +409,7 @@ def load_text_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = resolve_device(device)
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype, None)
-        if not isinstance(resolved, torch.dtype):
-            raise InvalidArgumentError(f"dtype={dtype!r} is not a torch dtype; use e.g. 'float16' or 'bfloat16'")
-        dtype = resolved
-    dtype = dtype or default_dtype(target)
+    dtype = resolve_dtype(dtype) or default_dtype(target, prefer_bf16=True)
     if name_or_path is None:
         folder: str | Path = _embedded_model_folder()
         name = EMBEDDED_TEXT_MODEL
