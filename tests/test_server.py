@@ -256,6 +256,8 @@ def test_content_filter_redacts_and_stops() -> None:
         check_sequence(events)
         assert events[-1]["finish_reason"] == "content_filter"
         assert events[-1]["text"] == " a ****** b"
+        # The server wrote this final itself; its usage still counts the prompt.
+        assert events[-1]["usage"]["prompt_tokens"] == model.count_tokens("hi") == 1
         wait_until(lambda: model.active == 0, what="the model to stop")
         with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "say forbidden things"}, timeout=30) as r:
             events = list(iter_events(r))

@@ -189,12 +189,11 @@ class ServerState:
         def on_done(record: StreamRecord) -> None:
             gate.release(time.perf_counter() - started)
 
-        prompt_tokens = 0
-        with contextlib.suppress(Exception):
-            prompt_tokens = int(model.count_tokens(kwargs["prompt"])) if hasattr(model, "count_tokens") else 0
+        count = getattr(model, "count_tokens", None)
         return self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable,
                                    model_name=self.models[kind].name, content_filter=self.content_filter,
-                                   arrived_at=arrived_at, prompt_tokens=prompt_tokens)
+                                   arrived_at=arrived_at,
+                                   count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
 
     def _filter_prompt(self, kwargs: dict[str, Any]) -> bool:
         """Run the content filter over the prompt(s); True when it says stop."""

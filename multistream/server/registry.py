@@ -67,7 +67,7 @@ class StreamRecord:
     def __init__(self, stream: Stream, *, kind: str, settings: ServerSettings, metrics: Metrics,
                  on_done: Callable[[StreamRecord], None], resumable: bool = True, model_name: str = "",
                  content_filter: ContentFilter | None = None, arrived_at: float | None = None,
-                 prompt_tokens: int = 0) -> None:
+                 count_prompt_tokens: Callable[[], int] | None = None) -> None:
         self.stream = stream
         self.stream_id = stream.stream_id
         self.kind = kind
@@ -87,7 +87,9 @@ class StreamRecord:
         self._filter = content_filter
         self._arrived = arrived_at if arrived_at is not None else time.perf_counter()
         self._started = time.perf_counter()
-        self._prompt_tokens = prompt_tokens
+        # Only needed when the server writes a final itself (rare), so the prompt is not tokenized
+        # a second time for every request.
+        self._count_prompt_tokens = count_prompt_tokens
         self._json: list[str | None] = []
         self._changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -250,6 +252,14 @@ class StreamRecord:
         last = self.events[-1].t if self.events else 0.0
         return max(last, time.perf_counter() - self._started)
 
+    def _prompt_tokens(self) -> int:
+        if self._count_prompt_tokens is None:
+            return 0
+        try:
+            return int(self._count_prompt_tokens())
+        except Exception:  # noqa: BLE001 - a usage figure must not stop the final event
+            return 0
+
     def _server_final(self, reason: str) -> Event:
         seq, t = len(self.events), self._t()
         if self.kind == "text":
@@ -257,7 +267,7 @@ class StreamRecord:
             return TextEvent(
                 stream_id=self.stream_id, seq=seq, t=t, delta="", token_ids=[], index=self._n_tokens,
                 is_final=True, finish_reason=reason, text=self._text,
-                usage={"prompt_tokens": self._prompt_tokens, "completion_tokens": self._n_tokens},
+                usage={"prompt_tokens": self._prompt_tokens(), "completion_tokens": self._n_tokens},
                 metrics={"ttft_ms": None, "itl_ms_p50": None, "itl_ms_p95": None,  # type: ignore[dict-item]
                          "duration_ms": round(duration, 3),
                          "tokens_per_s": round(self._n_tokens / t, 3) if t > 0 else None},
