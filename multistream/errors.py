@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "EngineClosedError",
     "EventFormatError",
     "InvalidArgumentError",
     "ModelLoadError",
@@ -46,3 +47,7 @@ class EventFormatError(MultistreamError, ValueError):
 
 class ModelLoadError(MultistreamError, OSError):
     """A model could not be loaded (missing files, no network for a hub id, bad format)."""
+
+
+class EngineClosedError(MultistreamError, RuntimeError):
+    """A stream was started on a model whose engine was closed (``model.close()``)."""

@@ -62,12 +62,15 @@ class _Channel:
         self.stream_id = stream_id
         self.started_at = time.perf_counter()
         self.cancel_requested = threading.Event()
+        self.finish_early_requested = threading.Event()
         self._cond = threading.Condition(threading.Lock())
         self._pending: deque[_Pending] = deque()
         self._final_put = False
         self._next_seq = 0
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._cancel_callbacks: list[Callable[[], Any]] = []
+        self.final_queued = threading.Event()
+        self.exception: BaseException | None = None  # what ended the stream with an error event
 
     # -- cancellation --------------------------------------------------------------------------
 
@@ -83,6 +86,10 @@ class _Channel:
                 callback()
             except Exception:  # noqa: BLE001 - one failing callback must not block the others
                 logger.exception("a cancel callback of stream %s failed", self.stream_id)
+
+    def request_finish_early(self) -> None:
+        """Set the finish-early flag; the producer checks it each step, as it does the cancel flag."""
+        self.finish_early_requested.set()
 
     def add_cancel_callback(self, callback: Callable[[], Any]) -> None:
         with self._cond:
@@ -102,6 +109,12 @@ class _Channel:
             text_target = self._undelivered_text() if merge_key == ("text",) else None
             if text_target is not None:
                 _merge_into(text_target, fields)
+                # The merged delta now carries the newest time; moving it behind any preview it
+                # overtook keeps `t` non-decreasing in delivery order (previews are replaceable,
+                # so their relative order to text carries no meaning).
+                if self._pending[-1] is not text_target:
+                    self._pending.remove(text_target)
+                    self._pending.append(text_target)
             elif merge_key is not None and merge_key[0] == "preview":
                 # Only the newest preview of each image is worth showing to a slow consumer.
                 stale = next((p for p in self._pending if p.merge_key == merge_key), None)
@@ -112,6 +125,7 @@ class _Channel:
                 self._pending.append(_Pending(cls, fields, merge_key))
             if fields.get("is_final"):
                 self._final_put = True
+                self.final_queued.set()
             waiters, self._async_waiters = self._async_waiters, []
             self._cond.notify_all()
         for loop, fut in waiters:
@@ -194,6 +208,11 @@ class StreamWriter:
     def cancelled(self) -> bool:
         """True once the consumer asked to stop; check it every model step."""
         return self._channel.cancel_requested.is_set()
+
+    @property
+    def finish_early_requested(self) -> bool:
+        """True once the consumer asked to stop now and keep the result (`Stream.finish_early`)."""
+        return self._channel.finish_early_requested.is_set()
 
     @property
     def finished(self) -> bool:
@@ -296,7 +315,10 @@ class StreamWriter:
         self._channel.put(type(ev), fields, merge_key)
 
     def fail(self, exc: BaseException) -> None:
-        """End the stream with an ``error`` event describing ``exc``."""
+        """End the stream with an ``error`` event describing ``exc`` (kept as ``stream.exception``)."""
+        if self._channel.final_put:
+            return
+        self._channel.exception = exc
         message = str(exc) or repr(exc)
         self._channel.put(ErrorEvent, {"is_final": True, "error": {"type": type(exc).__name__, "message": message}})
 
@@ -318,12 +340,15 @@ class Stream:
 
     def __init__(
         self,
-        producer: Callable[[StreamWriter], None],
+        producer: Callable[[StreamWriter], None] | None = None,
         *,
         kind: str = "text",
         stream_id: str | None = None,
         name: str | None = None,
+        submit: Callable[[StreamWriter], None] | None = None,
     ) -> None:
+        if (producer is None) == (submit is None):
+            raise TypeError("Stream needs exactly one of producer= (runs in its own thread) or submit= (an engine)")
         self.stream_id = stream_id or uuid.uuid4().hex
         self.kind = kind
         self.final: Event | None = None
@@ -331,11 +356,15 @@ class Stream:
         self._channel = _Channel(self.stream_id)
         self._state = _NEW
         self._state_lock = threading.Lock()
-        # A plain list the producer thread fills, so that thread holds no reference to this Stream.
-        self._exception_box: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+        writer = StreamWriter(self._channel)
+        if submit is not None:
+            # A model engine runs the generation on its own thread; nothing to start here.
+            submit(writer)
+            return
         self._thread = threading.Thread(
             target=_run_producer,
-            args=(producer, StreamWriter(self._channel), self._exception_box),
+            args=(producer, writer),
             name=name or f"multistream-{kind}-{self.stream_id[:8]}",
             daemon=True,
         )
@@ -360,10 +389,27 @@ class Stream:
         if not self._channel.final_put:
             self.cancel()
 
+    def finish_early(self) -> None:
+        """Stop now and keep what there is: a chosen end, not an abort.
+
+        An image stream stops denoising at the next step and its final event is the current
+        estimate of the clean image through the full VAE; a text stream ends at once. Either way
+        the final event has ``finish_reason="finished_early"``. No effect once the stream ended.
+
+        Example:
+            >>> s = sd.stream("a red circle on a blue background", steps=40)   # doctest: +SKIP
+            >>> for ev in s:                                                   # doctest: +SKIP
+            ...     if ev.step == 10:
+            ...         s.finish_early()          # keep this picture, full quality
+        """
+        self._channel.request_finish_early()
+
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the producer thread to end; True if it did within ``timeout``."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Wait until the model is done with this stream; True if it was within ``timeout``."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return self._channel.final_queued.wait(timeout)
 
     def __enter__(self) -> Stream:
         return self
@@ -405,8 +451,7 @@ class Stream:
     def _on_event(self, ev: Event) -> None:
         if ev.is_final:
             self.final = ev
-            if self._exception_box:
-                self.exception = self._exception_box[0]
+            self.exception = self._channel.exception
 
     def _release(self) -> None:
         """Called when a consumer loop ends: at the final event, or early (break/close/GC)."""
@@ -429,7 +474,7 @@ class Stream:
                 if ev.is_final:
                     # The producer returns right after queuing the final event; waiting for that
                     # keeps a script that exits after its loop from killing a thread mid-cleanup.
-                    self._thread.join(timeout=2.0)
+                    self.join(timeout=2.0)
                 yield ev
                 if ev.is_final:
                     return
@@ -480,18 +525,13 @@ class Stream:
         return f"<Stream {self.kind} id={self.stream_id} state={self._state}>"
 
 
-def _run_producer(
-    producer: Callable[[StreamWriter], None], writer: StreamWriter, exception_box: list[BaseException]
-) -> None:
+def _run_producer(producer: Callable[[StreamWriter], None], writer: StreamWriter) -> None:
     """The producer thread: run the model; turn any exception into the stream's error event."""
     try:
         producer(writer)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
         logger.error("stream %s failed", writer.stream_id, exc_info=exc)
-        exception_box.append(exc)
         writer.fail(exc)
     else:
         if not writer.finished:
-            exc = RuntimeError("the model ended without a final event (a bug in the adapter)")
-            exception_box.append(exc)
-            writer.fail(exc)
+            writer.fail(RuntimeError("the model ended without a final event (a bug in the adapter)"))

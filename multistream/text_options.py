@@ -43,10 +43,13 @@ class TextOptions:
     """Checked generation options (see ``TextModel.stream`` for their meaning)."""
 
     max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
+    # None: the model's generation_config decides (as transformers' generate does); see
+    # `multistream.text_sampling.SamplingPlan`. temperature None there means greedy unless the
+    # config says do_sample.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     chunk_tokens: int | None = None
@@ -76,10 +79,10 @@ def _reject_unknown(unknown: dict[str, Any]) -> None:
 def parse_text_options(
     *,
     max_new_tokens: Any = 256,
-    temperature: Any = 0.0,
-    top_p: Any = 1.0,
-    top_k: Any = 0,
-    repetition_penalty: Any = 1.0,
+    temperature: Any = None,
+    top_p: Any = None,
+    top_k: Any = None,
+    repetition_penalty: Any = None,
     seed: Any = None,
     stop: Any = None,
     chunk_tokens: Any = None,
@@ -91,13 +94,13 @@ def parse_text_options(
     _reject_unknown(unknown)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not _is_number(temperature) or temperature < 0:
+    if temperature is not None and (not _is_number(temperature) or temperature < 0):
         raise InvalidArgumentError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise InvalidArgumentError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if not _is_number(repetition_penalty) or repetition_penalty <= 0:
+    if repetition_penalty is not None and (not _is_number(repetition_penalty) or repetition_penalty <= 0):
         raise InvalidArgumentError(f"repetition_penalty must be a number > 0 (1 disables it), got {repetition_penalty!r}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
         raise InvalidArgumentError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
@@ -119,10 +122,10 @@ def parse_text_options(
         raise InvalidArgumentError(f"chat must be True, False or None (automatic), got {chat!r}")
     return TextOptions(
         max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
+        temperature=None if temperature is None else float(temperature),
+        top_p=None if top_p is None else float(top_p),
         top_k=top_k,
-        repetition_penalty=float(repetition_penalty),
+        repetition_penalty=None if repetition_penalty is None else float(repetition_penalty),
         seed=seed,
         stop=stops,
         chunk_tokens=chunk_tokens,

@@ -28,7 +28,8 @@ def check_stream(events, tokenizer=None):
     ids = [t for e in events for t in e.token_ids]
     if tokenizer is not None and final.finish_reason in ("stop", "length"):
         assert tokenizer.decode(ids, skip_special_tokens=True) == final.text
-    assert final.usage["completion_tokens"] == len(ids)
+    # usage counts every generated token, EOS included (as model.generate does); EOS is not text.
+    assert final.usage["completion_tokens"] == len(ids) + (final.finish_reason == "stop")
     assert set(final.metrics) == {"ttft_ms", "itl_ms_p50", "itl_ms_p95", "duration_ms", "tokens_per_s"}
     return final
 

@@ -1,0 +1,296 @@
+"""Continuous batching for causal LMs: one batched forward per step for every running request.
+
+Each engine step:
+
+1. requests whose consumer cancelled or finished early leave at once (their rows are dropped);
+2. if a waiting request outranks the lowest-priority running one and the batch is full, that one
+   is paused: its row leaves the batch with its KV cache, to rejoin later without recomputing;
+3. waiting requests are prefilled, highest priority first, up to ``prefill_budget`` prompt tokens
+   per step (a long prompt takes several steps, in chunks, so running streams are never stalled
+   for more than one chunk); a request whose prompt is done gets its first token at once;
+4. prefilled requests join the batch while there is room (``max_batch`` rows);
+5. one forward for all rows of the batch, each row's next token chosen by its own sampler.
+
+Rows share one left-padded KV cache (`RowCache`); each row has its own position ids, so a row's
+logits are those it would get alone (test: greedy output in a batch equals the output alone).
+
+Example (what `TextModel` does):
+    >>> batcher = TextBatcher(model, max_batch=16, prefill_budget=256)   # doctest: +SKIP
+    >>> engine = Engine(batcher, name="smollm2")                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from itertools import count
+from typing import Any
+
+import torch
+
+from .kv_rows import RowCache, supports_row_cache
+from .text_request import TextRequest
+
+__all__ = ["TextBatcher"]
+
+logger = logging.getLogger("multistream")
+
+
+def _returned_cache(out: Any, name: str, given: Any) -> Any:
+    returned = out[name]
+    return given if returned is None else returned
+
+
+def _rank(req: TextRequest) -> tuple[int, int]:
+    """Sort key: higher priority first, then first come first served."""
+    return (-req.priority, req.order)
+
+
+class TextBatcher:
+    """The engine backend of a causal LM (see the module docstring for one step)."""
+
+    def __init__(self, model: Any, *, max_batch: int = 16, prefill_budget: int = 512) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self.prefill_budget = prefill_budget
+        self.device = next(model.parameters()).device
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.2x renamed `past_key_values` to `cache`; speak whichever this model knows.
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._mergeable: bool | None = None  # known after the first prefill
+        self.waiting: list[TextRequest] = []
+        self.batch: list[TextRequest] = []
+        self.rows: RowCache | None = None
+        self._arrivals = count()
+        self.steps = 0  # decode steps run (tests and benchmarks read it)
+
+    # -- Backend --------------------------------------------------------------------------------
+
+    def admit(self, request: TextRequest) -> None:
+        request.order = next(self._arrivals)
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.batch)
+
+    def step(self) -> None:
+        self._drop_ended()
+        self._make_room_for_priority()
+        self._prefill()
+        self._join()
+        if self.batch:
+            self._decode()
+
+    def fail_all(self, exc: BaseException) -> None:
+        for req in self.batch + self.waiting:
+            req.fail(exc)
+        self.batch, self.waiting, self.rows = [], [], None
+
+    def shutdown(self) -> None:
+        for req in self.batch + self.waiting:
+            req.finish("cancelled")
+        self.batch, self.waiting, self.rows = [], [], None
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Rows per step: ``max_batch``, or 1 for caches that cannot be split (sliding windows)."""
+        return self.max_batch if self._mergeable is not False else 1
+
+    def _drop_ended(self) -> None:
+        for req in self.waiting:
+            req.check_flags()
+        self.waiting = [r for r in self.waiting if not r.done]
+        ended = [i for i, req in enumerate(self.batch) if req.check_flags()]
+        if ended:
+            self._remove_rows(ended)
+
+    def _remove_rows(self, indices: list[int]) -> None:
+        gone = set(indices)
+        keep = [i for i in range(len(self.batch)) if i not in gone]
+        self.batch = [self.batch[i] for i in keep]
+        if not keep or self.rows is None:
+            self.rows = None
+        elif self._mergeable:
+            self.rows = self.rows.select(keep)
+
+    def _make_room_for_priority(self) -> None:
+        """Pause the lowest-ranked running rows while better-ranked requests wait for a row."""
+        if not self._mergeable or not self.waiting:
+            return
+        waiting = sorted(self.waiting, key=_rank)
+        while len(self.batch) >= self.capacity and waiting:
+            worst = max(range(len(self.batch)), key=lambda i: _rank(self.batch[i]))
+            if _rank(waiting[0]) >= _rank(self.batch[worst]):
+                return
+            paused = self.batch[worst]
+            assert self.rows is not None
+            paused.own_cache = (self.rows.select([worst]), 0)
+            self._remove_rows([worst])
+            self.waiting.append(paused)
+            waiting.pop(0)
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def _prefill(self) -> None:
+        """Prefill waiting requests, best first, within the token budget and the free rows.
+
+        Whole prompts that fit the budget are prefilled together in one left-padded forward (one
+        pass over the weights for all of them); a prompt longer than the budget goes alone, one
+        chunk per step.
+        """
+        budget = self.prefill_budget
+        free_rows = self.capacity - len(self.batch)
+        group: list[TextRequest] = []
+        for req in sorted(self.waiting, key=_rank):
+            if free_rows <= 0 or budget <= 0:
+                break
+            if req.prefill_done:
+                free_rows -= 1  # paused earlier, its cache is ready: it takes a row first
+                continue
+            remaining = len(req.prompt_ids) - req.prefilled
+            if req.prefilled == 0 and remaining <= budget:
+                group.append(req)
+                budget -= remaining
+                free_rows -= 1
+            elif not group:
+                self._guarded(self._prefill_chunk, [req], min(budget, remaining))
+                budget = 0
+        if group:
+            self._guarded(self._prefill_group, group)
+        self.waiting = [r for r in self.waiting if not r.done]
+
+    def _guarded(self, fn: Any, reqs: list[TextRequest], *args: Any) -> None:
+        try:
+            fn(reqs, *args)
+        except Exception as exc:  # noqa: BLE001 - these requests fail; the others go on
+            logger.exception("prefill failed for %d stream(s)", len(reqs))
+            for req in reqs:
+                req.fail(exc)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_arg: cache},
+        )
+        returned = out[self._cache_arg]
+        if self._mergeable is None:
+            self._mergeable = supports_row_cache(returned if returned is not None else cache)
+        return out
+
+    def _prefill_group(self, group: list[TextRequest]) -> None:
+        from transformers import DynamicCache
+
+        if len(group) > 1 and self._mergeable is False:
+            group = group[:1]
+        width = max(len(r.prompt_ids) for r in group)
+        ids, mask, positions = [], [], []
+        for req in group:
+            pad = width - len(req.prompt_ids)
+            ids.append([req.prompt_ids[0]] * pad + req.prompt_ids)
+            mask.append([0] * pad + [1] * len(req.prompt_ids))
+            positions.append([0] * pad + list(range(len(req.prompt_ids))))
+        cache = DynamicCache()
+        mask_t = torch.tensor(mask, device=self.device)
+        out = self._forward(
+            torch.tensor(ids, device=self.device), mask_t, torch.tensor(positions, device=self.device), cache
+        )
+        rows = RowCache(_returned_cache(out, self._cache_arg, cache), mask_t)
+        for i, req in enumerate(group):
+            req.prefilled = len(req.prompt_ids)
+            req.own_cache = (rows, i)
+            self._first_token(req, out.logits[i, -1])
+
+    def _prefill_chunk(self, reqs: list[TextRequest], n: int) -> None:
+        from transformers import DynamicCache
+
+        (req,) = reqs
+        start = req.prefilled
+        ids = req.prompt_ids[start : start + n]
+        cache = req.own_cache[0].cache if req.own_cache is not None else DynamicCache()
+        mask = torch.ones(1, start + n, dtype=torch.long, device=self.device)
+        out = self._forward(
+            torch.tensor([ids], device=self.device), mask,
+            torch.arange(start, start + n, device=self.device).unsqueeze(0), cache,
+        )
+        req.own_cache = (RowCache(_returned_cache(out, self._cache_arg, cache), mask), 0)
+        req.prefilled += n
+        if req.prefill_done:
+            self._first_token(req, out.logits[0, -1])
+
+    def _first_token(self, req: TextRequest, logits: torch.Tensor) -> None:
+        # The first token goes out now: time to first token is queueing plus prefill.
+        try:
+            req.accept(self._pick(req, logits))
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("stream %s failed", req.writer.stream_id)
+            req.fail(exc)
+
+    # -- the batch ------------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """Ready requests join the batch, best first; rows prefilled together join together."""
+        ready = sorted((r for r in self.waiting if r.prefill_done and not r.done), key=_rank)
+        ready = ready[: max(0, self.capacity - len(self.batch))]
+        by_cache: dict[int, tuple[RowCache, list[tuple[int, TextRequest]]]] = {}
+        for req in ready:
+            rows, index = req.own_cache
+            by_cache.setdefault(id(rows), (rows, []))[1].append((index, req))
+            req.own_cache = None
+            self.waiting.remove(req)
+        for rows, members in by_cache.values():
+            indices = [i for i, _ in members]
+            if indices != list(range(rows.rows)):
+                rows = rows.select(indices)
+            self.rows = rows if self.rows is None else RowCache.concat(self.rows, rows)
+            self.batch.extend(req for _, req in members)
+
+    def _decode(self) -> None:
+        rows = self.rows
+        assert rows is not None
+        batch = self.batch
+        size = len(batch)
+        input_ids = torch.tensor([[req.next_token] for req in batch], device=self.device)
+        positions = torch.tensor([[req.cached_length] for req in batch], device=self.device)
+        mask = torch.cat([rows.mask, torch.ones(size, 1, dtype=rows.mask.dtype, device=rows.mask.device)], 1)
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_arg: rows.cache},
+            )
+        except Exception as exc:  # noqa: BLE001 - every row of this batch shares the fault
+            logger.exception("a batched decode step failed; ending its %d streams", size)
+            for req in batch:
+                req.fail(exc)
+            self.batch, self.rows = [], None
+            return
+        self.steps += 1
+        rows.mask = mask
+        logits = out.logits[:, -1, :]
+        greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
+        ended: list[int] = []
+        for i, req in enumerate(batch):
+            try:
+                token = greedy[i] if greedy is not None and req.sampler.plain_greedy else self._pick(req, logits[i])
+                if req.accept(token):
+                    ended.append(i)
+            except Exception as exc:  # noqa: BLE001 - a fault in one row's sampling or output
+                logger.exception("stream %s failed", req.writer.stream_id)
+                req.fail(exc)
+                ended.append(i)
+        if ended:
+            self._remove_rows(ended)
+
+    def _pick(self, req: TextRequest, logits: torch.Tensor) -> int:
+        if req.sampler.plain_greedy:
+            return int(torch.argmax(logits))
+        return req.sampler.pick(logits, req.sequence, len(req.generated), req.generated)
