@@ -531,9 +531,15 @@ class ImageModel:
                 if value is not None and not callable(value):
                     raise InvalidArgumentError("callback_on_step_end must be callable")
                 user_callback = value
+                # A diffusers PipelineCallback / MultiPipelineCallbacks names the tensors it reads
+                # (SDCFGCutoffCallback needs "prompt_embeds"); the pipeline would take them from it,
+                # but it sees only multistream's own callback, so they are asked for here.
+                own = getattr(value, "tensor_inputs", None)
+                if isinstance(own, (list, tuple)):
+                    tensor_inputs = list(dict.fromkeys([*tensor_inputs, *own]))
                 continue
             if key == "callback_on_step_end_tensor_inputs":
-                tensor_inputs = list(dict.fromkeys(["latents", *(value or [])]))
+                tensor_inputs = list(dict.fromkeys([*tensor_inputs, *(value or [])]))
                 continue
             if key == "output_type" and value not in ("pil", "np", "pt"):
                 raise InvalidArgumentError(
@@ -896,6 +902,24 @@ def _class_name_of(folder: str) -> str | None:
         return None
 
 
+def _hub_class_name(source: str, **kw: Any) -> str | None:
+    """The pipeline class named in a hub model's ``model_index.json`` (the hub cache first, then the
+    network unless offline), or None: read before loading, so the load uses the right dtype."""
+    from diffusers import DiffusionPipeline
+
+    options = {k: kw[k] for k in ("revision", "token", "cache_dir") if k in kw}
+    for local_only in (True, False):
+        if not local_only and _offline():
+            break
+        try:
+            config = DiffusionPipeline.load_config(source, local_files_only=local_only, **options)
+        except Exception:  # noqa: BLE001 - no config: the dtype falls back to the class loaded
+            continue
+        name = config.get("_class_name") if isinstance(config, dict) else None
+        return str(name) if name else None
+    return None
+
+
 def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kw: Any) -> Any:
     from diffusers import DiffusionPipeline
 
@@ -950,6 +974,9 @@ def load_image_model(
                 "inside). Convert a single-file checkpoint with diffusers' from_single_file(...).save_pretrained(folder)"
             )
     class_name = _class_name_of(source) if is_dir else None
+    if torch_dtype is None and class_name is None and not is_dir and torch_device.type == "cuda":
+        # Only the dtype depends on the class (Flux: bfloat16), so only then is it looked up.
+        class_name = _hub_class_name(source, **kw)
     if torch_dtype is None:
         torch_dtype = _default_dtype(torch_device, class_name)
     try:
