@@ -4,8 +4,8 @@ In one process, the runs of each mode are interleaved (the order rotates every r
 the machine's speed hits all modes alike) and the median of ``--reps`` rounds is kept, after one
 warm-up round. All runs use the same prompt, seed and step count. Modes:
 
-* ``plain``: ``pipe(prompt, ...)`` with no step callback (the baseline; run in a fresh thread,
-  like the stream's producer);
+* ``plain``: ``pipe(prompt, ...)`` with no step callback, called on the main thread as a user
+  would (the baseline);
 * ``latent``: ``.stream(preview="latent")`` every step (linear latent->RGB map; target <= 1.03x);
 * ``x0``: ``.stream(preview="x0")`` every step (the model's clean-image estimate, same map);
 * ``vae``: ``.stream(preview="vae")`` every step (a full VAE decode per step: what a naive
@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
@@ -51,14 +50,8 @@ def run_once(model: Any, mode: str, prompt: str, steps: int, seed: int, height: 
     _sync(model.device)
     started = time.perf_counter()
     if mode == "plain":
-        # In a fresh thread, as .stream() runs its producer: each thread that runs torch ops has
-        # its own OpenMP team, and on a small busy CPU where that runs changes the timings a lot.
-        def call() -> None:
-            model.pipeline(prompt, num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed), **size)
-
-        worker = threading.Thread(target=call)
-        worker.start()
-        worker.join()
+        # On the calling thread, as a user calls a pipeline: the baseline a stream must match.
+        model.pipeline(prompt, num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed), **size)
         metrics: dict[str, float] = {}
     else:
         final = model.stream(prompt, steps=steps, seed=seed, preview=mode, preview_every=1,

@@ -23,9 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-# On a shared CPU, OpenMP threads that spin-wait for a descheduled sibling make some images
-# 10-30x slower than others; sleeping waits keep the timing honest. Must precede `import torch`.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch

@@ -20,7 +20,6 @@ import statistics
 import threading
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; steadier on a shared CPU
 
 import torch  # noqa: E402
 

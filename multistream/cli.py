@@ -15,9 +15,6 @@ import importlib
 import os
 import sys
 
-# The command line owns its process, so it may pick OpenMP's waiting policy (read when torch loads):
-# spinning worker threads starve other threads and processes on small shared CPUs.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from collections.abc import Sequence
 
 __all__ = ["main"]

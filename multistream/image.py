@@ -1,7 +1,8 @@
 """The diffusers adapter: live denoising previews, then the finished image, as ``image`` events.
 
 ``ms.load_image_model(...)`` gives an `ImageModel`; its ``stream(prompt, ...)`` runs the pipeline
-in the stream's producer thread and emits small compressed preview frames while it denoises (from
+on the model's engine thread (requests interleave step by step, higher ``priority`` first) and
+emits small compressed preview frames while it denoises (from
 ``callback_on_step_end``), then the full-quality image as the final event. Any diffusers pipeline
 with that hook works: Stable Diffusion 1.x/2.x, SDXL, SD3, Flux and their relatives.
 
@@ -26,51 +27,35 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import inspect
-import json
 import logging
 import os
 import random
 import threading
-import time
 import warnings
-from contextlib import nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .devices import default_dtype, resolve_device, resolve_dtype
-from .errors import InvalidArgumentError, ModelLoadError
-from .events import Event, ImageEvent
-from .frames import EncodedFrame, check_format, check_quality, encode_frame
-from .latent_rgb import LatentRGB, detect_family, latent_rgb_for, latents_to_rgb
-from .previews import (
-    FrameWorker,
-    HostFrames,
-    LinearDecoder,
-    PendingFrame,
-    PreviewPlan,
-    PreviewThrottle,
-    VaeDecoder,
-    X0Tracker,
-    false_color,
-    parse_preview,
-    to_uint8_frames,
-    unpack_latents,
-    x0_strategy,
-)
+from .devices import resolve_device, resolve_dtype
+from .engine import Engine
+from .engine.image_steps import ImageRequest, ImageStepper
+from .engine.settings import engine_thread_setup
+from .errors import InvalidArgumentError
+from .events import Event
+from .frames import check_format, check_quality
+from .image_loading import EMBEDDED_MODEL_DIR, _load_taesd, load_image_model
+from .image_run import ImageRun
+from .latent_rgb import LatentRGB, detect_family, latent_rgb_for
+from .previews import LinearDecoder, PreviewPlan, PreviewThrottle, VaeDecoder, parse_preview, x0_strategy
 from .stream import Stream, StreamWriter
 
-__all__ = ["EMBEDDED_MODEL_DIR", "ImageModel", "load_image_model"]
+__all__ = ["EMBEDDED_MODEL_DIR", "ImageJob", "ImageModel", "load_image_model"]
 
 logger = logging.getLogger("multistream")
-
-#: Where the project's own small text-to-image model lives (``load_image_model()`` with no name).
-EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "_models" / "shapes"
 
 # Arguments `stream()` sets itself; passing them through **pipeline_kwargs would fight it.
 _RESERVED = {
@@ -81,18 +66,6 @@ _RESERVED = {
     "callback": "callback_on_step_end=",
     "callback_steps": "callback_on_step_end=",
 }
-
-
-class _Cancelled(BaseException):
-    """Raised out of the step callback to stop the pipeline before its final VAE decode.
-
-    A BaseException, so that an ``except Exception`` inside a pipeline cannot swallow it.
-    """
-
-
-def _default_dtype(device: torch.device, class_name: str | None) -> torch.dtype:
-    # Flux overflows float16 (black images); its weights are bfloat16 to begin with.
-    return default_dtype(device, prefer_bf16=bool(class_name and class_name.startswith("Flux")))
 
 
 def _is_int(value: Any) -> bool:
@@ -107,42 +80,8 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> i
     return int(value)
 
 
-def _dtype_kwarg(dtype: torch.dtype | None) -> dict[str, Any]:
-    """``from_pretrained``'s dtype argument: ``dtype=`` in newer diffusers (which deprecate
-    ``torch_dtype=``), ``torch_dtype=`` in older ones."""
-    try:
-        from diffusers.utils import deprecation_utils
-
-        new = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
-    except ImportError:
-        new = False
-    return {"dtype": dtype} if new else {"torch_dtype": dtype}
-
-
-def _load_taesd(taesd: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    if isinstance(taesd, (str, os.PathLike)):
-        from diffusers import AutoencoderTiny
-
-        path = os.fspath(taesd)
-        try:
-            model = AutoencoderTiny.from_pretrained(path, local_files_only=os.path.isdir(path), **_dtype_kwarg(dtype))
-        except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear error
-            raise ModelLoadError(
-                f"could not load TAESD weights from {path!r} ({type(exc).__name__}: {exc}). Pass a local folder "
-                "with a diffusers AutoencoderTiny (config.json + diffusion_pytorch_model.safetensors), e.g. a "
-                "download of madebyollin/taesd for SD 1.x/2.x, or an AutoencoderTiny object."
-            ) from exc
-    elif hasattr(taesd, "decode") and hasattr(taesd, "parameters") and hasattr(taesd, "config"):
-        model = taesd
-    else:
-        raise InvalidArgumentError(
-            f"taesd must be a folder path or a diffusers AutoencoderTiny object, got {type(taesd).__name__}"
-        )
-    return model.to(device=device, dtype=dtype).eval()
-
-
 @dataclass
-class _Job:
+class ImageJob:
     """One validated `stream()` call."""
 
     call_kwargs: dict[str, Any]
@@ -161,58 +100,6 @@ class _Job:
     taesd: Any
     user_callback: Callable[..., Any] | None
     tensor_inputs: list[str]
-
-
-@dataclass
-class _Run:
-    """What one run has seen so far; the producer thread writes it, the encoder thread adds stats."""
-
-    started: float
-    total: int | None = None
-    call_at: float = 0.0
-    first_step_at: float | None = None
-    last_step_at: float | None = None
-    steps_seen: int = 0
-    previews_made: int = 0
-    preview_s: float = 0.0
-    encoded: int = 0
-    encode_ms: float = 0.0
-    encoded_bytes: int = 0
-    first_preview_at: float | None = None
-    last_frames: dict[int, PendingFrame] = field(default_factory=dict)
-    stop_step: int = 0
-    stop_latents: torch.Tensor | None = None
-
-    def metrics(self, worker: FrameWorker | None, **extra: float) -> dict[str, float]:
-        now = time.perf_counter()
-        out: dict[str, float] = {"duration_ms": (now - self.started) * 1e3, "steps": float(self.steps_seen)}
-        if self.first_step_at is not None:
-            out["time_to_first_step_ms"] = (self.first_step_at - self.started) * 1e3
-            if self.steps_seen > 1 and self.last_step_at is not None:
-                out["ms_per_step"] = (self.last_step_at - self.first_step_at) * 1e3 / (self.steps_seen - 1)
-            else:
-                out["ms_per_step"] = (self.first_step_at - self.call_at) * 1e3
-        if self.first_preview_at is not None:
-            out["time_to_first_preview_ms"] = (self.first_preview_at - self.started) * 1e3
-        out["previews"] = float(self.encoded)
-        if worker is not None:
-            out["previews_dropped"] = float(worker.dropped)
-        if self.previews_made:
-            out["preview_ms"] = self.preview_s * 1e3 / self.previews_made
-        if self.encoded:
-            out["encode_ms"] = self.encode_ms / self.encoded
-            out["preview_bytes"] = self.encoded_bytes / self.encoded
-        out.update({k: float(v) for k, v in extra.items()})
-        return out
-
-
-def _free_hooks(pipe: Any) -> None:
-    free = getattr(pipe, "maybe_free_model_hooks", None)
-    if free is not None:
-        try:
-            free()
-        except Exception:  # noqa: BLE001 - cleanup after a stop must not hide why it stopped
-            logger.debug("maybe_free_model_hooks failed", exc_info=True)
 
 
 class ImageModel:
@@ -271,7 +158,6 @@ class ImageModel:
             pipeline.set_progress_bar_config(disable=True)
         self.name = name or getattr(getattr(pipeline, "config", None), "_name_or_path", None) or type(pipeline).__name__
         self._model_dir = os.fspath(model_dir) if model_dir is not None else None
-        self._lock = threading.Lock()
         self._resolve_lock = threading.Lock()
         self._warned: set[str] = set()
         self._vae_for_previews: Any = None
@@ -288,6 +174,32 @@ class ImageModel:
         self._latent_rgb: LatentRGB | None = None
         if latent_rgb is not None:
             self._latent_rgb = self._read_latent_rgb(latent_rgb)
+        self._takes_step_callback = "callback_on_step_end" in self._params or self._var_kw
+        self._stepper = ImageStepper()
+        self._engine = Engine(self._stepper, name=f"image-{self.name}", setup=engine_thread_setup)
+        # The engine thread must not keep this object alive; closing on collection ends it.
+        self._finalizer = weakref.finalize(self, self._engine.close, 30.0)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine thread that runs every stream of this model."""
+        return self._engine
+
+    def close(self) -> None:
+        """End the engine thread; running streams end with ``finish_reason="cancelled"``.
+
+        Also happens when the model is garbage collected and at interpreter exit.
+
+        Example:
+            >>> sd = load_image_model(); sd.close()      # doctest: +SKIP
+        """
+        self._finalizer()
+
+    def __enter__(self) -> ImageModel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- properties --------------------------------------------------------------------------
 
@@ -389,6 +301,7 @@ class ImageModel:
         final_format: str = "png",
         final_quality: int = 95,
         taesd: Any = None,
+        priority: int = 0,
         **pipeline_kwargs: Any,
     ) -> Stream:
         """Start generating; returns a `Stream` of ``image`` events (previews, then the final image).
@@ -404,7 +317,8 @@ class ImageModel:
         ``preview_max_side`` (None: never scaled; a linear-map preview is latent-sized, e.g. 64 px for
         a 512 px image); the final image is ``final_format`` (PNG, lossless, by default) at
         full size. Other keyword arguments go to the pipeline call (e.g. ``max_sequence_length``;
-        a ``callback_on_step_end`` of yours is called after multistream's own).
+        a ``callback_on_step_end`` of yours is called after multistream's own). ``priority``:
+        higher gets the next denoising step first (default 0); equal priorities take turns.
 
         Bad arguments raise `InvalidArgumentError` here, before anything runs.
 
@@ -417,7 +331,13 @@ class ImageModel:
             preview_every, preview_format, preview_quality, preview_max_side, final_format, final_quality,
             taesd, pipeline_kwargs,
         )  # fmt: skip
-        return Stream(functools.partial(self._produce, job=job), kind="image")
+        if not _is_int(priority):
+            raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
+
+        def submit(writer: StreamWriter) -> None:
+            self._engine.submit(_ImageRequest(self, writer, job, int(priority)))
+
+        return Stream(submit=submit, kind="image")
 
     def generate(self, prompt: str, *, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
         """Run to the end, calling ``on_event`` for each event; returns the final event.
@@ -449,7 +369,7 @@ class ImageModel:
         final_quality: Any,
         taesd: Any,
         pipeline_kwargs: dict[str, Any],
-    ) -> _Job:
+    ) -> ImageJob:
         if not isinstance(prompt, str):
             raise InvalidArgumentError(f"prompt must be a string, got {type(prompt).__name__}")
         if negative_prompt is not None and not isinstance(negative_prompt, str):
@@ -552,7 +472,7 @@ class ImageModel:
             seed = random.randrange(2**31)
         if "generator" not in kwargs and ("generator" in self._params or self._var_kw):
             kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))  # type: ignore[arg-type]
-        return _Job(
+        return ImageJob(
             call_kwargs=kwargs,
             plan=plan,
             throttle=throttle,
@@ -659,7 +579,7 @@ class ImageModel:
             return self._vae_for_previews
         return vae
 
-    def _decoder(self, job: _Job) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def _decoder(self, job: ImageJob) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if job.plan.decoder == "linear":
             return LinearDecoder(self.latent_rgb)
         if job.plan.decoder == "vae":
@@ -677,334 +597,21 @@ class ImageModel:
         except Exception:  # noqa: BLE001 - a cheap look only
             return None
 
-    def _acquire(self, writer: StreamWriter) -> bool:
-        while not self._lock.acquire(timeout=0.05):
-            if writer.cancelled:
-                return False
-        return True
 
-    # -- the producer ---------------------------------------------------------------------------
+class _ImageRequest(ImageRequest):
+    """Binds one job of an `ImageModel` to the engine's step scheduler."""
 
-    def _produce(self, writer: StreamWriter, job: _Job) -> None:
-        run = _Run(started=time.perf_counter())
-        if not self._acquire(writer):
-            self._emit_cancelled(writer, job, run)
-            return
-        try:
-            with torch.inference_mode():
-                self._run(writer, job, run)
-        finally:
-            self._lock.release()
+    def __init__(self, model: ImageModel, writer: StreamWriter, job: ImageJob, priority: int) -> None:
+        super().__init__(self._start, writer.fail, self._cancel, priority=priority)
+        self._model, self._writer, self._job = model, writer, job
+        self._run: ImageRun | None = None
 
-    def _run(self, writer: StreamWriter, job: _Job, run: _Run) -> None:
-        pipe = self._pipe
-        if writer.cancelled:
-            self._emit_cancelled(writer, job, run)
-            return
-        decoder = self._decoder(job)
-        tracker = X0Tracker(pipe.scheduler) if job.plan.source == "x0" else None
-        worker = FrameWorker(functools.partial(self._emit_preview, writer, job, run), name=f"multistream-frames-{writer.stream_id[:8]}")
-        kwargs = dict(job.call_kwargs)
-        if "callback_on_step_end" in self._params or self._var_kw:
-            kwargs["callback_on_step_end"] = self._make_callback(writer, job, run, decoder, tracker, worker)
-            kwargs["callback_on_step_end_tensor_inputs"] = job.tensor_inputs
-        run.call_at = time.perf_counter()
-        try:
-            with tracker if tracker is not None else nullcontext():
-                output = pipe(**kwargs)
-        except _Cancelled:
-            worker.close(flush=True)
-            _free_hooks(pipe)
-            self._emit_cancelled(writer, job, run, worker)
-            return
-        except BaseException:
-            try:
-                worker.close(flush=False)
-            except BaseException:  # noqa: BLE001 - the pipeline's own error is the one to report
-                logger.debug("frame worker failed while the pipeline failed", exc_info=True)
-            _free_hooks(pipe)
-            raise
-        pipeline_done = time.perf_counter()
-        worker.close(flush=True)
-        images = getattr(output, "images", None)
-        if images is None:
-            images = output[0]
-        nsfw = getattr(output, "nsfw_content_detected", None)
-        total = run.total or job.steps or 0
-        count = len(images)
-        encode_started = time.perf_counter()
-        frames: list[EncodedFrame] = [
-            encode_frame(images[i], job.final_format, job.final_quality) for i in range(count)
-        ]
-        extra: dict[str, float] = {
-            "final_encode_ms": (time.perf_counter() - encode_started) * 1e3 / max(1, count),
-            "final_bytes": float(sum(f.nbytes for f in frames)) / max(1, count),
-        }
-        if run.last_step_at is not None:
-            extra["decode_ms"] = (pipeline_done - run.last_step_at) * 1e3
-        if job.seed >= 0:
-            extra["seed"] = float(job.seed)
-        metrics = run.metrics(worker, **extra)
-        for i, frame in enumerate(frames):
-            reason = "content_filter" if nsfw is not None and i < len(nsfw) and nsfw[i] else "stop"
-            self._emit_done(writer, frame, i, total, total, reason, metrics, last=i == count - 1)
+    def _start(self, yield_step: Callable[[], None]) -> None:
+        # Built here, on the engine thread: copying the scheduler copies tensors.
+        self._run = ImageRun(self._model, self._writer, self._job, yield_step)
+        self._run.execute()
 
-    def _make_callback(
-        self,
-        writer: StreamWriter,
-        job: _Job,
-        run: _Run,
-        decoder: Callable[[torch.Tensor], torch.Tensor] | None,
-        tracker: X0Tracker | None,
-        worker: FrameWorker,
-    ) -> Callable[..., dict[str, Any]]:
-        pipe = self._pipe
-
-        def callback(pipeline: Any, i: int, t: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-            now = time.perf_counter()
-            step = int(i) + 1
-            if run.total is None:
-                total = getattr(pipeline, "_num_timesteps", None)
-                if not _is_int(total) or total < 1:
-                    timesteps = getattr(pipeline.scheduler, "timesteps", None)
-                    total = len(timesteps) if timesteps is not None else (job.steps or step)
-                run.total = int(total)
-            if run.first_step_at is None:
-                run.first_step_at = now
-            run.last_step_at = now
-            run.steps_seen = step
-            latents = callback_kwargs.get("latents")
-            if writer.cancelled:
-                run.stop_step = step
-                if latents is not None:
-                    x0 = tracker.x0() if tracker is not None else None
-                    run.stop_latents = x0 if x0 is not None else latents
-                raise _Cancelled()
-            if decoder is not None and latents is not None and job.throttle.should_preview(step):
-                self._make_preview(pipe, job, run, decoder, tracker, worker, step, latents)
-            if job.user_callback is not None:
-                result = job.user_callback(pipeline, i, t, callback_kwargs)
-                if result is not None:
-                    callback_kwargs = result
-            return callback_kwargs
-
-        return callback
-
-    def _make_preview(
-        self,
-        pipe: Any,
-        job: _Job,
-        run: _Run,
-        decoder: Callable[[torch.Tensor], torch.Tensor],
-        tracker: X0Tracker | None,
-        worker: FrameWorker,
-        step: int,
-        latents: torch.Tensor,
-    ) -> None:
-        started = time.perf_counter()
-        source = latents
-        if tracker is not None:
-            x0 = tracker.x0()
-            if x0 is not None:
-                source = x0
-        spatial = unpack_latents(pipe, source, job.height, job.width)
-        frames = HostFrames(to_uint8_frames(decoder(spatial), job.preview_max_side))
-        total = run.total or step
-        for index in range(frames.shape[0]):
-            pending = PendingFrame(step, total, index, frames, started)
-            run.last_frames[index] = pending
-            worker.submit(pending)
-        run.previews_made += 1
-        run.preview_s += time.perf_counter() - started
-
-    def _emit_preview(self, writer: StreamWriter, job: _Job, run: _Run, frame: PendingFrame) -> None:
-        """Runs on the encoder thread."""
-        encoded = encode_frame(frame.frames.array(frame.index), job.preview_format, job.preview_quality)
-        writer.image(
-            step=frame.step,
-            total_steps=frame.total_steps,
-            width=encoded.width,
-            height=encoded.height,
-            mime=encoded.mime,
-            data=encoded.data,
-            index=frame.index,
-        )
-        run.encoded += 1
-        run.encode_ms += encoded.encode_ms
-        run.encoded_bytes += encoded.nbytes
-        if run.first_preview_at is None:
-            run.first_preview_at = time.perf_counter()
-
-    def _emit_cancelled(self, writer: StreamWriter, job: _Job, run: _Run, worker: FrameWorker | None = None) -> None:
-        total = run.total or job.steps or 0
-        frames: list[tuple[int, EncodedFrame]] = []
-        if run.last_frames:
-            for index in sorted(run.last_frames):
-                pending = run.last_frames[index]
-                pixels = pending.frames.array(index)
-                frames.append((pending.step, encode_frame(pixels, job.preview_format, job.preview_quality)))
-        elif run.stop_latents is not None:
-            spatial = unpack_latents(self._pipe, run.stop_latents, job.height, job.width)
-            lrgb = self._latent_rgb_if_ready()
-            rgb = latents_to_rgb(spatial, lrgb) if lrgb is not None and lrgb.channels == spatial.shape[1] else false_color(spatial)
-            host = HostFrames(to_uint8_frames(rgb, job.preview_max_side))
-            for index in range(host.shape[0]):
-                frames.append((run.stop_step, encode_frame(host.array(index), job.preview_format, job.preview_quality)))
-        else:
-            # Cancelled before the first step: nothing to show but a placeholder pixel.
-            blank = encode_frame(np.full((1, 1, 3), 128, dtype=np.uint8), job.preview_format, job.preview_quality)
-            frames = [(0, blank)] * job.num_images
-        extra = {"seed": float(job.seed)} if job.seed >= 0 else {}
-        metrics = run.metrics(worker, **extra)
-        for i, (step, frame) in enumerate(frames):
-            self._emit_done(writer, frame, i, step, total, "cancelled", metrics, last=i == len(frames) - 1)
-
-    @staticmethod
-    def _emit_done(
-        writer: StreamWriter,
-        frame: EncodedFrame,
-        index: int,
-        step: int,
-        total: int,
-        reason: str,
-        metrics: dict[str, float],
-        *,
-        last: bool,
-    ) -> None:
-        if last:
-            writer.image(
-                step=step, total_steps=total, width=frame.width, height=frame.height, mime=frame.mime,
-                data=frame.data, index=index, is_final=True, finish_reason=reason, metrics=metrics,
-            )  # fmt: skip
-            return
-        # A finished image that is not the last of the batch: never merged or dropped (it carries
-        # a finish_reason), and not final (only the last event of a stream is).
-        done = ImageEvent(
-            stream_id=writer.stream_id, seq=0, t=0.0, step=step, total_steps=total, width=frame.width,
-            height=frame.height, mime=frame.mime, data=frame.data, index=index, finish_reason=reason,
-            metrics=metrics,
-        )  # fmt: skip
-        writer.forward(done, is_final=False)
-
-
-# --- loading ----------------------------------------------------------------------------------
-
-
-def _offline() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def _class_name_of(folder: str) -> str | None:
-    try:
-        with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as fh:
-            return str(json.load(fh).get("_class_name"))
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _hub_class_name(source: str, **kw: Any) -> str | None:
-    """The pipeline class named in a hub model's ``model_index.json`` (the hub cache first, then the
-    network unless offline), or None: read before loading, so the load uses the right dtype."""
-    from diffusers import DiffusionPipeline
-
-    options = {k: kw[k] for k in ("revision", "token", "cache_dir") if k in kw}
-    for local_only in (True, False):
-        if not local_only and _offline():
-            break
-        try:
-            config = DiffusionPipeline.load_config(source, local_files_only=local_only, **options)
-        except Exception:  # noqa: BLE001 - no config: the dtype falls back to the class loaded
-            continue
-        name = config.get("_class_name") if isinstance(config, dict) else None
-        return str(name) if name else None
-    return None
-
-
-def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kw: Any) -> Any:
-    from diffusers import DiffusionPipeline
-
-    return DiffusionPipeline.from_pretrained(source, local_files_only=local_only, **_dtype_kwarg(dtype), **kw)
-
-
-def load_image_model(
-    name_or_path: Any = None,
-    device: str | torch.device = "auto",
-    dtype: str | torch.dtype | None = None,
-    **kw: Any,
-) -> ImageModel:
-    """Load a diffusers text-to-image pipeline as a streaming `ImageModel`.
-
-    ``name_or_path`` is a local diffusers folder (``model_index.json`` inside), a Hugging Face hub
-    id (needs network, or the hub cache), a pipeline object you already built, or None for the
-    project's own small embedded model (offline). ``device="auto"`` picks CUDA with float16 when
-    there is a GPU (bfloat16 for Flux), else the CPU with float32; for a pipeline object "auto"
-    leaves it where it is. ``taesd=`` and ``latent_rgb=`` go to `ImageModel`; other keywords go
-    to ``DiffusionPipeline.from_pretrained`` (e.g. ``variant="fp16"``).
-
-    Raises `ModelLoadError` with the cause and the fix when the model cannot be loaded.
-
-    Example:
-        >>> sd = load_image_model()                                   # doctest: +SKIP
-        >>> sd = load_image_model("./models/sd-turbo", device="cuda")  # doctest: +SKIP
-    """
-    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name") if k in kw}
-    if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
-        return ImageModel(
-            name_or_path,
-            device=None if isinstance(device, str) and device == "auto" else device,
-            dtype=dtype,
-            **model_kw,
-        )
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype)
-    if name_or_path is None:
-        folder = EMBEDDED_MODEL_DIR
-        if not (folder / "model_index.json").is_file():
-            raise ModelLoadError(
-                f"the embedded image model is not installed (no model_index.json in {folder}); pass a "
-                "diffusers pipeline folder, hub id or pipeline object: ms.load_image_model('path/to/folder')"
-            )
-        source, is_dir = str(folder), True
-    else:
-        source = os.path.expanduser(os.fspath(name_or_path))
-        is_dir = os.path.isdir(source)
-        if not is_dir and os.path.isfile(source):
-            raise ModelLoadError(
-                f"{source!r} is a single file; load_image_model takes a diffusers folder (model_index.json "
-                "inside). Convert a single-file checkpoint with diffusers' from_single_file(...).save_pretrained(folder)"
-            )
-    class_name = _class_name_of(source) if is_dir else None
-    if torch_dtype is None and class_name is None and not is_dir and torch_device.type == "cuda":
-        # Only the dtype depends on the class (Flux: bfloat16), so only then is it looked up.
-        class_name = _hub_class_name(source, **kw)
-    if torch_dtype is None:
-        torch_dtype = _default_dtype(torch_device, class_name)
-    try:
-        if is_dir:
-            pipe = _from_pretrained(source, torch_dtype, True, **kw)
-        else:
-            try:
-                pipe = _from_pretrained(source, torch_dtype, True, **kw)  # the hub cache, if it has it
-            except Exception:  # noqa: BLE001 - then try the network, unless told not to
-                if _offline():
-                    raise
-                pipe = _from_pretrained(source, torch_dtype, False, **kw)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
-        if is_dir:
-            raise ModelLoadError(
-                f"could not load a diffusers pipeline from the folder {source!r}: {type(exc).__name__}: {exc}"
-            ) from exc
-        raise ModelLoadError(
-            f"could not load {source!r}: there is no such local folder, and the Hugging Face hub could not "
-            "be reached or does not have it (nor its local cache). Without network access, download the model "
-            f"where there is network (e.g. `huggingface-cli download {source} --local-dir ./model`), copy the "
-            f"folder here and pass it: ms.load_image_model('./model'). Details: {type(exc).__name__}: {str(exc)[:300]}"
-        ) from exc
-    if class_name is None:
-        class_name = type(pipe).__name__
-    if dtype is None and torch_dtype == torch.float16 and class_name.startswith("Flux") and torch_device.type == "cuda":
-        pipe = pipe.to(dtype=_default_dtype(torch_device, class_name))
-    pipe = pipe.to(torch_device)
-    return ImageModel(pipe, model_dir=source if is_dir else None, name=model_kw.pop("name", None) or os.fspath(name_or_path or "embedded:shapes"), **model_kw)
+    def _cancel(self) -> None:
+        if self._run is None:
+            self._run = ImageRun(self._model, self._writer, self._job, lambda: None)
+        self._run._emit_cancelled()

@@ -458,11 +458,14 @@ class FrameWorker:
     thread, so whatever the caller emits next comes after every preview.
 
     ``emit(frame)`` does the encoding and sending; an exception in it stops the worker and is
-    raised again by ``close``.
+    raised again by ``close``. ``inline=True`` encodes in ``submit`` itself, on the caller's
+    thread: on a CPU-only machine the denoiser already uses every core, and a second thread only
+    makes its OpenMP team wait for a descheduled member (measured in benchmarks/engine.py).
     """
 
-    def __init__(self, emit: Callable[[PendingFrame], None], name: str = "multistream-frames") -> None:
+    def __init__(self, emit: Callable[[PendingFrame], None], name: str = "multistream-frames", *, inline: bool = False) -> None:
         self._emit = emit
+        self._inline = inline
         self._name = name
         self._cond = threading.Condition(threading.Lock())
         self._pending: dict[int, PendingFrame] = {}
@@ -474,6 +477,15 @@ class FrameWorker:
         self.emitted = 0
 
     def submit(self, frame: PendingFrame) -> None:
+        if self._inline:
+            if self._error is None and not self._closing:
+                self.submitted += 1
+                try:
+                    self._emit(frame)
+                    self.emitted += 1
+                except BaseException as exc:  # noqa: BLE001 - raised again by close(), as threaded
+                    self._error = exc
+            return
         with self._cond:
             if self._error is not None or self._closing:
                 return

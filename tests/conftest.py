@@ -10,9 +10,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-# OpenMP threads that busy-wait between parallel regions starve every other thread on a small,
-# shared CPU (10x slowdowns seen on 2 cores); this must be set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # -- text model (real embedded default; loaded once per session) ------------------------------

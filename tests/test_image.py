@@ -430,9 +430,9 @@ def test_single_file_is_refused_clearly(tmp_path) -> None:
 
 
 def test_no_embedded_model_is_a_clear_error(monkeypatch, tmp_path) -> None:
-    import multistream.image as image_module
+    import multistream.image_loading as loading
 
-    monkeypatch.setattr(image_module, "EMBEDDED_MODEL_DIR", tmp_path / "shapes")
+    monkeypatch.setattr(loading, "EMBEDDED_MODEL_DIR", tmp_path / "shapes")
     with pytest.raises(ms.ModelLoadError, match="embedded image model is not installed"):
         ms.load_image_model()
 

@@ -8,7 +8,7 @@ import torch
 
 import multistream as ms
 from multistream import _random_pipelines as rp
-from multistream import image as image_module
+from multistream import image_loading as image_module
 from multistream.image import ImageModel
 
 
@@ -29,10 +29,19 @@ def test_sd_cfg_cutoff_callback_works_as_user_callback(sd: ImageModel) -> None:
     from diffusers.callbacks import SDCFGCutoffCallback
 
     # It reads and rewrites callback_kwargs["prompt_embeds"]: a KeyError if only latents were asked for.
-    cutoff = SDCFGCutoffCallback(cutoff_step_ratio=0.5)
+    guidance_seen: list[float] = []
+
+    class Cutoff(SDCFGCutoffCallback):
+        def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+            out = super().callback_fn(pipeline, step_index, timestep, callback_kwargs)
+            # The pipeline passed in is the run's own (each run has its own scheduler and state).
+            guidance_seen.append(pipeline._guidance_scale)
+            return out
+
+    cutoff = Cutoff(cutoff_step_ratio=0.5)
     final = sd.generate("x", steps=4, seed=0, guidance_scale=7.0, preview="x0", callback_on_step_end=cutoff)
     assert final.type == "image" and final.finish_reason == "stop", getattr(final, "error", None)
-    assert sd.pipeline._guidance_scale == 0.0  # the cutoff happened
+    assert guidance_seen[0] == 7.0 and guidance_seen[-1] == 0.0  # the cutoff happened
 
 
 def test_multi_pipeline_callbacks_chain_every_tensor_input(sd: ImageModel) -> None:

@@ -1,0 +1,190 @@
+"""Loading diffusers pipelines as streaming `ImageModel`s: local folders, hub ids, the embedded model.
+
+Example:
+    >>> import multistream as ms
+    >>> sd = ms.load_image_model()                                  # doctest: +SKIP  (embedded, offline)
+    >>> sd = ms.load_image_model("./models/sd-turbo", device="cuda")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .devices import default_dtype, resolve_device, resolve_dtype
+from .errors import InvalidArgumentError, ModelLoadError
+
+if TYPE_CHECKING:
+    from .image import ImageModel
+
+__all__ = ["EMBEDDED_MODEL_DIR", "load_image_model"]
+
+#: Where the project's own small text-to-image model lives (``load_image_model()`` with no name).
+EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "_models" / "shapes"
+
+def _default_dtype(device: torch.device, class_name: str | None) -> torch.dtype:
+    # Flux overflows float16 (black images); its weights are bfloat16 to begin with.
+    return default_dtype(device, prefer_bf16=bool(class_name and class_name.startswith("Flux")))
+
+
+def _dtype_kwarg(dtype: torch.dtype | None) -> dict[str, Any]:
+    """``from_pretrained``'s dtype argument: ``dtype=`` in newer diffusers (which deprecate
+    ``torch_dtype=``), ``torch_dtype=`` in older ones."""
+    try:
+        from diffusers.utils import deprecation_utils
+
+        new = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
+    except ImportError:
+        new = False
+    return {"dtype": dtype} if new else {"torch_dtype": dtype}
+
+
+def _load_taesd(taesd: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(taesd, (str, os.PathLike)):
+        from diffusers import AutoencoderTiny
+
+        path = os.fspath(taesd)
+        try:
+            model = AutoencoderTiny.from_pretrained(path, local_files_only=os.path.isdir(path), **_dtype_kwarg(dtype))
+        except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear error
+            raise ModelLoadError(
+                f"could not load TAESD weights from {path!r} ({type(exc).__name__}: {exc}). Pass a local folder "
+                "with a diffusers AutoencoderTiny (config.json + diffusion_pytorch_model.safetensors), e.g. a "
+                "download of madebyollin/taesd for SD 1.x/2.x, or an AutoencoderTiny object."
+            ) from exc
+    elif hasattr(taesd, "decode") and hasattr(taesd, "parameters") and hasattr(taesd, "config"):
+        model = taesd
+    else:
+        raise InvalidArgumentError(
+            f"taesd must be a folder path or a diffusers AutoencoderTiny object, got {type(taesd).__name__}"
+        )
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _class_name_of(folder: str) -> str | None:
+    try:
+        with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as fh:
+            return str(json.load(fh).get("_class_name"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _hub_class_name(source: str, **kw: Any) -> str | None:
+    """The pipeline class named in a hub model's ``model_index.json`` (the hub cache first, then the
+    network unless offline), or None: read before loading, so the load uses the right dtype."""
+    from diffusers import DiffusionPipeline
+
+    options = {k: kw[k] for k in ("revision", "token", "cache_dir") if k in kw}
+    for local_only in (True, False):
+        if not local_only and _offline():
+            break
+        try:
+            config = DiffusionPipeline.load_config(source, local_files_only=local_only, **options)
+        except Exception:  # noqa: BLE001 - no config: the dtype falls back to the class loaded
+            continue
+        name = config.get("_class_name") if isinstance(config, dict) else None
+        return str(name) if name else None
+    return None
+
+
+def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kw: Any) -> Any:
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(source, local_files_only=local_only, **_dtype_kwarg(dtype), **kw)
+
+
+def load_image_model(
+    name_or_path: Any = None,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+    **kw: Any,
+) -> ImageModel:
+    """Load a diffusers text-to-image pipeline as a streaming `ImageModel`.
+
+    ``name_or_path`` is a local diffusers folder (``model_index.json`` inside), a Hugging Face hub
+    id (needs network, or the hub cache), a pipeline object you already built, or None for the
+    project's own small embedded model (offline). ``device="auto"`` picks CUDA with float16 when
+    there is a GPU (bfloat16 for Flux), else the CPU with float32; for a pipeline object "auto"
+    leaves it where it is. ``taesd=`` and ``latent_rgb=`` go to `ImageModel`; other keywords go
+    to ``DiffusionPipeline.from_pretrained`` (e.g. ``variant="fp16"``).
+
+    Raises `ModelLoadError` with the cause and the fix when the model cannot be loaded.
+
+    Example:
+        >>> sd = load_image_model()                                   # doctest: +SKIP
+        >>> sd = load_image_model("./models/sd-turbo", device="cuda")  # doctest: +SKIP
+    """
+    from .image import ImageModel
+
+    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name") if k in kw}
+    if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
+        return ImageModel(
+            name_or_path,
+            device=None if isinstance(device, str) and device == "auto" else device,
+            dtype=dtype,
+            **model_kw,
+        )
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    if name_or_path is None:
+        folder = EMBEDDED_MODEL_DIR
+        if not (folder / "model_index.json").is_file():
+            raise ModelLoadError(
+                f"the embedded image model is not installed (no model_index.json in {folder}); pass a "
+                "diffusers pipeline folder, hub id or pipeline object: ms.load_image_model('path/to/folder')"
+            )
+        source, is_dir = str(folder), True
+    else:
+        source = os.path.expanduser(os.fspath(name_or_path))
+        is_dir = os.path.isdir(source)
+        if not is_dir and os.path.isfile(source):
+            raise ModelLoadError(
+                f"{source!r} is a single file; load_image_model takes a diffusers folder (model_index.json "
+                "inside). Convert a single-file checkpoint with diffusers' from_single_file(...).save_pretrained(folder)"
+            )
+    class_name = _class_name_of(source) if is_dir else None
+    if torch_dtype is None and class_name is None and not is_dir and torch_device.type == "cuda":
+        # Only the dtype depends on the class (Flux: bfloat16), so only then is it looked up.
+        class_name = _hub_class_name(source, **kw)
+    if torch_dtype is None:
+        torch_dtype = _default_dtype(torch_device, class_name)
+    try:
+        if is_dir:
+            pipe = _from_pretrained(source, torch_dtype, True, **kw)
+        else:
+            try:
+                pipe = _from_pretrained(source, torch_dtype, True, **kw)  # the hub cache, if it has it
+            except Exception:  # noqa: BLE001 - then try the network, unless told not to
+                if _offline():
+                    raise
+                pipe = _from_pretrained(source, torch_dtype, False, **kw)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
+        if is_dir:
+            raise ModelLoadError(
+                f"could not load a diffusers pipeline from the folder {source!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        raise ModelLoadError(
+            f"could not load {source!r}: there is no such local folder, and the Hugging Face hub could not "
+            "be reached or does not have it (nor its local cache). Without network access, download the model "
+            f"where there is network (e.g. `huggingface-cli download {source} --local-dir ./model`), copy the "
+            f"folder here and pass it: ms.load_image_model('./model'). Details: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from exc
+    if class_name is None:
+        class_name = type(pipe).__name__
+    if dtype is None and torch_dtype == torch.float16 and class_name.startswith("Flux") and torch_device.type == "cuda":
+        pipe = pipe.to(dtype=_default_dtype(torch_device, class_name))
+    pipe = pipe.to(torch_device)
+    return ImageModel(pipe, model_dir=source if is_dir else None, name=model_kw.pop("name", None) or os.fspath(name_or_path or "embedded:shapes"), **model_kw)
