@@ -129,7 +129,14 @@ def create_app(
         state = getattr(request.app.state, "multistream", None)
         if state is not None:
             state.metrics.rejected.inc(status=str(exc.status), reason=exc.type)
-        return exc.response(openai=openai_path(request))
+        response = exc.response(openai=openai_path(request))
+        if exc.status == 500:
+            request_id = getattr(request.state, "request_id", None) or "-"
+            body = exc.body(openai_path(request))
+            body["error"]["request_id"] = request_id
+            body["error"]["message"] += f" (request id {request_id})"
+            response = JSONResponse(body, status_code=500, headers=exc.headers)
+        return response
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception) -> Response:
