@@ -27,7 +27,10 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["streams"])
 
-_SSE = {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+SSE_EVENT_SCHEMA = {"type": "object", "description": "one server-sent event; `data` is an event's wire JSON",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                                   "retry": {"type": "integer"}}}
+_SSE = {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
         "description": "the stream's events as server-sent events (id: seq, event: type, data: wire JSON)"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
