@@ -10,8 +10,8 @@ An event whose text the filter changed loses its ``token_ids`` (they no longer m
 
 Example:
     >>> f = OutputFilter(Blocklist(["secret"]), holdback=8)
-    >>> [f.feed(d) for d in ["the sec", "ret is", " out"]] + [f.finish()]
-    [('', False), ('the ', False), ('****** ', False), ('is out', False)]
+    >>> [f.feed(d)[0] for d in ["the sec", "ret is", " out"]] + [f.finish()]
+    ['', 'the *', '****', '* is out']
 """
 
 from __future__ import annotations
