@@ -602,8 +602,12 @@ def create_demo(
     return demo
 
 
-def mount_demo(app: Any, text_model: Any = None, image_model: Any = None, path: str = "/demo", **kwargs: Any) -> Any:
+def mount_demo(app: Any, text_model: Any = None, image_model: Any = None, path: str = "/demo", *,
+               auth: Any = None, **kwargs: Any) -> Any:
     """Serve the demo page from an existing FastAPI app (``multistream serve`` does this at /demo).
+
+    ``auth`` is Gradio's login check (``fn(username, password) -> bool``; the server passes one
+    that takes an API key as the password).
 
     Example:
         >>> from fastapi import FastAPI
@@ -612,7 +616,7 @@ def mount_demo(app: Any, text_model: Any = None, image_model: Any = None, path: 
     if not isinstance(path, str) or not path.startswith("/") or path == "/":
         raise InvalidArgumentError(f"path must start with '/' and not be the root, got {path!r}; try '/demo'")
     demo = create_demo(text_model, image_model, **kwargs)
-    return _gradio().mount_gradio_app(app, demo, path=path.rstrip("/"))
+    return _gradio().mount_gradio_app(app, demo, path=path.rstrip("/"), auth=auth)
 
 
 def launch(

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from multistream.server import ServerSettings, create_app
+from multistream.server import ServerSettings, create_app, uvicorn_config
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
 
 
@@ -40,7 +40,7 @@ def live_server(app: Any) -> Iterator[LiveServer]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    config = uvicorn_config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -81,6 +81,20 @@ async def test_websocket_requires_key(srv: Any) -> None:
         async with connect(srv, key="wrong"):
             pass
     assert info.value.response.status_code == 401
+    # ?api_key= is not taken on the WebSocket (it would land in access logs): the first message must
+    # then authenticate, and anything else is refused.
     async with websockets.connect(srv.ws_url + "/v1/ws?api_key=k", open_timeout=30) as ws:
+        await ws.send(json.dumps({"type": "text", "prompt": "hi", "max_new_tokens": 1}))
+        msg = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        assert msg["type"] == "rejected" and msg["status"] == 401
+    # Browsers cannot set headers on a WebSocket: the key comes as a subprotocol or a first message.
+    async with websockets.connect(srv.ws_url + "/v1/ws", subprotocols=["multistream", "bearer.k"],  # type: ignore[list-item]
+                                  open_timeout=30) as ws:
+        assert ws.subprotocol == "multistream"
+        await ws.send(json.dumps({"type": "text", "prompt": "hi", "max_new_tokens": 1}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "accepted"
+    async with websockets.connect(srv.ws_url + "/v1/ws", open_timeout=30) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": "k"}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "authenticated"
         await ws.send(json.dumps({"type": "text", "prompt": "hi", "max_new_tokens": 1}))
         assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "accepted"

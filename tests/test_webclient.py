@@ -32,14 +32,14 @@ def test_web_client_streams_text_and_previews_and_recovers() -> None:
             page.fill("#amount", "40")
             page.click("#go")
             # Text streams in: some words are on the page before the end.
-            page.wait_for_function("window.__ms.text.length > 0 && !window.__ms.finalEvent", timeout=30_000)
+            page.wait_for_function("() => window.__ms.text.length > 0 && !window.__ms.finalEvent", timeout=30_000)
             shown = page.inner_text("#output")
-            page.wait_for_function("document.querySelector('#output').textContent.length > 0", timeout=30_000)
+            page.wait_for_function("() => document.querySelector('#output').textContent.length > 0", timeout=30_000)
             assert len(shown) < len("".join(TOKENS))
             # Cut every live connection; the client must resume with its last event id.
-            page.wait_for_function("window.__ms.lastSeq >= 3", timeout=30_000)
+            page.wait_for_function("() => window.__ms.lastSeq >= 3", timeout=30_000)
             assert httpx.post(srv.url + "/v1/_test/drop", timeout=10).json()["dropped_streams"] == 1
-            page.wait_for_function("window.__ms.finalEvent !== null", timeout=60_000)
+            page.wait_for_function("() => window.__ms.finalEvent !== null", timeout=60_000)
             state = page.evaluate("window.__ms")
             assert state["reconnects"] >= 1
             assert state["seqs"] == list(range(len(state["seqs"])))  # no gap, no duplicate
@@ -55,7 +55,7 @@ def test_web_client_streams_text_and_previews_and_recovers() -> None:
                 new MutationObserver(() => window.__srcs.add(document.querySelector('#preview').src))
                   .observe(document.querySelector('#preview'), {attributes: true}); }""")
             page.click("#go")
-            page.wait_for_function("window.__ms.finalEvent !== null && window.__ms.finalEvent.type === 'image'",
+            page.wait_for_function("() => window.__ms.finalEvent !== null && window.__ms.finalEvent.type === 'image'",
                                    timeout=60_000)
             page.wait_for_selector("#final", timeout=10_000)
             distinct = page.evaluate("window.__srcs.size")

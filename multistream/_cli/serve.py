@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 
@@ -32,6 +31,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--image-concurrency", type=int, default=None, help="image generations at once (default 1)")
     p.add_argument("--queue-size", type=int, default=None, help="queued requests per model before 429 (default 64)")
     p.add_argument("--heartbeat", type=float, default=None, metavar="S", help="SSE heartbeat interval (default 15)")
+    p.add_argument("--keys", default=None, metavar="FILE",
+                   help="API keys, one a line: KEY [name=N] [max_priority=P] [concurrency=C] (see multistream.server.security)")
+    p.add_argument("--blocklist", default=None, metavar="FILE",
+                   help="words or phrases (one a line, case-insensitive) redacted from prompts and outputs")
+    p.add_argument("--allowed-origins", default=None, metavar="LIST",
+                   help="comma-separated extra browser origins allowed on the WebSocket")
+    p.add_argument("--allowed-hosts", default=None, metavar="LIST",
+                   help="comma-separated Host names to answer (default: any), against DNS rebinding")
+    p.add_argument("--max-connections", type=int, default=None, help="open requests and sockets at once (default 512)")
     p.add_argument("--no-demo", action="store_true", help="do not serve the Gradio demo page at /demo")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -43,17 +51,16 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings.from_env(
         api_key=args.api_key or None, grace_period_s=args.grace_period, shutdown_deadline_s=args.shutdown_deadline,
         text_concurrency=args.text_concurrency, image_concurrency=args.image_concurrency,
-        queue_size=args.queue_size, heartbeat_s=args.heartbeat,
+        queue_size=args.queue_size, heartbeat_s=args.heartbeat, keys_file=args.keys, blocklist_file=args.blocklist,
+        allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, max_connections=args.max_connections,
     )
 
     def spec(value: str) -> str | None:
         return None if value.lower() in ("none", "off", "") else value
 
+    # With keys, the demo page asks for a login (an API key as the password) and runs through the
+    # same gates as the API.
     demo_path = None if args.no_demo else "/demo"
-    if demo_path and settings.api_key:
-        # The page's own API calls cannot carry a bearer key, so a keyed server cannot host it.
-        print("multistream serve: --api-key is set, so the demo page at /demo is off", file=sys.stderr)
-        demo_path = None
     app = create_app(text_model=spec(args.text_model), image_model=spec(args.image_model), settings=settings,
                      demo_path=demo_path)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)

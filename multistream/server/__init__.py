@@ -9,15 +9,18 @@ Example:
 
 from __future__ import annotations
 
-from .app import ServerState, create_app
+from .app import create_app
+from .filtering import STOP, Blocklist, ContentFilter
 from .metrics import Metrics
-from .registry import STOP, ContentFilter, Registry, StreamRecord
-from .runner import serve
+from .registry import Registry, StreamRecord
+from .runner import serve, uvicorn_config
 from .settings import ServerSettings
+from .state import ServerState
 from .websocket import decode_message, encode_image_frame
 
 __all__ = [
     "STOP",
+    "Blocklist",
     "ContentFilter",
     "Metrics",
     "Registry",
@@ -28,4 +31,5 @@ __all__ = [
     "decode_message",
     "encode_image_frame",
     "serve",
+    "uvicorn_config",
 ]

@@ -25,55 +25,60 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, ImageEvent, TextEvent
+from .bodies import (
+    ChatCompletionRequest,
+    ImageGenerationRequest,
+    OpenAIErrorResponse,
+    check_image_limits,
+    check_prompt_limit,
+    validate_body,
+)
 from .problems import Problem
 from .registry import StreamRecord
-from .requests import check_fields, check_image_limits, check_prompt_limit, read_json
+from .routes_native import read_body
+from .security import Principal
 from .settings import ServerSettings
+from .state import ServerState, get_principal, get_state
 
-__all__ = ["add_openai_routes"]
+__all__ = ["router"]
 
-_CHAT_FIELDS: dict[str, tuple[str, ...]] = {
-    "model": ("str",), "messages": ("any",), "max_tokens": ("int", "null"), "max_completion_tokens": ("int", "null"),
-    "temperature": ("number", "null"), "top_p": ("number", "null"), "stop": ("str", "str_list", "null"),
-    "seed": ("int", "null"), "stream": ("bool", "null"), "stream_options": ("any",), "n": ("int", "null"),
-    "user": ("str", "null"), "frequency_penalty": ("number", "null"), "presence_penalty": ("number", "null"),
-    "logprobs": ("bool", "null"), "metadata": ("any",), "store": ("bool", "null"), "service_tier": ("str", "null"),
-    "parallel_tool_calls": ("bool", "null"), "response_format": ("any",), "top_k": ("int", "null"),
-    "repetition_penalty": ("number", "null"), "priority": ("int",),
-}
-_IMAGE_FIELDS: dict[str, tuple[str, ...]] = {
-    "prompt": ("str",), "model": ("str", "null"), "n": ("int", "null"), "size": ("str", "null"),
-    "stream": ("bool", "null"), "partial_images": ("int", "null"), "response_format": ("str", "null"),
-    "output_format": ("str", "null"), "quality": ("str", "null"), "background": ("str", "null"),
-    "output_compression": ("int", "null"), "moderation": ("str", "null"), "user": ("str", "null"),
-    "style": ("str", "null"), "steps": ("int", "null"), "seed": ("int", "null"),
-    "guidance_scale": ("number", "null"), "negative_prompt": ("str", "null"), "priority": ("int",),
-}
+logger = logging.getLogger("multistream.server")
+
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
            "cancelled": "stop"}
+_IGNORED_CHAT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "model")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": OpenAIErrorResponse, "description": text} for status, text in (
+        (400, "bad request"), (401, "missing or wrong API key"), (404, "no such model"),
+        (408, "the body came too slowly"), (413, "body too large"), (415, "not JSON"),
+        (429, "queue or quota full"), (500, "server failure"), (503, "loading, busy or shutting down"))}
 
 
-def _check(body: dict[str, Any], spec: dict[str, tuple[str, ...]], what: str) -> None:
-    check_fields(body, spec, what)
+def _body(model: type) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def _messages(raw: Any) -> list[dict[str, str]]:
-    if not isinstance(raw, list) or not raw:
-        raise Problem(400, "invalid_type", "'messages' must be a non-empty list of messages", param="messages")
+def _unsupported(name: str, message: str) -> Problem:
+    return Problem(400, "unsupported", message, param=name)
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        if not isinstance(m.get("role"), str):
             raise Problem(400, "invalid_type", f"messages[{i}] must be an object with a string 'role'", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
@@ -85,74 +90,82 @@ def _messages(raw: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise Problem(400, "invalid_type", f"messages[{i}].content must be a string or text parts", param="messages")
+        if m.get("tool_calls"):
+            raise _unsupported("messages", f"messages[{i}] has tool_calls; this server does not run tools")
         out.append({"role": m["role"], "content": content})
     return out
 
 
-def chat_kwargs(body: dict[str, Any], settings: ServerSettings) -> tuple[dict[str, Any], int, bool, bool]:
-    """OpenAI chat body -> (TextModel.stream kwargs, priority, stream?, include_usage?)."""
-    _check(body, _CHAT_FIELDS, "POST /v1/chat/completions")
-    if "messages" not in body:
-        raise Problem(400, "missing_field", "'messages' is required", param="messages")
-    if body.get("n") not in (None, 1):
-        raise Problem(400, "unsupported", "only n=1 is supported", param="n")
-    if body.get("logprobs"):
-        raise Problem(400, "unsupported", "logprobs are not supported", param="logprobs")
+def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, bool]:
+    """OpenAI chat body -> (TextModel.stream kwargs, priority, stream?, include_usage?).
+
+    Refuses what would change the answer (``n > 1``, tools, logprobs, penalties, JSON mode);
+    accepts and ignores (with a log line) what does not (``user``, ``metadata``, empty ``tools``)."""
+    req = validate_body(ChatCompletionRequest, body, "POST /v1/chat/completions")
+    assert isinstance(req, ChatCompletionRequest)
+    if req.n not in (None, 1):
+        raise _unsupported("n", f"only n=1 is supported (got n={req.n}); send n separate requests")
+    if req.logprobs or req.top_logprobs:
+        raise _unsupported("logprobs", "logprobs are not supported; leave logprobs unset or false")
+    if req.tools:
+        raise _unsupported("tools", "tools are not supported by this server; send no tools (an empty list is fine)")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise _unsupported("tool_choice", "tool_choice must be unset, 'none' or 'auto' (this server runs no tools)")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias is not supported; send none (an empty object is fine)")
     for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise Problem(400, "unsupported", f"{name} is not supported (use repetition_penalty)", param=name)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise Problem(400, "unsupported", "only response_format {'type': 'text'} is supported", param="response_format")
-    so = body.get("stream_options")
-    if so is not None and (not isinstance(so, dict) or not set(so) <= {"include_usage", "include_obfuscation"}):
-        raise Problem(400, "invalid_type", "stream_options must be an object like {'include_usage': true}",
-                      param="stream_options")
-    messages = _messages(body["messages"])
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise _unsupported(name, f"{name} is not supported (use repetition_penalty)")
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
+    extra = sorted(set(body) - set(ChatCompletionRequest.model_fields))
+    ignored = [n for n in _IGNORED_CHAT if body.get(n) not in (None, "", {}, [])] + extra
+    if ignored or req.tools == [] or req.logit_bias == {}:
+        logger.info("chat completion: ignoring field(s) %s", ignored or ["tools/logit_bias (empty)"])
+    messages = _messages(req.messages)
     check_prompt_limit(messages, settings)
     kwargs: dict[str, Any] = {"prompt": messages}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = settings.default_max_new_tokens
     if max_tokens > settings.max_new_tokens:
         raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
                       f"{settings.max_new_tokens}", param="max_tokens")
     kwargs["max_new_tokens"] = max_tokens
-    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("stop", "stop"), ("seed", "seed"),
-                     ("top_k", "top_k"), ("repetition_penalty", "repetition_penalty")):
-        if body.get(src) is not None:
-            kwargs[dst] = body[src]
-    include_usage = bool((so or {}).get("include_usage"))
-    return kwargs, body.get("priority", 0), bool(body.get("stream")), include_usage
+    for name in ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
+    return kwargs, req.priority, bool(req.stream), include_usage
 
 
-def image_kwargs(body: dict[str, Any], settings: ServerSettings) -> tuple[dict[str, Any], int, bool, int, str]:
+def image_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, int, str]:
     """OpenAI images body -> (ImageModel.stream kwargs, priority, stream?, partial_images, output_format)."""
-    _check(body, _IMAGE_FIELDS, "POST /v1/images/generations")
-    if "prompt" not in body:
-        raise Problem(400, "missing_field", "'prompt' is required", param="prompt")
-    if body.get("response_format") not in (None, "b64_json"):
-        raise Problem(400, "unsupported", "only response_format 'b64_json' is supported (this server keeps no files)",
-                      param="response_format")
-    fmt = body.get("output_format") or "png"
+    req = validate_body(ImageGenerationRequest, body, "POST /v1/images/generations")
+    assert isinstance(req, ImageGenerationRequest)
+    if req.response_format not in (None, "b64_json"):
+        raise _unsupported("response_format", "only response_format 'b64_json' is supported (this server keeps no "
+                           "files)")
+    fmt = req.output_format or "png"
     if fmt not in ("png", "jpeg", "webp"):
-        raise Problem(400, "invalid_argument", f"output_format must be png, jpeg or webp, got {fmt!r}",
+        raise Problem(400, "invalid_argument", f"output_format must be png, jpeg or webp, got {fmt[:20]!r}",
                       param="output_format")
-    partial = body.get("partial_images") or 0
+    partial = req.partial_images or 0
     if not 0 <= partial <= 3:
         raise Problem(400, "invalid_argument", f"partial_images must be 0..3, got {partial}", param="partial_images")
-    kwargs: dict[str, Any] = {"prompt": body["prompt"], "num_images": body.get("n") or 1, "final_format": fmt}
-    size = body.get("size")
-    if size not in (None, "auto"):
-        w, sep, h = size.partition("x")
-        if not (sep and w.isdigit() and h.isdigit()):
-            raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT) or 'auto', got {size!r}",
-                          param="size")
+    n = req.n if req.n is not None else 1
+    kwargs: dict[str, Any] = {"prompt": req.prompt, "num_images": n, "final_format": fmt}
+    if req.size not in (None, "auto"):
+        w, sep, h = req.size.partition("x")
+        ok = sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))
+        if not ok:
+            raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
+                          f"'auto', got {req.size[:20]!r}", param="size")
         kwargs["width"], kwargs["height"] = int(w), int(h)
     for name in ("steps", "seed", "guidance_scale", "negative_prompt"):
-        if body.get(name) is not None:
-            kwargs[name] = body[name]
-    stream = bool(body.get("stream"))
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    stream = bool(req.stream)
     if stream and partial:
         kwargs["preview_format"] = fmt
         if "width" in kwargs:
@@ -160,7 +173,7 @@ def image_kwargs(body: dict[str, Any], settings: ServerSettings) -> tuple[dict[s
     else:
         kwargs["preview"] = "none"
     check_image_limits(kwargs, settings)
-    return kwargs, body.get("priority", 0), stream, partial, fmt
+    return kwargs, req.priority, stream, partial, fmt
 
 
 def _sse(record: StreamRecord, settings: ServerSettings, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
@@ -175,117 +188,120 @@ def _data(obj: Any, event: str | None = None) -> ServerSentEvent:
 
 def _error_body(ev: ErrorEvent) -> dict[str, Any]:
     return {"error": {"message": ev.error.get("message", "generation failed"), "type": "server_error",
-                      "param": None, "code": ev.error.get("type")}}
+                      "param": None, "code": ev.error.get("type")}}  # already made safe by the registry
 
 
-def add_openai_routes(app: FastAPI, settings: ServerSettings, state_of: Callable[[Request], Any]) -> None:
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        state = state_of(request)
-        data = [{"id": slot.name, "object": "model", "created": int(state.started_at), "owned_by": "multistream",
-                 "kind": kind, "state": slot.state}
-                for kind, slot in state.models.items() if slot.state != "disabled"]
-        return JSONResponse({"object": "list", "data": data})
+router = APIRouter(tags=["openai"])
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        arrived = time.perf_counter()
-        state = state_of(request)
-        kwargs, priority, stream, include_usage = chat_kwargs(await read_json(request, settings.max_body_bytes), settings)
-        record = await state.open_stream("text", kwargs, priority=priority, request=request, resumable=False,
-                                         arrived_at=arrived)
-        cid, created, model = f"chatcmpl-{record.stream_id}", int(time.time()), record.model_name
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+@router.get("/v1/models", responses=_ERRORS)
+async def models(state: ServerState = Depends(get_state)) -> Response:
+    data = [{"id": slot.name, "object": "model", "created": int(state.started_at), "owned_by": "multistream",
+             "kind": kind, "state": slot.state}
+            for kind, slot in state.models.items() if slot.state != "disabled"]
+    return JSONResponse({"object": "list", "data": data})
 
-        if not stream:
-            collected = await _collect_until_disconnected(record, request)
-            final = collected[-1] if collected else None
-            if isinstance(final, ErrorEvent) or not isinstance(final, TextEvent):
-                return JSONResponse(_error_body(final) if isinstance(final, ErrorEvent) else
-                                    {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
-            usage = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
-            return JSONResponse({
-                "id": cid, "object": "chat.completion", "created": created, "model": model,
+@router.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=_body(ChatCompletionRequest))
+async def chat(request: Request, state: ServerState = Depends(get_state),
+               principal: Principal = Depends(get_principal)) -> Response:
+    arrived = time.perf_counter()
+    settings = state.settings
+    kwargs, priority, stream, include_usage = chat_kwargs(await read_body(request, state), settings)
+    record = await state.open_stream("text", kwargs, priority=priority, request=request, resumable=False,
+                                     arrived_at=arrived, principal=principal)
+    cid, created, model = f"chatcmpl-{record.stream_id}", int(time.time()), record.model_name
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": None,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": final.text or ""},
-                             "logprobs": None, "finish_reason": _FINISH.get(final.finish_reason or "stop", "stop")}],
-                "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
-            }, headers={"X-Stream-Id": record.stream_id})
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        async def events() -> AsyncIterator[ServerSentEvent]:
-            yield _data(chunk({"role": "assistant", "content": ""}))
-            async for ev in record.subscribe():
-                if isinstance(ev, ErrorEvent):
-                    yield _data(_error_body(ev))
-                    return
-                assert isinstance(ev, TextEvent)
-                if ev.delta:
-                    yield _data(chunk({"content": ev.delta}))
-                if ev.is_final:
-                    yield _data(chunk({}, _FINISH.get(ev.finish_reason or "stop", "stop")))
-                    if include_usage:
-                        u = ev.usage or {"prompt_tokens": 0, "completion_tokens": 0}
-                        yield _data({**chunk({}), "choices": [],
-                                     "usage": {**u, "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}})
-            yield ServerSentEvent(data="[DONE]")
+    if not stream:
+        collected = await _collect_until_disconnected(record, request)
+        final = collected[-1] if collected else None
+        if isinstance(final, ErrorEvent) or not isinstance(final, TextEvent):
+            return JSONResponse(_error_body(final) if isinstance(final, ErrorEvent) else
+                                {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
+        usage = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": final.text or ""},
+                         "logprobs": None, "finish_reason": _FINISH.get(final.finish_reason or "stop", "stop")}],
+            "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
+        }, headers={"X-Stream-Id": record.stream_id})
 
-        return _sse(record, settings, events())
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        yield _data(chunk({"role": "assistant", "content": ""}))
+        async for ev in record.subscribe():
+            if isinstance(ev, ErrorEvent):
+                yield _data(_error_body(ev))
+                return
+            assert isinstance(ev, TextEvent)
+            if ev.delta:
+                yield _data(chunk({"content": ev.delta}))
+            if ev.is_final:
+                yield _data(chunk({}, _FINISH.get(ev.finish_reason or "stop", "stop")))
+                if include_usage:
+                    u = ev.usage or {"prompt_tokens": 0, "completion_tokens": 0}
+                    yield _data({**chunk({}), "choices": [],
+                                 "usage": {**u, "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}})
+        yield ServerSentEvent(data="[DONE]")
 
-    @app.post("/v1/images/generations")
-    async def images(request: Request) -> Response:
-        arrived = time.perf_counter()
-        state = state_of(request)
-        kwargs, priority, stream, partial, fmt = image_kwargs(await read_json(request, settings.max_body_bytes), settings)
-        record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
-                                         arrived_at=arrived)
-        n = kwargs["num_images"]
-        common = {"background": "opaque", "output_format": fmt, "quality": "auto"}
-        usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
-                 "output_tokens": 0, "total_tokens": 0}
+    return _sse(record, settings, events())
 
-        def is_done(ev: ImageEvent) -> bool:
-            return ev.is_final or ev.finish_reason is not None
+@router.post("/v1/images/generations", responses=_ERRORS, openapi_extra=_body(ImageGenerationRequest))
+async def images(request: Request, state: ServerState = Depends(get_state),
+                 principal: Principal = Depends(get_principal)) -> Response:
+    arrived = time.perf_counter()
+    settings = state.settings
+    kwargs, priority, stream, partial, fmt = image_kwargs(await read_body(request, state), settings)
+    record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
+                                     arrived_at=arrived, principal=principal)
+    n = kwargs["num_images"]
+    common = {"background": "opaque", "output_format": fmt, "quality": "auto"}
+    usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+             "output_tokens": 0, "total_tokens": 0}
 
-        if not stream:
-            images: dict[int, ImageEvent] = {}
-            error = None
-            for ev in await _collect_until_disconnected(record, request):
-                if isinstance(ev, ErrorEvent):
-                    error = ev
-                elif isinstance(ev, ImageEvent) and is_done(ev):
-                    images[ev.index] = ev
-            if error is not None:
-                return JSONResponse(_error_body(error), status_code=500)
-            first = next(iter(images.values()), None)
-            return JSONResponse({
-                "created": int(time.time()),
-                "data": [{"b64_json": base64.b64encode(images[i].data).decode("ascii")} for i in sorted(images)],
-                **common, "size": f"{first.width}x{first.height}" if first else "auto", "usage": usage,
-            }, headers={"X-Stream-Id": record.stream_id})
+    def is_done(ev: ImageEvent) -> bool:
+        return ev.is_final or ev.finish_reason is not None
 
-        async def events() -> AsyncIterator[ServerSentEvent]:
-            sent = [0] * n
-            async for ev in record.subscribe():
-                if isinstance(ev, ErrorEvent):
-                    yield _data(_error_body(ev), event="error")
-                    return
-                assert isinstance(ev, ImageEvent)
-                base = {**common, "created_at": int(time.time()), "size": f"{ev.width}x{ev.height}",
-                        "b64_json": base64.b64encode(ev.data).decode("ascii")}
-                if is_done(ev):
-                    yield _data({"type": "image_generation.completed", **base, "usage": usage},
-                                event="image_generation.completed")
-                elif ev.index < n and sent[ev.index] < partial and \
-                        ev.step >= math.ceil((sent[ev.index] + 1) * ev.total_steps / (partial + 1)):
-                    yield _data({"type": "image_generation.partial_image", **base,
-                                 "partial_image_index": sent[ev.index]}, event="image_generation.partial_image")
-                    sent[ev.index] += 1
+    if not stream:
+        images: dict[int, ImageEvent] = {}
+        error = None
+        for ev in await _collect_until_disconnected(record, request):
+            if isinstance(ev, ErrorEvent):
+                error = ev
+            elif isinstance(ev, ImageEvent) and is_done(ev):
+                images[ev.index] = ev
+        if error is not None:
+            return JSONResponse(_error_body(error), status_code=500)
+        first = next(iter(images.values()), None)
+        return JSONResponse({
+            "created": int(time.time()),
+            "data": [{"b64_json": base64.b64encode(images[i].data).decode("ascii")} for i in sorted(images)],
+            **common, "size": f"{first.width}x{first.height}" if first else "auto", "usage": usage,
+        }, headers={"X-Stream-Id": record.stream_id})
 
-        return _sse(record, settings, events())
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        sent = [0] * n
+        async for ev in record.subscribe():
+            if isinstance(ev, ErrorEvent):
+                yield _data(_error_body(ev), event="error")
+                return
+            assert isinstance(ev, ImageEvent)
+            base = {**common, "created_at": int(time.time()), "size": f"{ev.width}x{ev.height}",
+                    "b64_json": base64.b64encode(ev.data).decode("ascii")}
+            if is_done(ev):
+                yield _data({"type": "image_generation.completed", **base, "usage": usage},
+                            event="image_generation.completed")
+            elif ev.index < n and sent[ev.index] < partial and \
+                    ev.step >= math.ceil((sent[ev.index] + 1) * ev.total_steps / (partial + 1)):
+                yield _data({"type": "image_generation.partial_image", **base,
+                             "partial_image_index": sent[ev.index]}, event="image_generation.partial_image")
+                sent[ev.index] += 1
+
+    return _sse(record, settings, events())
 
 
 async def _collect_until_disconnected(record: Any, request: Request) -> list[Any]:

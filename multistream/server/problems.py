@@ -19,9 +19,10 @@ from ..errors import InvalidArgumentError, MultistreamError, PromptTooLongError
 
 __all__ = ["Problem", "problem_from_exception"]
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-                 503: "server_error"}
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                 415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                 500: "server_error", 503: "server_error"}
 
 
 class Problem(Exception):
@@ -59,4 +60,4 @@ def problem_from_exception(exc: BaseException) -> Problem:
         return Problem(400, "invalid_argument", str(exc))
     if isinstance(exc, MultistreamError):
         return Problem(400, type(exc).__name__, str(exc))
-    return Problem(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    return Problem(500, "internal_error", "the server failed on this request; the server log has the details")

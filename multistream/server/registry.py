@@ -6,6 +6,13 @@ its own cursor, so a reconnect replays exactly what came after its last event an
 live: no gap, no duplicate. The server re-numbers nothing unless it must (a content filter that
 drops an event, or a final event it emits itself), and then ``seq`` stays 0, 1, 2, ... without gaps.
 
+A live image stream keeps only the newest preview per image in its log (an older one becomes a
+hole that readers skip; a resume gets the newest preview, then what follows), so a long stream's
+log stays small; live and finished logs together are bounded by ``max_retained_bytes``.
+
+Each stream has an owner (the key, or the client address on an open server) and a resume token
+handed out at creation; `StreamRecord.allows` decides who may read, resume or cancel it.
+
 A stream whose last subscriber left keeps running for the grace period, then is cancelled. A
 finished stream stays replayable for the retention window, bounded in count and bytes.
 
@@ -29,36 +36,20 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Union
+import secrets
+from typing import Any
 
+from .. import errors as _errors
 from ..events import ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
+from .filtering import STOP, ContentFilter, OutputFilter
 from .metrics import Metrics
+from .problems import Problem
 from .settings import ServerSettings
 
-__all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]
+__all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]  # STOP, ContentFilter: from .filtering
 
 logger = logging.getLogger("multistream.server")
-
-
-class _Stop:
-    """Return `STOP` from a content filter to end the stream with ``finish_reason="content_filter"``."""
-
-    _instance: _Stop | None = None
-
-    def __new__(cls) -> _Stop:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "STOP"
-
-
-STOP = _Stop()
-
-# fn(text, part) -> replacement text, None (unchanged) or STOP; part is "prompt" or "delta".
-ContentFilter = Callable[[str, str], Union[str, None, _Stop]]
 
 
 class StreamRecord:
@@ -67,13 +58,17 @@ class StreamRecord:
     def __init__(self, stream: Stream, *, kind: str, settings: ServerSettings, metrics: Metrics,
                  on_done: Callable[[StreamRecord], None], resumable: bool = True, model_name: str = "",
                  content_filter: ContentFilter | None = None, arrived_at: float | None = None,
-                 count_prompt_tokens: Callable[[], int] | None = None) -> None:
+                 count_prompt_tokens: Callable[[], int] | None = None, owner: str | None = None,
+                 owner_keyed: bool = False) -> None:
         self.stream = stream
+        self.owner = owner
+        self.owner_keyed = owner_keyed
+        self.token = secrets.token_urlsafe(18)
         self.stream_id = stream.stream_id
         self.kind = kind
         self.model_name = model_name
         self.resumable = resumable
-        self.events: list[Event] = []
+        self.events: list[Event | None] = []  # None: a preview a newer one replaced
         self.done = False
         self.finish_reason: str | None = None
         self.subscribers = 0
@@ -84,7 +79,10 @@ class StreamRecord:
         self._settings = settings
         self._metrics = metrics
         self._on_done = on_done
-        self._filter = content_filter
+        self._filter = OutputFilter(content_filter, settings.filter_holdback_chars) if content_filter else None
+        self._pending_ids: list[int] = []
+        self._newest_preview: dict[int, int] = {}
+        self._first_preview_seen = False
         self._arrived = arrived_at if arrived_at is not None else time.perf_counter()
         self._started = time.perf_counter()
         # Only needed when the server writes a final itself (rare), so the prompt is not tokenized
@@ -112,15 +110,34 @@ class StreamRecord:
         """The wire JSON of event ``seq``, encoded once however many subscribers read it."""
         cached = self._json[seq]
         if cached is None:
-            cached = self._json[seq] = self.events[seq].to_json()
+            ev = self.events[seq]
+            assert ev is not None
+            cached = self._json[seq] = ev.to_json()
         return cached
 
     @property
     def final(self) -> Event | None:
         return self.events[-1] if self.done else None
 
+    def allows(self, principal: Any, token: str | None) -> bool:
+        """May ``principal`` (with the resume ``token``, if any) read, resume or cancel this stream?
+
+        With API keys: only the key that created it. Without: only whoever has its token.
+        """
+        if token is not None and secrets.compare_digest(token.encode(), self.token.encode()):
+            return True
+        if self.owner_keyed:
+            return principal is not None and getattr(principal, "id", None) == self.owner
+        return False
+
+    def check_follower_room(self) -> None:
+        if self.subscribers >= self._settings.max_followers:
+            raise Problem(503, "too_many_followers", f"stream {self.stream_id} already has {self.subscribers} readers "
+                          f"(max_followers); retry shortly", {"Retry-After": "2"})
+
     async def subscribe(self, after: int = -1) -> AsyncIterator[Event]:
-        """Events with ``seq > after``: the replay, then live ones, up to and including the final."""
+        """Events with ``seq > after``: the replay, then live ones, up to and including the final.
+        Previews a newer one replaced are skipped."""
         self._attach()
         epoch = self._drop_epoch
         cursor = max(after + 1, 0)
@@ -130,6 +147,8 @@ class StreamRecord:
                 while cursor < len(self.events):
                     ev = self.events[cursor]
                     cursor += 1
+                    if ev is None:
+                        continue
                     got_final = ev.is_final
                     yield ev
                     if got_final:
@@ -208,6 +227,8 @@ class StreamRecord:
                         break
                     if ev is None:
                         continue
+                elif isinstance(ev, ErrorEvent):
+                    ev = self._safe_error(ev)
                 self._append(ev)
                 if ev.is_final:
                     break
@@ -217,8 +238,9 @@ class StreamRecord:
         except Exception as exc:  # noqa: BLE001 - a broken stream must not take the server down
             logger.exception("stream %s: pump failed", self.stream_id)
             if not self.done:
-                self._append(ErrorEvent(stream_id=self.stream_id, seq=len(self.events), t=self._t(),
-                                        error={"type": type(exc).__name__, "message": str(exc)}))
+                self._append(self._safe_error(ErrorEvent(
+                    stream_id=self.stream_id, seq=len(self.events), t=self._t(),
+                    error={"type": type(exc).__name__, "message": str(exc)})))
         finally:
             await events.aclose()
             self.stream.close()  # cancels the model if it is still running (content filter, force)
@@ -227,26 +249,38 @@ class StreamRecord:
             self._finish()
 
     def _filter_text(self, ev: TextEvent) -> tuple[TextEvent | None, bool]:
-        delta = ev.delta
-        if self._filter is not None and delta:
-            try:
-                out = self._filter(delta, "delta")
-            except Exception:  # noqa: BLE001 - a failing filter must fail closed
-                logger.exception("stream %s: content filter raised; stopping the stream", self.stream_id)
-                out = STOP
-            if out is STOP:
-                return None, True
-            if isinstance(out, str):
-                delta = out
+        """Run the content filter over the text so far (holding back its window); an event whose
+        text changed loses its token ids, which no longer match it."""
         self._n_tokens += len(ev.token_ids)
-        self._text += delta
-        if ev.is_final:
-            if delta != ev.delta or ev.text != self._text:
-                ev = dataclasses.replace(ev, delta=delta, text=self._text)
+        if self._filter is None:
+            self._text += ev.delta
             return ev, False
-        if not delta:
-            return None, False  # redacted to nothing: the protocol has no empty non-final deltas
-        return (dataclasses.replace(ev, delta=delta) if delta != ev.delta else ev), False
+        delta, stopped = self._filter.feed(ev.delta, final=ev.is_final)
+        if stopped:
+            return None, True
+        self._text += delta
+        if delta == ev.delta and not self._pending_ids:
+            return (dataclasses.replace(ev, text=self._text) if ev.is_final and ev.text != self._text else ev), False
+        # Held back or changed: the ids ride with the text only when it is exactly what the model wrote.
+        ids = self._pending_ids + list(ev.token_ids)
+        if not delta and not ev.is_final:
+            self._pending_ids = ids if len(ids) < 4096 else []
+            return None, False  # all held back: the protocol has no empty non-final deltas
+        self._pending_ids = []
+        changed = {"delta": delta, "token_ids": [], "index": ev.index}
+        if ev.is_final:
+            changed["text"] = self._text
+        return dataclasses.replace(ev, **changed), False
+
+    def _safe_error(self, ev: ErrorEvent) -> ErrorEvent:
+        """Errors of our own kind (bad arguments) keep their message; anything else is an internal
+        failure whose text may show internals: the client gets a generic message and an id."""
+        kind = ev.error.get("type", "")
+        if isinstance(getattr(_errors, kind, None), type):
+            return ev
+        logger.error("stream %s failed: %s: %s", self.stream_id, kind, ev.error.get("message"))
+        return dataclasses.replace(ev, error={"type": "internal_error", "message": "the generation failed on the "
+                                              f"server; the server log has the details under stream {self.stream_id}"})
 
     def _t(self) -> float:
         last = self.events[-1].t if self.events else 0.0
@@ -295,6 +329,15 @@ class StreamRecord:
             self.bytes += len(ev.data) * 2 + 300  # raw bytes + cached base64 JSON
             if not ev.is_final and ev.finish_reason is None:
                 self._metrics.preview_bytes.observe(len(ev.data), kind=self.kind)
+                if not self._first_preview_seen:
+                    self._first_preview_seen = True
+                    self._metrics.first_preview.observe(now - self._arrived, kind=self.kind)
+                older = self._newest_preview.get(ev.index)
+                if older is not None:
+                    self._drop_preview(older)
+                self._newest_preview[ev.index] = len(self.events)
+            else:
+                self._newest_preview.pop(ev.index, None)
         else:
             self.bytes += 300
         self.events.append(ev)
@@ -304,6 +347,14 @@ class StreamRecord:
             self.done = True
             self.finish_reason = "error" if isinstance(ev, ErrorEvent) else (getattr(ev, "finish_reason", None) or "stop")
         self._wake()
+
+    def _drop_preview(self, seq: int) -> None:
+        old = self.events[seq]
+        if isinstance(old, ImageEvent):
+            self.events[seq] = None
+            self._json[seq] = None
+            self.bytes -= len(old.data) * 2 + 300
+            self._metrics.dropped_frames.inc(kind=self.kind)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -345,6 +396,9 @@ class Registry:
         self.live[record.stream_id] = record
         return record
 
+    def live_bytes(self) -> int:
+        return sum(r.bytes for r in self.live.values())
+
     def get(self, stream_id: str) -> StreamRecord | None:
         self.evict()
         return self.live.get(stream_id) or self.finished.get(stream_id)
@@ -375,7 +429,8 @@ class Registry:
         while self.finished:
             oldest = next(iter(self.finished.values()))
             expired = oldest.finished_at is not None and now - oldest.finished_at > s.retention_s
-            if not (expired or len(self.finished) > s.max_retained_streams or self.retained_bytes > s.max_retained_bytes):
+            over_bytes = self.retained_bytes + self.live_bytes() > s.max_retained_bytes
+            if not (expired or len(self.finished) > s.max_retained_streams or over_bytes):
                 break
             self.finished.popitem(last=False)
             self.retained_bytes -= oldest.bytes

@@ -17,8 +17,9 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["DrainingServer", "serve"]
+__all__ = ["DrainingServer", "serve", "uvicorn_config"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -63,8 +64,66 @@ def _find_state(app: Any) -> Any:
     return None
 
 
+class _HeadTimeoutProtocol(H11Protocol):
+    """h11 with a deadline for the request head: a client that trickles its headers (slowloris)
+    is disconnected after ``header_timeout_s`` instead of holding a connection forever."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None and self.header_timeout_s > 0:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._waiting_for_head():
+            self.transport.close()
+
+    def _waiting_for_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for_head():
+            self._arm_head_timer()
+        super().data_received(data)
+        if not self._waiting_for_head() and self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+
+def uvicorn_config(app: Any, settings: Any = None, **kwargs: Any) -> uvicorn.Config:
+    """A uvicorn config with the server's connection limits: ``limit_concurrency`` (a hard cap
+    above the app's own 503 at ``max_connections``), a request-head deadline, WebSocket messages
+    no bigger than ``max_body_bytes``."""
+    if settings is None:
+        settings = _find_settings(app)
+    protocol = type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"header_timeout_s": settings.header_timeout_s})
+    kwargs.setdefault("timeout_graceful_shutdown", 5)
+    return uvicorn.Config(app, http=protocol, limit_concurrency=settings.max_connections + 64,
+                          ws_max_size=settings.max_body_bytes + 1024, timeout_keep_alive=5, **kwargs)
+
+
+def _find_settings(app: Any) -> Any:
+    settings = getattr(app, "multistream_settings", None)
+    if settings is None:
+        from .settings import ServerSettings
+
+        settings = ServerSettings()
+    return settings
+
+
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **uvicorn_kwargs: Any) -> None:
     """Run ``app`` until SIGTERM/SIGINT, draining streams first (see the module docstring)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            **uvicorn_kwargs)
+    config = uvicorn_config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
     DrainingServer(config).run()

@@ -41,7 +41,22 @@ class ServerSettings:
         queue_size: requests waiting per model; beyond it, 429 with Retry-After.
     Per-request limits (a 4xx names the limit): max_new_tokens, default_max_new_tokens,
         max_prompt_chars, max_steps, max_image_side, max_images, max_body_bytes.
-    Security: api_key (None: open).
+    Security:
+        api_key: one key for everyone (None: open); keys_file: one key a line with its own priority
+            ceiling and concurrency quota (see `ApiKey.parse_file`); either turns on stream
+            ownership by key. max_priority / client_concurrency: the ceiling and quota of
+            clients without a keys-file entry (per client address when no key is set).
+        allowed_origins: extra browser origins allowed on the WebSocket (same origin and
+            localhost always are); allowed_hosts: accepted ``Host`` headers (empty: any),
+            against DNS rebinding.
+        blocklist_file: words or phrases (one a line, case-insensitive) the content filter
+            redacts from prompts and outputs; filter_holdback_chars: how much output the content
+            filter holds back so a word split across tokens is still caught.
+    Connections:
+        max_connections: HTTP requests and WebSockets at once (503 + Retry-After beyond);
+            header_timeout_s / body_timeout_s: a client must send its request head / body within
+            these (slowloris); max_followers: SSE/WebSocket readers per stream;
+        ws_max_streams: streams a WebSocket may follow or have in flight at once.
     """
 
     grace_period_s: float = 30.0
@@ -65,14 +80,37 @@ class ServerSettings:
     max_images: int = 4
     max_body_bytes: int = 1024 * 1024
     api_key: str | None = None
+    keys_file: str | None = None
+    max_priority: int = 10
+    client_concurrency: int = 16
+    allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    blocklist_file: str | None = None
+    filter_holdback_chars: int = 32
+    max_connections: int = 512
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_followers: int = 16
+    ws_max_streams: int = 16
     enable_test_hooks: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("api_key",):
+            if f.name in ("api_key", "keys_file", "blocklist_file"):
                 if value is not None and (not isinstance(value, str) or not value):
-                    raise InvalidArgumentError("api_key must be a non-empty string or None")
+                    raise InvalidArgumentError(f"ServerSettings.{f.name} must be a non-empty string or None")
+                continue
+            if f.name in ("allowed_origins", "allowed_hosts"):
+                if isinstance(value, str):
+                    value = tuple(v.strip() for v in value.split(",") if v.strip())
+                if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) and v for v in value):
+                    raise InvalidArgumentError(f"ServerSettings.{f.name} must be a list of strings, got {value!r}")
+                object.__setattr__(self, f.name, tuple(value))
+                continue
+            if f.name in ("max_priority", "filter_holdback_chars"):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidArgumentError(f"ServerSettings.{f.name} must be an integer >= 0, got {value!r}")
                 continue
             if f.name == "enable_test_hooks":
                 if not isinstance(value, bool):
@@ -106,8 +144,10 @@ class ServerSettings:
             raw = os.environ.get(f"MULTISTREAM_{f.name.upper()}")
             if raw is None:
                 continue
-            if f.name == "api_key":
+            if f.name in ("api_key", "keys_file", "blocklist_file"):
                 values[f.name] = raw or None
+            elif f.name in ("allowed_origins", "allowed_hosts"):
+                values[f.name] = raw
             elif f.name == "enable_test_hooks":
                 values[f.name] = raw.lower() in ("1", "true", "yes")
             else:

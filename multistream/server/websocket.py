@@ -5,12 +5,21 @@ Client -> server (JSON text messages):
 - ``{"type": "text", "id": "c1", "prompt": "hi", "max_new_tokens": 32, ...}``: start a text
   stream (the body of ``POST /v1/text``; ``id`` is an optional client tag echoed back).
 - ``{"type": "image", "id": "c2", "prompt": "...", "steps": 20, ...}``: start an image stream.
-- ``{"type": "cancel", "stream_id": "..."}``: cancel a stream (it ends with ``finish_reason="cancelled"``).
-- ``{"type": "resume", "stream_id": "...", "after": 12}``: follow an existing stream from seq 13.
+- ``{"type": "cancel", "stream_id": "...", "token": "..."}``: cancel a stream (it ends with
+  ``finish_reason="cancelled"``).
+- ``{"type": "resume", "stream_id": "...", "after": 12, "token": "..."}``: follow an existing
+  stream from seq 13.
+- ``{"type": "auth", "api_key": "..."}``: on a keyed server, the first message when the key did
+  not come in the ``Authorization`` header or as a ``bearer.KEY`` subprotocol.
+
+Streams this socket started need no ``token``; others need the one their creation returned (or,
+with API keys, the same key). A socket follows or starts at most ``ws_max_streams`` streams at
+once; messages are at most ``max_body_bytes`` bytes.
 
 Server -> client:
 
-- ``{"type": "accepted", "id": "c1", "stream_id": "..."}`` once a stream is admitted; then its
+- ``{"type": "accepted", "id": "c1", "stream_id": "...", "resume_token": "..."}`` once a stream is
+  admitted; then its
   events: ``text`` and ``error`` events as JSON text messages in the wire form.
 - ``image`` events as **binary** messages, no base64::
 
@@ -37,19 +46,18 @@ import logging
 import struct
 from typing import Any
 
-from fastapi import FastAPI
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from fastapi import APIRouter
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..events import Event, ImageEvent, event_from_dict
+from .bodies import parse_image_body, parse_json_object, parse_text_body
 from .problems import Problem, problem_from_exception
 from .registry import StreamRecord
-from .requests import parse_image_body, parse_json_object, parse_text_body
-from .settings import ServerSettings
+from .security import Principal
 
-__all__ = ["decode_message", "encode_image_frame"]
+__all__ = ["decode_message", "encode_image_frame", "router"]
 
 logger = logging.getLogger("multistream.server")
-
 
 def encode_image_frame(ev: ImageEvent) -> bytes:
     """An image event as one binary message: 4-byte header length, JSON header, raw bytes."""
@@ -81,18 +89,26 @@ def decode_message(message: str | bytes) -> dict[str, Any] | Event:
 
 
 class _Connection:
-    def __init__(self, ws: WebSocket, settings: ServerSettings) -> None:
+    def __init__(self, ws: WebSocket, principal: Principal | None) -> None:
         self.ws = ws
-        self.settings = settings
         self.state: Any = ws.app.state.multistream
+        self.settings = self.state.settings
+        self.principal = principal
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.mine: set[str] = set()  # streams this socket started
         self.closed = False
 
-    async def send(self, message: str | bytes) -> None:
+    async def send(self, message: str | bytes | Event, record: StreamRecord | None = None) -> None:
+        """Send a control message or an event; events are encoded only once the lock is ours, so
+        a slow client holds at most one encoded frame per stream, not a queue of copies."""
         async with self.lock:
             if self.closed:
                 raise WebSocketDisconnect(1006)
+            if isinstance(message, ImageEvent):
+                message = encode_image_frame(message)
+            elif not isinstance(message, (str, bytes)):
+                message = record.json(message.seq) if record is not None else message.to_json()
             coro = self.ws.send_bytes(message) if isinstance(message, bytes) else self.ws.send_text(message)
             try:
                 await asyncio.wait_for(coro, self.settings.send_timeout_s or None)
@@ -104,7 +120,37 @@ class _Connection:
 
     async def reject(self, tag: Any, problem: Problem) -> None:
         self.state.metrics.rejected.inc(status=str(problem.status), reason=problem.type)
-        await self.send(json.dumps({"type": "rejected", "id": tag, "status": problem.status, **problem.body()}))
+        try:
+            await self.send(json.dumps({"type": "rejected", "id": tag, "status": problem.status, **problem.body()}))
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+
+    async def authenticate(self) -> bool:
+        """Keyed server, no key in the handshake: the first message must be ``{"type": "auth"}``."""
+        try:
+            message = await asyncio.wait_for(self.ws.receive(), self.settings.header_timeout_s or None)
+        except asyncio.TimeoutError:
+            message = {"type": "websocket.disconnect"}
+        key = None
+        text = message.get("text")
+        if text is not None and len(text) < 4096:
+            try:
+                body = json.loads(text)
+                if isinstance(body, dict) and body.get("type") == "auth" and isinstance(body.get("api_key"), str):
+                    key = self.state.keyring.find(body["api_key"])
+            except ValueError:
+                pass
+        if key is None:
+            if message["type"] != "websocket.disconnect":
+                await self.reject(None, Problem(401, "unauthorized", 'missing or wrong API key: send it in the '
+                                  'Authorization header, as a "bearer.KEY" subprotocol, or first {"type": "auth", '
+                                  '"api_key": KEY}'))
+                await self.ws.close(code=1008, reason="unauthorized")
+            return False
+        client = self.ws.client
+        self.principal = self.state.keyring.principal(key, client.host if client else None)
+        await self.send(json.dumps({"type": "authenticated"}))
+        return True
 
     async def run(self) -> None:
         try:
@@ -116,46 +162,72 @@ class _Connection:
                 if text is None:
                     await self.reject(None, Problem(400, "invalid_message", "send JSON text messages, not binary"))
                     continue
-                self.handle(text)
+                try:
+                    self.handle(text)
+                except Exception as exc:  # noqa: BLE001 - one bad message must not close the socket
+                    problem = problem_from_exception(exc)
+                    if problem.status >= 500:
+                        logger.exception("websocket message failed")
+                    self._spawn(self.reject(None, problem))
         finally:
             self.closed = True
             for task in self.tasks:
                 task.cancel()
 
+    def _record(self, body: dict[str, Any]) -> StreamRecord:
+        stream_id = body.get("stream_id")
+        record = self.state.registry.get(stream_id) if isinstance(stream_id, str) else None
+        token = body.get("token") if isinstance(body.get("token"), str) else None
+        if record is None or not (record.stream_id in self.mine or record.allows(self.principal, token)):
+            raise Problem(404, "stream_not_found", f"no stream {str(stream_id)[:64]!r} here for you (send the "
+                          "'token' its creation returned, or use the key that created it)")
+        return record
+
     def handle(self, text: str) -> None:
         tag = None
         try:
-            if len(text) > self.settings.max_body_bytes:
-                raise Problem(413, "body_too_large", f"the message has {len(text)} characters; at most "
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > self.settings.max_body_bytes:
+                raise Problem(413, "body_too_large", f"the message has {size} bytes; at most "
                               f"{self.settings.max_body_bytes} (max_body_bytes)")
             body = parse_json_object(text)
             tag = body.pop("id", None)
+            if not (tag is None or isinstance(tag, (str, int)) and len(str(tag)) <= 128):
+                tag = None
+                raise Problem(400, "invalid_type", "'id' must be a short string or an integer (echoed back)")
             kind = body.pop("type", None)
             if kind == "cancel":
-                record = self.state.registry.get(str(body.get("stream_id")))
-                if record is None:
-                    raise Problem(404, "stream_not_found", f"no stream {body.get('stream_id')!r} here")
-                record.cancel()
+                self._record(body).cancel()
                 return
             if kind == "resume":
-                record = self.state.registry.get(str(body.get("stream_id")))
-                if record is None or not record.resumable:
-                    raise Problem(404, "stream_not_found", f"no stream {body.get('stream_id')!r} here")
+                record = self._record(body)
+                if not record.resumable:
+                    raise Problem(404, "stream_not_found", "that stream cannot be resumed")
                 after = body.get("after", -1)
-                if not isinstance(after, int) or isinstance(after, bool):
-                    raise Problem(400, "invalid_type", "'after' must be an integer seq")
+                if not isinstance(after, int) or isinstance(after, bool) or after < -1:
+                    raise Problem(400, "invalid_type", "'after' must be an integer seq >= -1")
+                self._check_room()
+                record.check_follower_room()
                 self._spawn(self._follow(tag, record, after))
                 return
             if kind == "text":
                 kwargs, priority = parse_text_body(body, self.settings)
             elif kind == "image":
                 kwargs, priority = parse_image_body(body, self.settings)
+            elif kind == "auth":
+                raise Problem(400, "invalid_message", "already authenticated")
             else:
                 raise Problem(400, "invalid_message",
-                              f"'type' must be 'text', 'image', 'cancel' or 'resume', got {kind!r}")
+                              f"'type' must be 'text', 'image', 'cancel' or 'resume', got {str(kind)[:40]!r}")
+            self._check_room()
             self._spawn(self._start(tag, kind, kwargs, priority))
         except Problem as problem:
             self._spawn(self.reject(tag, problem))
+
+    def _check_room(self) -> None:
+        if len(self.tasks) >= self.settings.ws_max_streams:
+            raise Problem(429, "too_many_streams", f"this socket already has {len(self.tasks)} streams in flight "
+                          f"(ws_max_streams); wait for one to end or open another socket")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -164,36 +236,46 @@ class _Connection:
 
     async def _start(self, tag: Any, kind: str, kwargs: dict[str, Any], priority: int) -> None:
         try:
-            record = await self.state.open_stream(kind, kwargs, priority=priority)
+            record = await self.state.open_stream(kind, kwargs, priority=priority, principal=self.principal)
         except Exception as exc:  # noqa: BLE001 - every refusal goes back to the client
-            try:
-                await self.reject(tag, problem_from_exception(exc))
-            except WebSocketDisconnect:
-                pass
+            await self.reject(tag, problem_from_exception(exc))
             return
+        self.mine.add(record.stream_id)
         await self._follow(tag, record, -1)
 
     async def _follow(self, tag: Any, record: StreamRecord, after: int) -> None:
         try:
-            await self.send(json.dumps({"type": "accepted", "id": tag, "stream_id": record.stream_id}))
+            await self.send(json.dumps({"type": "accepted", "id": tag, "stream_id": record.stream_id,
+                                        "resume_token": record.token}))
             async for ev in record.subscribe(after):
-                if isinstance(ev, ImageEvent):
-                    await self.send(encode_image_frame(ev))
-                else:
-                    await self.send(record.json(ev.seq))
+                await self.send(ev, record)
         except (WebSocketDisconnect, RuntimeError):
             pass  # the socket went away: the stream gets its grace period
 
 
-def add_websocket_route(app: FastAPI, settings: ServerSettings) -> None:
-    @app.websocket("/v1/ws")
-    async def ws_endpoint(ws: WebSocket) -> None:
-        state = ws.app.state.multistream
-        if state.draining:
-            await ws.close(code=1013, reason="the server is shutting down")
+router = APIRouter()
+
+
+@router.websocket("/v1/ws")
+async def ws_endpoint(ws: WebSocket) -> None:
+    state = ws.app.state.multistream
+    if state.draining:
+        await ws.close(code=1013, reason="the server is shutting down")
+        return
+    offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    # A browser offered protocols must get one back; never echo the key-bearing one when another fits.
+    subprotocol = next((p for p in offered if not p.startswith("bearer.")), offered[0] if offered else None)
+    await ws.accept(subprotocol=subprotocol)
+    conn = _Connection(ws, getattr(ws.state, "principal", None))
+    try:
+        if getattr(ws.state, "auth_pending", False) and not await conn.authenticate():
             return
-        await ws.accept()
-        try:
-            await _Connection(ws, settings).run()
-        except WebSocketDisconnect:
-            pass
+        await conn.run()
+    except WebSocketDisconnect:
+        pass
+    finally:
+        if ws.client_state == WebSocketState.CONNECTED and ws.application_state == WebSocketState.CONNECTED:
+            try:
+                await ws.close()
+            except RuntimeError:
+                pass

@@ -1,16 +1,20 @@
 // multistream web client: POST a request, read the SSE reply with fetch + ReadableStream, and
 // resume with the last event id (GET /v1/streams/{id}/events) whenever the connection drops.
 // DOM updates are batched with requestAnimationFrame so a fast stream does not thrash layout.
+// Everything from the server goes into the page as text (textContent), never as HTML; the API key
+// lives in sessionStorage (gone with the tab), and resuming or stopping a stream sends the resume
+// token its creation returned.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const ui = { go: $("go"), stop: $("stop"), prompt: $("prompt"), amount: $("amount"), key: $("apikey"),
              output: $("output"), preview: $("preview"), status: $("status") };
-ui.key.value = localStorage.getItem("multistream.apikey") || "";
-ui.key.addEventListener("change", () => localStorage.setItem("multistream.apikey", ui.key.value));
+ui.key.value = sessionStorage.getItem("multistream.apikey") || "";
+ui.key.addEventListener("change", () => sessionStorage.setItem("multistream.apikey", ui.key.value));
+try { localStorage.removeItem("multistream.apikey"); } catch (e) { /* older versions kept it there */ }
 
 // Test and debug hook: what the page has seen.
-const state = window.__ms = { streamId: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
+const state = window.__ms = { streamId: null, token: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
                               error: null, running: false, seqs: [] };
 let pending = { text: "", image: null, status: null };
 let frameRequested = false;
@@ -19,6 +23,7 @@ let controller = null;
 function headers(extra) {
   const h = Object.assign({}, extra || {});
   if (ui.key.value) h["Authorization"] = "Bearer " + ui.key.value;
+  if (state.token) h["X-Resume-Token"] = state.token;
   return h;
 }
 
@@ -29,11 +34,23 @@ function schedule() {
     frameRequested = false;
     if (pending.text) { ui.output.append(document.createTextNode(pending.text)); pending.text = ""; }
     if (pending.image) { ui.preview.src = pending.image; pending.image = null; }
-    if (pending.status) { ui.status.innerHTML = pending.status; pending.status = null; }
+    if (pending.status) { renderStatus(pending.status); pending.status = null; }
   });
 }
 
-function setStatus(html) { pending.status = html; schedule(); }
+// A status is a list of parts: plain strings, or [text, className, id] for a styled span.
+function setStatus(...parts) { pending.status = parts; schedule(); }
+
+function renderStatus(parts) {
+  ui.status.replaceChildren(...parts.map((p) => {
+    if (typeof p === "string") return document.createTextNode(p);
+    const span = document.createElement("span");
+    span.textContent = p[0];
+    if (p[1]) span.className = p[1];
+    if (p[2]) span.id = p[2];
+    return span;
+  }));
+}
 
 function handle(ev) {
   if (ev.seq <= state.lastSeq) return;          // a replayed event we already have
@@ -47,22 +64,19 @@ function handle(ev) {
     state.frames += 1;
     pending.image = "data:" + ev.mime + ";base64," + ev.data;
   }
-  let line = `stream ${ev.stream_id.slice(0, 8)} · seq ${ev.seq}`;
+  let line = `stream ${String(ev.stream_id).slice(0, 8)} · seq ${ev.seq}`;
   if (ev.type === "image") line += ` · step ${ev.step}/${ev.total_steps}`;
   if (state.reconnects) line += ` · reconnects ${state.reconnects}`;
+  const parts = [line];
   if (ev.type === "error") {
     state.error = ev.error;
-    line += ` · <span class="err">error: ${escapeHtml(ev.error.message)}</span>`;
+    parts.push(" · ", ["error: " + String(ev.error && ev.error.message), "err"]);
   }
   if (ev.is_final) {
     state.finalEvent = ev;
-    line += ` · <span class="final" id="final">is_final ✓ ${ev.finish_reason || ev.type}</span>`;
+    parts.push(" · ", ["is_final ✓ " + String(ev.finish_reason || ev.type), "final", "final"]);
   }
-  setStatus(line);
-}
-
-function escapeHtml(s) {
-  return String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+  setStatus(...parts);
 }
 
 // Read an SSE body incrementally; returns when the body ends (cleanly or not).
@@ -90,7 +104,7 @@ async function errorText(response) {
 }
 
 async function run(kind, body) {
-  Object.assign(state, { streamId: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
+  Object.assign(state, { streamId: null, token: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
                          error: null, running: true, seqs: [] });
   if (kind === "text") ui.output.textContent = "";   // an image run keeps the last text on screen
   ui.go.disabled = true; ui.stop.disabled = false;
@@ -100,23 +114,24 @@ async function run(kind, body) {
   try {
     let response = await fetch("/v1/" + kind, { method: "POST", body: JSON.stringify(body), signal: controller.signal,
                                                 headers: headers({ "Content-Type": "application/json" }) });
-    if (!response.ok) { setStatus(`<span class="err">${escapeHtml(await errorText(response))}</span>`); return; }
+    if (!response.ok) { setStatus([await errorText(response), "err"]); return; }
     state.streamId = response.headers.get("X-Stream-Id");
+    state.token = response.headers.get("X-Resume-Token");
     for (;;) {
       try { await readSSE(response); } catch (e) { if (controller.signal.aborted) return; }
       if (state.finalEvent || controller.signal.aborted) return;
       // The connection dropped before the final event: resume after the last event we have.
       attempt += 1;
-      if (attempt > 8) { setStatus('<span class="err">connection lost; gave up after 8 tries</span>'); return; }
+      if (attempt > 8) { setStatus(["connection lost; gave up after 8 tries", "err"]); return; }
       state.reconnects += 1;
       setStatus(`connection lost; resuming after seq ${state.lastSeq} (try ${attempt})…`);
       await new Promise((r) => setTimeout(r, Math.min(250 * 2 ** (attempt - 1), 4000)));
       try {
-        response = await fetch(`/v1/streams/${state.streamId}/events`, { signal: controller.signal,
+        response = await fetch(`/v1/streams/${encodeURIComponent(state.streamId)}/events`, { signal: controller.signal,
                                  headers: headers({ "Last-Event-ID": String(state.lastSeq) }) });
       } catch (e) { if (controller.signal.aborted) return; continue; }
       if (response.status === 204) return;                   // nothing left: it had ended
-      if (!response.ok) { setStatus(`<span class="err">${escapeHtml(await errorText(response))}</span>`); return; }
+      if (!response.ok) { setStatus([await errorText(response), "err"]); return; }
       attempt = 0;
     }
   } finally {
@@ -136,6 +151,7 @@ ui.go.addEventListener("click", () => {
 ui.stop.addEventListener("click", async () => {
   if (state.streamId) {
     // Ask the server to cancel: the stream then ends with finish_reason "cancelled".
-    await fetch(`/v1/streams/${state.streamId}`, { method: "DELETE", headers: headers() }).catch(() => {});
+    await fetch(`/v1/streams/${encodeURIComponent(state.streamId)}`, { method: "DELETE", headers: headers() })
+      .catch(() => {});
   }
 });

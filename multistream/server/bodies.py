@@ -1,0 +1,412 @@
+"""Request and response bodies as pydantic models, and a JSON reader that never fails with a 500.
+
+The models are what ``/openapi.json`` publishes; the routes read the body themselves (size cap
+while reading, depth and big-integer guards, lone surrogates) and then validate it with the model,
+so every refusal is a 4xx naming the field, the problem and the fix, in the server's error shape.
+
+What the model itself checks (ranges such as ``top_p`` in (0, 1]) is left to its ``.stream()``,
+whose `InvalidArgumentError` becomes a 400 with the same message; the server's own limits
+(``max_new_tokens``, ``max_steps``, ...) give ``limit_exceeded``.
+
+Example:
+    >>> from multistream.server import ServerSettings
+    >>> kwargs, priority = parse_text_body({"prompt": "hi", "max_new_tokens": 8, "priority": 2}, ServerSettings())
+    >>> kwargs["max_new_tokens"], priority
+    (8, 2)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+
+from .problems import Problem
+from .settings import ServerSettings
+
+__all__ = [
+    "ChatCompletionRequest", "ChatMessage", "ErrorBody", "ErrorResponse", "ImageGenerationRequest", "ImageRequest",
+    "OpenAIErrorBody", "OpenAIErrorResponse", "TextRequest", "parse_image_body", "parse_json_object",
+    "parse_text_body", "read_json", "validate_body",
+]
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_LAX = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_MAX_DEPTH = 32
+
+
+# -- request bodies ------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    """One chat turn: ``{"role": "user", "content": "hi"}``."""
+
+    model_config = _STRICT
+    role: str = Field(description="who speaks: 'system', 'user' or 'assistant'")
+    content: str = Field(description="the text of the turn")
+    name: Optional[str] = Field(default=None, description="optional speaker name (ignored by most templates)")
+
+
+class TextRequest(BaseModel):
+    """``POST /v1/text`` (and a WebSocket ``{"type": "text", ...}`` message): `TextModel.stream` arguments."""
+
+    model_config = _STRICT
+    prompt: Union[str, list[ChatMessage]] = Field(
+        description="a string, or a non-empty list of chat messages", min_length=0)
+    max_new_tokens: Optional[int] = Field(default=None, description="an integer >= 1: tokens to generate at most")
+    temperature: float = Field(default=0.0, description="a number >= 0 (0 = greedy)")
+    top_p: float = Field(default=1.0, description="a number in (0, 1]")
+    top_k: int = Field(default=0, description="an integer >= 0 (0 = off)")
+    repetition_penalty: float = Field(default=1.0, description="a number > 0 (1 = off)")
+    seed: Optional[int] = Field(default=None, description="an integer, or null for a random seed")
+    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings that end the text")
+    chunk_tokens: int = Field(default=1, description="an integer >= 1: tokens per event")
+    chunk_ms: Optional[float] = Field(default=None, description="a number of milliseconds per event, or null")
+    chat: Optional[bool] = Field(default=None, description="true/false: apply the chat template; null = auto")
+    priority: int = Field(default=0, description="an integer; higher runs first (capped by the server per key)")
+
+
+class ImageRequest(BaseModel):
+    """``POST /v1/image`` (and a WebSocket ``{"type": "image", ...}`` message): `ImageModel.stream` arguments."""
+
+    model_config = _STRICT
+    prompt: str = Field(description="a string describing the image")
+    negative_prompt: Optional[str] = Field(default=None, description="a string, or null")
+    steps: Optional[int] = Field(default=None, description="an integer >= 1: denoising steps")
+    guidance_scale: Optional[float] = Field(default=None, description="a finite number, or null")
+    height: Optional[int] = Field(default=None, description="an integer: pixels")
+    width: Optional[int] = Field(default=None, description="an integer: pixels")
+    seed: Optional[int] = Field(default=None, description="an integer, or null")
+    num_images: int = Field(default=1, description="an integer >= 1")
+    preview: str = Field(default="latent", description="'latent', 'x0', 'taesd', 'vae' or 'none'")
+    preview_every: int = Field(default=1, description="an integer >= 1")
+    preview_format: str = Field(default="jpeg", description="'jpeg', 'png' or 'webp'")
+    preview_quality: int = Field(default=75, description="an integer 1..100")
+    preview_max_side: int = Field(default=256, description="an integer: pixels")
+    final_format: str = Field(default="png", description="'png', 'jpeg' or 'webp'")
+    priority: int = Field(default=0, description="an integer; higher runs first (capped by the server per key)")
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: Optional[bool] = Field(default=None, description="true: a last chunk carries the usage")
+    include_obfuscation: Optional[bool] = Field(default=None, description="accepted and ignored")
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` (OpenAI). Fields that would change the answer and that this
+    server does not support (``n > 1``, non-empty ``tools``, ``logprobs``) are refused; harmless
+    ones (``user``, ``metadata``, empty ``tools`` / ``logit_bias``) are accepted and ignored."""
+
+    model_config = _LAX  # SDKs add fields over time; unknown ones are logged and ignored
+    model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
+    messages: list[dict[str, Any]] = Field(description="a non-empty list of chat messages", min_length=1)
+    max_tokens: Optional[int] = Field(default=None, description="an integer >= 1")
+    max_completion_tokens: Optional[int] = Field(default=None, description="an integer >= 1 (wins over max_tokens)")
+    temperature: Optional[float] = Field(default=None, description="a number >= 0")
+    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
+    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings")
+    seed: Optional[int] = Field(default=None, description="an integer")
+    stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
+    stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
+    n: Optional[int] = Field(default=None, description="only 1 is supported")
+    user: Optional[str] = Field(default=None, description="accepted and ignored")
+    frequency_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
+    presence_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
+    logprobs: Optional[bool] = Field(default=None, description="only false is supported")
+    top_logprobs: Optional[int] = Field(default=None, description="only 0 is supported")
+    logit_bias: Optional[dict[str, float]] = Field(default=None, description="only an empty object is supported")
+    tools: Optional[list[dict[str, Any]]] = Field(default=None, description="only an empty list is supported")
+    tool_choice: Union[str, dict[str, Any], None] = Field(default=None, description="only 'none'/'auto' without tools")
+    metadata: Optional[dict[str, Any]] = Field(default=None, description="accepted and ignored")
+    store: Optional[bool] = Field(default=None, description="accepted and ignored")
+    service_tier: Optional[str] = Field(default=None, description="accepted and ignored")
+    parallel_tool_calls: Optional[bool] = Field(default=None, description="accepted and ignored")
+    response_format: Optional[dict[str, Any]] = Field(default=None, description="only {'type': 'text'}")
+    top_k: Optional[int] = Field(default=None, description="extension: an integer >= 0")
+    repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
+    priority: int = Field(default=0, description="extension: an integer; higher runs first")
+
+
+class ImageGenerationRequest(BaseModel):
+    """``POST /v1/images/generations`` (OpenAI)."""
+
+    model_config = _LAX
+    prompt: str = Field(description="a string describing the image")
+    model: Optional[str] = Field(default=None, description="any name")
+    n: Optional[int] = Field(default=None, description="an integer >= 1: images")
+    size: Optional[str] = Field(default=None, description="'WIDTHxHEIGHT' (e.g. '64x64') or 'auto'")
+    stream: Optional[bool] = Field(default=None, description="true: server-sent events")
+    partial_images: Optional[int] = Field(default=None, description="0..3 previews when streaming")
+    response_format: Optional[str] = Field(default=None, description="only 'b64_json'")
+    output_format: Optional[str] = Field(default=None, description="'png', 'jpeg' or 'webp'")
+    quality: Optional[str] = Field(default=None, description="accepted and ignored")
+    background: Optional[str] = Field(default=None, description="accepted and ignored")
+    output_compression: Optional[int] = Field(default=None, description="accepted and ignored")
+    moderation: Optional[str] = Field(default=None, description="accepted and ignored")
+    user: Optional[str] = Field(default=None, description="accepted and ignored")
+    style: Optional[str] = Field(default=None, description="accepted and ignored")
+    steps: Optional[int] = Field(default=None, description="extension: denoising steps")
+    seed: Optional[int] = Field(default=None, description="extension: an integer")
+    guidance_scale: Optional[float] = Field(default=None, description="extension: a finite number")
+    negative_prompt: Optional[str] = Field(default=None, description="extension: a string")
+    priority: int = Field(default=0, description="extension: an integer; higher runs first")
+
+
+# -- response bodies -----------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    type: str = Field(description="machine-readable kind, e.g. 'invalid_type', 'queue_full'")
+    message: str = Field(description="what went wrong and how to fix it")
+    request_id: Optional[str] = Field(default=None, description="quote it when reporting a server error")
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal on the native routes."""
+
+    error: ErrorBody
+
+
+class OpenAIErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """Every refusal on the OpenAI routes (the official SDK's error shape)."""
+
+    error: OpenAIErrorBody
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+async def read_json(request: Request, max_bytes: int, *, require_json_type: bool = True) -> Any:
+    """The request body parsed as JSON; 413 past ``max_bytes`` (checked while reading), 415 when
+    the content type is not JSON (a cross-site form cannot send ``application/json``), 400 when
+    it is not valid JSON."""
+    if require_json_type:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
+            raise Problem(415, "unsupported_media_type",
+                          f"send the body as JSON with 'Content-Type: application/json' (got {ctype or 'none'!r})")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON; send a finite number")
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """JSON text -> value, refusing what would crash or stall a parser: deep nesting, huge integer
+    literals, NaN/Infinity, lone surrogates. Every failure is a 400 ``invalid_json``."""
+    if not raw:
+        raise Problem(400, "invalid_json", "the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+    except UnicodeDecodeError as exc:
+        raise Problem(400, "invalid_json", f"the request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    depth = _max_depth(text)
+    if depth > _MAX_DEPTH:
+        raise Problem(400, "invalid_json", f"the JSON nests {depth} levels deep; at most {_MAX_DEPTH} are accepted")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise Problem(400, "invalid_json", f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError: an integer literal over sys.get_int_max_str_digits() digits, or NaN/Infinity.
+        raise Problem(400, "invalid_json", f"the request body is not acceptable JSON: {str(exc)[:200]}") from None
+    bad = _lone_surrogate(body)
+    if bad is not None:
+        raise Problem(400, "invalid_text", f"{bad} contains a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                      "which is not text; send valid Unicode", param=bad.strip("'"))
+    return body
+
+
+def parse_json_object(raw: bytes | str) -> dict[str, Any]:
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _max_depth(text: str) -> int:
+    """Nesting depth of brackets outside strings, without recursion (a cheap pre-check)."""
+    if "[" not in text and "{" not in text:
+        return 0
+    depth = best = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > best:
+                best = depth
+                if best > _MAX_DEPTH:
+                    return best
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    stack: list[tuple[str, Any]] = [("the body", value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    continue
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "a field name"
+                stack.append((f"'{k}'", item))
+        elif isinstance(v, list):
+            stack.extend((where, item) for item in v)
+    return None
+
+
+def _too_large(size: int, limit: int) -> Problem:
+    return Problem(413, "body_too_large",
+                   f"the request body has {size} bytes or more; this server accepts at most {limit} (max_body_bytes)")
+
+
+# -- validating ----------------------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=True)[:80]
+    except (TypeError, ValueError):
+        return type(value).__name__
+
+
+def validate_body(model: type[BaseModel], body: Any, what: str) -> BaseModel:
+    """``model.model_validate(body)``, with pydantic's errors turned into one clear 400."""
+    if not isinstance(body, dict):
+        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _problem(model, exc, body, what) from None
+
+
+def _problem(model: type[BaseModel], exc: ValidationError, body: dict[str, Any], what: str) -> Problem:
+    errors = exc.errors(include_url=False)
+    fields = model.model_fields
+    unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and e["loc"])
+    if unknown:
+        return Problem(400, "unknown_field", f"unknown field(s) {unknown} for {what}; accepted fields: {sorted(fields)}",
+                       param=unknown[0])
+    missing = [str(e["loc"][0]) for e in errors if e["type"] == "missing" and len(e["loc"]) == 1]
+    if missing:
+        name = missing[0]
+        return Problem(400, "missing_field", f"'{name}' is required ({fields[name].description})", param=name)
+    first = errors[0]
+    name = str(first["loc"][0]) if first["loc"] else "body"
+    where = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"][1:])
+    expected = fields[name].description if name in fields else "a valid value"
+    value = body.get(name)
+    if first["type"] in ("finite_number",):
+        return Problem(400, "invalid_argument", f"'{where}' must be a finite number, got {_show(value)}", param=name)
+    kind = "invalid_argument" if first["type"] in ("too_short", "too_long") else "invalid_type"
+    return Problem(400, kind, f"'{where}' must be {expected}, got {_show(value)} ({first['msg']})", param=name)
+
+
+def _limit(name: str, value: int, limit: int, setting: str) -> None:
+    if value > limit:
+        raise Problem(400, "limit_exceeded",
+                      f"'{name}' is {value} but this server allows at most {limit} ({setting}); lower it", param=name)
+
+
+def prompt_chars(prompt: str | list[dict[str, str]]) -> int:
+    return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+
+
+def check_prompt_limit(prompt: str | list[dict[str, str]], settings: ServerSettings) -> None:
+    n = prompt_chars(prompt)
+    if n > settings.max_prompt_chars:
+        raise Problem(400, "limit_exceeded", f"the prompt has {n} characters but this server allows at most "
+                      f"{settings.max_prompt_chars} (max_prompt_chars); shorten it", param="prompt")
+
+
+def _given(model: BaseModel) -> dict[str, Any]:
+    """The fields the client sent (defaults stay the model's own)."""
+    return {name: getattr(model, name) for name in model.model_fields_set}
+
+
+def parse_text_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
+    """``POST /v1/text`` body -> (keyword arguments for ``TextModel.stream``, priority)."""
+    req = validate_body(TextRequest, body, "POST /v1/text")
+    kwargs = _given(req)
+    priority = kwargs.pop("priority", 0)
+    if isinstance(req.prompt, list):
+        if not req.prompt:
+            raise Problem(400, "invalid_type", "'prompt' must be a string or a non-empty list of chat messages",
+                          param="prompt")
+        kwargs["prompt"] = [m.model_dump(exclude_none=True) for m in req.prompt]
+    check_prompt_limit(kwargs["prompt"], settings)
+    if kwargs.get("max_new_tokens") is None:
+        kwargs["max_new_tokens"] = settings.default_max_new_tokens
+    _limit("max_new_tokens", kwargs["max_new_tokens"], settings.max_new_tokens, "max_new_tokens")
+    stops = [kwargs["stop"]] if isinstance(kwargs.get("stop"), str) else (kwargs.get("stop") or [])
+    if len(stops) > 16 or any(len(s) > 256 for s in stops):
+        raise Problem(400, "limit_exceeded", "'stop' allows at most 16 strings of at most 256 characters", param="stop")
+    return kwargs, priority
+
+
+def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
+    """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
+    req = validate_body(ImageRequest, body, "POST /v1/image")
+    kwargs = _given(req)
+    priority = kwargs.pop("priority", 0)
+    check_image_limits(kwargs, settings)
+    return kwargs, priority
+
+
+def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+    check_prompt_limit(kwargs["prompt"], settings)
+    if kwargs.get("steps") is not None:
+        _limit("steps", kwargs["steps"], settings.max_steps, "max_steps")
+    for side in ("height", "width", "preview_max_side"):
+        if kwargs.get(side) is not None:
+            _limit(side, kwargs[side], settings.max_image_side, "max_image_side")
+    if "num_images" in kwargs:
+        _limit("num_images", kwargs["num_images"], settings.max_images, "max_images")
+    gs = kwargs.get("guidance_scale")
+    if gs is not None and not math.isfinite(gs):
+        raise Problem(400, "invalid_argument", f"'guidance_scale' must be a finite number, got {gs}",
+                      param="guidance_scale")
+
+
+_ = Literal  # keep the import for annotations in subclasses

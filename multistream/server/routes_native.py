@@ -1,0 +1,174 @@
+"""The native routes: ``POST /v1/text``, ``POST /v1/image`` (SSE), resume, info and cancel.
+
+A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``. Reading, resuming or
+cancelling a stream later needs the key that created it (with API keys) or that token (an open
+server: ``X-Resume-Token`` header or ``?token=``, which EventSource can send).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .bodies import ErrorResponse, ImageRequest, TextRequest, parse_image_body, parse_text_body, read_json
+from .problems import Problem
+from .registry import StreamRecord
+from .security import Principal
+from .sse import sse_response
+from .state import ServerState, get_principal, get_state
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["streams"])
+
+SSE_EVENT_SCHEMA = {"type": "object", "description": "one server-sent event; `data` is an event's wire JSON",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                                   "retry": {"type": "integer"}}}
+_SSE = {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+        "description": "the stream's events as server-sent events (id: seq, event: type, data: wire JSON)"}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in (
+        (400, "bad request: the message names the field and the fix"), (401, "missing or wrong API key"),
+        (403, "not allowed"), (404, "no such stream or model"), (408, "the body came too slowly"),
+        (413, "body too large"), (415, "not JSON"), (429, "queue or quota full (Retry-After)"),
+        (500, "server failure (a request id, no internals)"),
+        (503, "loading, busy or shutting down (Retry-After)"))}
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+class StreamInfo(BaseModel):
+    stream_id: str
+    kind: str
+    done: bool
+    finish_reason: str | None = None
+    events: int = Field(description="events so far (seq of the next one)")
+    subscribers: int
+
+
+class CancelResult(BaseModel):
+    stream_id: str
+    cancelled: bool = Field(description="true when the stream was still running")
+
+
+async def read_body(request: Request, state: ServerState) -> Any:
+    """The JSON body, within ``body_timeout_s`` (a client that trickles its body is cut off)."""
+    try:
+        return await asyncio.wait_for(read_json(request, state.settings.max_body_bytes), state.settings.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise Problem(408, "request_timeout", f"the request body did not arrive within "
+                      f"{state.settings.body_timeout_s:g} s (body_timeout_s); send it at once") from None
+
+
+def _created(record: StreamRecord, response: Response) -> Response:
+    response.headers["X-Resume-Token"] = record.token
+    return response
+
+
+@router.post("/v1/text", responses={200: _SSE, **_ERRORS}, openapi_extra=_body(TextRequest),
+             summary="Stream text", description="Body: `TextModel.stream` arguments (+ `priority`).")
+async def post_text(request: Request, state: ServerState = Depends(get_state),
+                    principal: Principal = Depends(get_principal)) -> Response:
+    arrived = time.perf_counter()
+    kwargs, priority = parse_text_body(await read_body(request, state), state.settings)
+    record = await state.open_stream("text", kwargs, priority=priority, request=request, arrived_at=arrived,
+                                     principal=principal)
+    return _created(record, sse_response(record, state.settings))
+
+
+@router.post("/v1/image", responses={200: _SSE, **_ERRORS}, openapi_extra=_body(ImageRequest),
+             summary="Stream an image", description="Body: `ImageModel.stream` arguments (+ `priority`).")
+async def post_image(request: Request, state: ServerState = Depends(get_state),
+                     principal: Principal = Depends(get_principal)) -> Response:
+    arrived = time.perf_counter()
+    kwargs, priority = parse_image_body(await read_body(request, state), state.settings)
+    record = await state.open_stream("image", kwargs, priority=priority, request=request, arrived_at=arrived,
+                                     principal=principal)
+    return _created(record, sse_response(record, state.settings))
+
+
+def owned_record(state: ServerState, stream_id: str, request: Request, principal: Principal) -> StreamRecord:
+    """The stream, if the caller may touch it; 404 either way otherwise (no probing for ids)."""
+    record = state.registry.get(stream_id)
+    token = request.headers.get("x-resume-token") or request.query_params.get("token")
+    if record is None or not record.allows(principal, token):
+        hint = ("with the API key that created it" if state.keyring.enabled
+                else "with the X-Resume-Token (or ?token=) its creation returned")
+        raise Problem(404, "stream_not_found", f"no stream {stream_id[:64]!r} here for you: it never existed, it "
+                      f"finished more than {state.settings.retention_s:g} s ago (retention_s), or you must ask "
+                      f"{hint}")
+    return record
+
+
+def _after(request: Request) -> int:
+    # Last-Event-ID wins: an EventSource reconnects to the same URL (with its original ?after=)
+    # and sends the id of the last event it really got.
+    raw = request.headers.get("last-event-id")
+    if raw is None:
+        raw = request.query_params.get("after")
+    if raw is None or raw == "":
+        return -1
+    try:
+        if len(raw) > 20:
+            raise ValueError
+        value = int(raw)
+    except ValueError:
+        raise Problem(400, "invalid_argument", f"Last-Event-ID / after must be an event seq (an integer), got "
+                      f"{raw[:40]!r}") from None
+    if value < -1:
+        raise Problem(400, "invalid_argument", f"Last-Event-ID / after must be >= -1, got {value}")
+    return value
+
+
+@router.get("/v1/streams/{stream_id}/events", responses={200: _SSE, 204: {"description": "nothing left to send"},
+                                                        **_ERRORS},
+            summary="Resume a stream", description="Replays the events after `Last-Event-ID` (or `?after=`), then "
+            "follows live. Needs the creating key, or `X-Resume-Token` / `?token=`.")
+async def resume(stream_id: str, request: Request, state: ServerState = Depends(get_state),
+                 principal: Principal = Depends(get_principal)) -> Response:
+    after = _after(request)
+    record = owned_record(state, stream_id, request, principal)
+    if not record.resumable:
+        raise Problem(404, "stream_not_found", f"stream {stream_id!r} cannot be resumed (an OpenAI-route stream)")
+    if record.done and after >= len(record.events) - 1:
+        return Response(status_code=204, headers={"X-Stream-Id": stream_id})  # tells EventSource to stop
+    if after >= len(record.events) and not record.done:
+        raise Problem(400, "invalid_argument", f"event {after} has not happened yet in stream {stream_id} "
+                      f"(last seq is {len(record.events) - 1})")
+    record.check_follower_room()
+    return sse_response(record, state.settings, after=after)
+
+
+@router.get("/v1/streams/{stream_id}", response_model=StreamInfo, responses=_ERRORS, summary="Stream status")
+async def stream_info(stream_id: str, request: Request, state: ServerState = Depends(get_state),
+                      principal: Principal = Depends(get_principal)) -> Any:
+    record = owned_record(state, stream_id, request, principal)
+    return StreamInfo(stream_id=stream_id, kind=record.kind, done=record.done, finish_reason=record.finish_reason,
+                      events=len(record.events), subscribers=record.subscribers)
+
+
+@router.delete("/v1/streams/{stream_id}", response_model=CancelResult, responses=_ERRORS, summary="Cancel a stream")
+async def cancel_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
+                        principal: Principal = Depends(get_principal)) -> Any:
+    record = owned_record(state, stream_id, request, principal)
+    was_running = not record.done
+    record.cancel()
+    return CancelResult(stream_id=stream_id, cancelled=was_running)
+
+
+test_router = APIRouter(include_in_schema=False)
+
+
+@test_router.post("/v1/_test/drop")
+async def drop(state: ServerState = Depends(get_state)) -> Response:
+    """Test hook: end every live SSE/WS subscription abruptly (streams keep running)."""
+    return JSONResponse({"dropped_streams": state.registry.drop_connections()})

@@ -1,0 +1,358 @@
+"""Shared server state: the served models, admission gates, per-client quotas, the registry.
+
+Routes get it through FastAPI's ``Depends(get_state)`` and the caller through ``Depends(get_principal)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import HTTPConnection, Request
+
+from ..stream import Stream, StreamWriter
+from .admission import Admission
+from .filtering import STOP, ContentFilter
+from .metrics import Metrics
+from .problems import Problem, problem_from_exception
+from .registry import Registry, StreamRecord
+from .security import KeyRing, Principal
+from .settings import ServerSettings
+
+__all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]
+
+logger = logging.getLogger("multistream.server")
+
+
+class ModelSlot:
+    """One served model: given ready, or loaded in a background thread so the server starts fast.
+
+    ``spec`` is a model object, ``"default"`` (the embedded model), a name or path for the
+    ``load_*_model`` function, ``"module:attr"`` (a factory called with no arguments), a callable,
+    or None (not served).
+    """
+
+    def __init__(self, kind: str, spec: Any) -> None:
+        self.kind = kind
+        self.spec = spec
+        self.model: Any = None
+        self.error: str | None = None
+        if spec is None:
+            self.state = "disabled"
+        elif isinstance(spec, (str, type)) or (callable(spec) and not hasattr(spec, "stream")):
+            self.state = "pending"  # a name or a factory: loaded in the background at startup
+        else:
+            self.model, self.state = spec, "ready"
+
+    @property
+    def name(self) -> str:
+        if self.model is not None:
+            return str(getattr(self.model, "name", None) or self.kind)
+        return self.spec if isinstance(self.spec, str) else self.kind
+
+    def start_loading(self) -> None:
+        if self.state != "pending":
+            return
+        self.state = "loading"
+        threading.Thread(target=self._load, name=f"multistream-load-{self.kind}", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            self.model = _load_model(self.kind, self.spec)
+            self.state = "ready"
+            logger.info("%s model %s is ready", self.kind, self.name)
+        except BaseException as exc:  # noqa: BLE001 - report it on /healthz, keep serving the rest
+            logger.exception("loading the %s model failed", self.kind)
+            self.error = type(exc).__name__  # the details are in the log, not on the wire
+            self.state = "failed"
+
+    def get(self) -> Any:
+        if self.state == "ready":
+            return self.model
+        if self.state == "disabled":
+            raise Problem(404, "model_not_served", f"this server has no {self.kind} model; start it with "
+                          f"`multistream serve --{self.kind}-model ...`")
+        if self.state == "failed":
+            raise Problem(503, "model_failed", f"the {self.kind} model failed to load ({self.error}); "
+                          "the server log has the details")
+        raise Problem(503, "model_loading", f"the {self.kind} model is still loading; retry shortly",
+                      {"Retry-After": "5"})
+
+
+def _load_model(kind: str, spec: Any) -> Any:
+    if callable(spec) and not isinstance(spec, str):
+        return spec()
+    if isinstance(spec, str) and ":" in spec and not spec.startswith(("/", ".")) and "/" not in spec.split(":")[0]:
+        module_name, _, attr = spec.partition(":")
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj() if callable(obj) else obj
+    module = importlib.import_module(f"multistream.{kind}")
+    loader = getattr(module, f"load_{kind}_model")
+    return loader(None if spec == "default" else spec)
+
+
+class ServerState:
+    """Everything the routes share: settings, models, admission gates, the stream registry."""
+
+    def __init__(self, settings: ServerSettings, text_model: Any, image_model: Any,
+                 content_filter: ContentFilter | None, keyring: KeyRing | None = None) -> None:
+        self.settings = settings
+        self.keyring = keyring or KeyRing(settings)
+        self.metrics = Metrics()
+        self.registry = Registry(settings, self.metrics)
+        self.models = {"text": ModelSlot("text", text_model), "image": ModelSlot("image", image_model)}
+        self.gates = {"text": Admission("text", settings.text_concurrency, settings.queue_size),
+                      "image": Admission("image", settings.image_concurrency, settings.queue_size)}
+        self.content_filter = content_filter
+        self.draining = False
+        self.drained = asyncio.Event() if _has_loop() else None
+        self.started_at = time.time()
+        self.loop = asyncio.get_running_loop() if _has_loop() else None
+        self.in_use: dict[str, int] = {}  # principal id -> streams queued or running
+        m = self.metrics
+        m.gauge("multistream:num_requests_running", "Streams generating now.",
+                lambda: [({"kind": k}, float(self.registry.active(k))) for k in self.gates])
+        m.gauge("multistream:num_requests_waiting", "Requests waiting for a slot.",
+                lambda: [({"kind": k}, float(g.queued)) for k, g in self.gates.items()])
+        m.gauge("multistream:retained_streams", "Finished streams kept for replay.",
+                lambda: [({}, float(len(self.registry.finished)))])
+        m.gauge("multistream:retained_bytes", "Approximate bytes held by replay logs (live and finished).",
+                lambda: [({"state": "finished"}, float(self.registry.retained_bytes)),
+                         ({"state": "live"}, float(self.registry.live_bytes()))])
+        m.gauge("multistream:model_ready", "1 when the model is loaded and serving.",
+                lambda: [({"kind": k, "model": s.name}, float(s.state == "ready"))
+                         for k, s in self.models.items() if s.state != "disabled"])
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and all(s.state in ("ready", "disabled") for s in self.models.values())
+
+    # -- opening streams -----------------------------------------------------------------------
+
+    def cap_priority(self, priority: int, principal: Principal | None) -> int:
+        """The client's priority, clamped to its ceiling (per key, or the server default)."""
+        ceiling = principal.max_priority if principal is not None else self.settings.max_priority
+        return max(-ceiling - 1000, min(int(priority), ceiling))
+
+    async def open_stream(self, kind: str, kwargs: dict[str, Any], *, priority: int = 0,
+                          request: Request | None = None, resumable: bool = True,
+                          arrived_at: float | None = None, principal: Principal | None = None) -> StreamRecord:
+        """Admit a request (quota, queue, limits), start the model, register the stream; raises `Problem`."""
+        arrived_at = arrived_at if arrived_at is not None else time.perf_counter()
+        if self.draining:
+            raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
+                          {"Retry-After": "5"})
+        model = self.models[kind].get()
+        priority = self.cap_priority(priority, principal)
+        kwargs = dict(kwargs)
+        owner = principal.id if principal is not None else None
+        keyed = bool(principal is not None and principal.keyed)
+        if self.content_filter is not None and self._filter_prompt(kwargs):
+            if kind != "text":
+                raise Problem(400, "content_filter", "the prompt was rejected by the content filter")
+            return self.registry.start(_filtered_stream(), kind=kind, resumable=resumable,
+                                       model_name=self.models[kind].name, arrived_at=arrived_at, owner=owner,
+                                       owner_keyed=keyed)
+        if principal is not None:
+            used = self.in_use.get(principal.id, 0)
+            if used >= principal.concurrency:
+                raise Problem(429, "quota_exceeded", f"you already have {used} streams queued or running, your "
+                              f"quota ({'per key' if principal.keyed else 'per client address'}: client_concurrency "
+                              "or the key's concurrency=); wait for one to finish", {"Retry-After": "2"})
+            self.in_use[principal.id] = used + 1
+        released = False
+
+        def release_quota() -> None:
+            nonlocal released
+            if principal is not None and not released:
+                released = True
+                left = self.in_use.get(principal.id, 1) - 1
+                if left > 0:
+                    self.in_use[principal.id] = left
+                else:
+                    self.in_use.pop(principal.id, None)
+
+        gate = self.gates[kind]
+        waited = time.perf_counter()
+        try:
+            await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s), request,
+                                      on_abandoned=gate.release)
+        except BaseException:
+            release_quota()
+            raise
+        self.metrics.queue_wait.observe(time.perf_counter() - waited, kind=kind)
+        started = time.perf_counter()
+        try:
+            if self.draining:
+                raise Problem(503, "shutting_down", "the server is shutting down", {"Retry-After": "5"})
+            stream = model.stream(**kwargs)
+        except BaseException as exc:
+            gate.release()
+            release_quota()
+            raise _start_problem(kind, exc) from None
+
+        def on_done(record: StreamRecord) -> None:
+            gate.release(time.perf_counter() - started)
+            release_quota()
+
+        count = getattr(model, "count_tokens", None)
+        return self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable,
+                                   model_name=self.models[kind].name, content_filter=self.content_filter,
+                                   arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
+                                   count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
+
+    def _filter_prompt(self, kwargs: dict[str, Any]) -> bool:
+        """Run the content filter over the prompt(s); True when it says stop."""
+        assert self.content_filter is not None
+        for key in ("prompt", "negative_prompt"):
+            value = kwargs.get(key)
+            if isinstance(value, str):
+                out = self._run_filter(value)
+                if out is STOP:
+                    return True
+                if isinstance(out, str):
+                    kwargs[key] = out
+            elif isinstance(value, list):
+                messages = []
+                for m in value:
+                    out = self._run_filter(m["content"])
+                    if out is STOP:
+                        return True
+                    messages.append({**m, "content": out} if isinstance(out, str) else m)
+                kwargs[key] = messages
+        return False
+
+    def _run_filter(self, text: str) -> Any:
+        assert self.content_filter is not None
+        try:
+            return self.content_filter(text, "prompt")
+        except Exception:  # noqa: BLE001 - a failing filter fails closed
+            logger.exception("the content filter raised on a prompt; refusing it")
+            return STOP
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def begin_drain(self, deadline_s: float | None = None, on_drained: Callable[[], None] | None = None) -> None:
+        """Stop admitting (503), let running streams finish for ``deadline_s``, cancel the rest,
+        give clients a moment to read their final events, then call ``on_drained``."""
+        if self.draining:
+            return
+        self.draining = True
+        deadline = self.settings.shutdown_deadline_s if deadline_s is None else deadline_s
+        problem = Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
+                          {"Retry-After": "5"})
+        for gate in self.gates.values():
+            gate.close(problem)
+        logger.info("draining: %d running streams get %.1f s to finish", self.registry.active(), deadline)
+        asyncio.get_running_loop().create_task(self._drain(deadline, on_drained))
+
+    async def _drain(self, deadline: float, on_drained: Callable[[], None] | None) -> None:
+        end = time.monotonic() + deadline
+        while self.registry.live and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        self.registry.cancel_all("cancelled")
+        end = time.monotonic() + self.settings.cancel_timeout_s + 1
+        while self.registry.live and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        for record in list(self.registry.live.values()):
+            record.force_finish()
+        # Let attached clients read the final events before the connections close.
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and any(r.subscribers for r in self.registry.finished.values()):
+            await asyncio.sleep(0.05)
+        if self.drained is not None:
+            self.drained.set()
+        if on_drained is not None:
+            on_drained()
+
+    # -- health --------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        models = {k: {"name": s.name, "state": s.state, **({"error": s.error} if s.error else {})}
+                  for k, s in self.models.items() if s.state != "disabled"}
+        ready = self.ready
+        return {"status": "draining" if self.draining else ("ok" if ready else "loading"), "ready": ready,
+                "models": models, "active_streams": self.registry.active(),
+                "queued": {k: g.queued for k, g in self.gates.items()},
+                "uptime_s": round(time.time() - self.started_at, 3)}
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+def _start_problem(kind: str, exc: BaseException) -> Problem:
+    """What the model's ``.stream()`` raised, as the client's problem when it is about the input."""
+    problem = problem_from_exception(exc)
+    if problem.status < 500:
+        return problem
+    name = type(exc).__name__
+    # A prompt the tokenizer or the chat template cannot take (a TypeError on odd text, a Jinja
+    # TemplateError raised by the template itself) is about the request, not a server fault.
+    if isinstance(exc, (TypeError, ValueError, UnicodeError, KeyError)) or "Template" in name:
+        logger.info("a %s request was refused by the model: %s: %s", kind, name, exc)
+        return Problem(400, "invalid_prompt", f"the {kind} model cannot take this prompt ({name}: {str(exc)[:200]}); "
+                       "check the prompt or chat messages (roles, text)")
+    logger.error("starting a %s stream failed", kind, exc_info=exc)
+    return problem
+
+
+def _filtered_stream() -> Stream:
+    def producer(w: StreamWriter) -> None:
+        w.finish_text("", [], 0, finish_reason="content_filter", text="",
+                      usage={"prompt_tokens": 0, "completion_tokens": 0}, metrics={})
+    return Stream(producer, kind="text")
+
+
+async def _until_disconnected(
+    awaitable: Any, request: Request | None, on_abandoned: Callable[[], Any] | None = None
+) -> Any:
+    """Await ``awaitable`` (a queue wait), giving up if the HTTP client goes away meanwhile.
+
+    ``on_abandoned`` runs when the wait succeeded but its result never reached the caller (the
+    caller was cancelled in between), so an admission slot won then is given back, not leaked.
+    """
+    task = asyncio.ensure_future(awaitable)
+    delivered = False
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                result = task.result()
+                delivered = True
+                return result
+            if request is not None and await request.is_disconnected():
+                task.cancel()
+                raise Problem(499, "client_closed", "the client went away while queued")
+    finally:
+        if not task.done():
+            task.cancel()
+        elif not delivered and on_abandoned is not None and not task.cancelled() and task.exception() is None:
+            on_abandoned()
+
+
+
+
+def get_state(conn: HTTPConnection) -> ServerState:
+    """FastAPI dependency: the app's `ServerState`."""
+    return conn.app.state.multistream  # type: ignore[no-any-return]
+
+
+def get_principal(conn: HTTPConnection) -> Principal:
+    """FastAPI dependency: who is calling (set by the security middleware)."""
+    principal = getattr(conn.state, "principal", None)
+    if principal is None:  # an app used without its middleware (should not happen)
+        client = conn.client
+        principal = Principal(f"addr:{client.host if client else 'unknown'}", 0, 1, False)
+    return principal  # type: ignore[no-any-return]
