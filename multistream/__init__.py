@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    EngineClosedError,
     EventFormatError,
     InvalidArgumentError,
     ModelLoadError,
     MultistreamError,
     PromptTooLongError,
     StreamConsumedError,
+    StreamFinishedError,
 )
 from .events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict, event_from_json, event_json_schema
 from .stream import Stream, StreamWriter
@@ -60,6 +62,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = sorted(
     [
+        "EngineClosedError",
         "ErrorEvent",
         "Event",
         "EventFormatError",
@@ -70,6 +73,7 @@ __all__ = sorted(
         "PromptTooLongError",
         "Stream",
         "StreamConsumedError",
+        "StreamFinishedError",
         "StreamWriter",
         "TextEvent",
         "event_from_dict",

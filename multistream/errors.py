@@ -22,6 +22,7 @@ __all__ = [
     "MultistreamError",
     "PromptTooLongError",
     "StreamConsumedError",
+    "StreamFinishedError",
 ]
 
 
@@ -51,3 +52,7 @@ class ModelLoadError(MultistreamError, OSError):
 
 class EngineClosedError(MultistreamError, RuntimeError):
     """A stream was started on a model whose engine was closed (``model.close()``)."""
+
+
+class StreamFinishedError(InvalidArgumentError):
+    """An edit (steer, rewind) was asked of a stream that has already ended or was cancelled."""

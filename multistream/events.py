@@ -41,8 +41,8 @@ __all__ = [
     "event_json_schema",
 ]
 
-TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_filter")
-IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter")
+TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_filter", "finished_early")
+IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter", "finished_early")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +85,13 @@ class TextEvent(_BaseEvent):
 
     ``delta`` is the text since the previous event; ``token_ids`` are the tokens it came from
     (a token that completes no character yet rides along with the next event); ``index`` is the
-    position of the first of them in the output. The final event also carries ``finish_reason``,
-    ``text`` (the whole output), ``usage`` and ``metrics``.
+    position of the first of them in the output. ``offset`` is the character position in the
+    answer where ``delta`` begins: a client keeps ``text = text[:offset] + delta`` (without edits
+    it is the length of the text so far; after a rewind it is smaller: "replace from here").
+    ``revision`` is 0 until the first steer or rewind, then +1 per edit. The final event also
+    carries ``finish_reason``, ``text`` (the whole output, after all edits), ``usage``,
+    ``metrics`` and, if the stream was edited, ``revisions`` (one dict per edit: ``kind``,
+    ``step``, ``offset``, ``instruction``).
 
     Example:
         >>> TextEvent(stream_id="s", seq=3, t=0.2, delta=" world", token_ids=[1917], index=1).delta
@@ -97,10 +102,13 @@ class TextEvent(_BaseEvent):
     delta: str
     token_ids: list[int] = field(default_factory=list)
     index: int = 0
+    offset: int = 0
+    revision: int = 0
     finish_reason: str | None = None
     text: str | None = None
     usage: dict[str, int] | None = None
     metrics: dict[str, float] | None = None
+    revisions: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +253,21 @@ def event_json_schema() -> dict[str, Any]:
             "delta": {"type": "string"},
             "token_ids": {"type": "array", "items": {"type": "integer"}},
             "index": {"type": "integer", "minimum": 0},
+            "offset": {"type": "integer", "minimum": 0},
+            "revision": {"type": "integer", "minimum": 0},
+            "revisions": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "kind": {"enum": ["steer", "rewind"]},
+                        "step": {"type": "integer", "minimum": 0},
+                        "offset": {"type": "integer", "minimum": 0},
+                        "instruction": {"type": ["string", "null"]},
+                    },
+                    "required": ["kind", "step", "offset"],
+                },
+            },
             "finish_reason": {"enum": list(TEXT_FINISH_REASONS)},
             "text": {"type": "string"},
             "usage": {

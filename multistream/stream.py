@@ -71,6 +71,9 @@ class _Channel:
         self._cancel_callbacks: list[Callable[[], Any]] = []
         self.final_queued = threading.Event()
         self.exception: BaseException | None = None  # what ended the stream with an error event
+        self.text_length = 0  # characters of answer so far (after edits); offsets come from it
+        self.revision = 0
+        self.command_handler: Callable[[str, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
     # -- cancellation --------------------------------------------------------------------------
 
@@ -106,6 +109,12 @@ class _Channel:
         with self._cond:
             if self._final_put:
                 return False
+            if cls is TextEvent:
+                # Offsets are the stream's business: a producer says "replace from here" only
+                # after a rewind (by passing offset); otherwise the delta appends.
+                fields.setdefault("offset", self.text_length)
+                fields.setdefault("revision", self.revision)
+                self.text_length = fields["offset"] + len(fields["delta"])
             text_target = self._undelivered_text() if merge_key == ("text",) else None
             if text_target is not None:
                 _merge_into(text_target, fields)
@@ -179,10 +188,23 @@ def _wake(fut: asyncio.Future[None]) -> None:
 
 
 def _merge_into(last: _Pending, new: dict[str, Any]) -> None:
-    """Fold a newer text delta into an undelivered one: deltas and token ids concatenate."""
+    """Fold a newer text delta into an undelivered one.
+
+    Appends concatenate (deltas and token ids). A newer delta that replaces from an earlier
+    offset (a rewind) cuts the undelivered one there, or replaces it whole if it starts before it.
+    """
     old = last.fields
-    old["delta"] += new["delta"]
-    old["token_ids"] = list(old["token_ids"]) + list(new["token_ids"])
+    end = old["offset"] + len(old["delta"])
+    if new["offset"] == end:
+        old["delta"] += new["delta"]
+        old["token_ids"] = list(old["token_ids"]) + list(new["token_ids"])
+    elif new["offset"] >= old["offset"]:
+        old["delta"] = old["delta"][: new["offset"] - old["offset"]] + new["delta"]
+        old["token_ids"] = list(new["token_ids"])  # ids no longer line up with a cut delta
+        old["index"] = new["index"]
+    else:
+        old.update(delta=new["delta"], token_ids=list(new["token_ids"]), offset=new["offset"], index=new["index"])
+    old["revision"] = new["revision"]
     old["t"] = new["t"]
 
 
@@ -231,11 +253,34 @@ class StreamWriter:
         """Seconds since the stream started (the clock of every event's ``t``)."""
         return time.perf_counter() - self._channel.started_at
 
-    def text(self, delta: str, token_ids: list[int], index: int) -> None:
-        """Emit new text. Merges with an undelivered delta if the consumer is behind."""
-        if not delta:
+    def text(self, delta: str, token_ids: list[int], index: int, *, offset: int | None = None) -> None:
+        """Emit new text. Merges with an undelivered delta if the consumer is behind.
+
+        ``offset`` (default: the end of the text so far) says where ``delta`` begins; a smaller
+        one replaces the text from there (after a rewind).
+        """
+        fields: dict[str, Any] = {"delta": delta, "token_ids": list(token_ids), "index": index}
+        if offset is not None:
+            fields["offset"] = offset
+        elif not delta:
             return  # the protocol promises no empty non-final deltas
-        self._channel.put(TextEvent, {"delta": delta, "token_ids": list(token_ids), "index": index}, ("text",))
+        self._channel.put(TextEvent, fields, ("text",))
+
+    @property
+    def text_length(self) -> int:
+        """Characters of answer sent so far (after edits)."""
+        return self._channel.text_length
+
+    def new_revision(self) -> int:
+        """Start the next revision (a steer or a rewind); later text events carry it."""
+        self._channel.revision += 1
+        return self._channel.revision
+
+    def on_command(self, handler: Callable[[str, tuple[Any, ...], dict[str, Any]], Any]) -> None:
+        """Accept edits (``steer``, ``rewind``) from the consumer: ``handler(name, args, kwargs)``
+        runs on the caller's thread, checks them (raising `MultistreamError` for bad input) and
+        queues them for the model's next step."""
+        self._channel.command_handler = handler
 
     def finish_text(
         self,
@@ -247,21 +292,25 @@ class StreamWriter:
         text: str,
         usage: dict[str, int],
         metrics: dict[str, float],
+        revisions: list[dict[str, Any]] | None = None,
+        offset: int | None = None,
     ) -> None:
         """Emit the final text event (once; it is never dropped or merged)."""
-        self._channel.put(
-            TextEvent,
-            {
-                "delta": delta,
-                "token_ids": list(token_ids),
-                "index": index,
-                "is_final": True,
-                "finish_reason": finish_reason,
-                "text": text,
-                "usage": dict(usage),
-                "metrics": dict(metrics),
-            },
-        )
+        fields: dict[str, Any] = {
+            "delta": delta,
+            "token_ids": list(token_ids),
+            "index": index,
+            "is_final": True,
+            "finish_reason": finish_reason,
+            "text": text,
+            "usage": dict(usage),
+            "metrics": dict(metrics),
+        }
+        if revisions:
+            fields["revisions"] = [dict(r) for r in revisions]
+        if offset is not None:
+            fields["offset"] = offset
+        self._channel.put(TextEvent, fields)
 
     def image(
         self,
@@ -304,6 +353,10 @@ class StreamWriter:
         sub-stream's final event can become an ordinary event of the composed stream.
         """
         fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name not in ("stream_id", "seq", "t")}
+        if isinstance(ev, TextEvent):
+            # Offsets and revisions are this stream's own: a forwarded delta appends here.
+            fields.pop("offset", None)
+            fields.pop("revision", None)
         if is_final is not None:
             fields["is_final"] = is_final
         merge_key: Any = None
@@ -403,6 +456,43 @@ class Stream:
             ...         s.finish_early()          # keep this picture, full quality
         """
         self._channel.request_finish_early()
+
+    def steer(self, instruction: str | None = None, **changes: Any) -> None:
+        """Change the generation while it runs; takes effect at the model's next step.
+
+        Text: ``steer("make it shorter")`` inserts a new instruction and the answer goes on in
+        that direction (what was written stays). Image: ``steer(prompt=..., negative_prompt=...,
+        guidance_scale=...)`` conditions the following denoising steps on the new values.
+        Raises `MultistreamError` at once for a finished stream or bad input.
+
+        Example:
+            >>> s = llm.stream("Write a long story about a fox")   # doctest: +SKIP
+            >>> s.steer("make it about a cat instead")             # doctest: +SKIP
+        """
+        self._command("steer", (instruction,) if instruction is not None else (), changes)
+
+    def rewind(self, offset: int, instruction: str | None = None, **options: Any) -> None:
+        """Text: drop the answer from character ``offset`` on (snapped back to a token boundary)
+        and regenerate from there, optionally under a new ``instruction`` and sampling options.
+
+        Example:
+            >>> s.rewind(120, instruction="less formal")   # doctest: +SKIP
+        """
+        self._command("rewind", (offset,), {"instruction": instruction, **options})
+
+    def _command(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        from .errors import InvalidArgumentError, StreamFinishedError
+
+        if self._channel.final_put or self._channel.cancel_requested.is_set():
+            raise StreamFinishedError(
+                f"stream {self.stream_id} has already ended (or was cancelled), so it cannot {name}; "
+                + ("use model.revise(final_event, offset) to regenerate part of a finished answer"
+                   if self.kind == "text" else "start a new stream")
+            )
+        handler = self._channel.command_handler
+        if handler is None:
+            raise InvalidArgumentError(f"this {self.kind} stream does not support {name}()")
+        handler(name, args, kwargs)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until the model is done with this stream; True if it was within ``timeout``."""
