@@ -180,6 +180,10 @@ class ImageModel:
         # The engine thread must not keep this object alive; closing on collection ends it.
         self._finalizer = weakref.finalize(self, self._engine.close, 30.0)
 
+    #: Streams a server runs at once on this model; they take denoising steps in turn, so more
+    #: only stretches every one of them (set it on the instance to change it).
+    capacity = 4
+
     @property
     def engine(self) -> Engine:
         """The engine thread that runs every stream of this model."""
