@@ -606,9 +606,14 @@ class _ImageRequest(ImageRequest):
     """Binds one job of an `ImageModel` to the engine's step scheduler."""
 
     def __init__(self, model: ImageModel, writer: StreamWriter, job: ImageJob, priority: int) -> None:
-        super().__init__(self._start, writer.fail, self._cancel, priority=priority)
+        super().__init__(self._start, writer.fail, self._cancel, priority=priority, steps_left=self._steps_left)
         self._model, self._writer, self._job = model, writer, job
         self._run: ImageRun | None = None
+
+    def _steps_left(self) -> int:
+        stats = self._run.stats if self._run is not None else None
+        total = (stats.total if stats is not None else None) or self._job.steps or 50
+        return total - (stats.steps_seen if stats is not None else 0)
 
     def _start(self, yield_step: Callable[[], None]) -> None:
         # Built here, on the engine thread: copying the scheduler copies tensors.

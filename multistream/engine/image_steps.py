@@ -6,8 +6,9 @@ step callback switches back to the engine, which then picks the next request to 
 torch op of every request runs on the engine thread, a 4-step request finishes while a 50-step
 one runs, and a higher priority takes the very next step.
 
-Order: highest priority first; within a priority, the request stepped least recently (round
-robin), then arrival.
+Order: highest priority first; within a priority, the fewest steps left first, less one for each
+step a request has waited since it last ran (so a 4-step request started while a 40-step one runs
+finishes first, and a long request still advances when short ones keep coming), then arrival.
 
 Example (what `ImageModel` does):
     >>> stepper = ImageStepper()                       # doctest: +SKIP
@@ -39,11 +40,13 @@ class ImageRequest:
     """
 
     def __init__(self, start: Callable[[Callable[[], None]], None], fail: Callable[[BaseException], None],
-                 cancel: Callable[[], None], *, priority: int = 0) -> None:
+                 cancel: Callable[[], None], *, priority: int = 0,
+                 steps_left: Callable[[], int] | None = None) -> None:
         self.start = start
         self.fail = fail
         self.cancel = cancel
         self.priority = priority
+        self.steps_left = steps_left or (lambda: 0)
         self.order = 0
         self.last_step = -1
         self.glet: greenlet | None = None
@@ -55,20 +58,23 @@ class ImageStepper:
     def __init__(self) -> None:
         self.requests: list[ImageRequest] = []
         self._arrivals = count()
-        self._ticks = count()
+        self._now = 0  # steps taken by this engine, the clock of waiting
         self.steps = 0
         self.trace: list[tuple[int, int]] | None = None  # (request order, tick); tests switch it on
 
     def admit(self, request: ImageRequest) -> None:
         request.order = next(self._arrivals)
+        request.last_step = self._now
         self.requests.append(request)
 
     def has_work(self) -> bool:
         return bool(self.requests)
 
     def step(self) -> None:
-        req = min(self.requests, key=lambda r: (-r.priority, r.last_step, r.order))
-        req.last_step = next(self._ticks)
+        now = self._now
+        req = min(self.requests, key=lambda r: (-r.priority, r.steps_left() - (now - r.last_step), r.order))
+        req.last_step = now
+        self._now = now + 1
         if self.trace is not None:
             self.trace.append((req.order, req.last_step))
         if req.glet is None:
