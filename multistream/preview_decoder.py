@@ -45,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -541,7 +542,8 @@ def preview_decoder_for(
                 _folder_cache[key] = net
         channels = int(getattr(getattr(vae, "config", None), "latent_channels", net.latent_channels) or net.latent_channels)
         if net.latent_channels == channels:
-            return net
+            # A copy: each model moves its decoder to its own device, the loaded file stays put.
+            return copy.deepcopy(net)
     if vae is None or not fit:
         return None
     return fit_preview_decoder(vae, progress=progress)
