@@ -157,3 +157,14 @@ def test_tiny_preview_on_a_pipeline_without_a_shipped_decoder_fits_once(monkeypa
     final = model.generate("x", steps=2, seed=0, preview="tiny")
     assert final.finish_reason == "stop", getattr(final, "error", None)
     assert model._preview_net is not None
+
+
+@pytest.mark.model
+def test_fit_preview_command_writes_a_decoder(tmp_path, capsys) -> None:
+    from multistream import cli
+
+    out = tmp_path / "dec.safetensors"
+    assert cli.main(["fit-preview", "--steps", "20", "--x0-prompts", "2", "--x0-steps", "2", "--out", str(out)]) == 0
+    net = pd.load_preview_decoder(out)
+    assert net.latent_channels == 4 and net.fit_info["x0_runs"] == "2x2"
+    assert "parameters" in capsys.readouterr().err
