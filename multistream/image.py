@@ -426,7 +426,7 @@ class ImageModel:
         ``preview`` is one of ``"latent"`` (a linear map of the noisy latent: about free), ``"x0"``
         (the model's current estimate of the clean image through the same map: as cheap, far more
         telling early on), ``"tiny"`` (x0 through a tiny decoder fitted to this VAE: the image's
-        own colours, about a millisecond a frame; fitted once per VAE if the model ships none),
+        own colours, about 2 ms a frame on a small CPU; fitted once per VAE if the model ships none),
         ``"taesd"`` (needs ``taesd=`` weights), ``"vae"`` (full decode each preview: slow),
         ``"none"``; ``"x0+taesd"``/``"x0+vae"`` decode x0 with those. None (the default) is the
         model's `default_preview`: ``"tiny"`` for the embedded model, ``"latent"`` for others.

@@ -14,7 +14,7 @@ The pieces, each small and testable without a real model:
   ``"taesd"``   noisy latent           ``diffusers.AutoencoderTiny`` (weights from the user)
   ``"tiny"``    predicted clean image  a tiny decoder fitted to this VAE
                                        (`multistream.preview_decoder`): the image's own
-                                       colours and shapes for about a millisecond per frame
+                                       colours and shapes for about 2 ms a frame (CPU)
   ``"vae"``     noisy latent           the pipeline's full VAE: best looking, most expensive
   ``"none"``    -                      no previews, only the final image
   ============  =====================  ======================================================
