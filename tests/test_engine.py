@@ -269,9 +269,16 @@ def test_a_short_image_request_finishes_while_a_long_one_runs(shapes) -> None:
 
 def test_interleaved_images_equal_images_alone(shapes) -> None:
     alone = [shapes.generate(p, steps=6, seed=3, preview="none").data for p in ("a red circle on a blue background", "a yellow star on a black background")]
-    streams = [shapes.stream(p, steps=6, seed=3, preview="latent") for p in ("a red circle on a blue background", "a yellow star on a black background")]
-    together = [s.wait().data for s in streams]
+    shapes._stepper.trace = []
+    try:
+        streams = [shapes.stream(p, steps=6, seed=3, preview="latent") for p in ("a red circle on a blue background", "a yellow star on a black background")]
+        together = [s.wait().data for s in streams]
+        trace = [order for order, _ in shapes._stepper.trace]
+    finally:
+        shapes._stepper.trace = None
     assert together == alone
+    # Requests of equal length take turns: both advance in the first half of the steps.
+    assert len(set(trace[: len(trace) // 2])) == 2
 
 
 def test_image_priority_takes_the_next_step(shapes) -> None:
