@@ -27,6 +27,9 @@ __all__ = ["IncrementalDetokenizer"]
 logger = logging.getLogger("multistream")
 
 _REPLACEMENT = "\ufffd"
+# A window of undecidable text (a tokenizer whose decoding is not prefix-stable) is given up on
+# after this many tokens, so a long such run costs linear, not quadratic, decoding work.
+_MAX_UNSTABLE_WINDOW = 16
 
 
 def _decode_function(tokenizer: Any) -> Any:
@@ -60,14 +63,26 @@ class IncrementalDetokenizer:
         new_text = self._decode(ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
             delta = new_text[len(prefix_text) :]
-            if not new_text.startswith(prefix_text):
-                # The new token changed how earlier text decodes; the flush reconciles it.
+            if not new_text.startswith(prefix_text) and len(ids) - self._prefix <= _MAX_UNSTABLE_WINDOW:
+                # The new token changed how earlier text decodes; a later token or the flush
+                # reconciles it (past the window's limit, the text follows the streamed deltas).
                 return ""
             self._prefix = self._read
             self._read = len(ids)
             self.emitted += delta
             return delta
         return ""
+
+    def prime(self, ids: list[int]) -> str:
+        """Start from output that already exists (a resumed or rewound generation); returns its text.
+
+        Later deltas continue that text exactly as if its tokens had been fed one by one.
+        """
+        self.ids = list(ids)
+        self.emitted = self._decode(self.ids) if self.ids else ""
+        self._read = len(self.ids)
+        self._prefix = max(0, self._read - 4)
+        return self.emitted
 
     def flush(self) -> str:
         """Emit whatever the full decode has beyond what was emitted (end of generation)."""

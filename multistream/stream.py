@@ -271,6 +271,11 @@ class StreamWriter:
         """Characters of answer sent so far (after edits)."""
         return self._channel.text_length
 
+    def continue_text(self, length: int) -> None:
+        """The answer already has ``length`` characters (sent by an earlier run of the same
+        generation, e.g. before a failover): later deltas append after them."""
+        self._channel.text_length = length
+
     def new_revision(self) -> int:
         """Start the next revision (a steer or a rewind); later text events carry it."""
         self._channel.revision += 1

@@ -20,8 +20,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
+import threading
+from collections import OrderedDict
 import os
 import shutil
 import tempfile
@@ -35,10 +38,10 @@ from .devices import default_dtype, resolve_device, resolve_dtype
 from .engine import Engine
 from .engine.settings import engine_thread_setup
 from .engine.text_batch import TextBatcher
-from .engine.text_request import TextRequest
-from .errors import InvalidArgumentError, ModelLoadError, PromptTooLongError
+from .engine.text_request import Edit, TextRequest
+from .errors import EngineClosedError, InvalidArgumentError, ModelLoadError, PromptTooLongError
 from .events import Event, TextEvent
-from .text_options import check_prompt, parse_text_options
+from .text_options import TextOptions, check_prompt, parse_text_options
 from .text_sampling import RowSampler, SamplingPlan
 from .stream import Stream, StreamWriter
 
@@ -154,6 +157,8 @@ class TextModel:
                 eos.update(int(v) for v in value)
         self.eos_token_ids = frozenset(eos)
         self.max_batch = max_batch
+        self._finished: OrderedDict[str, TextRequest] = OrderedDict()
+        self._finished_lock = threading.Lock()
         self._batcher = TextBatcher(model, max_batch=max_batch, prefill_budget=prefill_budget)
         self._engine = Engine(self._batcher, name=f"text-{name}", setup=engine_thread_setup)
         # The engine thread must not keep this object alive; closing on collection ends it.
@@ -240,6 +245,7 @@ class TextModel:
         chunk_ms: float | None = None,
         chat: bool | None = None,
         priority: int = 0,
+        resume_tokens: list[int] | None = None,
         **unknown: Any,
     ) -> Stream:
         """Start generating and return the live `Stream` of `TextEvent`s.
@@ -249,7 +255,13 @@ class TextModel:
         ``generation_config`` says ``do_sample``); sampling options left as None take the
         ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
         emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events. ``priority``:
-        higher runs first at every engine step (default 0).
+        higher runs first at every engine step (default 0). ``resume_tokens``: answer tokens an
+        earlier run already produced and sent (failover to another replica): they are prefilled,
+        not sent again, and generation continues after them exactly as the uninterrupted run
+        would have (seeded randomness depends only on the seed and the position).
+
+        The stream can be edited while it runs: ``stream.steer(instruction)`` and
+        ``stream.rewind(offset, instruction=None, **sampling)`` (see `revise` for a finished one).
 
         Example:
             >>> for ev in llm.stream("Count to 5", max_new_tokens=20, stop=["5"]):   # doctest: +SKIP
@@ -271,16 +283,172 @@ class TextModel:
         plan = SamplingPlan.resolve(options, getattr(self.model, "generation_config", None))
         max_new = min(options.max_new_tokens, self.context_length - len(prompt_ids))
 
+        is_chat = not isinstance(prompt, str) or (
+            options.chat if options.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
+        )
+        history = None
+        if resume_tokens is not None:
+            if not isinstance(resume_tokens, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t for t in resume_tokens
+            ):
+                raise InvalidArgumentError("resume_tokens must be a list of token ids (non-negative integers)")
+            ids = list(resume_tokens)
+            history = (prompt_ids + ids, ids, list(range(len(prompt_ids), len(prompt_ids) + len(ids))))
+        return self._start(prompt_ids, options, plan, max_new, priority, is_chat, history=history)
+
+    def _start(
+        self, prompt_ids: list[int], options: TextOptions, plan: SamplingPlan, max_new: int, priority: int,
+        is_chat: bool, *, history: tuple[list[int], list[int], list[int]] | None = None, echo: bool = False,
+        edit: Edit | None = None,
+    ) -> Stream:
+        model_ref = weakref.ref(self)
+
         def submit(writer: StreamWriter) -> None:
-            self._engine.submit(
-                TextRequest(
-                    writer=writer, prompt_ids=prompt_ids, options=options, sampler=RowSampler(plan),
-                    tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
-                    priority=priority,
-                )
+            request = TextRequest(
+                writer=writer, prompt_ids=prompt_ids, options=options, sampler=RowSampler(plan),
+                tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
+                context_length=self.context_length, priority=priority, history=history, echo_history=echo,
+                on_finish=self._remember,
             )
+            request.is_chat = is_chat  # type: ignore[attr-defined]
+            request.plan = plan  # type: ignore[attr-defined]
+            if edit is not None:
+                request.context.extend(edit.inserted)
+                request.revisions.append({"kind": "rewind", "step": 0, "offset": len(request._text),
+                                          "instruction": edit.instruction, "token_ids": list(edit.inserted)})
+
+            def on_command(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                model = model_ref()
+                if model is None:
+                    raise EngineClosedError("the model of this stream is gone")
+                model._edit(request, name, args, kwargs)
+
+            writer.on_command(on_command)
+            self._engine.submit(request)
 
         return Stream(submit=submit, kind="text")
+
+    # -- edits ----------------------------------------------------------------------------------
+
+    def _instruction_tokens(self, instruction: Any, is_chat: bool) -> list[int]:
+        """The tokens that insert ``instruction`` after the answer so far.
+
+        Chat: the assistant turn is closed and the instruction is a new user turn, followed by a
+        new assistant turn (all rendered with the model's own chat template). Raw completion:
+        the instruction as plain text between blank lines.
+        """
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise InvalidArgumentError("the instruction is empty; pass the new direction as text, e.g. 'make it shorter'")
+        check_prompt(instruction)
+        text = f"\n\n{instruction}\n\n"
+        if is_chat:
+            try:
+                base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+                closed = self.tokenizer.apply_chat_template(base, tokenize=False)
+                more = self.tokenizer.apply_chat_template(
+                    base + [{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True
+                )
+                if more.startswith(closed):
+                    text = closed[closed.rindex("A") + 1 :] + more[len(closed) :]
+            except Exception as exc:  # noqa: BLE001 - a template that cannot render turns is a clear error
+                raise InvalidArgumentError(f"the chat template cannot add a user turn ({exc}); steer a chat=False stream") from exc
+        try:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"the instruction cannot be tokenized: {exc}") from exc
+
+    def _edit(self, request: TextRequest, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Check a steer/rewind on the caller's thread and queue it for the engine's next step."""
+        is_chat = getattr(request, "is_chat", False)
+        if name == "steer":
+            if kwargs:
+                raise InvalidArgumentError(
+                    f"a text stream steers with an instruction only (got {sorted(kwargs)}); "
+                    "use rewind(offset, instruction, temperature=...) to change sampling"
+                )
+            if not args:
+                raise InvalidArgumentError("steer() needs an instruction, e.g. stream.steer('make it shorter')")
+            inserted = self._instruction_tokens(args[0], is_chat)
+            self._check_room(request, inserted)
+            request.queue_edit(Edit("steer", inserted, instruction=args[0]))
+        elif name == "rewind":
+            (offset,) = args
+            length = request.writer.text_length
+            if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= length:
+                raise InvalidArgumentError(
+                    f"offset {offset!r} is outside the text, which has {length} characters so far; use 0..{length}"
+                )
+            instruction = kwargs.pop("instruction", None)
+            inserted = [] if instruction is None else self._instruction_tokens(instruction, is_chat)
+            self._check_room(request, inserted)
+            sampler = None
+            if kwargs:
+                unknown = set(kwargs) - {"temperature", "top_p", "top_k", "repetition_penalty", "seed"}
+                if unknown:
+                    raise InvalidArgumentError(
+                        f"rewind() takes the sampling options temperature, top_p, top_k, repetition_penalty and "
+                        f"seed; not {sorted(unknown)}"
+                    )
+                current = dataclasses.asdict(request.options)
+                current.update(kwargs)
+                options = parse_text_options(**current)
+                sampler = RowSampler(SamplingPlan.resolve(options, getattr(self.model, "generation_config", None)))
+            request.queue_edit(Edit("rewind", inserted, instruction=instruction, offset=offset, sampler=sampler))
+        else:
+            raise InvalidArgumentError(f"text streams support steer() and rewind(), not {name}()")
+        self._engine.wake()
+
+    def _check_room(self, request: TextRequest, inserted: list[int]) -> None:
+        if len(request.context) + len(inserted) + 1 >= self.context_length:
+            raise PromptTooLongError(
+                f"the instruction ({len(inserted)} tokens) does not fit: the context holds {len(request.context)} of "
+                f"{self.context_length} tokens; use a shorter instruction, or rewind first to free room"
+            )
+
+    def _remember(self, request: TextRequest) -> None:
+        """Keep a finished stream's token history (the newest 64) so `revise` can reuse it."""
+        with self._finished_lock:
+            self._finished[request.writer.stream_id] = request
+            while len(self._finished) > 64:
+                self._finished.popitem(last=False)
+
+    def revise(self, final_event: TextEvent, offset: int, instruction: str | None = None, **options: Any) -> Stream:
+        """Regenerate part of a finished answer: a new stream that keeps ``text[:offset]`` (snapped
+        back to a token boundary) and generates the rest, optionally under a new ``instruction``
+        and new sampling options. Its first event is the kept text.
+
+        The answer must come from a stream of this model (the newest 64 finished ones are kept).
+
+        Example:
+            >>> final = llm.generate("Write a limerick about a cat")          # doctest: +SKIP
+            >>> s2 = llm.revise(final, 40, instruction="make the ending funnier")  # doctest: +SKIP
+        """
+        stream_id = getattr(final_event, "stream_id", None)
+        with self._finished_lock:
+            old = self._finished.get(stream_id)  # type: ignore[arg-type]
+        if old is None or not getattr(final_event, "is_final", False):
+            raise InvalidArgumentError(
+                "revise() needs the final event of a text stream of this model (the newest 64 are kept); "
+                "start a new stream with the answer in the prompt instead"
+            )
+        text = final_event.text or ""
+        if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= len(text):
+            raise InvalidArgumentError(f"offset {offset!r} is outside the text, which has {len(text)} characters; use 0..{len(text)}")
+        inserted = [] if instruction is None else self._instruction_tokens(instruction, old.is_chat)
+        k = old.snap(offset)
+        cut = old.answer_pos[k] if k < len(old.answer_pos) else len(old.context)
+        history = (old.context[:cut], old.answer_ids[:k], old.answer_pos[:k])
+        merged = dataclasses.asdict(old.options)
+        merged.update(options)
+        new_options = parse_text_options(**merged)
+        plan = SamplingPlan.resolve(new_options, getattr(self.model, "generation_config", None))
+        if cut + len(inserted) + 1 >= self.context_length:
+            raise PromptTooLongError("the kept text and the instruction fill the context; revise from an earlier offset")
+        max_new = min(new_options.max_new_tokens, self.context_length - cut - len(inserted))
+        return self._start(
+            old.prompt_ids, new_options, plan, max_new, old.priority, old.is_chat, history=history, echo=True,
+            edit=Edit("rewind", inserted, instruction=instruction, offset=offset),
+        )
 
     def generate(
         self, prompt: str | list[dict[str, str]], *, on_event: Callable[[Event], Any] | None = None, **kwargs: Any

@@ -77,6 +77,11 @@ class RowCache:
         ]
         return RowCache.from_layers(layers, mask[:, start:])
 
+    def crop(self, length: int) -> RowCache:
+        """The first ``length`` columns (a single unpadded row: its first ``length`` tokens)."""
+        layers = [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv()]
+        return RowCache.from_layers(layers, self.mask[:, :length])
+
     def left_pad(self, columns: int) -> RowCache:
         if columns <= 0:
             return self

@@ -74,6 +74,7 @@ class TextBatcher:
         return bool(self.waiting or self.batch)
 
     def step(self) -> None:
+        self._apply_edits()
         self._drop_ended()
         self._make_room_for_priority()
         self._prefill()
@@ -115,6 +116,32 @@ class TextBatcher:
         elif self._mergeable:
             self.rows = self.rows.select(keep)
 
+    def _apply_edits(self) -> None:
+        """Steers and rewinds: the row leaves the batch with its cache, cut back as the edit says,
+        and rejoins after its new tokens are prefilled (only those: the rest stays cached)."""
+        edited = [i for i, req in enumerate(self.batch) if req.has_edits]
+        if edited:
+            assert self.rows is not None
+            for i in edited:
+                self.batch[i].own_cache = (self.rows.select([i]), 0) if self._mergeable else (self.rows, 0)
+            moved = [self.batch[i] for i in edited]
+            self._remove_rows(edited)
+            self.waiting.extend(moved)
+        for req in self.waiting:
+            if not req.has_edits or req.done:
+                continue
+            own: RowCache | None = None
+            if req.own_cache is not None:
+                rows, index = req.own_cache
+                own = rows if rows.rows == 1 else rows.select([index])
+            for edit in req.take_edits():
+                keep = req.apply_edit(edit)
+                if own is not None:
+                    own = own.crop(keep) if keep > 0 else None
+            req.own_cache = (own, 0) if own is not None else None
+            if own is None:
+                req.prefilled = 0
+
     def _make_room_for_priority(self) -> None:
         """Pause the lowest-ranked running rows while better-ranked requests wait for a row."""
         if not self._mergeable or not self.waiting:
@@ -146,11 +173,11 @@ class TextBatcher:
         for req in sorted(self.waiting, key=_rank):
             if free_rows <= 0 or budget <= 0:
                 break
-            if req.prefill_done:
+            if not req.needs_prefill:
                 free_rows -= 1  # paused earlier, its cache is ready: it takes a row first
                 continue
-            remaining = len(req.prompt_ids) - req.prefilled
-            if req.prefilled == 0 and remaining <= budget:
+            remaining = len(req.context) - req.prefilled
+            if req.prefilled == 0 and req.own_cache is None and remaining <= budget:
                 group.append(req)
                 budget -= remaining
                 free_rows -= 1
@@ -188,13 +215,13 @@ class TextBatcher:
 
         if len(group) > 1 and self._mergeable is False:
             group = group[:1]
-        width = max(len(r.prompt_ids) for r in group)
+        width = max(len(r.context) for r in group)
         ids, mask, positions = [], [], []
         for req in group:
-            pad = width - len(req.prompt_ids)
-            ids.append([req.prompt_ids[0]] * pad + req.prompt_ids)
-            mask.append([0] * pad + [1] * len(req.prompt_ids))
-            positions.append([0] * pad + list(range(len(req.prompt_ids))))
+            pad = width - len(req.context)
+            ids.append([req.context[0]] * pad + req.context)
+            mask.append([0] * pad + [1] * len(req.context))
+            positions.append([0] * pad + list(range(len(req.context))))
         cache = DynamicCache()
         mask_t = torch.tensor(mask, device=self.device)
         out = self._forward(
@@ -202,7 +229,7 @@ class TextBatcher:
         )
         rows = RowCache(_returned_cache(out, self._cache_arg, cache), mask_t)
         for i, req in enumerate(group):
-            req.prefilled = len(req.prompt_ids)
+            req.prefilled = len(req.context)
             req.own_cache = (rows, i)
             self._first_token(req, out.logits[i, -1])
 
@@ -211,7 +238,7 @@ class TextBatcher:
 
         (req,) = reqs
         start = req.prefilled
-        ids = req.prompt_ids[start : start + n]
+        ids = req.context[start : start + n]
         cache = req.own_cache[0].cache if req.own_cache is not None else DynamicCache()
         mask = torch.ones(1, start + n, dtype=torch.long, device=self.device)
         out = self._forward(
@@ -220,11 +247,12 @@ class TextBatcher:
         )
         req.own_cache = (RowCache(_returned_cache(out, self._cache_arg, cache), mask), 0)
         req.prefilled += n
-        if req.prefill_done:
+        if req.prefilled >= len(req.context):
             self._first_token(req, out.logits[0, -1])
 
     def _first_token(self, req: TextRequest, logits: torch.Tensor) -> None:
         # The first token goes out now: time to first token is queueing plus prefill.
+        req.needs_prefill = False
         try:
             req.accept(self._pick(req, logits))
         except Exception as exc:  # noqa: BLE001
@@ -235,7 +263,7 @@ class TextBatcher:
 
     def _join(self) -> None:
         """Ready requests join the batch, best first; rows prefilled together join together."""
-        ready = sorted((r for r in self.waiting if r.prefill_done and not r.done), key=_rank)
+        ready = sorted((r for r in self.waiting if not r.needs_prefill and not r.done), key=_rank)
         ready = ready[: max(0, self.capacity - len(self.batch))]
         by_cache: dict[int, tuple[RowCache, list[tuple[int, TextRequest]]]] = {}
         for req in ready:
@@ -255,8 +283,8 @@ class TextBatcher:
         assert rows is not None
         batch = self.batch
         size = len(batch)
-        input_ids = torch.tensor([[req.next_token] for req in batch], device=self.device)
-        positions = torch.tensor([[req.cached_length] for req in batch], device=self.device)
+        input_ids = torch.tensor([[req.context[req.prefilled]] for req in batch], device=self.device)
+        positions = torch.tensor([[req.prefilled] for req in batch], device=self.device)
         mask = torch.cat([rows.mask, torch.ones(size, 1, dtype=rows.mask.dtype, device=rows.mask.device)], 1)
         try:
             out = self.model(
@@ -275,6 +303,8 @@ class TextBatcher:
             return
         self.steps += 1
         rows.mask = mask
+        for req in batch:
+            req.prefilled += 1
         logits = out.logits[:, -1, :]
         greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
         ended: list[int] = []
@@ -293,4 +323,4 @@ class TextBatcher:
     def _pick(self, req: TextRequest, logits: torch.Tensor) -> int:
         if req.sampler.plain_greedy:
             return int(torch.argmax(logits))
-        return req.sampler.pick(logits, req.sequence, len(req.generated), req.generated)
+        return req.sampler.pick(logits, req.context, req.output_position, req.answer_ids)

@@ -8,7 +8,9 @@ the request's next token is computed; `TextRequest.accept` turns that token into
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +20,7 @@ from ..stream import StreamWriter
 from ..text_options import TextOptions
 from ..text_sampling import RowSampler
 
-__all__ = ["TextRequest"]
+__all__ = ["Edit", "TextRequest"]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -61,9 +63,27 @@ class _Chunker:
         return taken
 
 
+@dataclass
+class Edit:
+    """A steer or rewind waiting for the request's next step."""
+
+    kind: str  # "steer" | "rewind"
+    inserted: list[int]  # tokens that carry the instruction into the context ([] for none)
+    instruction: str | None = None
+    offset: int | None = None  # rewind: character of the answer to cut at (snapped to a token)
+    sampler: RowSampler | None = None  # rewind with new sampling options
+
+
 @dataclass(eq=False)
 class TextRequest:
-    """A text generation from submission to its final event (engine-thread state)."""
+    """A text generation from submission to its final event (engine-thread state).
+
+    ``context`` is every token the model sees, in order: the prompt, the answer's tokens and the
+    tokens of any steering instruction. ``prefilled`` of them are in the KV cache; the rest wait
+    for the next forward (after the first token, exactly one: the newest). The answer is
+    ``answer_ids`` (EOS excluded); ``answer_pos[k]`` is where answer token ``k`` sits in
+    ``context``, so a rewind knows where to cut.
+    """
 
     writer: StreamWriter
     prompt_ids: list[int]
@@ -72,43 +92,68 @@ class TextRequest:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     max_new_tokens: int
+    context_length: int = 1 << 30
     priority: int = 0
     order: int = 0  # arrival order, the tie-break after priority
-    # Engine bookkeeping: how much of the prompt is in the row's cache, the row's own cache while
-    # it is not part of the batch (prefill, or paused by a higher priority), the next input token.
+    # An answer that exists already: (context, answer_ids, answer_pos) to start from, and whether
+    # its text is sent again as the first delta (revise) or taken as already sent (failover).
+    history: tuple[list[int], list[int], list[int]] | None = None
+    echo_history: bool = False
+    on_finish: Any = None  # called with the request once it has ended (the model keeps a few)
+    # Engine bookkeeping: how much of the context is in the row's cache, the row's own cache while
+    # it is not part of the batch (prefill, or paused by a higher priority or an edit).
     prefilled: int = 0
     own_cache: Any = None
-    next_token: int | None = None
-    generated: list[int] = field(default_factory=list)
+    needs_prefill: bool = True
+    generated: int = 0  # tokens the model generated, EOS and rewound ones included (usage)
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
+        self.context: list[int] = list(self.prompt_ids)
+        self.answer_ids: list[int] = []
+        self.answer_pos: list[int] = []
         self._detok = IncrementalDetokenizer(self.tokenizer)
         self._stops = StopMatcher(list(self.options.stop))
         self._chunker = _Chunker(self.options.chunk_tokens, self.options.chunk_ms)
-        self._emitted: list[str] = []
+        self._text = ""  # the answer as sent (deltas applied)
         self._token_times: list[float] = []
         self._first_text_at: float | None = None
+        self._edits: deque[Edit] = deque()
+        self._edits_lock = threading.Lock()
+        self.revisions: list[dict[str, Any]] = []
+        if self.history is not None:
+            context, answer_ids, answer_pos = self.history
+            self.context, self.answer_ids, self.answer_pos = list(context), list(answer_ids), list(answer_pos)
+            kept = self._detok.prime(self.answer_ids)
+            self._chunker.index = len(self.answer_ids)
+            self.generated = len(self.answer_ids)
+            if self.echo_history:
+                if kept:
+                    self.writer.text(kept, list(self.answer_ids), 0)
+                    self._first_text_at = self.writer.elapsed()
+            else:
+                self.writer.continue_text(len(kept))
+            self._text = kept
 
     # -- state ----------------------------------------------------------------------------------
 
     @property
     def sequence(self) -> list[int]:
-        """Every token the model has seen or made for this request, in order."""
-        return self.prompt_ids + self.generated
-
-    @property
-    def cached_length(self) -> int:
-        """Tokens of this request in its KV cache (the newest generated token is not yet)."""
-        return self.prefilled + max(0, len(self.generated) - 1)
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.prefilled >= len(self.prompt_ids)
+        """Every token the model has seen or made for this request, in order (the context)."""
+        return self.context
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def uncached(self) -> list[int]:
+        return self.context[self.prefilled :]
+
+    @property
+    def output_position(self) -> int:
+        """Position of the next answer token (the counter of seeded sampling)."""
+        return len(self.answer_ids)
 
     def check_flags(self) -> bool:
         """Apply cancel / finish-early from the consumer; True if the request just ended."""
@@ -122,15 +167,88 @@ class TextRequest:
             return True
         return False
 
+    # -- edits: queued on the caller's thread, applied on the engine thread -------------------------
+
+    def queue_edit(self, edit: Edit) -> None:
+        with self._edits_lock:
+            self._edits.append(edit)
+
+    def take_edits(self) -> list[Edit]:
+        with self._edits_lock:
+            edits = list(self._edits)
+            self._edits.clear()
+        return edits
+
+    @property
+    def has_edits(self) -> bool:
+        return bool(self._edits)
+
+    def snap(self, offset: int) -> int:
+        """How many answer tokens lie wholly before character ``offset`` (a rewind's cut)."""
+        decode = self._detok._decode
+        low, high = 0, len(self.answer_ids)
+        while low < high:  # the largest k whose text ends at or before offset
+            mid = (low + high + 1) // 2
+            if len(decode(self.answer_ids[:mid])) <= offset:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def apply_edit(self, edit: Edit) -> int:
+        """Change the context for a steer or rewind; returns how many context tokens stay cached.
+
+        The text held back so far (partial characters, a possible stop string) is sent first
+        for a steer; a rewind drops everything from its token boundary on and tells the client
+        to replace from there (``offset``).
+        """
+        self.writer.new_revision()
+        keep_cached = self.prefilled
+        offset = len(self._text)
+        if edit.kind == "steer":
+            self._flush_held_back()
+            offset = len(self._text)
+            # The newest token is generated but not yet in the cache; it goes in with the instruction.
+        else:
+            k = self.snap(edit.offset if edit.offset is not None else len(self._text))
+            cut = self.answer_pos[k] if k < len(self.answer_pos) else len(self.context)
+            del self.context[cut:]
+            del self.answer_ids[k:]
+            del self.answer_pos[k:]
+            self._detok = IncrementalDetokenizer(self.tokenizer)
+            kept = self._detok.prime(self.answer_ids)
+            self._stops = StopMatcher(list(self.options.stop))
+            self._chunker = _Chunker(self.options.chunk_tokens, self.options.chunk_ms)
+            self._chunker.index = len(self.answer_ids)
+            self._text = kept
+            offset = len(kept)
+            self.writer.text("", [], len(self.answer_ids), offset=offset)  # "replace from here"
+            keep_cached = min(self.prefilled, cut)
+            if edit.sampler is not None:
+                self.sampler = edit.sampler
+        self.context.extend(edit.inserted)
+        # At least the last context token must go through the model again, for its logits.
+        keep_cached = min(keep_cached, len(self.context) - 1)
+        self.prefilled = keep_cached
+        self.needs_prefill = True
+        self.revisions.append({
+            "kind": edit.kind, "step": self.generated, "offset": offset,
+            "instruction": edit.instruction, "token_ids": list(edit.inserted),
+        })
+        return keep_cached
+
     # -- tokens in, events out ------------------------------------------------------------------
 
     def accept(self, token: int) -> bool:
         """Take the next generated token; emit what is ready. True if the request has ended."""
-        self.generated.append(token)
+        self.generated += 1
         self._token_times.append(self.writer.elapsed())
         if token in self.eos_token_ids:
             self.finish("stop")
             return True
+        self.answer_pos.append(len(self.context))
+        self.context.append(token)
+        self.answer_ids.append(token)
         safe, stopped = self._stops.feed(self._detok.feed(token))
         self._chunker.add(safe, token)
         if stopped:
@@ -138,18 +256,24 @@ class TextRequest:
             return True
         if self._chunker.ready():
             self._send()
-        if len(self.generated) >= self.max_new_tokens:
+        if len(self.answer_ids) >= self.max_new_tokens or len(self.context) >= self.context_length:
             self.finish("length")
             return True
-        self.next_token = token
         return False
 
     def _send(self) -> None:
         delta, ids, index = self._chunker.take()
-        self._emitted.append(delta)
+        self._text += delta
         if self._first_text_at is None:
             self._first_text_at = self.writer.elapsed()
         self.writer.text(delta, ids, index)
+
+    def _flush_held_back(self) -> None:
+        tail, _ = self._stops.feed(self._detok.flush())
+        self._chunker.add(tail + self._stops.flush(), None)
+        if self._chunker.text:
+            self._send()
+        self._stops = StopMatcher(list(self.options.stop))
 
     def finish(self, reason: str) -> None:
         """Flush held-back text and emit the final event (once)."""
@@ -163,7 +287,7 @@ class TextRequest:
             if stopped:
                 self.finish_reason = reason = "stop_sequence"
         delta, ids, index = self._chunker.take()
-        self._emitted.append(delta)
+        self._text += delta
         if self._first_text_at is None and delta:
             self._first_text_at = self.writer.elapsed()
         duration = self.writer.elapsed()
@@ -183,11 +307,14 @@ class TextRequest:
             ids,
             index,
             finish_reason=reason,
-            text="".join(self._emitted),
+            text=self._text,
             # Every generated token counts, EOS included, as model.generate reports it.
-            usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.generated)},
+            usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.generated},
             metrics=metrics,
+            revisions=self.revisions or None,
         )
+        if self.on_finish is not None:
+            self.on_finish(self)
 
     def fail(self, exc: BaseException) -> None:
         """End with an error event (a fault of the model on this request)."""

@@ -1,0 +1,132 @@
+"""Steer, rewind and revise on the real embedded model: exact against transformers' generate."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import multistream as ms
+
+pytestmark = pytest.mark.model
+
+
+def _apply(events) -> str:
+    text = ""
+    for ev in events:
+        text = text[: ev.offset] + ev.delta
+    return text
+
+
+def _greedy(llm, ids: list[int], n: int) -> list[int]:
+    out = llm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    tokens = out[0, len(ids):].tolist()
+    eos = llm.eos_token_ids
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i]
+    return tokens
+
+
+def _run_with_edit(stream, at_event: int, edit):
+    events = []
+    for ev in stream:
+        events.append(ev)
+        if len(events) == at_event:
+            edit(stream)
+    return events
+
+
+@pytest.mark.parametrize(("prompt", "at"), [("Write a story about a dragon.", 3), ("Explain how rain forms.", 8)])
+def test_steer_continues_exactly_as_generate_on_the_same_tokens(text_model, prompt, at) -> None:
+    stream = text_model.stream(prompt, max_new_tokens=30)
+    events = _run_with_edit(stream, at, lambda s: s.steer("Answer in one short sentence."))
+    final = events[-1]
+    (rev,) = final.revisions
+    assert rev["kind"] == "steer" and rev["instruction"] == "Answer in one short sentence."
+    answer_ids = [t for ev in events for t in ev.token_ids]
+    written, after = answer_ids[: rev["step"]], answer_ids[rev["step"]:]
+    sequence = text_model.encode_prompt(prompt) + written + rev["token_ids"]
+    assert after == _greedy(text_model, sequence, len(after))[: len(after)]
+    assert _apply(events) == final.text
+    assert all(ev.revision == 1 for ev in events if ev.index >= rev["step"] and ev.delta)
+
+
+def test_rewind_keeps_the_text_before_the_offset_and_regenerates_like_a_fresh_greedy_run(text_model) -> None:
+    prompt = "List five fruits, one per line."
+    stream = text_model.stream(prompt, max_new_tokens=30)
+    events = _run_with_edit(stream, 10, lambda s: s.rewind(6, instruction="Only red fruits."))
+    final = events[-1]
+    (rev,) = final.revisions
+    kept = final.text[: rev["offset"]]
+    before = "".join(ev.delta for ev in events[:10])
+    assert before.startswith(kept) and rev["offset"] <= 6
+    assert _apply(events) == final.text
+    # The part after the cut is what greedy decoding gives on prompt + kept tokens + instruction.
+    kept_ids = text_model.tokenizer(kept, add_special_tokens=False)["input_ids"] if kept else []
+    sequence = text_model.encode_prompt(prompt) + kept_ids + rev["token_ids"]
+    regenerated = text_model.tokenizer(final.text[rev["offset"]:], add_special_tokens=False)["input_ids"]
+    expected = _greedy(text_model, sequence, 40)
+    assert text_model.tokenizer.decode(expected, skip_special_tokens=True).startswith(
+        text_model.tokenizer.decode(regenerated, skip_special_tokens=True)
+    )
+
+
+def test_rewind_without_changes_regenerates_the_same_text(text_model) -> None:
+    plain = text_model.generate("Name three colours.", max_new_tokens=20).text
+    stream = text_model.stream("Name three colours.", max_new_tokens=20)
+    events = _run_with_edit(stream, 6, lambda s: s.rewind(3))
+    assert events[-1].text == plain
+    assert _apply(events) == plain
+    assert [ev.revision for ev in events][-1] == 1
+
+
+async def test_offsets_rebuild_the_text_in_an_async_loop_too(text_model) -> None:
+    stream = text_model.stream("Write a haiku about snow.", max_new_tokens=24)
+    events = []
+    async for ev in stream:
+        events.append(ev)
+        if len(events) == 4:
+            stream.rewind(0, instruction="Write it about rain instead.")
+        if len(events) == 9:
+            stream.steer("End with an exclamation mark.")
+    assert _apply(events) == events[-1].text
+    assert [r["kind"] for r in events[-1].revisions] == ["rewind", "steer"]
+    await asyncio.sleep(0)
+
+
+def test_revise_keeps_the_start_of_a_finished_answer(text_model) -> None:
+    final = text_model.generate("Write two sentences about the moon.", max_new_tokens=30)
+    offset = len(final.text) // 2
+    events = list(text_model.revise(final, offset, instruction="Finish with a question."))
+    new = events[-1]
+    kept = events[0].delta
+    assert final.text.startswith(kept) and len(kept) <= offset
+    assert new.text.startswith(kept)
+    assert _apply(events) == new.text
+    assert new.revisions[0]["kind"] == "rewind"
+
+
+def test_bad_edits_are_clear_errors_and_leave_the_stream_alone(text_model) -> None:
+    stream = text_model.stream("Count from one to twenty.", max_new_tokens=24)
+    events = []
+    for ev in stream:
+        events.append(ev)
+        if len(events) == 3:
+            with pytest.raises(ms.InvalidArgumentError, match="instruction is empty"):
+                stream.steer("   ")
+            with pytest.raises(ms.InvalidArgumentError, match="outside the text"):
+                stream.rewind(10_000)
+            with pytest.raises(ms.InvalidArgumentError, match="outside the text"):
+                stream.rewind(-1)
+            with pytest.raises(ms.InvalidArgumentError, match="sampling options"):
+                stream.rewind(0, banana=1)
+            with pytest.raises(ms.PromptTooLongError, match="does not fit"):
+                stream.steer("word " * 9000)
+    final = events[-1]
+    assert final.revisions is None and final.text == text_model.generate("Count from one to twenty.", max_new_tokens=24).text
+    with pytest.raises(ms.StreamFinishedError, match="already ended"):
+        stream.steer("more")
+    with pytest.raises(ms.InvalidArgumentError, match="final event of a text stream"):
+        text_model.revise(events[0], 0)
