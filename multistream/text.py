@@ -308,7 +308,7 @@ class TextModel:
                 writer=writer, prompt_ids=prompt_ids, options=options, sampler=RowSampler(plan),
                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
                 context_length=self.context_length, priority=priority, history=history, echo_history=echo,
-                on_finish=self._remember,
+                on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
             )
             request.is_chat = is_chat  # type: ignore[attr-defined]
             request.plan = plan  # type: ignore[attr-defined]

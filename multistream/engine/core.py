@@ -148,6 +148,7 @@ class Engine:
                 items = list(self._inbox)
                 self._inbox.clear()
             self._take(items)
+            items = []  # an idle engine must hold no request (nor, through it, its model)
             if backend.has_work():
                 try:
                     backend.step()
