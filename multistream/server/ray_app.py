@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import inspect
 import logging
@@ -136,7 +137,11 @@ class RemoteModel:
         loop = asyncio.get_running_loop()
 
         def submit(writer: StreamWriter) -> None:
-            task = loop.create_task(self._pump(writer, kwargs), name=f"multistream-remote-{writer.stream_id[:8]}")
+            # A fresh context: Serve ties handle calls made inside a request to that request and
+            # cancels them when its client goes away, but the stream must outlive the connection
+            # (the grace period, a resume); the registry cancels it when it should.
+            task = loop.create_task(self._pump(writer, kwargs), name=f"multistream-remote-{writer.stream_id[:8]}",
+                                    context=contextvars.Context())
             writer.on_cancel(lambda: loop.call_soon_threadsafe(task.cancel))
 
         return Stream(kind=self.kind, submit=submit)
