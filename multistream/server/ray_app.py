@@ -38,7 +38,7 @@ from ..events import ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream, StreamWriter
 from .settings import ServerSettings
 
-__all__ = ["ModelReplica", "RemoteModel", "build_app", "serve_ray"]
+__all__ = ["ModelReplica", "RemoteModel", "app_builder", "build_app", "serve_ray"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -288,6 +288,23 @@ def build_app(settings: ServerSettings, *, text_model: Any = "default", image_mo
         max_ongoing_requests=settings.max_connections)
     return ingress.bind(settings, model_deployment("text", text_model, text_replicas, text_actor_options),
                         model_deployment("image", image_model, image_replicas, image_actor_options))
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For Serve config files and KubeRay's RayService (``import_path: multistream.server.ray_app:app_builder``).
+
+    ``args``: ``text_model``, ``image_model`` (``"none"`` to skip), ``text_replicas``,
+    ``image_replicas``, ``ingress_replicas``, ``text_actor_options``, ``image_actor_options``;
+    every other key is a `ServerSettings` field (``event_log: redis://...``), after
+    ``MULTISTREAM_*`` environment variables.
+    """
+    args = dict(args or {})
+    own = {k: args.pop(k) for k in ("text_model", "image_model", "text_replicas", "image_replicas",
+                                    "ingress_replicas", "text_actor_options", "image_actor_options") if k in args}
+    for kind in ("text_model", "image_model"):
+        if str(own.get(kind, "default")).lower() in ("none", "off", ""):
+            own[kind] = None
+    return build_app(ServerSettings.from_env(**args), **own)
 
 
 def serve_ray(settings: ServerSettings, *, text_model: Any = "default", image_model: Any = "default",
