@@ -34,6 +34,7 @@ _LAZY = {
     "ImageModel": "image",
     "load_image_model": "image",
     "fit_latent_rgb": "latent_rgb",
+    "fit_preview_decoder": "preview_decoder",
     "encode_frame": "frames",
     "chain": "compose",
     "merge": "compose",
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from .frames import encode_frame
     from .image import ImageModel, load_image_model
     from .latent_rgb import fit_latent_rgb
+    from .preview_decoder import fit_preview_decoder
     from .text import TextModel, load_text_model
 
 

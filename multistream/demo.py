@@ -55,7 +55,7 @@ def _gradio() -> Any:
     gr = gradio  # noqa: F811
     return gradio
 
-PREVIEW_MODES = ("latent", "x0", "vae", "none")
+PREVIEW_MODES = ("tiny", "latent", "x0", "vae", "none")
 _PREVIEW_SIDE_PX = 320  # how large the preview box is drawn on the page
 _STRIP_MAX = 40  # frames kept in the strip; later ones are skipped so the page stays light
 
@@ -555,7 +555,8 @@ def create_demo(
                         istop = gr.Button("Stop", variant="stop", elem_id="ms-image-stop")
                     steps = gr.Slider(1, 100, value=20, step=1, label="Steps", elem_id="ms-image-steps")
                     seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)")
-                    preview = gr.Radio(list(PREVIEW_MODES), value="latent", label="Preview")
+                    # The model's own default: "tiny" (a fitted decoder on x0) for the embedded model.
+                    preview = gr.Radio(list(PREVIEW_MODES), value=getattr(image_model, "default_preview", "latent"), label="Preview")
                     every = gr.Slider(1, 10, value=1, step=1, label="Preview every N steps")
                     with gr.Accordion("Preview frames", open=False):
                         quality = gr.Slider(10, 95, value=75, step=5, label="JPEG quality")

@@ -50,7 +50,7 @@ from .frames import check_format, check_quality
 from .image_loading import EMBEDDED_MODEL_DIR, _load_taesd, load_image_model
 from .image_run import ImageRun
 from .latent_rgb import LatentRGB, detect_family, latent_rgb_for
-from .previews import LinearDecoder, PreviewPlan, PreviewThrottle, VaeDecoder, parse_preview, x0_strategy
+from .previews import LinearDecoder, PreviewPlan, PreviewThrottle, TinyDecoder, VaeDecoder, parse_preview, x0_strategy
 from .stream import Stream, StreamWriter
 
 __all__ = ["EMBEDDED_MODEL_DIR", "ImageJob", "ImageModel", "load_image_model"]
@@ -115,6 +115,9 @@ class ImageModel:
     ``taesd`` (a folder or an ``AutoencoderTiny``) enables ``preview="taesd"``. ``latent_rgb``
     (a `LatentRGB`, a ``{"matrix", "bias"}`` dict or a ``latent_rgb.json`` path) overrides the
     latent->RGB map that ``preview="latent"``/``"x0"`` use; see `multistream.latent_rgb`.
+    ``preview_decoder`` (a `PreviewDecoderNet` or its ``.safetensors`` path) is the decoder of
+    ``preview="tiny"``; by default the model folder's ``preview_decoder.safetensors``, else one
+    fitted to the VAE on first use (`multistream.fit_preview_decoder`, cached per VAE).
 
     Example:
         >>> from diffusers import StableDiffusionPipeline              # doctest: +SKIP
@@ -134,6 +137,7 @@ class ImageModel:
         latent_rgb: LatentRGB | dict[str, Any] | str | os.PathLike[str] | None = None,
         model_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,
+        preview_decoder: Any = None,
     ) -> None:
         if isinstance(pipeline, (str, os.PathLike)):
             raise InvalidArgumentError(
@@ -174,11 +178,26 @@ class ImageModel:
         self._latent_rgb: LatentRGB | None = None
         if latent_rgb is not None:
             self._latent_rgb = self._read_latent_rgb(latent_rgb)
+        self._preview_net: Any = None
+        if preview_decoder is not None:
+            from .preview_decoder import load_preview_decoder
+
+            net = load_preview_decoder(preview_decoder) if isinstance(preview_decoder, (str, os.PathLike)) else preview_decoder
+            if self.latent_channels is not None and getattr(net, "latent_channels", None) != self.latent_channels:
+                raise InvalidArgumentError(
+                    f"preview_decoder takes {getattr(net, 'latent_channels', '?')}-channel latents but this model's "
+                    f"have {self.latent_channels}; fit one to this VAE: ms.fit_preview_decoder(model.pipeline.vae)"
+                )
+            self._preview_net = net.to(self.device)
         self._takes_step_callback = "callback_on_step_end" in self._params or self._var_kw
         self._stepper = ImageStepper()
         self._engine = Engine(self._stepper, name=f"image-{self.name}", setup=engine_thread_setup)
         # The engine thread must not keep this object alive; closing on collection ends it.
         self._finalizer = weakref.finalize(self, self._engine.close, 30.0)
+
+    #: Streams a server runs at once on this model; they take denoising steps in turn, so more
+    #: only stretches every one of them (set it on the instance to change it).
+    capacity = 4
 
     @property
     def engine(self) -> Engine:
@@ -248,6 +267,18 @@ class ImageModel:
             return self._latent_rgb
 
     @property
+    def default_preview(self) -> str:
+        """What ``preview=None`` (the default) means for this model: ``"tiny"`` where a fitted
+        preview decoder comes with it (the embedded model, a folder with
+        ``preview_decoder.safetensors``, or ``preview_decoder=``), so no fit can delay the first
+        frame; else ``"latent"``."""
+        from .preview_decoder import shipped_preview_decoder_path
+
+        if self._preview_net is not None or shipped_preview_decoder_path(self._model_dir) is not None:
+            return "tiny"
+        return "latent"
+
+    @property
     def vae_scale_factor(self) -> int:
         return int(getattr(self._pipe, "vae_scale_factor", 8) or 8)
 
@@ -293,7 +324,7 @@ class ImageModel:
         width: int | None = None,
         seed: int | None = None,
         num_images: int = 1,
-        preview: str = "latent",
+        preview: str | None = None,
         preview_every: int = 1,
         preview_format: str = "jpeg",
         preview_quality: int = 75,
@@ -310,8 +341,11 @@ class ImageModel:
         run reproducible (None picks one, reported in the final event's ``metrics["seed"]``).
         ``preview`` is one of ``"latent"`` (a linear map of the noisy latent: about free), ``"x0"``
         (the model's current estimate of the clean image through the same map: as cheap, far more
-        telling early on), ``"taesd"`` (needs ``taesd=`` weights), ``"vae"`` (full decode each
-        preview: slow), ``"none"``; ``"x0+taesd"``/``"x0+vae"`` decode x0 with those.
+        telling early on), ``"tiny"`` (x0 through a tiny decoder fitted to this VAE: the image's
+        own colours, about 2 ms a frame on a small CPU; fitted once per VAE if the model ships none),
+        ``"taesd"`` (needs ``taesd=`` weights), ``"vae"`` (full decode each preview: slow),
+        ``"none"``; ``"x0+taesd"``/``"x0+vae"`` decode x0 with those. None (the default) is the
+        model's `default_preview`: ``"tiny"`` for the embedded model, ``"latent"`` for others.
         ``preview_every=k`` previews steps 1, 1+k, 1+2k, ... (``ceil(steps / k)`` previews).
         Previews are ``preview_format`` (jpeg | webp | png) at ``preview_quality``, scaled down to
         ``preview_max_side`` (None: never scaled; a linear-map preview is latent-sized, e.g. 64 px for
@@ -380,7 +414,7 @@ class ImageModel:
         ):
             raise InvalidArgumentError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
         num_images = _check_int("num_images", num_images, 1)
-        plan = parse_preview(preview)
+        plan = parse_preview(self.default_preview if preview is None else preview)
         throttle = PreviewThrottle(preview_every)
         preview_format = check_format(preview_format, "preview_format")
         preview_quality = check_quality(preview_quality, "preview_quality")
@@ -408,7 +442,7 @@ class ImageModel:
                 )
         elif taesd is not None:
             self._taesd_for(taesd)  # still check it, so a typo does not pass silently
-        if plan.decoder == "vae" and getattr(self._pipe, "vae", None) is None:
+        if plan.decoder in ("vae", "tiny") and getattr(self._pipe, "vae", None) is None and self._preview_net is None:
             raise InvalidArgumentError(f"{type(self._pipe).__name__} has no VAE; preview={plan.mode!r} cannot work")
         if plan.source == "x0":
             self._warn_if_no_x0(plan)
@@ -586,7 +620,23 @@ class ImageModel:
             return VaeDecoder(self._preview_vae(), "vae")
         if job.plan.decoder == "taesd":
             return VaeDecoder(job.taesd, "taesd")
+        if job.plan.decoder == "tiny":
+            return TinyDecoder(self._tiny_net())
         return None
+
+    def _tiny_net(self) -> Any:
+        """The fitted preview decoder: given, shipped in the model folder, or fitted (once per VAE)."""
+        with self._resolve_lock:
+            if self._preview_net is None:
+                from .preview_decoder import preview_decoder_for, shipped_preview_decoder_path
+
+                if shipped_preview_decoder_path(self._model_dir) is None:
+                    logger.warning("fitting a preview decoder to this VAE for preview='tiny' (once; cached per VAE)")
+                net = preview_decoder_for(self._pipe, self._model_dir)
+                if net is None:
+                    raise InvalidArgumentError(f"{type(self._pipe).__name__} has no VAE; preview='tiny' cannot work")
+                self._preview_net = net.to(self.device)
+            return self._preview_net
 
     def _latent_rgb_if_ready(self) -> LatentRGB | None:
         """The map if it is known without fitting (nothing may be decoded after a cancel)."""
@@ -602,9 +652,17 @@ class _ImageRequest(ImageRequest):
     """Binds one job of an `ImageModel` to the engine's step scheduler."""
 
     def __init__(self, model: ImageModel, writer: StreamWriter, job: ImageJob, priority: int) -> None:
-        super().__init__(self._start, writer.fail, self._cancel, priority=priority)
+        super().__init__(
+            self._start, writer.fail, self._cancel, priority=priority, steps_left=self._steps_left,
+            cancelled=lambda: writer.cancelled,
+        )
         self._model, self._writer, self._job = model, writer, job
         self._run: ImageRun | None = None
+
+    def _steps_left(self) -> int:
+        stats = self._run.stats if self._run is not None else None
+        total = (stats.total if stats is not None else None) or self._job.steps or 50
+        return total - (stats.steps_seen if stats is not None else 0)
 
     def _start(self, yield_step: Callable[[], None]) -> None:
         # Built here, on the engine thread: copying the scheduler copies tensors.

@@ -127,7 +127,7 @@ def load_image_model(
     """
     from .image import ImageModel
 
-    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name") if k in kw}
+    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name", "preview_decoder") if k in kw}
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
         return ImageModel(
             name_or_path,

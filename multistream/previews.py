@@ -12,11 +12,18 @@ The pieces, each small and testable without a real model:
   ``"latent"``  noisy latent           linear map (`multistream.latent_rgb`): about free
   ``"x0"``      predicted clean image  linear map: as cheap, far more informative early on
   ``"taesd"``   noisy latent           ``diffusers.AutoencoderTiny`` (weights from the user)
+  ``"tiny"``    predicted clean image  a tiny decoder fitted to this VAE
+                                       (`multistream.preview_decoder`): the image's own
+                                       colours and shapes for about 2 ms a frame (CPU)
   ``"vae"``     noisy latent           the pipeline's full VAE: best looking, most expensive
   ``"none"``    -                      no previews, only the final image
   ============  =====================  ======================================================
 
-  ``"x0+taesd"`` and ``"x0+vae"`` decode the x0 prediction with TAESD or the VAE.
+  ``"x0+taesd"`` and ``"x0+vae"`` decode the x0 prediction with TAESD or the VAE;
+  ``"x0+tiny"`` is another name for ``"tiny"`` (a fitted decoder shows the noisy latent as
+  noise, so it always gets x0). TAESD weights are a published ``AutoencoderTiny`` per family;
+  fitted decoders are made for any VAE (shipped with the embedded model, else fitted once per
+  VAE and cached), and are what the embedded model previews with by default.
 * `X0Tracker` wraps ``scheduler.step`` for the duration of a run to get x0: the scheduler's own
   ``pred_original_sample`` (or ``denoised``) where its output has one, else x0 computed from
   the model output: ``x0 = x_t - sigma * v`` for flow matching (SD3, Flux),
@@ -65,6 +72,7 @@ __all__ = [
     "PendingFrame",
     "PreviewPlan",
     "PreviewThrottle",
+    "TinyDecoder",
     "VaeDecoder",
     "X0Tracker",
     "compute_x0",
@@ -75,13 +83,13 @@ __all__ = [
     "x0_strategy",
 ]
 
-PREVIEW_MODES: tuple[str, ...] = ("latent", "x0", "taesd", "vae", "none", "x0+taesd", "x0+vae")
+PREVIEW_MODES: tuple[str, ...] = ("latent", "x0", "taesd", "vae", "none", "x0+taesd", "x0+vae", "tiny", "x0+tiny")
 
 
 @dataclass(frozen=True)
 class PreviewPlan:
     """What ``preview=`` asks for: ``source`` ("latent" | "x0" | None) and ``decoder``
-    ("linear" | "taesd" | "vae" | None)."""
+    ("linear" | "taesd" | "tiny" | "vae" | None)."""
 
     mode: str
     source: str | None
@@ -108,6 +116,8 @@ def parse_preview(mode: str) -> PreviewPlan:
         return PreviewPlan(mode, "latent", "linear")
     if mode == "x0":
         return PreviewPlan(mode, "x0", "linear")
+    if mode == "tiny":
+        return PreviewPlan(mode, "x0", "tiny")
     if mode.startswith("x0+"):
         return PreviewPlan(mode, "x0", mode[3:])
     return PreviewPlan(mode, "latent", mode)
@@ -383,6 +393,27 @@ class VaeDecoder:
         out = self.vae.decode(raw)
         image = out.sample if hasattr(out, "sample") else out[0]
         return image.float().add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
+
+
+class TinyDecoder:
+    """Scaled latents -> RGB in [0, 1] with a fitted `PreviewDecoderNet` (float32, on its device).
+
+    Example:
+        >>> from multistream.preview_decoder import PreviewDecoderNet
+        >>> TinyDecoder(PreviewDecoderNet(4, 8))(torch.zeros(1, 4, 2, 2)).shape
+        torch.Size([1, 3, 16, 16])
+    """
+
+    name = "tiny"
+
+    def __init__(self, net: Any) -> None:
+        self.net = net
+        self.device = next(net.parameters()).device
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.net(latents.to(device=self.device, dtype=torch.float32))
+            return out.add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
 
 
 def false_color(latents: torch.Tensor) -> torch.Tensor:

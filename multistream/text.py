@@ -164,6 +164,11 @@ class TextModel:
         """The engine thread that runs every stream of this model."""
         return self._engine
 
+    @property
+    def capacity(self) -> int:
+        """Streams decoded together per step (``max_batch``); a server admits this many at once."""
+        return self.max_batch
+
     def close(self) -> None:
         """End the engine thread; running streams end with ``finish_reason="cancelled"``.
 

@@ -23,6 +23,7 @@ from multistream.latent_rgb import (
     latents_to_vae_space,
 )
 from multistream.previews import (
+    PREVIEW_MODES,
     FrameWorker,
     HostFrames,
     PendingFrame,
@@ -356,3 +357,20 @@ def test_latent_rgb_for_prefers_model_folder(tmp_path, tiny_vae) -> None:
     MyPipeline.__name__ = "KandinskyLikePipeline"  # an unknown family: fitted to its VAE
     pipe.vae = tiny_vae
     assert latent_rgb_for(pipe).source == "fitted"
+
+
+def test_parse_preview_tiny() -> None:
+    # The fitted decoder always previews x0: through it the noisy latent would look like noise.
+    assert (parse_preview("tiny").source, parse_preview("tiny").decoder) == ("x0", "tiny")
+    assert (parse_preview("x0+tiny").source, parse_preview("x0+tiny").decoder) == ("x0", "tiny")
+    assert "tiny" in PREVIEW_MODES and "x0+tiny" in PREVIEW_MODES
+
+
+def test_tiny_decoder_maps_to_unit_range() -> None:
+    from multistream.preview_decoder import PreviewDecoderNet
+    from multistream.previews import TinyDecoder
+
+    torch.manual_seed(0)
+    rgb = TinyDecoder(PreviewDecoderNet(4, 8, width=8, blocks=1))(torch.randn(2, 4, 3, 3) * 5)
+    assert rgb.shape == (2, 3, 24, 24) and rgb.dtype == torch.float32
+    assert float(rgb.min()) >= 0.0 and float(rgb.max()) <= 1.0

@@ -37,7 +37,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
-    p.add_argument("--preview", default="latent", help="latent | x0 | taesd | vae | none (default: latent)")
+    p.add_argument("--preview", default=None, help="tiny | latent | x0 | taesd | vae | none (default: the model's: "
+                   "tiny for the embedded model and folders that ship a preview_decoder.safetensors, else latent)")
     p.add_argument("--preview-every", type=int, default=1, help="preview every k-th step (default: 1)")
     p.add_argument("--format", default="jpeg", help="preview format: jpeg | webp | png (default: jpeg)")
     p.add_argument("--quality", type=int, default=75, help="preview JPEG/WebP quality 1..100 (default: 75)")

@@ -27,8 +27,8 @@ def add_parser(subparsers: Any) -> None:
                    help="seconds a disconnected stream keeps running for a resume (default 30)")
     p.add_argument("--shutdown-deadline", type=float, default=None, metavar="S",
                    help="seconds running streams get to finish on SIGTERM (default 20)")
-    p.add_argument("--text-concurrency", type=int, default=None, help="text generations at once (default 4)")
-    p.add_argument("--image-concurrency", type=int, default=None, help="image generations at once (default 1)")
+    p.add_argument("--text-concurrency", type=int, default=None, help="text generations at once (default: the engine's max_batch)")
+    p.add_argument("--image-concurrency", type=int, default=None, help="image generations at once (default: the engine's capacity, 4)")
     p.add_argument("--queue-size", type=int, default=None, help="queued requests per model before 429 (default 64)")
     p.add_argument("--heartbeat", type=float, default=None, metavar="S", help="SSE heartbeat interval (default 15)")
     p.add_argument("--keys", default=None, metavar="FILE",

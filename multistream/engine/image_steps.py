@@ -6,8 +6,10 @@ step callback switches back to the engine, which then picks the next request to 
 torch op of every request runs on the engine thread, a 4-step request finishes while a 50-step
 one runs, and a higher priority takes the very next step.
 
-Order: highest priority first; within a priority, the request stepped least recently (round
-robin), then arrival.
+Order: highest priority first; within a priority, the fewest steps left first, less two for each
+step a request has waited since it last ran (so a 4-step request started while a 40-step one runs
+finishes first, requests of equal length take turns, and a long request still advances when short
+ones keep coming), then arrival. A request cancelled before its first step ends at once.
 
 Example (what `ImageModel` does):
     >>> stepper = ImageStepper()                       # doctest: +SKIP
@@ -27,6 +29,9 @@ __all__ = ["ImageRequest", "ImageStepper"]
 logger = logging.getLogger("multistream")
 
 
+_AGING = 2  # steps of priority a waiting request gains per step it waits
+
+
 class _Shutdown(BaseException):
     """Thrown into a request's greenlet when the engine closes; its run ends as cancelled."""
 
@@ -39,11 +44,14 @@ class ImageRequest:
     """
 
     def __init__(self, start: Callable[[Callable[[], None]], None], fail: Callable[[BaseException], None],
-                 cancel: Callable[[], None], *, priority: int = 0) -> None:
+                 cancel: Callable[[], None], *, priority: int = 0,
+                 steps_left: Callable[[], int] | None = None, cancelled: Callable[[], bool] | None = None) -> None:
         self.start = start
         self.fail = fail
         self.cancel = cancel
         self.priority = priority
+        self.steps_left = steps_left or (lambda: 0)
+        self.cancelled = cancelled or (lambda: False)
         self.order = 0
         self.last_step = -1
         self.glet: greenlet | None = None
@@ -55,20 +63,28 @@ class ImageStepper:
     def __init__(self) -> None:
         self.requests: list[ImageRequest] = []
         self._arrivals = count()
-        self._ticks = count()
+        self._now = 0  # steps taken by this engine, the clock of waiting
         self.steps = 0
         self.trace: list[tuple[int, int]] | None = None  # (request order, tick); tests switch it on
 
     def admit(self, request: ImageRequest) -> None:
         request.order = next(self._arrivals)
+        request.last_step = self._now
         self.requests.append(request)
 
     def has_work(self) -> bool:
         return bool(self.requests)
 
     def step(self) -> None:
-        req = min(self.requests, key=lambda r: (-r.priority, r.last_step, r.order))
-        req.last_step = next(self._ticks)
+        for waiting in [r for r in self.requests if r.glet is None and r.cancelled()]:
+            self.requests.remove(waiting)
+            waiting.cancel()
+        if not self.requests:
+            return
+        now = self._now
+        req = min(self.requests, key=lambda r: (-r.priority, r.steps_left() - _AGING * (now - r.last_step), r.order))
+        req.last_step = now
+        self._now = now + 1
         if self.trace is not None:
             self.trace.append((req.order, req.last_step))
         if req.glet is None:

@@ -76,8 +76,9 @@ class ModelReplica:
             self.replica = ""
 
     def info(self) -> dict[str, Any]:
+        capacity = getattr(self.model, "capacity", None)
         return {"kind": self.kind, "name": self.name, "replica": self.replica, "pid": os.getpid(),
-                "native_resume": self.native_resume}
+                "native_resume": self.native_resume, "capacity": capacity if isinstance(capacity, int) else 4}
 
     async def generate(self, kwargs: dict[str, Any], resume: dict[str, Any] | None = None) -> Any:
         """Yield the replica's name, then the stream's events, trimmed to what follows ``resume``
@@ -132,6 +133,7 @@ class RemoteModel:
         self.name = name or kind
         self.replica_of: dict[str, str] = {}  # stream id -> replica serving it now (for tests, metrics)
         self.failovers = 0
+        self.capacity = 4
 
     def stream(self, **kwargs: Any) -> Stream:
         loop = asyncio.get_running_loop()
@@ -222,6 +224,16 @@ def _wait_healthy(kind: str, timeout: float = 900.0) -> None:
     raise TimeoutError(f"the {kind} deployment did not become healthy")
 
 
+def _replicas(kind: str) -> int:
+    from ray import serve
+
+    try:
+        dep = serve.status().applications[APP_NAME].deployments[kind]
+        return int(dep.replica_states.get("RUNNING", 1))
+    except Exception:  # noqa: BLE001
+        return 1
+
+
 class Ingress:
     """The HTTP ingress: ``create_app`` with `RemoteModel` proxies for the model deployments."""
 
@@ -239,6 +251,8 @@ class Ingress:
             _wait_healthy(kind)
             info = handle.info.remote().result(timeout_s=60)
             model = RemoteModel(kind, handle, info.get("name", kind))
+            # The ingress admits what all replicas together take (engine capacity x replicas).
+            model.capacity = int(info.get("capacity") or 4) * max(1, _replicas(kind))
             self.remote[kind] = model
             return model
 

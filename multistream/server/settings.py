@@ -37,7 +37,9 @@ class ServerSettings:
         shutdown_deadline_s: on SIGTERM, running streams get this long to finish; the rest are
             cancelled.
     Admission:
-        text_concurrency / image_concurrency: generations running at once per model.
+        text_concurrency / image_concurrency: generations running at once per model (None:
+            the model's engine capacity, ``model.capacity``: a text model's ``max_batch`` rows,
+            an image model's interleaved requests).
         queue_size: requests waiting per model; beyond it, 429 with Retry-After.
     Per-request limits (a 4xx names the limit): max_new_tokens, default_max_new_tokens,
         max_prompt_chars, max_steps, max_image_side, max_images, max_body_bytes.
@@ -73,8 +75,8 @@ class ServerSettings:
     queue_timeout_s: float = 120.0
     cancel_timeout_s: float = 10.0
     shutdown_deadline_s: float = 20.0
-    text_concurrency: int = 4
-    image_concurrency: int = 1
+    text_concurrency: int | None = None
+    image_concurrency: int | None = None
     queue_size: int = 64
     max_new_tokens: int = 4096
     default_max_new_tokens: int = 256
@@ -112,6 +114,8 @@ class ServerSettings:
                 if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) and v for v in value):
                     raise InvalidArgumentError(f"ServerSettings.{f.name} must be a list of strings, got {value!r}")
                 object.__setattr__(self, f.name, tuple(value))
+                continue
+            if f.name in ("text_concurrency", "image_concurrency") and value is None:
                 continue
             if f.name in ("max_priority", "filter_holdback_chars"):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -108,8 +108,9 @@ class ServerState:
         self.metrics = Metrics()
         self.registry = Registry(settings, self.metrics, _event_log(settings))
         self.models = {"text": ModelSlot("text", text_model), "image": ModelSlot("image", image_model)}
-        self.gates = {"text": Admission("text", settings.text_concurrency, settings.queue_size),
-                      "image": Admission("image", settings.image_concurrency, settings.queue_size)}
+        # Concurrency left as None follows the model's engine capacity once the model is loaded.
+        self.gates = {"text": Admission("text", settings.text_concurrency or 0, settings.queue_size),
+                      "image": Admission("image", settings.image_concurrency or 0, settings.queue_size)}
         self.content_filter = content_filter
         self.draining = False
         self.drained = asyncio.Event() if _has_loop() else None
@@ -158,6 +159,9 @@ class ServerState:
                           {"Retry-After": "5"})
         model = self.models[kind].get()
         await self.registry.check_log()  # a 503 now rather than a stream nobody could resume elsewhere
+        gate = self.gates[kind]
+        if not gate.concurrency:
+            gate.concurrency = _capacity(model, kind)
         priority = self.cap_priority(priority, principal)
         kwargs = dict(kwargs)
         owner = principal.id if principal is not None else None
@@ -200,6 +204,8 @@ class ServerState:
         try:
             if self.draining:
                 raise Problem(503, "shutting_down", "the server is shutting down", {"Retry-After": "5"})
+            if _takes_priority(model):
+                kwargs["priority"] = priority  # the engine serves higher priorities first at every step
             stream = model.stream(**kwargs)
         except BaseException as exc:
             gate.release()
@@ -378,3 +384,20 @@ def get_principal(conn: HTTPConnection) -> Principal:
         client = conn.client
         principal = Principal(f"addr:{client.host if client else 'unknown'}", 0, 1, False)
     return principal  # type: ignore[no-any-return]
+
+
+def _capacity(model: Any, kind: str) -> int:
+    """How many streams the model's engine serves at once (its ``capacity``), else a safe default."""
+    value = getattr(model, "capacity", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return 4 if kind == "text" else 1
+
+
+def _takes_priority(model: Any) -> bool:
+    import inspect
+
+    try:
+        return "priority" in inspect.signature(model.stream).parameters
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,127 @@
+"""``multistream fit-preview [MODEL]``: distil a tiny preview decoder from a model's VAE.
+
+The decoder is cached by a hash of the VAE's weights (in ``$MULTISTREAM_CACHE``, else
+``~/.cache/multistream``), where ``preview="tiny"`` finds it; ``--out`` also writes it to a file
+(put it in a model folder as ``preview_decoder.safetensors`` to ship it with the model). A
+progress bar goes to stderr.
+
+Example:
+    $ multistream fit-preview                        # the embedded shapes model
+    $ multistream fit-preview ./sd-turbo --device cuda
+    $ multistream fit-preview --out multistream/_models/shapes/preview_decoder.safetensors --force
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from typing import Any
+
+from ..errors import MultistreamError
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("fit-preview", help="fit a tiny preview decoder to a model's VAE (cached per VAE)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("model", nargs="?", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, ... (default: auto)")
+    p.add_argument("--out", default=None, metavar="FILE.safetensors", help="also write the decoder to this file")
+    p.add_argument("--force", action="store_true", help="fit again even if the cache has a fit for this VAE")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the library's)")
+    p.add_argument("--x0-prompts", type=int, default=32, metavar="N",
+                   help="also train on the model's x0 estimates at every step of N runs (the inputs previews really "
+                        "get; shapes captions for the embedded model, generic prompts otherwise); 0: VAE only (default: 32)")
+    p.add_argument("--x0-steps", type=int, default=20, help="steps of those runs (default: 20)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..image import load_image_model
+    from ..preview_decoder import (
+        _GENERIC_PROMPTS,
+        FitProgress,
+        collect_x0_latents,
+        fit_preview_decoder,
+        load_preview_decoder,
+        preview_decoder_cache_path,
+        save_preview_decoder,
+        vae_fingerprint,
+    )
+
+    for module in ("diffusers.utils.logging", "transformers.utils.logging"):
+        try:
+            importlib.import_module(module).disable_progress_bar()
+        except (ImportError, AttributeError):
+            pass
+    try:
+        model = load_image_model(args.model, device=args.device)
+    except MultistreamError as exc:
+        print(f"multistream: {exc}", file=sys.stderr)
+        return 2
+    vae = getattr(model.pipeline, "vae", None)
+    if vae is None:
+        print(f"multistream: {type(model.pipeline).__name__} has no VAE to fit a preview decoder to", file=sys.stderr)
+        return 2
+    fingerprint = vae_fingerprint(vae)
+    options: dict[str, Any] = {} if args.steps is None else {"steps": args.steps}
+    # The cache holds the fit with the default recipe; other step counts only go to --out.
+    cache_path = preview_decoder_cache_path(fingerprint) if not options else None
+    if cache_path is not None and cache_path.is_file() and not args.force:
+        net = load_preview_decoder(cache_path)
+        print(f"already fitted for this VAE ({fingerprint[:12]}): {cache_path} (--force fits again)", file=sys.stderr)
+        if args.out:
+            save_preview_decoder(net, args.out, **net.fit_info)  # type: ignore[attr-defined]
+            print(f"written to {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)", file=sys.stderr)
+        return 0
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    extra = None
+    if args.x0_prompts > 0:
+        embedded = args.model is None
+        prompts = None if embedded else [_GENERIC_PROMPTS[i % len(_GENERIC_PROMPTS)] for i in range(args.x0_prompts)]
+        with tqdm(total=args.x0_prompts, desc="x0 runs", unit="run", file=sys.stderr) as runs:
+            extra = collect_x0_latents(model.pipeline, prompts, count=args.x0_prompts, steps=args.x0_steps,
+                                       progress=lambda done, total: runs.update(done - runs.n))  # fmt: skip
+    bar: Any = None
+
+    def progress(p: FitProgress) -> None:
+        nonlocal bar
+        if p.stage == "data" and p.step == 0:
+            print("encoding and decoding the training images with the VAE ...", file=sys.stderr, flush=True)
+        elif p.stage == "fit":
+            if bar is None:
+                bar = tqdm(total=p.total, desc="fitting", unit="step", file=sys.stderr)
+            bar.update(p.step - bar.n)
+            bar.set_postfix(loss=f"{p.loss:.4f}")
+        elif p.stage == "done" and bar is not None:
+            bar.close()
+
+    try:
+        net = fit_preview_decoder(vae, progress=progress, cache=False, extra_latents=extra, **options)
+    except MultistreamError as exc:
+        print(f"multistream: {exc}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - started
+    meta = {
+        "vae_hash": fingerprint,
+        "fit_seconds": f"{seconds:.1f}",
+        "model": os.fspath(args.model or "embedded:shapes"),
+        "x0_runs": f"{args.x0_prompts}x{args.x0_steps}",
+        "command": "multistream fit-preview" + (f" {args.model}" if args.model else "")
+        + (f" --steps {args.steps}" if args.steps else "") + f" --x0-prompts {args.x0_prompts} --x0-steps {args.x0_steps}",
+    }
+    net.vae_hash = fingerprint  # type: ignore[assignment]
+    where = []
+    if cache_path is not None:
+        save_preview_decoder(net, cache_path, **meta)
+        where.append(str(cache_path))
+    if args.out:
+        save_preview_decoder(net, args.out, **meta)
+        where.append(f"{args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
+    print(f"done in {seconds:.1f} s: {net.num_parameters()} parameters, config {net.config()}; written to "
+          + ", ".join(where or ["nowhere (pass --out)"]), file=sys.stderr)  # fmt: skip
+    return 0
