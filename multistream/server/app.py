@@ -116,6 +116,9 @@ def create_app(
         finally:
             janitor.cancel()
             state.registry.cancel_all()
+            if state.registry.log is not None:
+                await asyncio.sleep(0.1)  # let the pumps append their finals to the shared log
+                await state.registry.log.close()
 
     app = FastAPI(title="multistream", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None,
                   description="Stream LLM tokens and diffusion previews: SSE, WebSocket and OpenAI-compatible "

@@ -99,6 +99,7 @@ class StreamRecord:
         self._n_tokens = 0
         self._last_text_at: float | None = None
         self._force_reason = "cancelled"
+        self._log: Any = None  # the shared event log's writer (`event_log`), when one is configured
         # Nobody attached yet: if nobody ever does, the grace period still ends the generation.
         # (The full period even for non-resumable streams: their one reader attaches a moment later.)
         self._arm_grace(on_start=True)
@@ -342,6 +343,8 @@ class StreamRecord:
             self.bytes += 300
         self.events.append(ev)
         self._json.append(None)
+        if self._log is not None:
+            self._log.append(ev, self.json(ev.seq))
         self._metrics.events_sent.inc(kind=self.kind)
         if ev.is_final:
             self.done = True
@@ -376,9 +379,11 @@ class StreamRecord:
 class Registry:
     """All streams the server knows: live ones, and finished ones within the retention window."""
 
-    def __init__(self, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(self, settings: ServerSettings, metrics: Metrics, log: Any = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.log = log  # a shared event log (`RedisEventLog`), or None: memory only
+        self.remote: OrderedDict[str, Any] = OrderedDict()  # streams read from the log (`RemoteRecord`)
         self.live: dict[str, StreamRecord] = {}
         self.finished: OrderedDict[str, StreamRecord] = OrderedDict()
         self.retained_bytes = 0
@@ -393,15 +398,41 @@ class Registry:
                 on_done(record)
 
         record = StreamRecord(stream, kind=kind, settings=self.settings, metrics=self.metrics, on_done=done, **options)
+        if self.log is not None and record.resumable:
+            record._log = self.log.writer(record)  # before the pump's first event
         self.live[record.stream_id] = record
         return record
+
+    async def check_log(self) -> None:
+        """With a shared event log: raise a 503 `Problem` when it is down (before admitting a stream)."""
+        if self.log is not None:
+            await self.log.check()
+
+    async def fetch(self, stream_id: str) -> Any:
+        """`get`, falling back to the shared event log for a stream another process runs (or ran)."""
+        record = self.get(stream_id)
+        if record is not None or self.log is None:
+            return record
+        remote = await self.log.load(stream_id)
+        if remote is not None:
+            self.remote[stream_id] = remote
+            self.remote.move_to_end(stream_id)
+            while len(self.remote) > 256:
+                self.remote.popitem(last=False)
+        return remote
+
+    def cancel_remote_request(self, stream_id: str) -> None:
+        """A cancel published by another process: cancel the stream if it runs here."""
+        record = self.live.get(stream_id)
+        if record is not None:
+            record.cancel()
 
     def live_bytes(self) -> int:
         return sum(r.bytes for r in self.live.values())
 
     def get(self, stream_id: str) -> StreamRecord | None:
         self.evict()
-        return self.live.get(stream_id) or self.finished.get(stream_id)
+        return self.live.get(stream_id) or self.finished.get(stream_id) or self.remote.get(stream_id)
 
     def active(self, kind: str | None = None) -> int:
         return sum(1 for r in self.live.values() if kind is None or r.kind == kind)

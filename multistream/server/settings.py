@@ -51,6 +51,10 @@ class ServerSettings:
         allowed_origins: extra browser origins allowed on the WebSocket (same origin and
             localhost always are); allowed_hosts: accepted ``Host`` headers (empty: any),
             against DNS rebinding.
+    Scale-out:
+        event_log: ``redis://HOST:PORT/DB`` writes every stream's events to Redis too, so a resume
+            works from any process and across a restart (see `multistream.server.event_log`);
+            None or ``"memory"``: the in-memory log only (the default).
         blocklist_file: words or phrases (one a line, case-insensitive) the content filter
             redacts from prompts and outputs; filter_holdback_chars: how much output the content
             filter holds back so a word split across tokens is still caught.
@@ -95,11 +99,12 @@ class ServerSettings:
     max_followers: int = 16
     ws_max_streams: int = 16
     enable_test_hooks: bool = False
+    event_log: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("api_key", "keys_file", "blocklist_file"):
+            if f.name in ("api_key", "keys_file", "blocklist_file", "event_log"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise InvalidArgumentError(f"ServerSettings.{f.name} must be a non-empty string or None")
                 continue
@@ -148,7 +153,7 @@ class ServerSettings:
             raw = os.environ.get(f"MULTISTREAM_{f.name.upper()}")
             if raw is None:
                 continue
-            if f.name in ("api_key", "keys_file", "blocklist_file"):
+            if f.name in ("api_key", "keys_file", "blocklist_file", "event_log"):
                 values[f.name] = raw or None
             elif f.name in ("allowed_origins", "allowed_hosts"):
                 values[f.name] = raw

@@ -106,7 +106,7 @@ class ServerState:
         self.settings = settings
         self.keyring = keyring or KeyRing(settings)
         self.metrics = Metrics()
-        self.registry = Registry(settings, self.metrics)
+        self.registry = Registry(settings, self.metrics, _event_log(settings))
         self.models = {"text": ModelSlot("text", text_model), "image": ModelSlot("image", image_model)}
         # Concurrency left as None follows the model's engine capacity once the model is loaded.
         self.gates = {"text": Admission("text", settings.text_concurrency or 0, settings.queue_size),
@@ -130,6 +130,13 @@ class ServerState:
         m.gauge("multistream:model_ready", "1 when the model is loaded and serving.",
                 lambda: [({"kind": k, "model": s.name}, float(s.state == "ready"))
                          for k, s in self.models.items() if s.state != "disabled"])
+        log = self.registry.log
+        if log is not None:
+            log.start(on_cancel=self.registry.cancel_remote_request)
+            m.gauge("multistream:event_log_up", "1 while the shared event log (Redis) answers.",
+                    lambda: [({}, float(log.up))])
+            m.gauge("multistream:event_log_write_failures", "Streams whose event log writes failed.",
+                    lambda: [({}, float(log.write_failures))])
 
     @property
     def ready(self) -> bool:
@@ -151,6 +158,7 @@ class ServerState:
             raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
                           {"Retry-After": "5"})
         model = self.models[kind].get()
+        await self.registry.check_log()  # a 503 now rather than a stream nobody could resume elsewhere
         gate = self.gates[kind]
         if not gate.concurrency:
             gate.concurrency = _capacity(model, kind)
@@ -350,9 +358,23 @@ async def _until_disconnected(
 
 
 
-def get_state(conn: HTTPConnection) -> ServerState:
-    """FastAPI dependency: the app's `ServerState`."""
-    return conn.app.state.multistream  # type: ignore[no-any-return]
+async def get_state(conn: HTTPConnection) -> ServerState:
+    """FastAPI dependency: the app's `ServerState`. With a shared event log, a route about a
+    stream this process does not hold (``{stream_id}`` in its path) first loads it from the log."""
+    state: ServerState = conn.app.state.multistream
+    stream_id = conn.path_params.get("stream_id") if state.registry.log is not None else None
+    if isinstance(stream_id, str):
+        await state.registry.fetch(stream_id)
+    return state
+
+
+def _event_log(settings: ServerSettings) -> Any:
+    url = settings.event_log
+    if not url or url == "memory" or not _has_loop():
+        return None
+    from .event_log import RedisEventLog
+
+    return RedisEventLog(url, settings)
 
 
 def get_principal(conn: HTTPConnection) -> Principal:

@@ -1,0 +1,359 @@
+"""multistream as a Ray Serve application: one HTTP ingress, one deployment per model kind.
+
+- ``ingress`` (FastAPI, the same app as ``multistream serve``: native SSE and WebSocket routes,
+  resume, OpenAI routes, metrics): admission, quotas, content filter and the event log run here;
+  its models are proxies (`RemoteModel`) that stream from the model deployments through
+  deployment handles (``handle.options(stream=True)``).
+- ``text`` and ``image``: each replica loads its model once and runs its engine (continuous
+  batching inside the replica); ``num_replicas`` or an autoscaling config per kind.
+
+Failover: when a model replica dies mid-stream (a crash, a lost node, ``ray.kill``), the ingress
+resubmits the request to a live replica and continues from what it already sent: for text the
+prompt plus the tokens already emitted are prefilled (``TextModel.stream(resume_tokens=...)``; a
+model without it regenerates and the replica skips what was sent, exact for greedy and seeded
+sampling since draws depend only on (seed, position)); for images the run restarts with the same
+seed and previews up to the last step sent are skipped. The client sees one stream: no gap, no
+duplicate. With several ingress replicas, ``event_log`` (Redis) makes a resume work on any of them.
+
+Example:
+    $ multistream serve --ray --text-replicas 2 --image-replicas 0 --event-log redis://127.0.0.1:6379/0
+    >>> from multistream.server.ray_app import build_app                       # doctest: +SKIP
+    >>> serve.run(build_app(ServerSettings(event_log="redis://..."), text_replicas=2), route_prefix="/")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from ..events import ErrorEvent, Event, ImageEvent, TextEvent
+from ..stream import Stream, StreamWriter
+from .settings import ServerSettings
+
+__all__ = ["ModelReplica", "RemoteModel", "app_builder", "build_app", "serve_ray"]
+
+logger = logging.getLogger("multistream.server")
+
+APP_NAME = "multistream"
+_MAX_FAILOVERS = 8
+_FAILOVER_WINDOW_S = 60.0
+
+
+def _retryable() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import RayActorError, WorkerCrashedError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return (RayActorError, WorkerCrashedError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+class ModelReplica:
+    """One model replica (deployment ``text`` or ``image``): loads the model, streams events."""
+
+    def __init__(self, kind: str, spec: Any) -> None:
+        from .state import _load_model
+
+        self.kind = kind
+        self.model = _load_model(kind, "default" if spec is None else spec)
+        self.name = str(getattr(self.model, "name", None) or kind)
+        try:
+            params = inspect.signature(self.model.stream).parameters
+        except (TypeError, ValueError):  # pragma: no cover
+            params = {}
+        self.native_resume = "resume_tokens" in params
+        try:
+            import ray
+
+            self.replica = ray.get_runtime_context().get_actor_name() or ""
+        except Exception:  # noqa: BLE001
+            self.replica = ""
+
+    def info(self) -> dict[str, Any]:
+        capacity = getattr(self.model, "capacity", None)
+        return {"kind": self.kind, "name": self.name, "replica": self.replica, "pid": os.getpid(),
+                "native_resume": self.native_resume, "capacity": capacity if isinstance(capacity, int) else 4}
+
+    async def generate(self, kwargs: dict[str, Any], resume: dict[str, Any] | None = None) -> Any:
+        """Yield the replica's name, then the stream's events, trimmed to what follows ``resume``
+        (``{"tokens": [...], "chars": n}`` for text, ``{"step": s}`` for an image)."""
+        yield {"replica": self.replica}
+        resume = resume or {}
+        tokens = list(resume.get("tokens") or [])
+        kwargs = dict(kwargs)
+        trim_tokens, trim_chars, trim_step = 0, 0, int(resume.get("step", -1))
+        if self.kind == "text" and tokens:
+            if self.native_resume:
+                kwargs["resume_tokens"] = tokens
+            else:
+                trim_tokens, trim_chars = len(tokens), int(resume.get("chars", 0))
+        try:
+            stream = self.model.stream(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - a refusal reaches the client as an error event
+            yield ErrorEvent(stream_id="", seq=0, t=0.0, error={"type": type(exc).__name__, "message": str(exc)})
+            return
+        try:
+            async for ev in stream:
+                if isinstance(ev, TextEvent) and (trim_tokens or trim_chars):
+                    ev = _trim_text(ev, trim_tokens, trim_chars)
+                    if ev is None:
+                        continue
+                elif isinstance(ev, ImageEvent) and not ev.is_final and ev.finish_reason is None and ev.step <= trim_step:
+                    continue
+                yield ev
+        finally:
+            stream.close()
+
+
+def _trim_text(ev: TextEvent, tokens: int, chars: int) -> TextEvent | None:
+    """The part of a regenerated event that comes after ``tokens`` tokens / ``chars`` characters."""
+    end_tokens = ev.index + len(ev.token_ids)
+    offset = ev.offset if ev.offset is not None else 0
+    end_chars = offset + len(ev.delta)
+    if end_tokens <= tokens and end_chars <= chars and not ev.is_final:
+        return None
+    delta = ev.delta[max(0, chars - offset):] if offset < chars else ev.delta
+    ids = list(ev.token_ids[max(0, tokens - ev.index):]) if ev.index < tokens else list(ev.token_ids)
+    return dataclasses.replace(ev, delta=delta, token_ids=ids, index=max(ev.index, tokens), offset=max(offset, chars))
+
+
+class RemoteModel:
+    """The ingress's stand-in for a model: ``.stream(**kwargs)`` streams from the model deployment,
+    failing over to another replica when one dies."""
+
+    def __init__(self, kind: str, handle: Any, name: str = "") -> None:
+        self.kind = kind
+        self.handle = handle
+        self.name = name or kind
+        self.replica_of: dict[str, str] = {}  # stream id -> replica serving it now (for tests, metrics)
+        self.failovers = 0
+        self.capacity = 4
+
+    def stream(self, **kwargs: Any) -> Stream:
+        loop = asyncio.get_running_loop()
+
+        def submit(writer: StreamWriter) -> None:
+            # A fresh context: Serve ties handle calls made inside a request to that request and
+            # cancels them when its client goes away, but the stream must outlive the connection
+            # (the grace period, a resume); the registry cancels it when it should.
+            task = loop.create_task(self._pump(writer, kwargs), name=f"multistream-remote-{writer.stream_id[:8]}",
+                                    context=contextvars.Context())
+            writer.on_cancel(lambda: loop.call_soon_threadsafe(task.cancel))
+
+        return Stream(kind=self.kind, submit=submit)
+
+    async def _pump(self, w: StreamWriter, kwargs: dict[str, Any]) -> None:
+        ids: list[int] = []
+        text = ""
+        step = -1
+        failures: list[float] = []
+        retryable = _retryable()
+        while True:
+            gen = self.handle.options(stream=True).generate.remote(
+                kwargs, {"tokens": ids, "chars": len(text), "step": step})
+            try:
+                async for item in gen:
+                    if isinstance(item, dict):
+                        self.replica_of[w.stream_id] = item.get("replica", "")
+                        continue
+                    ev: Event = item
+                    if isinstance(ev, TextEvent):
+                        if ev.is_final:
+                            w.finish_text(ev.delta, ev.token_ids, len(ids), finish_reason=ev.finish_reason or "stop",
+                                          text=text + ev.delta, usage=dict(ev.usage or {}), metrics=dict(ev.metrics or {}))
+                        elif ev.delta:
+                            w.text(ev.delta, ev.token_ids, len(ids))
+                        ids.extend(ev.token_ids)
+                        text += ev.delta
+                    elif isinstance(ev, ImageEvent):
+                        w.forward(ev)
+                        if not ev.is_final and ev.finish_reason is None:
+                            step = max(step, ev.step)
+                    else:
+                        w.forward(ev)
+                    if ev.is_final:
+                        return
+                if not w.finished:
+                    w.fail(RuntimeError("the model replica ended the stream without a final event"))
+                return
+            except asyncio.CancelledError:
+                gen.cancel()
+                if not w.finished:
+                    if self.kind == "text":
+                        w.finish_text("", [], len(ids), finish_reason="cancelled", text=text,
+                                      usage={"prompt_tokens": 0, "completion_tokens": len(ids)}, metrics={})
+                    else:
+                        w.fail(RuntimeError("cancelled"))
+                return
+            except retryable as exc:
+                now = time.monotonic()
+                failures = [t for t in failures if now - t < _FAILOVER_WINDOW_S] + [now]
+                self.failovers += 1
+                if len(failures) > _MAX_FAILOVERS:
+                    w.fail(RuntimeError(f"the {self.kind} replicas kept failing ({type(exc).__name__})"))
+                    return
+                logger.warning("stream %s: %s replica %s failed (%s); resuming on another replica at %d tokens",
+                               w.stream_id, self.kind, self.replica_of.get(w.stream_id, "?"), type(exc).__name__,
+                               len(ids))
+                await asyncio.sleep(min(0.5, 0.02 * 2 ** (len(failures) - 1)))
+            except Exception as exc:  # noqa: BLE001
+                w.fail(exc)
+                return
+
+
+def _wait_healthy(kind: str, timeout: float = 900.0) -> None:
+    """Block until the deployment ``kind`` runs all its target replicas (for /readyz)."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            app = serve.status().applications.get(APP_NAME)
+            dep = app.deployments.get(kind) if app is not None else None
+            if dep is not None and str(getattr(dep.status, "value", dep.status)) == "HEALTHY":
+                return
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the {kind} deployment did not become healthy")
+
+
+def _replicas(kind: str) -> int:
+    from ray import serve
+
+    try:
+        dep = serve.status().applications[APP_NAME].deployments[kind]
+        return int(dep.replica_states.get("RUNNING", 1))
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+class Ingress:
+    """The HTTP ingress: ``create_app`` with `RemoteModel` proxies for the model deployments."""
+
+    def __init__(self, settings: ServerSettings, text: Any = None, image: Any = None) -> None:
+        self.settings = settings
+        self.handles = {"text": text, "image": image}
+        self.remote: dict[str, RemoteModel] = {}
+
+    def _factory(self, kind: str) -> Any:
+        handle = self.handles[kind]
+        if handle is None:
+            return None
+
+        def load() -> RemoteModel:
+            _wait_healthy(kind)
+            info = handle.info.remote().result(timeout_s=60)
+            model = RemoteModel(kind, handle, info.get("name", kind))
+            # The ingress admits what all replicas together take (engine capacity x replicas).
+            model.capacity = int(info.get("capacity") or 4) * max(1, _replicas(kind))
+            self.remote[kind] = model
+            return model
+
+        return load
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from .app import create_app
+
+        app = create_app(text_model=self._factory("text"), image_model=self._factory("image"), settings=self.settings)
+        if self.settings.enable_test_hooks:
+            async def replica_of(stream_id: str) -> Any:
+                from starlette.responses import JSONResponse
+
+                for model in self.remote.values():
+                    if stream_id in model.replica_of:
+                        return JSONResponse({"replica": model.replica_of[stream_id], "pid": os.getpid()})
+                return JSONResponse({"replica": None, "pid": os.getpid()}, status_code=404)
+
+            app.add_api_route("/v1/_test/replica/{stream_id}", replica_of, methods=["GET"], include_in_schema=False)
+        return app
+
+
+def build_app(settings: ServerSettings, *, text_model: Any = "default", image_model: Any = "default",
+              text_replicas: int | dict[str, Any] = 1, image_replicas: int | dict[str, Any] = 1,
+              ingress_replicas: int = 1, text_actor_options: dict[str, Any] | None = None,
+              image_actor_options: dict[str, Any] | None = None) -> Any:
+    """The Serve application: ``ingress`` bound to the ``text`` and ``image`` deployments.
+
+    ``*_replicas``: a count (0: that model is not served) or an autoscaling config
+    (``{"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 8}``).
+    ``*_actor_options``: Ray resources per replica, e.g. ``{"num_gpus": 1}`` (default ``num_cpus=1``).
+    """
+    from ray import serve
+
+    def model_deployment(kind: str, spec: Any, replicas: int | dict[str, Any], options: dict[str, Any] | None) -> Any:
+        if spec is None or replicas == 0:
+            return None
+        scale: dict[str, Any] = ({"autoscaling_config": replicas} if isinstance(replicas, dict)
+                                 else {"num_replicas": int(replicas)})
+        dep = serve.deployment(ModelReplica).options(
+            name=kind, ray_actor_options=options or {"num_cpus": 1}, max_ongoing_requests=64,
+            health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5, **scale)
+        return dep.bind(kind, spec)
+
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(
+        name="ingress", num_replicas=ingress_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=settings.max_connections)
+    return ingress.bind(settings, model_deployment("text", text_model, text_replicas, text_actor_options),
+                        model_deployment("image", image_model, image_replicas, image_actor_options))
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For Serve config files and KubeRay's RayService (``import_path: multistream.server.ray_app:app_builder``).
+
+    ``args``: ``text_model``, ``image_model`` (``"none"`` to skip), ``text_replicas``,
+    ``image_replicas``, ``ingress_replicas``, ``text_actor_options``, ``image_actor_options``;
+    every other key is a `ServerSettings` field (``event_log: redis://...``), after
+    ``MULTISTREAM_*`` environment variables.
+    """
+    args = dict(args or {})
+    own = {k: args.pop(k) for k in ("text_model", "image_model", "text_replicas", "image_replicas",
+                                    "ingress_replicas", "text_actor_options", "image_actor_options") if k in args}
+    for kind in ("text_model", "image_model"):
+        if str(own.get(kind, "default")).lower() in ("none", "off", ""):
+            own[kind] = None
+    return build_app(ServerSettings.from_env(**args), **own)
+
+
+def serve_ray(settings: ServerSettings, *, text_model: Any = "default", image_model: Any = "default",
+              text_replicas: int = 1, image_replicas: int = 1, ingress_replicas: int = 1, autoscale: bool = False,
+              host: str = "127.0.0.1", port: int = 8000, address: str | None = None) -> int:
+    """``multistream serve --ray``: run the application on a local or existing Ray cluster until SIGINT/SIGTERM."""
+    import httpx
+    import ray
+    from ray import serve
+
+    if ingress_replicas > 1 and not settings.event_log:
+        logger.warning("several ingress replicas without --event-log: a resume works only on the replica that "
+                       "runs the stream; use --event-log redis://...")
+    ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": host, "port": port})
+
+    def count(n: int) -> int | dict[str, Any]:
+        return {"min_replicas": 1, "max_replicas": n, "target_ongoing_requests": 8} if autoscale and n > 1 else n
+
+    serve.run(build_app(settings, text_model=text_model, image_model=image_model, text_replicas=count(text_replicas),
+                        image_replicas=count(image_replicas), ingress_replicas=ingress_replicas),
+              name=APP_NAME, route_prefix="/", blocking=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    url = f"http://{host}:{port}/readyz"
+    announced = False
+    while not stop.wait(1.0):
+        if not announced:
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    print(f"multistream on Ray Serve: ready at http://{host}:{port}", flush=True)
+                    announced = True
+            except httpx.HTTPError:
+                pass
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    return 0

@@ -1,0 +1,132 @@
+"""The Ray Serve application (issue 13, parts 2-3): a local Ray cluster started here (2 CPUs), a
+real redis-server, 2 ingress replicas and 2 replicas of the embedded text model.
+
+A replica is killed (``ray.kill`` of its actor) mid-stream: the client's SSE stream, read with
+resume through the ingress, equals the uninterrupted output exactly (greedy and seeded sampling).
+Few tests, one cluster for the module: starting Ray and loading the model twice take ~30 s.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from redis_fixtures import free_port, needs_redis, redis_server
+from server_fixtures import iter_events
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = [needs_redis, pytest.mark.ray, pytest.mark.model]
+
+PROMPT = "Write one sentence about the sea."
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    from multistream.server import ServerSettings
+    from multistream.server.ray_app import APP_NAME, build_app
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    path = os.pathsep.join(p for p in [root, here, os.environ.get("PYTHONPATH", "")] if p)
+    with redis_server() as redis:
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
+                 _node_ip_address="127.0.0.1")
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            settings = ServerSettings(event_log=redis.url, enable_test_hooks=True)
+            serve.run(build_app(settings, text_model="default", image_model=None, text_replicas=2, ingress_replicas=2,
+                                text_actor_options={"num_cpus": 1}), name=APP_NAME, route_prefix="/", blocking=False)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 240
+            status = None
+            while time.monotonic() < deadline:
+                try:
+                    status = httpx.get(f"{url}/readyz", timeout=2).status_code
+                    if status == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            assert status == 200, "/readyz did not answer 200 once every replica was up"
+            yield url
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _stream(url: str, body: dict[str, Any], kill_after: int | None = None) -> tuple[str, str, list[dict], float | None]:
+    """POST /v1/text; after ``kill_after`` events, kill the text replica serving it and drop the
+    connection; then read the rest with a resume (Last-Event-ID). Returns the events and the gap."""
+    events: list[dict] = []
+    gap = None
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{url}/v1/text", json=body) as r:
+            assert r.status_code == 200, r.read()
+            sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+            for ev in iter_events(r):
+                events.append(ev)
+                if kill_after is not None and len(events) == kill_after:
+                    break
+        if kill_after is None:
+            return sid, token, events, None
+        replica = None
+        for _ in range(50):  # 2 ingress replicas: ask until the one running the stream answers
+            replica = client.get(f"{url}/v1/_test/replica/{sid}").json().get("replica")
+            if replica:
+                break
+        assert replica, "no ingress knows the replica serving the stream"
+        ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+        killed = time.perf_counter()
+        with client.stream("GET", f"{url}/v1/streams/{sid}/events",
+                           headers={"Last-Event-ID": str(events[-1]["seq"]), "X-Resume-Token": token}) as r:
+            assert r.status_code == 200, r.read()
+            for ev in iter_events(r):
+                if gap is None:
+                    gap = time.perf_counter() - killed
+                events.append(ev)
+    return sid, token, events, gap
+
+
+def _check(events: list[dict]) -> None:
+    assert [e["seq"] for e in events] == list(range(len(events))), "gap or duplicate"
+    assert events[-1]["is_final"] and sum(e["is_final"] for e in events) == 1
+    assert "".join(e["delta"] for e in events) == events[-1]["text"]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_replica_killed_mid_stream_output_is_exact(cluster: str, sampling: dict[str, Any]) -> None:
+    body = {"prompt": PROMPT, "max_new_tokens": 14, **sampling}
+    _, _, reference, _ = _stream(cluster, body)
+    _check(reference)
+    sid, token, events, gap = _stream(cluster, body, kill_after=4)
+    _check(events)
+    assert events[-1]["text"] == reference[-1]["text"]
+    ids = [t for e in events for t in e["token_ids"]]
+    assert ids == [t for e in reference for t in e["token_ids"]]
+    assert events[-1]["usage"]["completion_tokens"] == reference[-1]["usage"]["completion_tokens"]
+    # Resume through the ingress replicas (either may answer; the log in Redis serves both): same events.
+    with httpx.Client(timeout=60) as client:
+        for _ in range(4):
+            with client.stream("GET", f"{cluster}/v1/streams/{sid}/events",
+                               headers={"Last-Event-ID": "1", "X-Resume-Token": token}) as r:
+                assert r.status_code == 200
+                assert list(iter_events(r)) == events[2:]
+
+
+def test_openai_and_metrics_through_the_ingress(cluster: str) -> None:
+    with httpx.Client(timeout=120) as client:
+        r = client.post(f"{cluster}/v1/chat/completions", json={
+            "model": "any", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        assert "multistream:event_log_up" in client.get(f"{cluster}/metrics").text
+        assert client.post(f"{cluster}/v1/image", json={"prompt": "x"}).status_code == 404  # 0 image replicas

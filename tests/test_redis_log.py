@@ -1,0 +1,194 @@
+"""The Redis event log (issue 13, part 1): a real redis-server on a loopback port.
+
+Resume from another process (a second server sharing the log), across a restart of the
+single-process server (``multistream serve --event-log redis://...``), retention, and a Redis
+outage: 503s at once, no hang, recovery when it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from multistream.server import ServerSettings
+from multistream.server.event_log import RedisEventLog, entry_id
+from redis_fixtures import free_port, needs_redis, redis_server
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server
+
+pytestmark = needs_redis
+
+TOKENS = [f" w{i}" for i in range(30)]
+
+
+def _post_text(client: httpx.Client, url: str, n: int | None = None, **body: object) -> tuple[str, str, list[dict]]:
+    """POST /v1/text; read ``n`` events (all when None); return (stream id, token, events)."""
+    events: list[dict] = []
+    with client.stream("POST", f"{url}/v1/text", json={"prompt": "hi", **body}) as r:
+        assert r.status_code == 200, r.read()
+        sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+        for ev in iter_events(r):
+            events.append(ev)
+            if n is not None and len(events) >= n:
+                break
+    return sid, token, events
+
+
+def _resume(client: httpx.Client, url: str, sid: str, token: str, after: int) -> list[dict]:
+    with client.stream("GET", f"{url}/v1/streams/{sid}/events",
+                       headers={"Last-Event-ID": str(after), "X-Resume-Token": token}) as r:
+        assert r.status_code == 200, r.read()
+        return list(iter_events(r))
+
+
+def test_resume_from_another_server_sharing_the_log() -> None:
+    """Server A generates; the client drops after 5 events and resumes on server B: no gap, no duplicate."""
+    with redis_server() as redis:
+        model = ScriptedTextModel(TOKENS, delay_s=0.02)
+        with make_server(model, event_log=redis.url) as a, make_server(ScriptedTextModel(), event_log=redis.url) as b, \
+                httpx.Client(timeout=20) as client:
+            sid, token, first = _post_text(client, a.url, n=5)
+            rest = _resume(client, b.url, sid, token, first[-1]["seq"])
+            events = first + rest
+            assert [e["seq"] for e in events] == list(range(len(events)))
+            assert events[-1]["is_final"] and events[-1]["text"] == "".join(TOKENS)
+            assert "".join(e["delta"] for e in events) == "".join(TOKENS)
+            # The wire JSON is byte-identical on both servers.
+            again = _resume(client, b.url, sid, token, -1)
+            assert again == events
+            # Ownership holds on B too; status and the 204 at the end as well.
+            r = client.get(f"{b.url}/v1/streams/{sid}/events", headers={"X-Resume-Token": "wrong"})
+            assert r.status_code == 404
+            r = client.get(f"{b.url}/v1/streams/{sid}/events",
+                           headers={"X-Resume-Token": token, "Last-Event-ID": str(events[-1]["seq"])})
+            assert r.status_code == 204
+            info = client.get(f"{b.url}/v1/streams/{sid}", headers={"X-Resume-Token": token}).json()
+            assert info["done"] and info["finish_reason"] == "stop" and info["events"] == len(events)
+
+
+def test_cancel_on_another_server_reaches_the_producer() -> None:
+    with redis_server() as redis:
+        model = ScriptedTextModel([f" t{i}" for i in range(400)], delay_s=0.02)
+        with make_server(model, event_log=redis.url) as a, make_server(ScriptedTextModel(), event_log=redis.url) as b, \
+                httpx.Client(timeout=20) as client:
+            sid, token, first = _post_text(client, a.url, n=3)
+            r = client.delete(f"{b.url}/v1/streams/{sid}", headers={"X-Resume-Token": token})
+            assert r.status_code == 200 and r.json()["cancelled"] is True
+            rest = _resume(client, b.url, sid, token, first[-1]["seq"])
+            assert rest[-1]["finish_reason"] == "cancelled"
+
+
+def _serve(redis_url: str, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(__file__),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
+                             "--text-model", "server_fixtures:slow_text_model", "--image-model", "none",
+                             "--event-log", redis_url, "--log-level", "warning"], env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "the server exited"
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the server did not become ready")
+
+
+def test_resume_after_a_restart_of_the_single_process_server() -> None:
+    """`multistream serve --event-log redis://...`: a finished stream replays after a restart; a
+    stream cut by the restart replays up to where it was, then ends with an error (no hang)."""
+    with redis_server() as redis:
+        port = free_port()
+        proc = _serve(redis.url, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            with httpx.Client(timeout=30) as client:
+                done_sid, done_token, done_events = _post_text(client, url, max_new_tokens=6)
+                cut_sid, cut_token, cut_first = _post_text(client, url, n=4, max_new_tokens=300)
+                proc.terminate()
+                proc.wait(30)
+                proc = _serve(redis.url, port)
+                assert _resume(client, url, done_sid, done_token, 2) == done_events[3:]
+                assert done_events[-1]["finish_reason"] == "length"
+                # The interrupted one was cancelled by the shutdown: its log ends with that final.
+                rest = _resume(client, url, cut_sid, cut_token, cut_first[-1]["seq"])
+                seqs = [e["seq"] for e in cut_first + rest]
+                assert seqs == list(range(len(seqs)))
+                assert rest[-1]["is_final"]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def test_redis_down_gives_503_at_once_and_recovers() -> None:
+    with redis_server() as redis:
+        model = ScriptedTextModel(TOKENS[:5])
+        with make_server(model, event_log=redis.url) as srv, httpx.Client(timeout=20) as client:
+            sid, token, events = _post_text(client, srv.url)
+            redis.stop()
+            t0 = time.monotonic()
+            r = client.post(f"{srv.url}/v1/text", json={"prompt": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "event_log_unavailable"
+            assert r.headers["retry-after"]
+            # A stream this process does not hold cannot be looked up: 503 too (not 404, not a hang).
+            r = client.get(f"{srv.url}/v1/streams/{'0' * 32}/events", headers={"X-Resume-Token": "x"})
+            assert r.status_code == 503
+            # One this process holds still replays from memory.
+            r = client.get(f"{srv.url}/v1/streams/{sid}/events", headers={"X-Resume-Token": token})
+            assert r.status_code == 200
+            assert time.monotonic() - t0 < 8, "a Redis outage must not make requests hang"
+            assert 'multistream:event_log_up 0.0' in client.get(f"{srv.url}/metrics").text
+            redis.start()  # the same port: the client reconnects by itself
+            sid2, token2, events2 = _post_text(client, srv.url)
+            assert events2[-1]["text"] == "".join(TOKENS[:5])
+
+
+def test_retention_previews_and_bounds() -> None:
+    """The log keeps the newest preview per image of a live stream; count bound evicts the oldest."""
+    with redis_server() as redis:
+        image = ScriptedImageModel(steps=6, size=32)
+        with make_server(ScriptedTextModel(TOKENS[:3]), image, event_log=redis.url, max_retained_streams=2) as srv, \
+                httpx.Client(timeout=20) as client:
+            with client.stream("POST", f"{srv.url}/v1/image", json={"prompt": "a red circle", "steps": 6}) as r:
+                isid = r.headers["x-stream-id"]
+                events = list(iter_events(r))
+
+            async def inspect(sids: list[str]) -> tuple[list[int], list[bool]]:
+                log = RedisEventLog(redis.url, ServerSettings())
+                entries = await log.redis.xrange(log.key("s", isid))
+                exists = [bool(await log.redis.exists(log.key("s", s))) for s in sids]
+                await log.close()
+                return [int(e[0].decode().split("-")[1]) - 1 for e in entries], exists
+
+            seqs, _ = asyncio.run(inspect([]))
+            previews = [e for e in events if e["type"] == "image" and not e["is_final"]]
+            assert len(previews) >= 2
+            # Every preview but the newest was dropped from the log while the stream was live.
+            assert previews[-1]["seq"] in seqs and previews[0]["seq"] not in seqs
+            assert events[-1]["seq"] in seqs
+
+            sids = [isid] + [_post_text(client, srv.url)[0] for _ in range(3)]
+            deadline = time.monotonic() + 5
+            while True:
+                _, exists = asyncio.run(inspect(sids))
+                if exists == [False, False, True, True] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert exists == [False, False, True, True]  # max_retained_streams=2: the oldest went
+    assert entry_id(0) == "0-1"
+
+
+def test_bad_event_log_url_is_refused() -> None:
+    from multistream.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="redis://"):
+        RedisEventLog("http://127.0.0.1:1", ServerSettings())
+    assert ServerSettings(event_log="memory").event_log == "memory"
