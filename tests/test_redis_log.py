@@ -154,7 +154,7 @@ def test_redis_down_gives_503_at_once_and_recovers() -> None:
 def test_retention_previews_and_bounds() -> None:
     """The log keeps the newest preview per image of a live stream; count bound evicts the oldest."""
     with redis_server() as redis:
-        image = ScriptedImageModel(steps=6, size=32)
+        image = ScriptedImageModel(steps=6, size=32, delay_s=0.05)  # spaced: the client sees several previews
         with make_server(ScriptedTextModel(TOKENS[:3]), image, event_log=redis.url, max_retained_streams=2) as srv, \
                 httpx.Client(timeout=20) as client:
             with client.stream("POST", f"{srv.url}/v1/image", json={"prompt": "a red circle", "steps": 6}) as r:
