@@ -244,6 +244,7 @@ class TextModel:
         chunk_tokens: int | None = None,
         chunk_ms: float | None = None,
         chat: bool | None = None,
+        allowed: str | list[str] | None = None,
         priority: int = 0,
         resume_tokens: list[int] | None = None,
         **unknown: Any,
@@ -254,7 +255,9 @@ class TextModel:
         inside the stream. ``temperature=0`` is greedy decoding (the default, unless the model's
         ``generation_config`` says ``do_sample``); sampling options left as None take the
         ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
-        emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events. ``priority``:
+        emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events. ``allowed``: a
+        regular expression the whole answer must match, or a list of choices (constrained
+        decoding, `multistream.text_constraints`). ``priority``:
         higher runs first at every engine step (default 0). ``resume_tokens``: answer tokens an
         earlier run already produced and sent (failover to another replica): they are prefilled,
         not sent again, and generation continues after them exactly as the uninterrupted run
@@ -270,7 +273,7 @@ class TextModel:
         options = parse_text_options(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             repetition_penalty=repetition_penalty, seed=seed, stop=stop, chunk_tokens=chunk_tokens,
-            chunk_ms=chunk_ms, chat=chat, **unknown,
+            chunk_ms=chunk_ms, chat=chat, allowed=allowed, **unknown,
         )
         prompt_ids = self.encode_prompt(prompt, chat=options.chat)
         if len(prompt_ids) >= self.context_length:
@@ -305,7 +308,7 @@ class TextModel:
 
         def submit(writer: StreamWriter) -> None:
             request = TextRequest(
-                writer=writer, prompt_ids=prompt_ids, options=options, sampler=RowSampler(plan),
+                writer=writer, prompt_ids=prompt_ids, options=options, sampler=self._sampler(plan, options),
                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
                 context_length=self.context_length, priority=priority, history=history, echo_history=echo,
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
@@ -327,6 +330,14 @@ class TextModel:
             self._engine.submit(request)
 
         return Stream(submit=submit, kind="text")
+
+    def _sampler(self, plan: SamplingPlan, options: TextOptions) -> RowSampler:
+        allowed = None
+        if options.allowed is not None:
+            from .text_constraints import AllowedText
+
+            allowed = AllowedText(options.allowed, self.tokenizer, self.eos_token_ids)
+        return RowSampler(plan, allowed)
 
     # -- edits ----------------------------------------------------------------------------------
 
@@ -392,7 +403,7 @@ class TextModel:
                 current = dataclasses.asdict(request.options)
                 current.update(kwargs)
                 options = parse_text_options(**current)
-                sampler = RowSampler(SamplingPlan.resolve(options, getattr(self.model, "generation_config", None)))
+                sampler = self._sampler(SamplingPlan.resolve(options, getattr(self.model, "generation_config", None)), options)
             request.queue_edit(Edit("rewind", inserted, instruction=instruction, offset=offset, sampler=sampler))
         else:
             raise InvalidArgumentError(f"text streams support steer() and rewind(), not {name}()")

@@ -35,6 +35,7 @@ TEXT_STREAM_ARGS = (
     "chunk_tokens",
     "chunk_ms",
     "chat",
+    "allowed",
 )
 
 
@@ -55,6 +56,7 @@ class TextOptions:
     chunk_tokens: int | None = None
     chunk_ms: float | None = None
     chat: bool | None = None
+    allowed: str | None = None  # a regular expression the whole answer must match (choices joined)
 
 
 def _is_int(value: Any) -> bool:
@@ -88,6 +90,7 @@ def parse_text_options(
     chunk_tokens: Any = None,
     chunk_ms: Any = None,
     chat: Any = None,
+    allowed: Any = None,
     **unknown: Any,
 ) -> TextOptions:
     """Check every option; raise `InvalidArgumentError` naming the first bad one and the fix."""
@@ -120,7 +123,11 @@ def parse_text_options(
         raise InvalidArgumentError(f"chunk_ms must be a number of milliseconds > 0, got {chunk_ms!r}")
     if chat is not None and not isinstance(chat, bool):
         raise InvalidArgumentError(f"chat must be True, False or None (automatic), got {chat!r}")
+    from .text_constraints import compile_allowed
+
+    pattern = compile_allowed(allowed)
     return TextOptions(
+        allowed=pattern,
         max_new_tokens=max_new_tokens,
         temperature=None if temperature is None else float(temperature),
         top_p=None if top_p is None else float(top_p),

@@ -1,0 +1,38 @@
+"""Constrained decoding with ``allowed=``: what is written is exactly what the pattern admits."""
+
+from __future__ import annotations
+
+import regex
+import pytest
+
+import multistream as ms
+from multistream.text_constraints import AllowedText, compile_allowed
+
+
+def test_bad_allowed_values_are_clear_errors() -> None:
+    with pytest.raises(ms.InvalidArgumentError, match="not a valid regular expression"):
+        compile_allowed("a(")
+    with pytest.raises(ms.InvalidArgumentError, match="non-empty list"):
+        compile_allowed([])
+    assert compile_allowed(["a.b", "c"]) == r"a\.b|c"
+
+
+def test_the_mask_keeps_only_tokens_that_extend_a_match(text_tokenizer) -> None:
+    eos = frozenset({text_tokenizer.eos_token_id})
+    allowed = AllowedText("yes|no", text_tokenizer, eos)
+    first = allowed.allowed_ids([])
+    texts = [text_tokenizer.decode([t]) for t in first]
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    assert text_tokenizer.eos_token_id not in first  # an empty answer is no match: it may not end
+    done = text_tokenizer("yes", add_special_tokens=False)["input_ids"]
+    assert allowed.allowed_ids(done) == [text_tokenizer.eos_token_id]
+
+
+@pytest.mark.model
+def test_the_answer_matches_the_pattern(text_model) -> None:
+    pattern = r"a (red|green|blue) (circle|square) on a (white|black) background"
+    final = text_model.generate("Describe a picture of the sea.", allowed=pattern, max_new_tokens=24)
+    assert regex.fullmatch(pattern, final.text), final.text
+    assert final.finish_reason == "stop"
+    choice = text_model.generate("Is fire hot? Answer yes or no.", allowed=["yes", "no"], temperature=0.8, seed=3)
+    assert choice.text in ("yes", "no")
