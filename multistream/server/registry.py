@@ -253,7 +253,7 @@ class StreamRecord:
         text changed loses its token ids, which no longer match it."""
         self._n_tokens += len(ev.token_ids)
         if self._filter is None:
-            self._text += ev.delta
+            self._text = self._text[: ev.offset] + ev.delta  # offset < len after a rewind
             return ev, False
         delta, stopped = self._filter.feed(ev.delta, final=ev.is_final)
         if stopped:
