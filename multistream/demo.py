@@ -6,8 +6,8 @@ updates to the browser at most ``max_fps`` times a second; between two pushes ne
 folded in, so a slow page gets the newest frame, never a backlog, and always the final one.
 
 Edits while a run streams: Chat's "Steer" sends the typed text as a new instruction
-(``stream.steer``) and "Regenerate from here" rewinds the answer to a character (``rewind``, or
-``llm.revise`` once it ended); Image's "Use this" keeps the current picture (``finish_early``)
+(``stream.steer``) and "Regenerate from here" rewinds the answer to where the selected words
+begin, or to a character offset (``rewind``, or ``llm.revise`` once it ended); Image's "Use this" keeps the current picture (``finish_early``)
 and "Apply now" conditions the remaining steps on the edited prompt (``steer(prompt=...)``).
 
 Preview frames travel as ``data:`` URLs inside the update (no file per frame in Gradio's cache,
@@ -279,6 +279,18 @@ def _preview_html(view: _View | None, elem: str, note: str = "") -> str:
     )
 
 
+_SELECTION_JS = """() => {
+  document.addEventListener("mouseup", () => {
+    const sel = window.getSelection();
+    const chat = document.getElementById("ms-chatbot");
+    const box = document.querySelector("#ms-chat-selection textarea");
+    if (!sel || sel.isCollapsed || !chat || !box || !chat.contains(sel.anchorNode)) return;
+    box.value = sel.toString();
+    box.dispatchEvent(new Event("input", { bubbles: true }));
+  });
+}"""
+
+
 def _chat_stats(view: _View) -> str:
     line = _chat_line(view)
     return f"{line} · revision {view.revision}" if view.revision and view.error is None else line
@@ -385,6 +397,7 @@ def create_demo(
         prompt_style = "shapes" if default_image or "shapes" in name.lower() else "free"
     runs = _ActiveRuns()
     answers: dict[tuple[str, str], TextEvent] = {}  # each session's last finished chat answer
+    live_text: dict[tuple[str, str], str] = {}  # each session's answer as it streams (after edits)
 
     def need(model: Any, kind: str, why: str) -> Any:
         if model is not None and not hasattr(model, "stream") and callable(model):
@@ -430,6 +443,7 @@ def create_demo(
             yield shown, "", first_note
             async for view in throttled_views(stream, max_fps, view):
                 shown[-1] = {"role": "assistant", "content": view.text(0) if view.texts else ""}
+                live_text[key] = shown[-1]["content"]
                 if view.error is not None:
                     shown[-1]["content"] += f"\n\n⚠️ {view.error.get('message')}"
                 elif isinstance(view.final, TextEvent):
@@ -439,6 +453,7 @@ def create_demo(
                 yield shown, gr.skip(), _chat_stats(view)
         finally:
             runs.end(key, stream)
+            live_text.pop(key, None)
 
     def stop_chat(request: gr.Request) -> None:
         runs.cancel((_session(request), "chat"))
@@ -457,24 +472,34 @@ def create_demo(
             raise _gr_error(exc) from exc
         return ""
 
-    async def regenerate_chat(offset: float, instruction: str, history: list[dict[str, Any]],
+    async def regenerate_chat(offset: float, selection: str, instruction: str, history: list[dict[str, Any]],
                               request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
-        """"Regenerate from here": rewind the streaming answer to ``offset`` (characters), or revise
-        the finished one from there (``llm.revise``), optionally under the typed instruction."""
+        """"Regenerate from here": rewind the streaming answer to where the selected text begins
+        (or to ``offset`` characters when nothing is selected), or revise the finished answer from
+        there (``llm.revise``), optionally under the typed instruction."""
         key = (_session(request), "chat")
         instruction = (instruction or "").strip() or None
-        if offset is None or int(offset) < 0:
-            raise gr.Error("set 'from character' to a position in the answer (0 = the start)")
-        at = int(offset)
         stream = runs.get(key)
+        final = answers.get(key)
+        if selection and selection.strip():
+            text = live_text.get(key, "") if stream is not None else (final.text or "" if final is not None else "")
+            at = text.find(selection)
+            if at < 0:
+                at = text.find(selection.strip())
+            if at < 0:
+                raise gr.Error("the selected text is not in the answer (any more); select it again, "
+                               "or clear the selection and set 'From character'")
+        elif offset is None or int(offset) < 0:
+            raise gr.Error("select text in the answer, or set 'From character' (0 = the start)")
+        else:
+            at = int(offset)
         if stream is not None:
             try:
                 stream.rewind(at, instruction=instruction)
             except MultistreamError as exc:
                 raise _gr_error(exc) from exc
-            yield gr.skip(), "", gr.skip()  # the running chat handler shows the new text
+            yield gr.skip(), "", gr.skip(), ""  # the running chat handler shows the new text
             return
-        final = answers.get(key)
         if final is None or not history:
             raise gr.Error("no answer to regenerate yet; Send a message first")
         model = need(text_model, "text", text_why)
@@ -492,7 +517,7 @@ def create_demo(
         seeded.apply(TextEvent(stream_id=stream.stream_id, seq=0, t=0.0, delta=kept, token_ids=[], index=0))
         seeded.events, seeded.first_text_t = 0, None
         async for out in _stream_answer(key, stream, shown, seeded, f"regenerating from character {at}…"):
-            yield out
+            yield (*out, "")
 
     # -- image ---------------------------------------------------------------------------------
 
@@ -626,7 +651,9 @@ def create_demo(
                 stop = gr.Button("Stop", variant="stop", scale=1, elem_id="ms-chat-stop")
                 steer = gr.Button("Steer", scale=1, elem_id="ms-chat-steer")
             with gr.Row():
-                rewind_at = gr.Number(value=0, precision=0, minimum=0, label="From character", scale=1,
+                selection = gr.Textbox(label="Selected in the answer (select text above)", scale=3, max_lines=2,
+                                       elem_id="ms-chat-selection")
+                rewind_at = gr.Number(value=0, precision=0, minimum=0, label="or from character", scale=1,
                                       elem_id="ms-chat-offset")
                 regenerate = gr.Button("Regenerate from here", scale=2, elem_id="ms-chat-rewind")
             chat_stats = gr.Markdown("", elem_id="ms-chat-stats")
@@ -645,8 +672,8 @@ def create_demo(
             stop.click(stop_chat, None, None, api_name="stop_chat", queue=False)
             # Typing while the answer streams, then Steer: a new instruction from the next token on.
             steer.click(steer_chat, [msg], [msg], api_name="steer_chat", queue=False)
-            regenerate.click(regenerate_chat, [rewind_at, msg, chatbot], chat_outputs, api_name="regenerate_chat",
-                             show_progress="hidden")
+            regenerate.click(regenerate_chat, [rewind_at, selection, msg, chatbot], [*chat_outputs, selection],
+                             api_name="regenerate_chat", show_progress="hidden")
             clear.click(lambda: ([], ""), None, [chatbot, chat_stats], api_name=False, queue=False)
 
         with gr.Tab("Image", id="image"):
@@ -705,6 +732,11 @@ def create_demo(
             pic_outputs = [written, used, plive, pfinal]
             pgo.click(picture, pic_inputs, pic_outputs, api_name="prompt_to_picture", show_progress="hidden")
             pstop.click(stop_picture, None, None, api_name="stop_picture", queue=False)
+
+        # Selecting text in the chat answer fills "Selected in the answer" (Regenerate from here
+        # starts where it begins); the server finds it in the raw answer, so markdown rendering
+        # cannot shift the offset.
+        demo.load(None, None, None, js=_SELECTION_JS)
 
     # Several users each get their own streams; on a CPU more than a few at once only slow everyone.
     demo.queue(default_concurrency_limit=concurrency_limit, max_size=64)

@@ -69,7 +69,7 @@ def test_chat_steer_and_rewind_while_streaming_then_revise(served: tuple) -> Non
     job = client.submit("hello", [], 60, 0.0, 1.0, -1, api_name="/chat")
     _wait(lambda: len(job.outputs()) >= 4 and len(_answer(job.outputs()[-1][0])) > 20)
     assert client.predict("be brief", api_name="/steer_chat") == ""
-    client.predict(3, "again", [], api_name="/regenerate_chat")
+    client.predict(3, "", "again", [], api_name="/regenerate_chat")
     _wait(job.done)
     outputs = job.outputs()
     final_answer = _answer(outputs[-1][0])
@@ -80,7 +80,7 @@ def test_chat_steer_and_rewind_while_streaming_then_revise(served: tuple) -> Non
     assert any(b < a for a, b in zip(lengths, lengths[1:])), lengths
     # Once it ended: Regenerate from here revises the finished answer (a new stream).
     history = outputs[-1][0]
-    job2 = client.submit(5, "", history, api_name="/regenerate_chat")
+    job2 = client.submit(5, "", "", history, api_name="/regenerate_chat")
     _wait(job2.done)
     revised = _answer(job2.outputs()[-1][0])
     # The kept five characters (" wo w"; the chatbot strips the leading space), then the new text.
@@ -88,6 +88,22 @@ def test_chat_steer_and_rewind_while_streaming_then_revise(served: tuple) -> Non
     # Nothing streaming: Steer says so.
     with pytest.raises(Exception, match="no answer is being written"):
         client.predict("shorter", api_name="/steer_chat")
+
+
+def test_regenerate_from_a_selected_span(served: tuple) -> None:
+    client = gradio_client.Client(served[0], verbose=False)
+    job = client.submit("hello", [], 12, 0.0, 1.0, -1, api_name="/chat")
+    _wait(job.done)
+    history = job.outputs()[-1][0]
+    assert _answer(history).endswith("word11")
+    job2 = client.submit(0, "word3 word4", "", history, api_name="/regenerate_chat")
+    _wait(job2.done)
+    out = job2.outputs()[-1]
+    # " word0 word1 word2 " is kept; the new text starts where the selection began.
+    assert _answer(out[0]).startswith("word0 word1 word2  word0"), _answer(out[0])[:40]
+    assert out[3] == ""  # the selection box is cleared
+    with pytest.raises(Exception, match="not in the answer"):
+        client.predict(0, "no such words", "", out[0], api_name="/regenerate_chat")
 
 
 def test_image_apply_now_and_use_this(served: tuple) -> None:
@@ -136,6 +152,18 @@ def test_screenshots_after_apply_now_and_steer(served: tuple) -> None:
             pg.screenshot(path=str(ARTIFACTS / "demo_chat_steered.png"))
             pg.click("#ms-chat-stop")
             _wait(lambda: pg.inner_text("#ms-chat-stats").startswith("cancelled"))
+            # Selecting words in the answer fills the selection box that Regenerate from here uses.
+            pg.evaluate("""() => {
+              const bots = document.querySelectorAll('#ms-chatbot .bot, #ms-chatbot [data-testid="bot"]');
+              const node = bots[bots.length - 1];
+              const walker = document.createTreeWalker(node, NodeFilter.SHOW_TEXT);
+              let t; while ((t = walker.nextNode()) && !t.textContent.includes('word2')) {}
+              const i = t.textContent.indexOf('word2');
+              const r = document.createRange(); r.setStart(t, i); r.setEnd(t, i + 11);
+              const sel = window.getSelection(); sel.removeAllRanges(); sel.addRange(r);
+              document.dispatchEvent(new MouseEvent('mouseup', {bubbles: true}));
+            }""")
+            assert pg.input_value("#ms-chat-selection textarea") == "word2 word3"
             # Image: Apply now mid-generation.
             pg.get_by_role("tab", name="Image").click()
             pg.wait_for_selector("#ms-image-go")
