@@ -254,3 +254,22 @@ def test_openai_stream_after_a_rewind_is_as_documented(keyed: Any) -> None:
     # the OpenAI client's content still begins with the text that was cut away.
     assert finish == "length"
     assert content.startswith(" w0 w1") and content == "".join(TOKENS[:8])
+
+
+def test_rewind_through_the_content_filter() -> None:
+    """The filter holds text back; a rewind must cut the held text too, and offsets stay the client's."""
+    from multistream.server.filtering import Blocklist
+
+    tokens = [" alpha", " secret", " beta", " gamma", " delta", " eps", " zeta", " eta", " theta", " iota"] * 3
+    with make_server(ScriptedTextModel(tokens, delay_s=0.04), content_filter=Blocklist(["secret"])) as s:
+        def rewind(c: httpx.Client, sid: str, token: str) -> httpx.Response:
+            return c.post(f"{s.url}/v1/streams/{sid}/rewind", json={"offset": 6}, headers={"X-Resume-Token": token})
+
+        events, (sid, token, resp) = _run(s, "/v1/text", {"prompt": "hi", "max_new_tokens": 20}, rewind, at=3)
+        assert resp.status_code == 200, resp.text
+        final = events[-1]
+        assert _apply(events) == final["text"]
+        assert final["text"].startswith(" alpha") and "secret" not in final["text"]
+        assert all(e["offset"] <= len(_apply(events[:i])) for i, e in enumerate(events))
+        with httpx.Client(timeout=60) as c, c.stream("GET", f"{s.url}/v1/streams/{sid}/events?token={token}") as r:
+            assert list(iter_events(r)) == events
