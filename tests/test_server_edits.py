@@ -273,3 +273,29 @@ def test_rewind_through_the_content_filter() -> None:
         assert all(e["offset"] <= len(_apply(events[:i])) for i, e in enumerate(events))
         with httpx.Client(timeout=60) as c, c.stream("GET", f"{s.url}/v1/streams/{sid}/events?token={token}") as r:
             assert list(iter_events(r)) == events
+
+
+@pytest.mark.model
+def test_image_steer_over_http_with_the_embedded_model() -> None:
+    """The whole chain: HTTP steer -> Stream.steer -> the pipeline's next step re-encoded."""
+    import multistream as ms
+
+    sd = ms.load_image_model(device="cpu")
+    try:
+        with make_server(None, sd) as s:
+            def steer(c: httpx.Client, sid: str, token: str) -> httpx.Response:
+                return c.post(f"{s.url}/v1/streams/{sid}/steer", json={"prompt": "a red circle on a yellow background"},
+                              headers={"X-Resume-Token": token})
+
+            body = {"prompt": "a red circle on a blue background", "steps": 60, "seed": 0, "preview": "x0"}
+            events, (_, _, resp) = _run(s, "/v1/image", body, steer, at=2)
+            assert resp.status_code == 200, resp.text
+            final = event_from_dict(events[-1])
+            assert final.finish_reason == "stop" and final.metrics["steers"] == 1
+            import numpy as np
+
+            a = np.asarray(final.image.convert("RGB")).astype(int)
+            r, g, b = np.concatenate([a[:6, :6].reshape(-1, 3), a[-6:, -6:].reshape(-1, 3)]).mean(0)
+            assert r > 150 and g > 150 and b < 100, (r, g, b)  # yellow, not blue
+    finally:
+        sd.close()
