@@ -236,6 +236,15 @@ class ImageSteering:
                     f"guidance_scale={g:g} would turn classifier-free guidance {'on' if g > 1 else 'off'} mid-run "
                     f"(the run uses {current:g}); keep it {'> 1' if current > 1 else '<= 1'}, or start a new stream"
                 )
+        if "negative_prompt" in changes:
+            with self._lock:
+                current = self.guidance_scale
+            g = changes.get("guidance_scale", current)
+            if g <= 1 or self._guidance_embedded:
+                raise InvalidArgumentError(
+                    f"negative_prompt has no effect on this run: guidance_scale is {g:g} (<= 1, no classifier-free "
+                    "guidance); steer prompt= only, or start a new stream with guidance_scale > 1"
+                )
         return changes
 
     # -- engine thread ---------------------------------------------------------------------------

@@ -87,6 +87,7 @@ def test_guidance_only_steer(tiny):
         ((), {"guidance_scale": True}, "finite number"),
         ((), {"guidance_scale": 1.0}, "turn classifier-free guidance off"),
     ],
+    ids=["empty", "blank", "not-str", "unknown", "nothing", "nan", "inf", "negative", "bool", "cfg-off"],
 )
 def test_bad_steers_raise_and_leave_the_run_alone(tiny, args, kwargs, match):
     errors: list[BaseException] = []
@@ -103,6 +104,22 @@ def test_bad_steers_raise_and_leave_the_run_alone(tiny, args, kwargs, match):
     final = s.wait()
     assert final.finish_reason == "stop" and "steers" not in final.metrics
     assert len(errors) == 1 and match in str(errors[0])
+
+
+def test_negative_prompt_without_guidance_raises(tiny):
+    errors: list[BaseException] = []
+
+    def callback(pipe, i, t, kw):
+        if i == 0:
+            try:
+                s.steer(negative_prompt="blurry")
+            except InvalidArgumentError as exc:
+                errors.append(exc)
+        return kw
+
+    s = tiny.stream("a cat", steps=2, seed=0, preview="none", guidance_scale=1.0, callback_on_step_end=callback)
+    assert s.wait().finish_reason == "stop"
+    assert len(errors) == 1 and "no effect" in str(errors[0])
 
 
 def test_rewind_and_finished_streams_raise(tiny):
