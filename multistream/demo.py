@@ -5,6 +5,11 @@
 updates to the browser at most ``max_fps`` times a second; between two pushes newer events are
 folded in, so a slow page gets the newest frame, never a backlog, and always the final one.
 
+Edits while a run streams: Chat's "Steer" sends the typed text as a new instruction
+(``stream.steer``) and "Regenerate from here" rewinds the answer to where the selected words
+begin, or to a character offset (``rewind``, or ``llm.revise`` once it ended); Image's "Use this" keeps the current picture (``finish_early``)
+and "Apply now" conditions the remaining steps on the edited prompt (``steer(prompt=...)``).
+
 Preview frames travel as ``data:`` URLs inside the update (no file per frame in Gradio's cache,
 no extra request per frame); only the final full-quality image goes through ``gr.Image``.
 
@@ -146,14 +151,15 @@ def prompt_messages(idea: str, style: str) -> list[dict[str, str]]:
 # -- streaming to the page -------------------------------------------------------------------------
 
 
-async def throttled_views(stream: Stream, max_fps: float) -> AsyncIterator[_View]:
+async def throttled_views(stream: Stream, max_fps: float, view: _View | None = None) -> AsyncIterator[_View]:
     """Yield the stream's folded state at most ``max_fps`` times a second, and always at the end.
 
-    Events that arrive between two updates are folded into the state (text appended, the preview
-    replaced), so a slow page receives the newest frame instead of a queue of old ones. Leaving
-    early (the page closed, the task cancelled) cancels the model.
+    Events that arrive between two updates are folded into the state (text placed at its
+    ``offset``, the preview replaced), so a slow page receives the newest frame instead of a queue
+    of old ones. Leaving early (the page closed, the task cancelled) cancels the model. ``view``
+    may start with text already there (a revised answer's kept part).
     """
-    view = _View()
+    view = view if view is not None else _View()
     throttle = _Throttle(max_fps)
     events = stream.__aiter__()
     next_ev: asyncio.Future[Any] | None = None
@@ -212,6 +218,10 @@ class _ActiveRuns:
             if self._runs.get(key) is stream:
                 del self._runs[key]
 
+    def get(self, key: tuple[str, str]) -> Stream | None:
+        with self._lock:
+            return self._runs.get(key)
+
     def cancel(self, key: tuple[str, str]) -> bool:
         with self._lock:
             stream = self._runs.get(key)
@@ -269,7 +279,24 @@ def _preview_html(view: _View | None, elem: str, note: str = "") -> str:
     )
 
 
+_SELECTION_JS = """() => {
+  document.addEventListener("mouseup", () => {
+    const sel = window.getSelection();
+    const chat = document.getElementById("ms-chatbot");
+    const box = document.querySelector("#ms-chat-selection textarea");
+    if (!sel || sel.isCollapsed || !chat || !box || !chat.contains(sel.anchorNode)) return;
+    box.value = sel.toString();
+    box.dispatchEvent(new Event("input", { bubbles: true }));
+  });
+}"""
+
+
 def _chat_stats(view: _View) -> str:
+    line = _chat_line(view)
+    return f"{line} · revision {view.revision}" if view.revision and view.error is None else line
+
+
+def _chat_line(view: _View) -> str:
     final = view.final
     if isinstance(final, TextEvent) and final.metrics is not None:
         m, u = final.metrics, final.usage or {}
@@ -369,6 +396,8 @@ def create_demo(
         name = str(getattr(image_model, "name", "") or "")
         prompt_style = "shapes" if default_image or "shapes" in name.lower() else "free"
     runs = _ActiveRuns()
+    answers: dict[tuple[str, str], TextEvent] = {}  # each session's last finished chat answer
+    live_text: dict[tuple[str, str], str] = {}  # each session's answer as it streams (after edits)
 
     def need(model: Any, kind: str, why: str) -> Any:
         if model is not None and not hasattr(model, "stream") and callable(model):
@@ -402,20 +431,93 @@ def create_demo(
         except MultistreamError as exc:
             raise _gr_error(exc) from exc
         key = (_session(request), "chat")
-        runs.start(key, stream)
         shown = [*turns, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        async for out in _stream_answer(key, stream, shown, None, "waiting for the first token…"):
+            yield out
+
+    async def _stream_answer(key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]], view: _View | None,
+                             first_note: str) -> AsyncIterator[tuple[Any, ...]]:
+        runs.start(key, stream)
+        answers.pop(key, None)
         try:
-            yield shown, "", "waiting for the first token…"
-            async for view in throttled_views(stream, max_fps):
+            yield shown, "", first_note
+            async for view in throttled_views(stream, max_fps, view):
                 shown[-1] = {"role": "assistant", "content": view.text(0) if view.texts else ""}
+                live_text[key] = shown[-1]["content"]
                 if view.error is not None:
                     shown[-1]["content"] += f"\n\n⚠️ {view.error.get('message')}"
-                yield shown, "", _chat_stats(view)
+                elif isinstance(view.final, TextEvent):
+                    answers[key] = view.final  # "Regenerate from here" revises it once it ended
+                # The box was cleared once above; now it is left alone, so the user can type an
+                # instruction for "Steer" while the answer streams.
+                yield shown, gr.skip(), _chat_stats(view)
         finally:
             runs.end(key, stream)
+            live_text.pop(key, None)
 
     def stop_chat(request: gr.Request) -> None:
         runs.cancel((_session(request), "chat"))
+
+    def steer_chat(instruction: str, request: gr.Request) -> str:
+        """"Steer": the typed text becomes a new instruction for the answer being written."""
+        instruction = (instruction or "").strip()
+        if not instruction:
+            raise gr.Error("type how the answer should change (e.g. 'make it shorter'), then press Steer")
+        stream = runs.get((_session(request), "chat"))
+        if stream is None:
+            raise gr.Error("no answer is being written; Steer changes an answer while it streams (use Send)")
+        try:
+            stream.steer(instruction)
+        except MultistreamError as exc:
+            raise _gr_error(exc) from exc
+        return ""
+
+    async def regenerate_chat(offset: float, selection: str, instruction: str, history: list[dict[str, Any]],
+                              request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
+        """"Regenerate from here": rewind the streaming answer to where the selected text begins
+        (or to ``offset`` characters when nothing is selected), or revise the finished answer from
+        there (``llm.revise``), optionally under the typed instruction."""
+        key = (_session(request), "chat")
+        instruction = (instruction or "").strip() or None
+        stream = runs.get(key)
+        final = answers.get(key)
+        if selection and selection.strip():
+            text = live_text.get(key, "") if stream is not None else (final.text or "" if final is not None else "")
+            at = text.find(selection)
+            if at < 0:
+                at = text.find(selection.strip())
+            if at < 0:
+                raise gr.Error("the selected text is not in the answer (any more); select it again, "
+                               "or clear the selection and set 'From character'")
+        elif offset is None or int(offset) < 0:
+            raise gr.Error("select text in the answer, or set 'From character' (0 = the start)")
+        else:
+            at = int(offset)
+        if stream is not None:
+            try:
+                stream.rewind(at, instruction=instruction)
+            except MultistreamError as exc:
+                raise _gr_error(exc) from exc
+            yield gr.skip(), "", gr.skip(), ""  # the running chat handler shows the new text
+            return
+        if final is None or not history:
+            raise gr.Error("no answer to regenerate yet; Send a message first")
+        model = need(text_model, "text", text_why)
+        revise = getattr(model, "revise", None)
+        if revise is None:
+            raise gr.Error(f"{type(model).__name__} cannot revise a finished answer")
+        try:
+            stream = revise(final, at, instruction=instruction)
+        except MultistreamError as exc:
+            raise _gr_error(exc) from exc
+        shown = [{"role": m["role"], "content": _content_text(m.get("content"))} for m in history]
+        kept = (final.text or "")[:at]
+        shown[-1] = {"role": "assistant", "content": kept}
+        seeded = _View()
+        seeded.apply(TextEvent(stream_id=stream.stream_id, seq=0, t=0.0, delta=kept, token_ids=[], index=0))
+        seeded.events, seeded.first_text_t = 0, None
+        async for out in _stream_answer(key, stream, shown, seeded, f"regenerating from character {at}…"):
+            yield (*out, "")
 
     # -- image ---------------------------------------------------------------------------------
 
@@ -469,6 +571,25 @@ def create_demo(
 
     def stop_image(request: gr.Request) -> None:
         runs.cancel((_session(request), "image"))
+
+    def finish_image(request: gr.Request) -> None:
+        """"Use this": stop denoising now and keep the current picture at full quality."""
+        stream = runs.get((_session(request), "image"))
+        if stream is not None:
+            stream.finish_early()
+
+    def apply_image(prompt: str, request: gr.Request) -> None:
+        """"Apply now": the edited prompt conditions the remaining steps of the running image."""
+        prompt = (prompt or "").strip()
+        if not prompt:
+            raise gr.Error("type the new prompt first, e.g. 'a red circle on a yellow background'")
+        stream = runs.get((_session(request), "image"))
+        if stream is None:
+            raise gr.Error("nothing is being drawn; 'Apply now' changes a running image (press Generate)")
+        try:
+            stream.steer(prompt=prompt)
+        except MultistreamError as exc:
+            raise _gr_error(exc) from exc
 
     # -- prompt to picture ---------------------------------------------------------------------
 
@@ -528,6 +649,13 @@ def create_demo(
                 msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="ms-chat-input")
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="ms-chat-send")
                 stop = gr.Button("Stop", variant="stop", scale=1, elem_id="ms-chat-stop")
+                steer = gr.Button("Steer", scale=1, elem_id="ms-chat-steer")
+            with gr.Row():
+                selection = gr.Textbox(label="Selected in the answer (select text above)", scale=3, max_lines=2,
+                                       elem_id="ms-chat-selection")
+                rewind_at = gr.Number(value=0, precision=0, minimum=0, label="or from character", scale=1,
+                                      elem_id="ms-chat-offset")
+                regenerate = gr.Button("Regenerate from here", scale=2, elem_id="ms-chat-rewind")
             chat_stats = gr.Markdown("", elem_id="ms-chat-stats")
             with gr.Accordion("Sampling", open=False):
                 with gr.Row():
@@ -542,6 +670,10 @@ def create_demo(
             send.click(chat, chat_inputs, chat_outputs, api_name="chat", show_progress="hidden")
             msg.submit(chat, chat_inputs, chat_outputs, api_name=False, show_progress="hidden")
             stop.click(stop_chat, None, None, api_name="stop_chat", queue=False)
+            # Typing while the answer streams, then Steer: a new instruction from the next token on.
+            steer.click(steer_chat, [msg], [msg], api_name="steer_chat", queue=False)
+            regenerate.click(regenerate_chat, [rewind_at, selection, msg, chatbot], [*chat_outputs, selection],
+                             api_name="regenerate_chat", show_progress="hidden")
             clear.click(lambda: ([], ""), None, [chatbot, chat_stats], api_name=False, queue=False)
 
         with gr.Tab("Image", id="image"):
@@ -553,6 +685,8 @@ def create_demo(
                     with gr.Row():
                         go = gr.Button("Generate", variant="primary", elem_id="ms-image-go")
                         istop = gr.Button("Stop", variant="stop", elem_id="ms-image-stop")
+                        ifinish = gr.Button("Use this", elem_id="ms-image-finish")
+                        iapply = gr.Button("Apply now", elem_id="ms-image-apply")
                     steps = gr.Slider(1, 100, value=20, step=1, label="Steps", elem_id="ms-image-steps")
                     seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)")
                     # The model's own default: "tiny" (a fitted decoder on x0) for the embedded model.
@@ -572,6 +706,9 @@ def create_demo(
             go.click(image, image_inputs, [live, final, frames_strip], api_name="image", show_progress="hidden")
             prompt.submit(image, image_inputs, [live, final, frames_strip], api_name=False, show_progress="hidden")
             istop.click(stop_image, None, None, api_name="stop_image", queue=False)
+            ifinish.click(finish_image, None, None, api_name="finish_image", queue=False)
+            # Edit the prompt while it draws, then Apply now: the remaining steps follow the new one.
+            iapply.click(apply_image, [prompt], None, api_name="steer_image", queue=False)
 
         with gr.Tab("Prompt to picture", id="picture"):
             if text_model is None or image_model is None:
@@ -596,6 +733,11 @@ def create_demo(
             pic_outputs = [written, used, plive, pfinal]
             pgo.click(picture, pic_inputs, pic_outputs, api_name="prompt_to_picture", show_progress="hidden")
             pstop.click(stop_picture, None, None, api_name="stop_picture", queue=False)
+
+        # Selecting text in the chat answer fills "Selected in the answer" (Regenerate from here
+        # starts where it begins); the server finds it in the raw answer, so markdown rendering
+        # cannot shift the offset.
+        demo.load(None, None, None, js=_SELECTION_JS)
 
     # Several users each get their own streams; on a CPU more than a few at once only slow everyone.
     demo.queue(default_concurrency_limit=concurrency_limit, max_size=64)

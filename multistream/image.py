@@ -15,6 +15,11 @@ that was made (same pixels, in ``preview_format``), or, if no preview was made y
 render of the latents where the run stopped (the linear latent->RGB map if one is at hand, else a
 false-colour view), at preview size. It never runs the VAE.
 
+``steer(prompt=..., negative_prompt=..., guidance_scale=...)`` changes the conditioning from the
+next denoising step on (Stable Diffusion 1.x/2.x and SDXL; the latents, so the composition so
+far, are kept); a steer before the first step gives the same image as starting with the new
+values. The final event's ``metrics["steers"]`` counts the steers that took effect.
+
 With ``num_images > 1`` each image has its own previews (``index``); every finished image carries
 ``finish_reason`` and the last one is the stream's final event.
 
@@ -48,7 +53,7 @@ from .errors import InvalidArgumentError
 from .events import Event
 from .frames import check_format, check_quality
 from .image_loading import EMBEDDED_MODEL_DIR, _load_taesd, load_image_model
-from .image_run import ImageRun
+from .image_run import ImageRun, ImageSteering
 from .latent_rgb import LatentRGB, detect_family, latent_rgb_for
 from .previews import LinearDecoder, PreviewPlan, PreviewThrottle, TinyDecoder, VaeDecoder, parse_preview, x0_strategy
 from .stream import Stream, StreamWriter
@@ -369,7 +374,10 @@ class ImageModel:
             raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
 
         def submit(writer: StreamWriter) -> None:
-            self._engine.submit(_ImageRequest(self, writer, job, int(priority)))
+            # steer() is checked on the caller's thread and applied between two steps.
+            steering = ImageSteering(self._pipe, job.call_kwargs)
+            writer.on_command(steering.handle)
+            self._engine.submit(_ImageRequest(self, writer, job, int(priority), steering))
 
         return Stream(submit=submit, kind="image")
 
@@ -651,12 +659,15 @@ class ImageModel:
 class _ImageRequest(ImageRequest):
     """Binds one job of an `ImageModel` to the engine's step scheduler."""
 
-    def __init__(self, model: ImageModel, writer: StreamWriter, job: ImageJob, priority: int) -> None:
+    def __init__(
+        self, model: ImageModel, writer: StreamWriter, job: ImageJob, priority: int, steering: ImageSteering | None = None
+    ) -> None:
         super().__init__(
             self._start, writer.fail, self._cancel, priority=priority, steps_left=self._steps_left,
             cancelled=lambda: writer.cancelled,
         )
         self._model, self._writer, self._job = model, writer, job
+        self._steering = steering
         self._run: ImageRun | None = None
 
     def _steps_left(self) -> int:
@@ -666,10 +677,12 @@ class _ImageRequest(ImageRequest):
 
     def _start(self, yield_step: Callable[[], None]) -> None:
         # Built here, on the engine thread: copying the scheduler copies tensors.
-        self._run = ImageRun(self._model, self._writer, self._job, yield_step)
+        self._run = ImageRun(self._model, self._writer, self._job, yield_step, self._steering)
         self._run.execute()
 
     def _cancel(self) -> None:
+        if self._steering is not None:
+            self._steering.close()
         if self._run is None:
             self._run = ImageRun(self._model, self._writer, self._job, lambda: None)
         self._run._emit_cancelled()

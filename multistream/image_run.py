@@ -7,7 +7,13 @@ An `ImageRun` calls the pipeline once, on the model's engine thread, with a step
 * stops at once on ``cancel()`` (no VAE decode: the final event is the newest preview) and on
   ``finish_early()`` (the current estimate of the clean image through the full VAE, PNG);
 * calls the user's own ``callback_on_step_end`` after ours;
-* hands control back to the engine (``yield_step``) so other requests get their steps.
+* hands control back to the engine (``yield_step``) so other requests get their steps;
+* applies queued ``steer(prompt=..., negative_prompt=..., guidance_scale=...)`` commands (see
+  `ImageSteering`) before the next step: new text embeddings (re-encoded with the run
+  pipeline's own ``encode_prompt``, on the engine thread) go back through the callback's tensor
+  outputs, the guidance scale through the pipeline's ``_guidance_scale``. The latents are kept,
+  so the composition formed so far stays. A steer that arrives before the run starts simply
+  changes the call's arguments (the same image as starting with them).
 
 The pipeline object is the request's own shallow copy with its own scheduler (schedulers keep
 per-run state: timesteps, step index), so runs can interleave step by step on one set of weights.
@@ -20,8 +26,10 @@ Example (what `ImageModel` does on the engine thread):
 from __future__ import annotations
 
 import copy
-import functools
+import inspect
 import logging
+import math
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -30,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from .errors import InvalidArgumentError, StreamFinishedError
 from .events import ImageEvent
 from .frames import EncodedFrame, encode_frame
 from .latent_rgb import latents_to_rgb
@@ -39,7 +48,7 @@ from .stream import StreamWriter
 if TYPE_CHECKING:
     from .image import ImageModel, ImageJob
 
-__all__ = ["ImageRun", "RunStats"]
+__all__ = ["ImageRun", "ImageSteering", "RunStats", "steer_layout"]
 
 logger = logging.getLogger("multistream")
 
@@ -79,7 +88,7 @@ class RunStats:
     stop_step: int = 0
     stop_latents: torch.Tensor | None = None
 
-    def metrics(self, worker: FrameWorker | None, **extra: float) -> dict[str, float]:
+    def metrics(self, worker: FrameWorker | None, **extra: float) -> dict[str, float]:  # noqa: D102
         now = time.perf_counter()
         out: dict[str, float] = {"duration_ms": (now - self.started) * 1e3, "steps": float(self.steps_seen)}
         if self.first_step_at is not None:
@@ -102,6 +111,211 @@ class RunStats:
         return out
 
 
+_STEER_KEYS = ("prompt", "negative_prompt", "guidance_scale")
+
+
+def steer_layout(pipe: Any) -> str | None:
+    """``"sd"`` (SD 1.x/2.x layout), ``"sdxl"``, or None where `ImageSteering` cannot swap the
+    conditioning mid-run (SD3, Flux and other families: their embeddings are not step-callback
+    outputs, or are combined in ways the callback cannot reach)."""
+    inputs = tuple(getattr(type(pipe), "_callback_tensor_inputs", ()) or ())
+    encode = getattr(pipe, "encode_prompt", None)
+    if encode is None or "prompt_embeds" not in inputs or getattr(pipe, "unet", None) is None:
+        return None
+    try:
+        params = inspect.signature(encode).parameters
+    except (TypeError, ValueError):
+        return None
+    if "do_classifier_free_guidance" not in params:
+        return None
+    if "prompt_2" in params:
+        if "add_text_embeds" in inputs and "pooled_prompt_embeds" in params:
+            return "sdxl"
+        return None
+    return "sd"
+
+
+def _cfg_on(pipe: Any, guidance: float) -> bool:
+    unet = getattr(pipe, "unet", None)
+    proj = getattr(getattr(unet, "config", None), "time_cond_proj_dim", None)
+    return guidance > 1 and proj is None
+
+
+class ImageSteering:
+    """Steer commands of one image stream: checked on the caller's thread, queued, applied on the
+    engine thread between two denoising steps.
+
+    ``check()`` runs in `Stream.steer` (via ``writer.on_command``) and raises
+    `InvalidArgumentError` for bad input; `ImageRun` drains the queue before the pipeline call
+    (a steer that came first just changes the arguments) and after every step.
+
+    Example:
+        >>> s = sd.stream("a red circle on a blue background", steps=20, seed=0)   # doctest: +SKIP
+        >>> s.steer(prompt="a red circle on a yellow background")                  # doctest: +SKIP
+    """
+
+    def __init__(self, pipe: Any, call_kwargs: dict[str, Any]) -> None:
+        self.layout = steer_layout(pipe)
+        self.pipe_name = type(pipe).__name__
+        self._lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
+        self.applied: list[dict[str, Any]] = []  # {"step", **changes}: what took effect, in order
+        self.closed = False
+        unet = getattr(pipe, "unet", None)
+        self._guidance_embedded = getattr(getattr(unet, "config", None), "time_cond_proj_dim", None) is not None
+        default_guidance = 7.5
+        try:
+            param = inspect.signature(pipe.__call__).parameters.get("guidance_scale")
+            if param is not None and isinstance(param.default, (int, float)):
+                default_guidance = float(param.default)
+        except (TypeError, ValueError):
+            pass
+        # What the run is conditioned on now (updated as steers apply).
+        self.prompt: str = call_kwargs.get("prompt", "")
+        self.negative_prompt: str | None = call_kwargs.get("negative_prompt")
+        self.guidance_scale: float = float(call_kwargs.get("guidance_scale", default_guidance))
+        self.started = False
+
+    # -- caller's thread -------------------------------------------------------------------------
+
+    def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The stream's command handler (`StreamWriter.on_command`)."""
+        if name == "rewind":
+            raise InvalidArgumentError(
+                "image streams cannot rewind (there is no text to cut); use steer(prompt=...) to change "
+                "the conditioning from the next step, or start a new stream"
+            )
+        if name != "steer":
+            raise InvalidArgumentError(f"image streams do not support {name}()")
+        changes = self.check(args, kwargs)
+        with self._lock:
+            if self.closed:
+                raise StreamFinishedError("the image has finished denoising, so it cannot be steered; start a new stream")
+            self._pending.append(changes)
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.layout is None:
+            raise InvalidArgumentError(
+                f"steer() supports Stable Diffusion 1.x/2.x and SDXL pipelines; {self.pipe_name} cannot change "
+                "its conditioning mid-run (cancel or finish_early() and start a new stream instead)"
+            )
+        changes = dict(kwargs)
+        if args:
+            if len(args) > 1 or "prompt" in changes:
+                raise InvalidArgumentError("steer() on an image stream takes one prompt: steer(prompt='...')")
+            changes["prompt"] = args[0]
+        unknown = sorted(set(changes) - set(_STEER_KEYS))
+        if unknown:
+            raise InvalidArgumentError(
+                f"image steer() takes prompt=, negative_prompt= and guidance_scale=; got unknown {', '.join(unknown)}"
+            )
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if not changes:
+            raise InvalidArgumentError("steer() needs at least one of prompt=, negative_prompt=, guidance_scale=")
+        for key in ("prompt", "negative_prompt"):
+            if key in changes:
+                value = changes[key]
+                if not isinstance(value, str):
+                    raise InvalidArgumentError(f"{key} must be a string, got {type(value).__name__}")
+                if key == "prompt" and not value.strip():
+                    raise InvalidArgumentError("prompt must not be empty; pass the new prompt, e.g. steer(prompt='a red circle')")
+        if "guidance_scale" in changes:
+            g = changes["guidance_scale"]
+            if isinstance(g, bool) or not isinstance(g, (int, float, np.floating, np.integer)) or not math.isfinite(float(g)) or g < 0:
+                raise InvalidArgumentError(f"guidance_scale must be a finite number >= 0, got {g!r}")
+            g = float(g)
+            changes["guidance_scale"] = g
+            if self._guidance_embedded and g != self.guidance_scale:
+                raise InvalidArgumentError(
+                    f"{self.pipe_name}'s UNet embeds the guidance scale once per run, so it cannot change mid-run"
+                )
+            with self._lock:
+                started, current = self.started, self.guidance_scale
+            if started and (g > 1) != (current > 1):
+                raise InvalidArgumentError(
+                    f"guidance_scale={g:g} would turn classifier-free guidance {'on' if g > 1 else 'off'} mid-run "
+                    f"(the run uses {current:g}); keep it {'> 1' if current > 1 else '<= 1'}, or start a new stream"
+                )
+        if "negative_prompt" in changes:
+            with self._lock:
+                current = self.guidance_scale
+            g = changes.get("guidance_scale", current)
+            if g <= 1 or self._guidance_embedded:
+                raise InvalidArgumentError(
+                    f"negative_prompt has no effect on this run: guidance_scale is {g:g} (<= 1, no classifier-free "
+                    "guidance); steer prompt= only, or start a new stream with guidance_scale > 1"
+                )
+        return changes
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _take(self) -> list[dict[str, Any]]:
+        with self._lock:
+            taken, self._pending = self._pending, []
+            return taken
+
+    def apply_before_start(self, call_kwargs: dict[str, Any]) -> None:
+        """Fold steers that came before the first step into the call itself."""
+        with self._lock:
+            taken, self._pending = self._pending, []
+            self.started = True
+        for changes in taken:
+            self._update(changes)
+            self.applied.append({"step": 0, **changes})
+        if taken:
+            call_kwargs["prompt"] = self.prompt
+            if self.negative_prompt is not None:
+                call_kwargs["negative_prompt"] = self.negative_prompt
+            call_kwargs["guidance_scale"] = self.guidance_scale
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._pending.clear()
+
+    def _update(self, changes: dict[str, Any]) -> None:
+        self.prompt = changes.get("prompt", self.prompt)
+        self.negative_prompt = changes.get("negative_prompt", self.negative_prompt)
+        self.guidance_scale = changes.get("guidance_scale", self.guidance_scale)
+
+    def apply(self, pipe: Any, step: int, callback_kwargs: dict[str, Any], num_images: int) -> dict[str, Any]:
+        """Apply queued steers for the steps after ``step``; returns the callback's outputs."""
+        taken = self._take()
+        if not taken:
+            return callback_kwargs
+        reencode = False
+        for changes in taken:
+            if "prompt" in changes or "negative_prompt" in changes:
+                reencode = True
+            self._update(changes)
+            self.applied.append({"step": step, **changes})
+        pipe._guidance_scale = self.guidance_scale
+        if not reencode:
+            return callback_kwargs
+        out = dict(callback_kwargs)
+        cfg = _cfg_on(pipe, self.guidance_scale)
+        device = pipe._execution_device
+        attn = getattr(pipe, "cross_attention_kwargs", None)
+        lora_scale = attn.get("scale", None) if isinstance(attn, dict) else None
+        clip_skip = getattr(pipe, "clip_skip", None)
+        if self.layout == "sdxl":
+            pos, neg, pooled, neg_pooled = pipe.encode_prompt(
+                prompt=self.prompt, device=device, num_images_per_prompt=num_images,
+                do_classifier_free_guidance=cfg, negative_prompt=self.negative_prompt,
+                lora_scale=lora_scale, clip_skip=clip_skip,
+            )  # fmt: skip
+            out["prompt_embeds"] = torch.cat([neg, pos], dim=0) if cfg else pos
+            out["add_text_embeds"] = (torch.cat([neg_pooled, pooled], dim=0) if cfg else pooled).to(device)
+        else:
+            pos, neg = pipe.encode_prompt(
+                self.prompt, device, num_images, cfg, self.negative_prompt, lora_scale=lora_scale, clip_skip=clip_skip
+            )
+            out["prompt_embeds"] = torch.cat([neg, pos]) if cfg else pos
+            if neg is not None:
+                out["negative_prompt_embeds"] = neg
+        return out
+
+
 def _free_hooks(pipe: Any) -> None:
     free = getattr(pipe, "maybe_free_model_hooks", None)
     if free is not None:
@@ -121,8 +335,12 @@ def _own_pipeline(pipe: Any) -> Any:
 class ImageRun:
     """Runs one `ImageJob` of ``model`` and emits its events to ``writer``."""
 
-    def __init__(self, model: ImageModel, writer: StreamWriter, job: ImageJob, yield_step: Callable[[], None]) -> None:
+    def __init__(
+        self, model: ImageModel, writer: StreamWriter, job: ImageJob, yield_step: Callable[[], None],
+        steering: ImageSteering | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
+        self.steering = steering
         self.writer = writer
         self.job = job
         self.stats = RunStats(started=time.perf_counter())
@@ -148,13 +366,19 @@ class ImageRun:
             self._emit_preview, name=f"multistream-frames-{writer.stream_id[:8]}", inline=inline
         )
         kwargs = dict(job.call_kwargs)
+        if self.steering is not None:
+            self.steering.apply_before_start(kwargs)
         if self.model._takes_step_callback:
             kwargs["callback_on_step_end"] = self._make_callback(decoder, tracker)
             kwargs["callback_on_step_end_tensor_inputs"] = job.tensor_inputs
         run.call_at = time.perf_counter()
         try:
-            with tracker if tracker is not None else nullcontext():
-                output = pipe(**kwargs)
+            try:
+                with tracker if tracker is not None else nullcontext():
+                    output = pipe(**kwargs)
+            finally:
+                if self.steering is not None:
+                    self.steering.close()  # later steers raise: denoising is over
         except _Cancelled:
             worker.close(flush=True)
             _free_hooks(pipe)
@@ -228,8 +452,14 @@ class ImageRun:
                 result = job.user_callback(pipeline, i, t, callback_kwargs)
                 if result is not None:
                     callback_kwargs = result
+            steering = self.steering
+            if steering is not None and run.total is not None and step >= run.total:
+                steering.close()  # the last step is done: a steer now could not change anything
             # Between two steps: the engine runs other requests' steps, then comes back here.
             self.yield_step()
+            if steering is not None:
+                # Last moment before the next step: steers that came in while others stepped count.
+                callback_kwargs = steering.apply(pipeline, step, callback_kwargs, job.num_images)
             return callback_kwargs
 
         return callback
@@ -325,6 +555,8 @@ class ImageRun:
         self, frame: EncodedFrame, index: int, step: int, total: int, reason: str, metrics: dict[str, float], *, last: bool
     ) -> None:
         writer = self.writer
+        if self.steering is not None and self.steering.applied:
+            metrics = {**metrics, "steers": float(len(self.steering.applied))}
         if last:
             writer.image(
                 step=step, total_steps=total, width=frame.width, height=frame.height, mime=frame.mime,

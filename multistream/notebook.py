@@ -2,7 +2,9 @@
 
 ``ms.show(stream)`` renders any stream (text, image, or a composed one) in one output area that
 is updated in place (``display(..., display_id=True)`` then ``.update()``), at most ``max_fps``
-times a second and always once more for the final event. Outside Jupyter it prints the text as
+times a second and always once more for the final event. Edits show in place too: text follows
+each event's ``offset`` (``text = text[:offset] + delta``), so after a ``rewind`` the cut part
+disappears and the regenerated text takes its place, with the ``revision`` beside it. Outside Jupyter it prints the text as
 it arrives and a progress line for images. It returns the final event.
 
 Example (in a notebook cell):
@@ -64,6 +66,10 @@ class _View:
     first_text_t: float | None = None  # when the first text arrived: the live time-to-first-token
     text_tokens: int = 0
     frames: int = 0  # preview frames seen (after the stream's own coalescing)
+    revision: int = 0  # the newest text revision (+1 per steer or rewind)
+    # Where each text part starts in the stream's text (offsets count over the whole stream).
+    starts: list[int] = field(default_factory=list)
+    length: int = 0  # characters of text in the stream so far (after edits)
 
     def apply(self, ev: Event) -> None:
         self.events += 1
@@ -72,8 +78,18 @@ class _View:
             if not self.texts or self.text_done[-1] is not None:
                 self.texts.append([])
                 self.text_done.append(None)
+                self.starts.append(self.length)
+            self.revision = max(self.revision, ev.revision)
+            offset = ev.offset
+            if offset < self.length:
+                # A rewind: keep the part's text up to the offset, then the new delta.
+                start = self.starts[-1]
+                kept = self.text(len(self.texts) - 1)[: max(0, offset - start)]
+                self.texts[-1][:] = [kept] if kept else []
+                self.length = start + len(kept)
             if ev.delta:
                 self.texts[-1].append(ev.delta)
+                self.length += len(ev.delta)
                 if self.first_text_t is None:
                     self.first_text_t = ev.t
             self.text_tokens += len(ev.token_ids)
@@ -96,6 +112,8 @@ def _text_summary(ev: TextEvent) -> str:
     m = ev.metrics or {}
     u = ev.usage or {}
     bits = [f"{ev.finish_reason}"]
+    if ev.revision:
+        bits.append(f"revision {ev.revision}")
     if "completion_tokens" in u:
         bits.append(f"{u['completion_tokens']} tokens")
     if m.get("ttft_ms") is not None:
@@ -121,6 +139,8 @@ def _render_html(view: _View, width: int) -> str:
         for i, done in enumerate(view.text_done):
             body = html.escape(view.text(i)) or "&#8203;"
             cursor = "" if done is not None else '<span style="opacity:.5">▍</span>'
+            if done is None and view.revision:
+                cursor += f'<span style="font-size:11px;opacity:.6"> revision {view.revision}</span>'
             parts.append(
                 '<pre style="white-space:pre-wrap;word-break:break-word;margin:0 0 4px 0;padding:8px;'
                 f'border-radius:6px;background:rgba(127,127,127,.08);font-size:13px">{body}{cursor}</pre>'
@@ -223,7 +243,7 @@ class _PlainRenderer:
         self.view = view
         self.out = out
         self.tty = bool(getattr(out, "isatty", lambda: False)())
-        self.printed: list[int] = []  # characters printed per text part
+        self.printed: list[str] = []  # text printed per text part (to see what a rewind cut)
         self.summarized_text: set[int] = set()
         self.summarized_images: set[int] = set()
         self.progress_shown = False
@@ -240,12 +260,20 @@ class _PlainRenderer:
                 self._clear_progress()
                 if i:
                     out.write("\n")
-                self.printed.append(0)
+                self.printed.append("")
             text = view.text(i)
-            if len(text) > self.printed[i]:
+            shown = self.printed[i]
+            if text != shown:
                 self._clear_progress()
-                out.write(text[self.printed[i] :])
-                self.printed[i] = len(text)
+                if text.startswith(shown):
+                    out.write(text[len(shown) :])
+                else:
+                    # A rewind: a terminal cannot take text back, so say where the new text begins.
+                    keep = 0
+                    while keep < min(len(text), len(shown)) and text[keep] == shown[keep]:
+                        keep += 1
+                    out.write(f"\n[revision {view.revision}: from character {keep}]\n{text[keep:]}")
+                self.printed[i] = text
             done = view.text_done[i]
             if done is not None and i not in self.summarized_text:
                 self.summarized_text.add(i)

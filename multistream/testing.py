@@ -4,7 +4,12 @@
 signatures as the real models and emit scripted events through a real `Stream` (so seq,
 backpressure, cancel and error handling behave exactly as in production), without torch or
 weights. They validate the basic arguments the way the real models do (unknown keyword names,
-``max_new_tokens >= 1``, ``steps >= 1``, ...) and honour ``cancel()`` within one step.
+``max_new_tokens >= 1``, ``steps >= 1``, ``priority``, ...), honour ``cancel()`` and
+``finish_early()`` within one step, and take edits in a simple scripted way: text ``steer(text)``
+starts a new revision and the script goes on; text ``rewind(offset)`` cuts the answer at
+``offset`` and the script goes on from there; ``ScriptedTextModel.revise(final, offset)``
+regenerates a finished answer from ``offset``; image ``steer(prompt=...)`` recolours the picture
+to the prompt's colours from the next step.
 
 Example:
     >>> from multistream.testing import ScriptedTextModel, ScriptedImageModel
@@ -21,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import threading
@@ -28,11 +34,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import InvalidArgumentError, PromptTooLongError
-from .events import Event, ImageEvent
+from .errors import InvalidArgumentError, PromptTooLongError, StreamFinishedError
+from .events import Event, ImageEvent, TextEvent
 from .frames import check_format, check_quality, encode_frame
+from .previews import PreviewThrottle
 from .stop_strings import StopMatcher
-from .stream import Stream, StreamWriter
+from .stream import Stream, StreamWriter, _run_producer
 from .text_options import check_prompt, parse_text_options
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedTextModel"]
@@ -69,6 +76,65 @@ def _sleep(writer: StreamWriter, seconds: float) -> None:
         if left <= 0:
             return
         time.sleep(min(left, 0.01))
+
+
+def _check_priority(priority: Any) -> int:
+    _require(_is_int(priority), f"priority must be an integer (higher runs first), got {priority!r}")
+    return int(priority)
+
+
+def _start(kind: str, producer: Callable[[StreamWriter], None],
+           on_command: Callable[[str, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> Stream:
+    """A Stream whose producer thread starts after the command handler is in place (so a steer
+    right after ``stream()`` returns is never refused)."""
+
+    def submit(writer: StreamWriter) -> None:
+        if on_command is not None:
+            writer.on_command(on_command)
+        threading.Thread(target=_run_producer, args=(producer, writer), daemon=True,
+                         name=f"multistream-scripted-{kind}-{writer.stream_id[:8]}").start()
+
+    return Stream(submit=submit, kind=kind)
+
+
+_REWIND_OPTIONS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")
+
+
+class _TextEdits:
+    """Queued steer/rewind commands of one scripted text stream (checked on the caller's thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: list[tuple[str, int | None, str | None]] = []
+        self.writer: StreamWriter | None = None
+
+    def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if name == "steer":
+            _require(not kwargs, f"text steer() takes one instruction string; got unknown {', '.join(sorted(kwargs))}")
+            _require(len(args) == 1 and isinstance(args[0], str) and args[0].strip() != "",
+                     "steer() needs a non-empty instruction string, e.g. s.steer('make it shorter')")
+            item: tuple[str, int | None, str | None] = ("steer", None, args[0])
+        elif name == "rewind":
+            (offset,) = args
+            instruction = kwargs.pop("instruction", None)
+            unknown = sorted(set(kwargs) - set(_REWIND_OPTIONS))
+            _require(not unknown, f"rewind() got unknown option(s) {unknown}; known ones are {list(_REWIND_OPTIONS)}")
+            parse_text_options(**kwargs)
+            _require(instruction is None or (isinstance(instruction, str) and instruction.strip() != ""),
+                     "instruction must be a non-empty string or None")
+            length = self.writer.text_length if self.writer is not None else 0
+            _require(_is_int(offset) and 0 <= offset <= length,
+                     f"offset must be an integer from 0 to {length} (the answer's length so far), got {offset!r}")
+            item = ("rewind", int(offset), instruction)
+        else:
+            raise InvalidArgumentError(f"text streams do not support {name}()")
+        with self._lock:
+            self._queue.append(item)
+
+    def take(self) -> list[tuple[str, int | None, str | None]]:
+        with self._lock:
+            taken, self._queue = self._queue, []
+            return taken
 
 
 def _prompt_text(prompt: str | list[dict[str, str]]) -> str:
@@ -168,9 +234,11 @@ class ScriptedTextModel:
         chunk_tokens: int = 1,
         chunk_ms: float | None = None,
         chat: bool | None = None,
+        priority: int = 0,
         **unknown: Any,
     ) -> Stream:
         """Validate the arguments now (as the real model does), then stream the script in a thread."""
+        priority = _check_priority(priority)
         options = parse_text_options(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             repetition_penalty=repetition_penalty, seed=seed, stop=stop, chunk_tokens=chunk_tokens,
@@ -185,11 +253,44 @@ class ScriptedTextModel:
             )
         self.calls.append({"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
                            "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty, "seed": seed,
-                           "stop": stop, "chunk_tokens": chunk_tokens, "chunk_ms": chunk_ms, "chat": chat})
+                           "stop": stop, "chunk_tokens": chunk_tokens, "chunk_ms": chunk_ms, "chat": chat,
+                           "priority": priority})
         self._counters.enter()
-        return Stream(
-            lambda w: self._produce(w, prompt_tokens, max_new_tokens, list(options.stop), options.chunk_tokens or 1),
-            kind="text",
+        edits = _TextEdits()
+        return _start(
+            "text",
+            lambda w: self._produce(w, prompt_tokens, max_new_tokens, list(options.stop), options.chunk_tokens or 1, edits),
+            edits.handle,
+        )
+
+    def revise(self, final: Event, offset: int, instruction: str | None = None, **options: Any) -> Stream:
+        """Regenerate a finished answer from character ``offset``: a new stream whose first event
+        is the kept prefix (``offset`` 0, revision 0), then (revision 1) the script from its start.
+
+        Example:
+            >>> llm = ScriptedTextModel(["ab", "cd"])
+            >>> llm.revise(llm.generate("x"), 2).wait().text
+            'ababcd'
+        """
+        _require(isinstance(final, TextEvent) and final.is_final and final.text is not None,
+                 "revise() needs the final text event of a finished answer")
+        text = final.text or ""
+        _require(_is_int(offset) and 0 <= offset <= len(text),
+                 f"offset must be an integer from 0 to {len(text)} (the answer's length), got {offset!r}")
+        _require(instruction is None or (isinstance(instruction, str) and instruction.strip() != ""),
+                 "instruction must be a non-empty string or None")
+        unknown = sorted(set(options) - set(_REWIND_OPTIONS) - {"max_new_tokens"})
+        _require(not unknown, f"revise() got unknown option(s) {unknown}")
+        parse_text_options(**options)
+        max_new_tokens = options.get("max_new_tokens", 256)
+        self.calls.append({"revise": True, "offset": offset, "instruction": instruction, **options})
+        self._counters.enter()
+        edits = _TextEdits()
+        prefix = text[:offset]
+        return _start(
+            "text",
+            lambda w: self._produce(w, 1, max_new_tokens, [], 1, edits, prefix=prefix, instruction=instruction),
+            edits.handle,
         )
 
     def generate(self, prompt: str | list[dict[str, str]], on_event: Callable[[Event], Any] | None = None,
@@ -198,15 +299,16 @@ class ScriptedTextModel:
         return self.stream(prompt, **kwargs).wait(on_event)
 
     def _produce(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
-                 chunk_tokens: int) -> None:
+                 chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None) -> None:
         reason = "error"
+        edits.writer = w
         try:
-            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens)
+            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens, edits, prefix, instruction)
         finally:
             self._counters.leave(reason)
 
     def _run(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
-             chunk_tokens: int) -> str:
+             chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None) -> str:
         emitted = ""      # text already sent
         held = ""         # text not sent yet (chunking, or a possible start of a stop string)
         held_ids: list[int] = []
@@ -215,11 +317,35 @@ class ScriptedTextModel:
         stamps: list[float] = []
         reason: str | None = None
         matcher = StopMatcher(stops)
+        revisions: list[dict[str, Any]] = []
+        cut: int | None = None  # after a rewind: where the next delta begins
+        if prefix:
+            # A revise() stream: the kept part first, then the regenerated rest as revision 1.
+            w.text(prefix, [], 0)
+            emitted = prefix
+        if prefix or instruction is not None:
+            w.new_revision()
+            revisions.append({"kind": "revise", "step": 0, "offset": len(prefix), "instruction": instruction})
         for n in range(max_new_tokens):
             _sleep(w, self.first_delay_s if n == 0 else self.delay_s)
             if w.cancelled:
                 reason = "cancelled"
                 break
+            if w.finish_early_requested:
+                reason = "finished_early"
+                break
+            for kind, offset, text in edits.take():
+                w.new_revision()
+                if kind == "rewind":
+                    assert offset is not None
+                    offset = min(offset, len(emitted))
+                    emitted, held, held_ids = emitted[:offset], "", []
+                    matcher = StopMatcher(stops)
+                    cut = offset
+                    first_index = completion
+                else:
+                    offset = len(emitted)
+                revisions.append({"kind": kind, "step": n, "offset": offset, "instruction": text})
             if self.fail_after is not None and n >= self.fail_after:
                 raise RuntimeError(f"scripted failure after {n} tokens")
             if n >= len(self.tokens):
@@ -235,7 +361,8 @@ class ScriptedTextModel:
             if completion % chunk_tokens and completion < max_new_tokens:
                 continue
             if held:
-                w.text(held, held_ids, first_index)
+                w.text(held, held_ids, first_index, offset=cut)
+                cut = None
                 stamps.append(w.elapsed())
                 emitted += held
                 first_index = completion
@@ -254,7 +381,7 @@ class ScriptedTextModel:
         reason = reason or "length"
         w.finish_text(held, held_ids if held else [], first_index, finish_reason=reason, text=emitted,
                       usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion},
-                      metrics=metrics)  # type: ignore[arg-type]
+                      metrics=metrics, revisions=revisions or None, offset=cut)  # type: ignore[arg-type]
         return reason
 
 
@@ -311,9 +438,11 @@ class ScriptedImageModel:
         preview_quality: int = 75,
         preview_max_side: int = 256,
         final_format: str = "png",
+        priority: int = 0,
         **pipeline_kwargs: Any,
     ) -> Stream:
         """Validate the arguments now, then stream previews and the final image."""
+        priority = _check_priority(priority)
         if pipeline_kwargs:
             raise InvalidArgumentError(
                 f"unknown argument(s) {sorted(pipeline_kwargs)} for ImageModel.stream(); "
@@ -342,29 +471,33 @@ class ScriptedImageModel:
         args = {"prompt": prompt, "negative_prompt": negative_prompt, "steps": steps, "guidance_scale": guidance_scale,
                 "height": height, "width": width, "seed": seed, "num_images": num_images, "preview": preview,
                 "preview_every": preview_every, "preview_format": preview_format, "preview_quality": preview_quality,
-                "preview_max_side": preview_max_side, "final_format": final_format}
+                "preview_max_side": preview_max_side, "final_format": final_format, "priority": priority}
         self.calls.append(args)
         self._counters.enter()
-        return Stream(lambda w: self._produce(w, args), kind="image")
+        steering = _ImageSteers(guidance_scale)
+        return _start("image", lambda w: self._produce(w, args, steering), steering.handle)
 
     def generate(self, prompt: str, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
         """Stream to the end, calling ``on_event`` for each event; return the final event."""
         return self.stream(prompt, **kwargs).wait(on_event)
 
-    def _produce(self, w: StreamWriter, a: dict[str, Any]) -> None:
+    def _produce(self, w: StreamWriter, a: dict[str, Any], steering: _ImageSteers) -> None:
         reason = "error"
         try:
-            reason = self._run(w, a)
+            reason = self._run(w, a, steering)
         finally:
+            steering.close()
             self._counters.leave(reason)
 
-    def _run(self, w: StreamWriter, a: dict[str, Any]) -> str:
-        from PIL import Image, ImageDraw
+    def _run(self, w: StreamWriter, a: dict[str, Any], steering: _ImageSteers) -> str:
+        from PIL import Image
 
         width, height, steps, n_images = a["width"], a["height"], a["steps"], a["num_images"]
-        target = Image.new("RGB", (width, height), (30, 60, 200))
-        ImageDraw.Draw(target).ellipse(
-            (width * 0.2, height * 0.2, width * 0.8, height * 0.8), fill=(220, 30, 30))
+        colors = _scene_colors(a["prompt"], ((220, 30, 30), (30, 60, 200)))
+        for prompt in steering.take():  # steered before the first step: as if started with it
+            colors = _scene_colors(prompt, colors)
+        target = _scene(width, height, colors)
+        throttle = PreviewThrottle(a["preview_every"])  # the production cadence: steps 1, 1+k, ...
         rng = random.Random(a["seed"] if a["seed"] is not None else 0)
         started = w.elapsed()
         first_frame: float | None = None
@@ -372,30 +505,112 @@ class ScriptedImageModel:
         for index in range(n_images):
             noise = Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
             step = 0
+            stopped: str | None = None
             for step in range(1, steps + 1):
                 _sleep(w, self.delay_s)
                 if w.cancelled:
+                    stopped = "cancelled"
+                    break
+                if w.finish_early_requested:
+                    stopped = "finished_early"
                     break
                 if self.fail_at_step is not None and step >= self.fail_at_step:
                     raise RuntimeError(f"scripted failure at step {step}")
+                for prompt in steering.take():
+                    colors = _scene_colors(prompt, colors)
+                    target = _scene(width, height, colors)
                 frame = Image.blend(noise, target, step / steps)
-                if a["preview"] != "none" and (step % a["preview_every"] == 0 or step == steps):
+                if a["preview"] != "none" and throttle.should_preview(step):
                     data, mime, pw, ph = _encode(frame, a["preview_format"], a["preview_quality"], a["preview_max_side"])
                     w.image(step=step, total_steps=steps, width=pw, height=ph, mime=mime, data=data, index=index)
                     first_frame = first_frame if first_frame is not None else w.elapsed()
-            cancelled = w.cancelled
-            last = index == n_images - 1 or cancelled
+                if step == steps:
+                    steering.close()
+            last = index == n_images - 1 or stopped is not None
+            if stopped is not None:
+                step -= 1  # the step that was asked to stop did not run
             data, mime, fw, fh = _encode(frame, a["final_format"], 95, None)
             metrics = {"duration_ms": round((w.elapsed() - started) * 1000, 3),
                        "first_preview_ms": round(first_frame * 1000, 3) if first_frame is not None else None}
-            done = ImageEvent(stream_id=w.stream_id, seq=0, t=0.0, step=step if cancelled else steps,
+            if steering.applied:
+                metrics["steers"] = float(steering.applied)
+            done = ImageEvent(stream_id=w.stream_id, seq=0, t=0.0, step=step if stopped else steps,
                               total_steps=steps, width=fw, height=fh, mime=mime, data=data, index=index,
-                              finish_reason="cancelled" if cancelled else "stop", metrics=metrics)
+                              finish_reason=stopped or "stop", metrics=metrics)
             # forward() keeps finish_reason on a non-final frame and never merges it away.
             w.forward(done, is_final=last)
             if last:
-                return "cancelled" if cancelled else "stop"
+                return stopped or "stop"
         return "stop"  # pragma: no cover - the loop always returns
+
+
+def _scene_colors(prompt: str, current: tuple[tuple[int, int, int], tuple[int, int, int]]
+                  ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(shape colour, background colour) a prompt names, e.g. "a red circle on a yellow background"."""
+    from ._shapes import COLORS, parse_prompt
+
+    _, color, background = parse_prompt(prompt)
+    return (COLORS[color] if color else current[0], COLORS[background] if background else current[1])
+
+
+def _scene(width: int, height: int, colors: tuple[tuple[int, int, int], tuple[int, int, int]]) -> Any:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (width, height), colors[1])
+    ImageDraw.Draw(img).ellipse((width * 0.2, height * 0.2, width * 0.8, height * 0.8), fill=colors[0])
+    return img
+
+
+class _ImageSteers:
+    """Steer commands of one scripted image stream: the same checks as the real model's."""
+
+    def __init__(self, guidance_scale: float | None) -> None:
+        self._lock = threading.Lock()
+        self._queue: list[str] = []
+        self.applied = 0
+        self.closed = False
+        self.guidance_scale = guidance_scale
+
+    def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if name == "rewind":
+            raise InvalidArgumentError(
+                "image streams cannot rewind (there is no text to cut); use steer(prompt=...) to change "
+                "the conditioning from the next step, or start a new stream")
+        _require(name == "steer", f"image streams do not support {name}()")
+        changes = dict(kwargs)
+        if args:
+            _require(len(args) == 1 and "prompt" not in changes,
+                     "steer() on an image stream takes one prompt: steer(prompt='...')")
+            changes["prompt"] = args[0]
+        unknown = sorted(set(changes) - {"prompt", "negative_prompt", "guidance_scale"})
+        _require(not unknown, "image steer() takes prompt=, negative_prompt= and guidance_scale=; "
+                              f"got unknown {', '.join(unknown)}")
+        changes = {k: v for k, v in changes.items() if v is not None}
+        _require(bool(changes), "steer() needs at least one of prompt=, negative_prompt=, guidance_scale=")
+        for key in ("prompt", "negative_prompt"):
+            if key in changes:
+                _require(isinstance(changes[key], str), f"{key} must be a string, got {type(changes[key]).__name__}")
+        if "prompt" in changes:
+            _require(changes["prompt"].strip() != "",
+                     "prompt must not be empty; pass the new prompt, e.g. steer(prompt='a red circle')")
+        if "guidance_scale" in changes:
+            g = changes["guidance_scale"]
+            _require(_is_number(g) and math.isfinite(g) and g >= 0,
+                     f"guidance_scale must be a finite number >= 0, got {g!r}")
+        with self._lock:
+            if self.closed:
+                raise StreamFinishedError("the image has finished denoising, so it cannot be steered; start a new stream")
+            self._queue.append(changes.get("prompt", ""))
+
+    def take(self) -> list[str]:
+        with self._lock:
+            taken, self._queue = self._queue, []
+        self.applied += len(taken)
+        return [p for p in taken if p]
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
 
 
 def _encode(img: Any, fmt: str, quality: int, max_side: int | None) -> tuple[bytes, str, int, int]:

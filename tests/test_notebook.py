@@ -108,3 +108,70 @@ def test_show_bad_arguments() -> None:
         ms.show(ScriptedTextModel().stream("x"), max_fps=0)
     with pytest.raises(ms.InvalidArgumentError, match="Stream"):
         ms.show(42)  # type: ignore[arg-type]
+
+
+def _text_events(*items: tuple[str, int, int], final_text: str) -> list[TextEvent]:
+    evs = [TextEvent(stream_id="s", seq=i, t=0.01 * i, delta=d, token_ids=[], index=i, offset=o, revision=r)
+           for i, (d, o, r) in enumerate(items)]
+    n = len(evs)
+    evs.append(TextEvent(stream_id="s", seq=n, t=0.01 * n, delta="", token_ids=[], index=n, offset=len(final_text),
+                         revision=items[-1][2], is_final=True, finish_reason="stop", text=final_text,
+                         usage={"prompt_tokens": 1, "completion_tokens": n},
+                         revisions=[{"kind": "rewind", "step": 2, "offset": 6, "instruction": None}]))
+    return evs
+
+
+REWOUND = _text_events(("Hello ", 0, 0), ("world😀", 6, 0), ("there", 6, 1), ("!", 11, 1), final_text="Hello there!")
+
+
+def test_show_redraws_a_rewind_in_place(fake_jupyter: list[str]) -> None:
+    final = ms.show(iter(REWOUND), max_fps=1e9)
+    assert final.text == "Hello there!"
+    assert any("Hello world😀" in h for h in fake_jupyter[:-1]) and "world" not in fake_jupyter[-1]
+    assert "Hello there!" in fake_jupyter[-1] and "revision 1" in fake_jupyter[-1]
+    live = [h for h in fake_jupyter[:-1] if "there" in h]
+    assert live and all("revision 1" in h for h in live)  # the live view says it is on revision 1 too
+
+
+def test_view_follows_offsets_across_composed_parts() -> None:
+    view = nb._View()
+    for ev in REWOUND:
+        view.apply(ev)
+    assert view.text(0) == "Hello there!" and view.revision == 1
+    # A second text part (a composed stream): its offsets count over the whole stream.
+    view.apply(TextEvent(stream_id="s", seq=9, t=1.0, delta="ab", token_ids=[], index=0, offset=12))
+    view.apply(TextEvent(stream_id="s", seq=10, t=1.1, delta="c", token_ids=[], index=0, offset=13, revision=2))
+    assert view.text(0) == "Hello there!" and view.text(1) == "ac"
+
+
+def test_show_prints_a_rewind_outside_jupyter() -> None:
+    out = io.StringIO()
+    ms.show(iter(REWOUND), file=out, max_fps=1e9)
+    printed = out.getvalue()
+    assert printed.startswith("Hello world😀")
+    assert "[revision 1: from character 6]\nthere!" in printed
+
+
+def test_show_scripted_rewind_ends_with_the_final_text(fake_jupyter: list[str]) -> None:
+    llm = ScriptedTextModel(["ab", "cd", "ef", "gh"], delay_s=0.05)
+    s = llm.stream("x")
+    seen: list[TextEvent] = []
+
+    def events():  # rewind after the second event, as a user would mid-stream
+        for ev in s:
+            seen.append(ev)
+            if len(seen) == 2:
+                s.rewind(1)
+            yield ev
+
+    final = ms.show(events(), max_fps=1000)
+    assert final.text.startswith("a") and final.revision == 1
+    assert html_text(fake_jupyter[-1]).startswith(final.text)
+
+
+def html_text(block: str) -> str:
+    import re
+
+    body = re.search(r"<pre[^>]*>(.*?)</pre>", block, re.S)
+    assert body is not None
+    return body.group(1)

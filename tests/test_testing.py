@@ -92,3 +92,125 @@ def test_image_options_batch_and_cancel() -> None:
 def test_image_validation(kwargs: dict) -> None:
     with pytest.raises(InvalidArgumentError):
         ScriptedImageModel().stream("p", **kwargs)
+
+
+# -- edits: priority, finish_early, steer, rewind, revise -------------------------------------
+
+
+def _apply(events) -> str:
+    text = ""
+    for e in events:
+        text = text[: e.offset] + e.delta
+    return text
+
+
+def test_text_priority_is_checked_and_recorded() -> None:
+    llm = ScriptedTextModel(["a"])
+    assert llm.generate("x", priority=5).text == "a" and llm.calls[-1]["priority"] == 5
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        llm.stream("x", priority="high")
+
+
+def test_text_finish_early() -> None:
+    llm = ScriptedTextModel(list("abcdefgh"), delay_s=0.02)
+    s = llm.stream("x")
+    seen = []
+    for ev in s:
+        seen.append(ev)
+        if len(seen) == 2:
+            s.finish_early()
+    assert seen[-1].finish_reason == "finished_early" and len(seen[-1].text) < 8
+    assert _apply(seen) == seen[-1].text
+
+
+def test_text_rewind_cuts_and_continues() -> None:
+    llm = ScriptedTextModel(["ab", "cd", "ef", "gh", "ij"], delay_s=0.02)
+    s = llm.stream("x")
+    events = []
+    for ev in s:
+        events.append(ev)
+        if ev.delta == "cd":
+            s.rewind(3, instruction="shorter")
+    final = events[-1]
+    assert final.text.startswith("abc") and "cd" not in final.text[3:]
+    assert _apply(events) == final.text
+    assert final.revisions == [{"kind": "rewind", "step": final.revisions[0]["step"], "offset": 3, "instruction": "shorter"}]
+    assert max(e.revision for e in events) == 1
+    cut = next(e for e in events if e.revision == 1)
+    assert cut.offset == 3
+
+
+def test_text_steer_bumps_the_revision() -> None:
+    llm = ScriptedTextModel(["ab", "cd", "ef"], delay_s=0.02)
+    s = llm.stream("x")
+    s.steer("be brief")
+    final = s.wait()
+    assert final.text == "abcdef" and final.revision == 1
+    assert final.revisions[0]["kind"] == "steer" and final.revisions[0]["instruction"] == "be brief"
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda s: s.steer(""), "non-empty instruction"),
+        (lambda s: s.steer("x", tone="y"), "unknown"),
+        (lambda s: s.rewind(-1), "offset must be"),
+        (lambda s: s.rewind(10_000), "offset must be"),
+        (lambda s: s.rewind(0, color="red"), "unknown option"),
+        (lambda s: s.rewind(0, temperature=-1), "temperature"),
+    ],
+)
+def test_text_bad_edits_raise(call, match) -> None:
+    s = ScriptedTextModel(["ab"] * 5, delay_s=0.05).stream("x")
+    with pytest.raises(InvalidArgumentError, match=match):
+        call(s)
+    s.cancel()
+    s.wait()
+
+
+def test_text_revise_a_finished_answer() -> None:
+    llm = ScriptedTextModel(["ab", "cd"])
+    first = llm.generate("x")
+    events = list(llm.revise(first, 3, instruction="again"))
+    assert events[0].delta.startswith("abc") and events[0].offset == 0
+    assert _apply(events) == events[-1].text == "abcabcd"
+    assert events[-1].revisions[0]["kind"] == "revise"
+    with pytest.raises(InvalidArgumentError, match="offset"):
+        llm.revise(first, 99)
+
+
+def test_image_cadence_matches_preview_throttle() -> None:
+    sd = ScriptedImageModel(steps=7, size=16, delay_s=0.03)
+    steps = [e.step for e in sd.stream("a red circle", preview_every=3) if not e.is_final]
+    assert steps == [1, 4, 7]
+
+
+def test_image_finish_early_and_priority() -> None:
+    sd = ScriptedImageModel(steps=20, size=16, delay_s=0.01)
+    s = sd.stream("a red circle", priority=3)
+    for ev in s:
+        if ev.step == 3 and not ev.is_final:
+            s.finish_early()
+    assert ev.is_final and ev.finish_reason == "finished_early" and ev.step < 20
+    assert sd.calls[-1]["priority"] == 3
+
+
+def test_image_steer_recolours_and_checks_input() -> None:
+    sd = ScriptedImageModel(steps=6, size=16, delay_s=0.01)
+    s = sd.stream("a red circle on a blue background")
+    s.steer(prompt="a red circle on a yellow background")
+    final = s.wait()
+    r, g, b = final.image.convert("RGB").getpixel((0, 0))
+    assert r > 200 and g > 200 and b < 80 and final.metrics["steers"] == 1
+    s = sd.stream("a red circle on a blue background")
+    for bad, match in [({"prompt": ""}, "must not be empty"), ({"seed": 1}, "unknown"),
+                       ({"guidance_scale": float("nan")}, "finite")]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            s.steer(**bad)
+    with pytest.raises(InvalidArgumentError, match="cannot rewind"):
+        s.rewind(0)
+    s.wait()
+    from multistream.errors import StreamFinishedError
+
+    with pytest.raises(StreamFinishedError):
+        s.steer(prompt="x")

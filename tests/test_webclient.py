@@ -65,3 +65,54 @@ def test_web_client_streams_text_and_previews_and_recovers() -> None:
             page.screenshot(path=str(ARTIFACTS / "webclient.png"), full_page=True)
         finally:
             browser.close()
+
+
+ASTRAL = ["a😀", " b𝄞", " ç", " d😀😀", " e", " f", " g", " h"] * 4
+
+
+def _launch(pw):  # type: ignore[no-untyped-def]
+    return pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"])
+
+
+def test_web_client_applies_rewinds_by_code_point_and_finishes_images() -> None:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    text = ScriptedTextModel(ASTRAL, delay_s=0.08)
+    image = ScriptedImageModel(steps=40, size=64, delay_s=0.1)
+    with make_server(text, image) as srv, sync_api.sync_playwright() as pw:
+        browser = _launch(pw)
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 720})
+            page.goto(srv.url + "/")
+            page.fill("#amount", "30")
+            page.click("#go")
+            page.wait_for_function("() => window.__ms.lastSeq >= 5", timeout=30_000)
+            sid, token = page.evaluate("[window.__ms.streamId, window.__ms.token]")
+            # Offset 5 in code points is just after "a😀 b𝄞" (UTF-16 would put it inside the clef).
+            resp = httpx.post(f"{srv.url}/v1/streams/{sid}/rewind", json={"offset": 5},
+                              headers={"X-Resume-Token": token}, timeout=10)
+            assert resp.status_code == 200, resp.text
+            page.wait_for_function("() => window.__ms.finalEvent !== null", timeout=60_000)
+            state = page.evaluate("window.__ms")
+            final = state["finalEvent"]
+            assert final["revisions"][0]["offset"] == 5 and final["text"].startswith("a😀 b𝄞")
+            assert state["text"] == final["text"] and state["revision"] == 1
+            page.wait_for_selector("#final", timeout=10_000)
+            assert page.inner_text("#output") == final["text"]
+            assert "revision 1" in page.inner_text("#status")
+            assert page.is_disabled("#finish")
+
+            # Image: "Use this" stops now and keeps the picture (finish_reason finished_early).
+            page.check("input[value=image]")
+            page.fill("#amount", "40")
+            page.click("#go")
+            page.wait_for_function("() => window.__ms.frames >= 3", timeout=30_000)
+            assert not page.is_disabled("#finish")
+            page.click("#finish")
+            page.wait_for_function("() => window.__ms.finalEvent !== null", timeout=30_000)
+            final = page.evaluate("window.__ms.finalEvent")
+            assert final["finish_reason"] == "finished_early" and final["step"] < 40
+            page.wait_for_selector("#final", timeout=10_000)
+            assert "finished_early" in page.inner_text("#status")
+        finally:
+            browser.close()

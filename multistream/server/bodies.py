@@ -28,9 +28,10 @@ from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "ErrorBody", "ErrorResponse", "ImageGenerationRequest", "ImageRequest",
-    "OpenAIErrorBody", "OpenAIErrorResponse", "TextRequest", "parse_image_body", "parse_json_object",
-    "parse_text_body", "read_json", "validate_body",
+    "ChatCompletionRequest", "ChatMessage", "EditResult", "ErrorBody", "ErrorResponse", "ImageGenerationRequest",
+    "ImageRequest", "OpenAIErrorBody", "OpenAIErrorResponse", "RewindRequest", "SteerRequest", "TextRequest",
+    "parse_image_body", "parse_json_object", "parse_rewind_body", "parse_steer_body", "parse_text_body", "read_json",
+    "validate_body",
 ]
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -407,6 +408,76 @@ def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None
     if gs is not None and not math.isfinite(gs):
         raise Problem(400, "invalid_argument", f"'guidance_scale' must be a finite number, got {gs}",
                       param="guidance_scale")
+
+
+# -- edits of a running stream ------------------------------------------------------------------
+
+
+class SteerRequest(BaseModel):
+    """``POST /v1/streams/{id}/steer`` (and a WebSocket ``{"type": "steer", ...}`` message).
+
+    Text streams take ``instruction``; image streams take ``prompt``, ``negative_prompt`` and
+    ``guidance_scale`` (at least one). The model checks the combination: a field its kind does not
+    take is a 400 naming it.
+    """
+
+    model_config = _STRICT
+    instruction: Optional[str] = Field(default=None, description="text streams: the new instruction")
+    prompt: Optional[str] = Field(default=None, description="image streams: the new prompt")
+    negative_prompt: Optional[str] = Field(default=None, description="image streams: the new negative prompt")
+    guidance_scale: Optional[float] = Field(default=None, description="image streams: a finite number >= 0")
+
+
+class RewindRequest(BaseModel):
+    """``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{"type": "rewind", ...}`` message): text
+    streams only. The answer from character ``offset`` on (a code point index, as Python counts)
+    is dropped and regenerated, optionally under a new instruction and sampling options."""
+
+    model_config = _STRICT
+    offset: int = Field(description="an integer >= 0: the character where regeneration starts")
+    instruction: Optional[str] = Field(default=None, description="a new instruction for the rest, or null")
+    temperature: Optional[float] = Field(default=None, description="a number >= 0, or null (unchanged)")
+    top_p: Optional[float] = Field(default=None, description="a number in (0, 1], or null")
+    top_k: Optional[int] = Field(default=None, description="an integer >= 0, or null")
+    repetition_penalty: Optional[float] = Field(default=None, description="a number > 0, or null")
+    seed: Optional[int] = Field(default=None, description="an integer, or null")
+
+
+class EditResult(BaseModel):
+    """What ``finish``, ``steer`` and ``rewind`` answer: the command is queued for the model's
+    next step; its effect shows in the stream's events (``revision``, ``offset``, ``finish_reason``)."""
+
+    stream_id: str
+    command: str = Field(description="'finish', 'steer' or 'rewind'")
+    accepted: bool = Field(description="false only for finish on a stream that had already ended")
+
+
+def parse_steer_body(body: Any, settings: ServerSettings) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A steer body -> (args, kwargs) for `Stream.steer` (only the fields the client sent)."""
+    req = validate_body(SteerRequest, body, "steer")
+    kwargs = {k: v for k, v in _given(req).items() if v is not None}
+    for name in ("instruction", "prompt", "negative_prompt"):
+        if name in kwargs:
+            check_prompt_limit(kwargs[name], settings)
+    gs = kwargs.get("guidance_scale")
+    if gs is not None and not math.isfinite(gs):
+        raise Problem(400, "invalid_argument", f"'guidance_scale' must be a finite number, got {gs}",
+                      param="guidance_scale")
+    instruction = kwargs.pop("instruction", None)
+    return ((instruction,) if instruction is not None else ()), kwargs
+
+
+def parse_rewind_body(body: Any, settings: ServerSettings) -> tuple[int, dict[str, Any]]:
+    """A rewind body -> (offset, keyword arguments for `Stream.rewind`)."""
+    req = validate_body(RewindRequest, body, "rewind")
+    kwargs = {k: v for k, v in _given(req).items() if v is not None}
+    offset = kwargs.pop("offset")
+    if offset < 0:
+        raise Problem(400, "invalid_argument", f"'offset' must be >= 0 (a character position), got {offset}",
+                      param="offset")
+    if kwargs.get("instruction") is not None:
+        check_prompt_limit(kwargs["instruction"], settings)
+    return offset, kwargs
 
 
 _ = Literal  # keep the import for annotations in subclasses

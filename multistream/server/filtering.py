@@ -141,6 +141,17 @@ class OutputFilter:
         self.emitted += out
         return out, False
 
+    def rewind(self, offset: int) -> int:
+        """The model rewound its output to character ``offset``: forget the text from there on.
+
+        Returns where the client's text is now cut (at most what was emitted). Filters that keep
+        lengths (a blocklist masks with as many asterisks) keep the positions exact.
+        """
+        offset = max(0, offset)
+        self.raw = self.raw[:offset]
+        self.emitted = self.emitted[:offset]
+        return len(self.emitted)
+
     def finish(self) -> str:
         """Release what was held back (call at the end of the output)."""
         out, _ = self.feed("", final=True)

@@ -12,6 +12,20 @@
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
+Edits (``finish``, ``steer``, ``rewind``; see `multistream.server.routes_native`) have no
+OpenAI form. These routes return no resume token, so only a keyed server's same API key can edit
+their streams (through ``POST /v1/streams/{X-Stream-Id}/...``); on an open server nobody can.
+What an OpenAI client then sees:
+
+- ``finish``: the stream ends at once with ``finish_reason="stop"`` (OpenAI has no
+  "finished_early"); an image request gets its current image as the completed one.
+- ``steer``: nothing marks it; the content that follows simply goes the new way.
+- ``rewind``: OpenAI chunks can only append, so a streaming client is NOT told that text was
+  cut: its concatenated ``delta.content`` keeps the cut text and then the regenerated text
+  follows (it differs from the stream's real final text). A non-streaming response
+  (``stream: false``) carries the final text after all edits, which is right. Clients that edit
+  should use the native routes, whose events carry ``offset`` and ``revision``.
+
 Example:
     >>> from openai import OpenAI                                             # doctest: +SKIP
     >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")  # doctest: +SKIP

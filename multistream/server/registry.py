@@ -254,12 +254,24 @@ class StreamRecord:
         text changed loses its token ids, which no longer match it."""
         self._n_tokens += len(ev.token_ids)
         if self._filter is None:
-            self._text += ev.delta
+            self._text = self._text[: ev.offset] + ev.delta  # offset < len after a rewind
             return ev, False
+        cut = None
+        if ev.offset < len(self._filter.raw):
+            # A rewind: the filter forgets the cut text too, and the client cuts where it has text.
+            cut = self._filter.rewind(ev.offset)
+            self._text = self._text[:cut]
+            self._pending_ids = []
+        start = len(self._text)
         delta, stopped = self._filter.feed(ev.delta, final=ev.is_final)
         if stopped:
             return None, True
         self._text += delta
+        if cut is not None:
+            changed = {"delta": delta, "offset": start, "token_ids": [] if delta != ev.delta else ev.token_ids}
+            if ev.is_final:
+                changed["text"] = self._text
+            return dataclasses.replace(ev, **changed), False
         if delta == ev.delta and not self._pending_ids:
             return (dataclasses.replace(ev, text=self._text) if ev.is_final and ev.text != self._text else ev), False
         # Held back or changed: the ids ride with the text only when it is exactly what the model wrote.
@@ -268,7 +280,7 @@ class StreamRecord:
             self._pending_ids = ids if len(ids) < 4096 else []
             return None, False  # all held back: the protocol has no empty non-final deltas
         self._pending_ids = []
-        changed = {"delta": delta, "token_ids": [], "index": ev.index}
+        changed = {"delta": delta, "token_ids": [], "index": ev.index, "offset": start}
         if ev.is_final:
             changed["text"] = self._text
         return dataclasses.replace(ev, **changed), False

@@ -1,8 +1,25 @@
-"""The native routes: ``POST /v1/text``, ``POST /v1/image`` (SSE), resume, info and cancel.
+"""The native routes: ``POST /v1/text``, ``POST /v1/image`` (SSE), resume, info, cancel and edits.
 
-A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``. Reading, resuming or
-cancelling a stream later needs the key that created it (with API keys) or that token (an open
-server: ``X-Resume-Token`` header or ``?token=``, which EventSource can send).
+A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``. Reading, resuming,
+cancelling or editing a stream later needs the key that created it (with API keys) or that token
+(an open server: ``X-Resume-Token`` header or ``?token=``, which EventSource can send).
+
+Edits of a running stream (all answer `EditResult`; the effect shows in the stream's events):
+
+- ``POST /v1/streams/{id}/finish``: stop now and keep the result (``finish_reason
+  "finished_early"``; an image's final is its current estimate through the full VAE).
+- ``POST /v1/streams/{id}/steer``: text ``{"instruction": "..."}``; image ``{"prompt": ...,
+  "negative_prompt": ..., "guidance_scale": ...}``. From the model's next step on.
+- ``POST /v1/streams/{id}/rewind``: text only, ``{"offset": 120, "instruction": null, ...}``:
+  regenerate from character ``offset``; later events carry a smaller ``offset`` and a new
+  ``revision`` (clients keep ``text = text[:offset] + delta``).
+
+Bad input is a 400 with the model's own message; a stream that already ended is a 409
+(``stream_finished``); neither touches the stream.
+
+Example:
+    >>> httpx.post(f"{url}/v1/streams/{sid}/steer", json={"instruction": "shorter"},
+    ...            headers={"X-Resume-Token": token})                           # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -16,14 +33,16 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .bodies import ErrorResponse, ImageRequest, TextRequest, parse_image_body, parse_text_body, read_json
-from .problems import Problem
+from ..errors import StreamFinishedError
+from .bodies import (EditResult, ErrorResponse, ImageRequest, RewindRequest, SteerRequest, TextRequest,
+                     parse_image_body, parse_rewind_body, parse_steer_body, parse_text_body, read_json)
+from .problems import Problem, problem_from_exception
 from .registry import StreamRecord
 from .security import Principal
 from .sse import sse_response
 from .state import ServerState, get_principal, get_state
 
-__all__ = ["router"]
+__all__ = ["edit_stream", "router"]
 
 router = APIRouter(tags=["streams"])
 
@@ -163,6 +182,82 @@ async def cancel_stream(stream_id: str, request: Request, state: ServerState = D
     was_running = not record.done
     record.cancel()
     return CancelResult(stream_id=stream_id, cancelled=was_running)
+
+
+def edit_stream(record: StreamRecord, command: str, body: Any, state: ServerState) -> EditResult:
+    """Apply ``finish``/``steer``/``rewind`` (``body``: the JSON object) to ``record``'s stream.
+
+    Shared by the HTTP routes and the WebSocket. Raises `Problem`: 400 for bad input (the model's
+    message), 409 when the stream already ended.
+    """
+    if command == "finish":
+        if body not in (None, {}):
+            raise Problem(400, "invalid_argument", "finish takes no arguments; send an empty body or {}")
+        if record.done:
+            return EditResult(stream_id=record.stream_id, command=command, accepted=False)
+        record.stream.finish_early()
+        return EditResult(stream_id=record.stream_id, command=command, accepted=True)
+    if record.done:
+        raise Problem(409, "stream_finished", f"stream {record.stream_id} has already ended, so it cannot {command}; "
+                      + ("start a new stream (or revise the finished answer)" if record.kind == "text"
+                         else "start a new stream"))
+    try:
+        if command == "steer":
+            args, kwargs = parse_steer_body(body if body is not None else {}, state.settings)
+            record.stream.steer(*args, **kwargs)
+        elif command == "rewind":
+            offset, kwargs = parse_rewind_body(body if body is not None else {}, state.settings)
+            record.stream.rewind(offset, **kwargs)
+        else:  # pragma: no cover - the callers name the command
+            raise Problem(400, "invalid_message", f"unknown command {command!r}")
+    except StreamFinishedError as exc:
+        raise Problem(409, "stream_finished", str(exc)) from None
+    except Problem:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model's refusal is a 4xx with its message
+        raise problem_from_exception(exc) from None
+    return EditResult(stream_id=record.stream_id, command=command, accepted=True)
+
+
+async def _edit_body(request: Request, state: ServerState) -> Any:
+    # An empty body means {} (finish needs none); anything else must be a JSON object.
+    if request.headers.get("content-length") in ("0", None) and "chunked" not in request.headers.get(
+            "transfer-encoding", ""):
+        return None
+    return await read_body(request, state)
+
+
+_EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the stream has already ended"}}
+
+
+@router.post("/v1/streams/{stream_id}/finish", response_model=EditResult, responses=_EDIT_ERRORS,
+             summary="Finish a stream early",
+             description="Stop now and keep the result: `finish_reason` `finished_early` (an image: the current "
+             "estimate through the full VAE). `accepted` is false if it had already ended. Owner only.")
+async def finish_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
+                        principal: Principal = Depends(get_principal)) -> Any:
+    record = owned_record(state, stream_id, request, principal)
+    return edit_stream(record, "finish", await _edit_body(request, state), state)
+
+
+@router.post("/v1/streams/{stream_id}/steer", response_model=EditResult, responses=_EDIT_ERRORS,
+             openapi_extra=_body(SteerRequest), summary="Steer a running stream",
+             description="Text: `{\"instruction\": ...}`; image: `prompt` / `negative_prompt` / `guidance_scale`. "
+             "Takes effect at the model's next step. Owner only.")
+async def steer_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
+                       principal: Principal = Depends(get_principal)) -> Any:
+    record = owned_record(state, stream_id, request, principal)
+    return edit_stream(record, "steer", await read_body(request, state), state)
+
+
+@router.post("/v1/streams/{stream_id}/rewind", response_model=EditResult, responses=_EDIT_ERRORS,
+             openapi_extra=_body(RewindRequest), summary="Rewind a text stream",
+             description="Regenerate from character `offset` (optionally with a new `instruction` and sampling "
+             "options); later events carry the smaller `offset` and a new `revision`. Owner only.")
+async def rewind_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
+                        principal: Principal = Depends(get_principal)) -> Any:
+    record = owned_record(state, stream_id, request, principal)
+    return edit_stream(record, "rewind", await read_body(request, state), state)
 
 
 test_router = APIRouter(include_in_schema=False)

@@ -9,6 +9,13 @@ Client -> server (JSON text messages):
   ``finish_reason="cancelled"``).
 - ``{"type": "resume", "stream_id": "...", "after": 12, "token": "..."}``: follow an existing
   stream from seq 13.
+- ``{"type": "finish", "stream_id": "...", "token": "..."}``: stop now and keep the result
+  (``finish_reason="finished_early"``).
+- ``{"type": "steer", "stream_id": "...", "instruction": "..."}`` (text) or ``{"type": "steer",
+  "stream_id": "...", "prompt": "...", "negative_prompt": ..., "guidance_scale": ...}`` (image):
+  change the generation from the model's next step.
+- ``{"type": "rewind", "stream_id": "...", "offset": 120, "instruction": null}`` (text):
+  regenerate from character ``offset``.
 - ``{"type": "auth", "api_key": "..."}``: on a keyed server, the first message when the key did
   not come in the ``Authorization`` header or as a ``bearer.KEY`` subprotocol.
 
@@ -27,7 +34,10 @@ Server -> client:
 
   The header is the event's wire form without ``data`` (``mime`` says how to decode the bytes).
 - ``{"type": "rejected", "id": "c1", "status": 400, "error": {"type", "message"}}`` when a
-  request is refused (bad arguments, queue full: 429, ...). The socket stays open.
+  request is refused (bad arguments, queue full: 429, an edit of an ended stream: 409, ...).
+  The socket stays open.
+- ``{"type": "edited", "id": "c3", "stream_id": "...", "command": "steer", "accepted": true}``
+  when a ``finish``/``steer``/``rewind`` was queued (its effect shows in the stream's events).
 
 Example (Python, with the ``websockets`` package):
     >>> import json, websockets                                            # doctest: +SKIP
@@ -53,6 +63,7 @@ from ..events import Event, ImageEvent, event_from_dict
 from .bodies import parse_image_body, parse_json_object, parse_text_body
 from .problems import Problem, problem_from_exception
 from .registry import StreamRecord
+from .routes_native import edit_stream
 from .security import Principal
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
@@ -199,6 +210,13 @@ class _Connection:
             if kind == "cancel":
                 self._record(body).cancel()
                 return
+            if kind in ("finish", "steer", "rewind"):
+                record = self._record(body)
+                body.pop("stream_id", None)
+                body.pop("token", None)
+                result = edit_stream(record, kind, body, self.state)
+                self._spawn(self._send_quietly(json.dumps({"type": "edited", "id": tag, **result.model_dump()})))
+                return
             if kind == "resume":
                 record = self._record(body)
                 if not record.resumable:
@@ -218,11 +236,18 @@ class _Connection:
                 raise Problem(400, "invalid_message", "already authenticated")
             else:
                 raise Problem(400, "invalid_message",
-                              f"'type' must be 'text', 'image', 'cancel' or 'resume', got {str(kind)[:40]!r}")
+                              "'type' must be 'text', 'image', 'cancel', 'resume', 'finish', 'steer' or 'rewind', "
+                              f"got {str(kind)[:40]!r}")
             self._check_room()
             self._spawn(self._start(tag, kind, kwargs, priority))
         except Problem as problem:
             self._spawn(self.reject(tag, problem))
+
+    async def _send_quietly(self, message: str) -> None:
+        try:
+            await self.send(message)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
 
     def _check_room(self) -> None:
         if len(self.tasks) >= self.settings.ws_max_streams:

@@ -4,19 +4,21 @@
 // Everything from the server goes into the page as text (textContent), never as HTML; the API key
 // lives in sessionStorage (gone with the tab), and resuming or stopping a stream sends the resume
 // token its creation returned.
+// Text events carry `offset` (where `delta` begins, in code points: Python's len) and `revision`
+// (+1 per steer/rewind): the text is text[:offset] + delta, so a rewind replaces the tail.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const ui = { go: $("go"), stop: $("stop"), prompt: $("prompt"), amount: $("amount"), key: $("apikey"),
+const ui = { go: $("go"), stop: $("stop"), finish: $("finish"), prompt: $("prompt"), amount: $("amount"), key: $("apikey"),
              output: $("output"), preview: $("preview"), status: $("status") };
 ui.key.value = sessionStorage.getItem("multistream.apikey") || "";
 ui.key.addEventListener("change", () => sessionStorage.setItem("multistream.apikey", ui.key.value));
 try { localStorage.removeItem("multistream.apikey"); } catch (e) { /* older versions kept it there */ }
 
 // Test and debug hook: what the page has seen.
-const state = window.__ms = { streamId: null, token: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
-                              error: null, running: false, seqs: [] };
-let pending = { text: "", image: null, status: null };
+const state = window.__ms = { streamId: null, token: null, lastSeq: -1, text: "", length: 0, revision: 0, frames: 0,
+                              finalEvent: null, reconnects: 0, error: null, running: false, seqs: [], kind: null };
+let pending = { text: "", redraw: false, image: null, status: null };
 let frameRequested = false;
 let controller = null;
 
@@ -32,6 +34,7 @@ function schedule() {
   frameRequested = true;
   requestAnimationFrame(() => {
     frameRequested = false;
+    if (pending.redraw) { ui.output.textContent = state.text; pending.redraw = false; pending.text = ""; }
     if (pending.text) { ui.output.append(document.createTextNode(pending.text)); pending.text = ""; }
     if (pending.image) { ui.preview.src = pending.image; pending.image = null; }
     if (pending.status) { renderStatus(pending.status); pending.status = null; }
@@ -52,20 +55,36 @@ function renderStatus(parts) {
   }));
 }
 
+// text = text[:offset] + delta, with offsets in code points (Array.from splits surrogate pairs
+// correctly; String.prototype.slice would count UTF-16 units and cut an emoji in half).
+function applyText(ev) {
+  const delta = ev.delta || "";
+  const offset = typeof ev.offset === "number" ? ev.offset : state.length;
+  state.revision = ev.revision || 0;
+  if (offset === state.length) {          // the common case: append
+    state.text += delta;
+    pending.text += delta;
+  } else {                                // a rewind: replace from offset on and redraw
+    state.text = Array.from(state.text).slice(0, offset).join("") + delta;
+    pending.redraw = true;
+  }
+  state.length = offset + Array.from(delta).length;
+}
+
 function handle(ev) {
   if (ev.seq <= state.lastSeq) return;          // a replayed event we already have
   state.lastSeq = ev.seq;
   state.streamId = ev.stream_id;
   state.seqs.push(ev.seq);
   if (ev.type === "text") {
-    state.text += ev.delta;
-    pending.text += ev.delta;
+    applyText(ev);
   } else if (ev.type === "image") {
     state.frames += 1;
     pending.image = "data:" + ev.mime + ";base64," + ev.data;
   }
   let line = `stream ${String(ev.stream_id).slice(0, 8)} · seq ${ev.seq}`;
   if (ev.type === "image") line += ` · step ${ev.step}/${ev.total_steps}`;
+  if (state.revision) line += ` · revision ${state.revision}`;
   if (state.reconnects) line += ` · reconnects ${state.reconnects}`;
   const parts = [line];
   if (ev.type === "error") {
@@ -104,10 +123,11 @@ async function errorText(response) {
 }
 
 async function run(kind, body) {
-  Object.assign(state, { streamId: null, token: null, lastSeq: -1, text: "", frames: 0, finalEvent: null, reconnects: 0,
-                         error: null, running: true, seqs: [] });
+  Object.assign(state, { streamId: null, token: null, lastSeq: -1, text: "", length: 0, revision: 0, frames: 0,
+                         finalEvent: null, reconnects: 0, error: null, running: true, seqs: [], kind });
+  pending.text = ""; pending.redraw = false;
   if (kind === "text") ui.output.textContent = "";   // an image run keeps the last text on screen
-  ui.go.disabled = true; ui.stop.disabled = false;
+  ui.go.disabled = true; ui.stop.disabled = false; ui.finish.disabled = kind !== "image";
   setStatus("starting…");
   controller = new AbortController();
   let attempt = 0;
@@ -136,7 +156,7 @@ async function run(kind, body) {
     }
   } finally {
     state.running = false;
-    ui.go.disabled = false; ui.stop.disabled = true;
+    ui.go.disabled = false; ui.stop.disabled = true; ui.finish.disabled = true;
   }
 }
 
@@ -154,4 +174,13 @@ ui.stop.addEventListener("click", async () => {
     await fetch(`/v1/streams/${encodeURIComponent(state.streamId)}`, { method: "DELETE", headers: headers() })
       .catch(() => {});
   }
+});
+
+// "Use this": stop the image now and keep it (the final is the current estimate, full quality).
+ui.finish.addEventListener("click", async () => {
+  if (!state.streamId) return;
+  const response = await fetch(`/v1/streams/${encodeURIComponent(state.streamId)}/finish`, { method: "POST",
+                                                                                          headers: headers() })
+    .catch(() => null);
+  if (response && !response.ok) setStatus([await errorText(response), "err"]);
 });
