@@ -26,7 +26,6 @@ import base64
 import html
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -41,7 +40,7 @@ from .stream import Stream
 if TYPE_CHECKING:
     import gradio as gr
 
-__all__ = ["create_demo", "image_prompt_from_text", "launch", "mount_demo", "prompt_messages"]
+__all__ = ["create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern"]
 
 logger = logging.getLogger("multistream.demo")
 
@@ -83,59 +82,22 @@ _FREE_SYSTEM = (
     "You write short, vivid prompts for a text-to-image model. Reply with one line of at most 20 words, "
     "no quotes."
 )
-# Words in a user's idea that hint at a color or shape, for when the small LLM's answer misses one.
-_HINTS: dict[str, tuple[str | None, str | None, str | None]] = {  # word: (shape, color, background)
-    "sun": ("circle", "yellow", None), "moon": ("circle", "white", None), "ball": ("circle", None, None),
-    "orange": ("circle", "orange", None), "apple": ("circle", "red", None), "plum": ("circle", "purple", None),
-    "night": (None, None, "black"), "space": (None, None, "black"), "dark": (None, None, "black"),
-    "sky": (None, None, "blue"), "sea": (None, None, "blue"), "ocean": (None, None, "blue"),
-    "water": (None, None, "blue"), "snow": (None, None, "white"), "grass": (None, None, "green"),
-    "forest": (None, None, "green"), "desert": (None, None, "yellow"), "sand": (None, None, "yellow"),
-    "tree": ("triangle", "green", None), "pyramid": ("triangle", "yellow", None), "mountain": ("triangle", None, None),
-    "box": ("square", None, None), "window": ("square", None, None), "house": ("square", None, None),
-    "starfish": ("star", "orange", None), "fire": (None, "orange", None), "leaf": (None, "green", None),
-}
-_WORD = re.compile(r"[a-z]+")
 
 
-def image_prompt_from_text(text: str, idea: str = "") -> str:
-    """Turn an LLM's answer into a prompt in the embedded image model's vocabulary.
+def shapes_prompt_pattern() -> str:
+    """The embedded image model's whole vocabulary as a regular expression, for ``allowed=``.
 
-    The small default LLM does not always follow the format or the idea, so the shape and
-    colors come from the user's ``idea`` where it names them (or hints at them: "sun", "sea",
-    "night"), then from the LLM's answer, then from defaults; the result is
-    always ``"a <color> <shape> on a <color> background"`` (with a size if the answer had one).
+    The LLM's decoding is held to it, so what the LLM writes is exactly what gets drawn.
 
     Example:
-        >>> image_prompt_from_text("A big yellow star on a black background.")
-        'a large yellow star on a black background'
-        >>> image_prompt_from_text("I think it's a sun", idea="the sun over the sea")
-        'a yellow circle on a blue background'
+        >>> import re
+        >>> bool(re.fullmatch(shapes_prompt_pattern(), "a small yellow circle on a blue background"))
+        True
     """
-    from ._shapes import COLORS, parse_prompt
+    from ._shapes import COLORS, SHAPES, SIZES
 
-    # What the user said wins over what the 135M model wrote (it often swaps colors): explicit
-    # words in the idea first, then hint words in the idea, then the LLM's answer.
-    shape, color, background = parse_prompt(idea)
-    for word in _WORD.findall(idea.lower()):
-        hint = _HINTS.get(word)
-        if hint is not None:
-            shape = shape or hint[0]
-            color = color or hint[1]
-            if hint[2] is not None and hint[2] != color:
-                background = background or hint[2]
-    llm_shape, llm_color, llm_bg = parse_prompt(text)
-    shape = shape or llm_shape
-    color = color or llm_color
-    if llm_bg != color:
-        background = background or llm_bg
-    shape = shape or "circle"
-    color = color or "red"
-    if background is None or background == color:
-        background = next(c for c in ("blue", "black", "white", *COLORS) if c != color)
-    words = set(_WORD.findall(text.lower()))
-    size = "small " if words & {"small", "tiny", "little"} else "large " if words & {"large", "big", "huge"} else ""
-    return f"a {size}{color} {shape} on a {background} background"
+    colors, shapes, sizes = "|".join(COLORS), "|".join(SHAPES), "|".join(SIZES)
+    return rf"an? (({sizes}) )?({colors}) ({shapes}) on an? ({colors}) background"
 
 
 def prompt_messages(idea: str, style: str) -> list[dict[str, str]]:
@@ -604,13 +566,14 @@ def create_demo(
         kwargs = image_kwargs(steps, seed, preview, 1, 75, 256)
 
         def draw(final: Any) -> Stream:
-            text = final.text or ""
-            prompt = image_prompt_from_text(text, idea) if prompt_style == "shapes" else (text.strip() or idea)
+            # The shapes style constrains the LLM to the image model's vocabulary: its text is drawn as is.
+            prompt = (final.text or "").strip() or idea
             chosen["prompt"] = prompt
             return sd.stream(prompt, **kwargs)
 
+        constraint = {"allowed": shapes_prompt_pattern()} if prompt_style == "shapes" else {"stop": ["\n"]}
         try:
-            first = llm.stream(prompt_messages(idea, prompt_style), max_new_tokens=32, temperature=0.0, stop=["\n"])
+            first = llm.stream(prompt_messages(idea, prompt_style), max_new_tokens=32, temperature=0.0, **constraint)
         except MultistreamError as exc:
             raise _gr_error(exc) from exc
         stream = chain(first, draw)
