@@ -32,7 +32,10 @@ def serve(port: int, tokens: int, delay: float, default_model: bool) -> None:
     from multistream.testing import ScriptedTextModel
 
     model: object = "default" if default_model else ScriptedTextModel([f" t{i}" for i in range(tokens)], delay_s=delay)
-    settings = ServerSettings(text_concurrency=4 if default_model else 512, queue_size=1024, heartbeat_s=15)
+    # The real model: admission follows its engine (max_batch); the scripted one: effectively unbounded.
+    # All simulated clients share one loopback address: lift the per-address quota.
+    settings = ServerSettings(text_concurrency=None if default_model else 512, queue_size=1024, heartbeat_s=15,
+                              client_concurrency=1024)
     run(create_app(text_model=model, settings=settings), host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -155,7 +158,7 @@ def main() -> None:
             print(f"RSS growth from stream 200 to {samples[-1][0]}: {growth:+.1f} MiB "
                   f"(retained streams are bounded by max_retained_streams/bytes)")
         metrics = httpx.get(url + "/metrics").text
-        finished = [ln for ln in metrics.splitlines() if ln.startswith("multistream_streams_finished_total")]
+        finished = [ln for ln in metrics.splitlines() if ln.startswith("multistream:requests_finished_total")]
         print("server metrics: " + "; ".join(finished))
     finally:
         proc.terminate()

@@ -163,9 +163,9 @@ class TextBatcher:
     def _prefill(self) -> None:
         """Prefill waiting requests, best first, within the token budget and the free rows.
 
-        Whole prompts that fit the budget are prefilled together in one left-padded forward (one
-        pass over the weights for all of them); a prompt longer than the budget goes alone, one
-        chunk per step.
+        Whole prompts of the same priority that fit the budget are prefilled together in one
+        left-padded forward (one pass over the weights for all of them); a prompt longer than the
+        budget goes alone, one chunk per step.
         """
         budget = self.prefill_budget
         free_rows = self.capacity - len(self.batch)
@@ -177,6 +177,8 @@ class TextBatcher:
                 free_rows -= 1  # paused earlier, its cache is ready: it takes a row first
                 continue
             remaining = len(req.context) - req.prefilled
+            if group and req.priority != group[0].priority:
+                break  # a higher priority is prefilled on its own, so its first token is not held up
             if req.prefilled == 0 and req.own_cache is None and remaining <= budget:
                 group.append(req)
                 budget -= remaining
