@@ -285,7 +285,9 @@ async def _edit_body(request: Request, state: ServerState) -> Any:
     return await read_body(request, state)
 
 
-_EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the stream has already ended"}}
+_EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the stream has already ended"},
+                202: {"description": "forwarded to the process that runs the stream (shared event log), which did not "
+                      "confirm within 2 s: `EditResult` plus `pending: true` and a `note`"}}
 
 
 @router.post("/v1/streams/{stream_id}/finish", response_model=EditResult, responses=_EDIT_ERRORS,
