@@ -10,7 +10,9 @@
    share the same cores, so it shows overhead, not a speed-up.
 3. Failover gap: a replica is killed (``ray.kill``) mid-stream; time from its death to the next
    event the client gets (events produced before the kill are not counted), p50/p95 over
-   ``--kills`` kills, fewer if ``--budget-s`` runs out (the output says how many).
+   ``--kills`` kills, fewer if ``--budget-s`` runs out (the output says how many). Each kill
+   waits until Serve has noticed the previous one and runs 2 replicas again, so a survivor
+   always exists (the gap of one replica failing over to another, not of a cold start).
 
 Starts its own redis-server and local Ray cluster on loopback; needs ``multistream[scale]`` and
 Debian's ``redis-server``.
@@ -203,8 +205,20 @@ def ray_figures(redis_url: str, kills: int, budget_s: float) -> dict[str, Any]:
             gap = kill_gap(url, ray)
             if gap is not None:
                 gaps.append(gap)
+            # Let the controller notice the death before the next round: otherwise wait_ready still
+            # sees 2 RUNNING, the next kill takes the survivor, and that "gap" is a replica start.
+            noticed_by = time.monotonic() + 10
+            while time.monotonic() < noticed_by:
+                try:
+                    dep = serve.status().applications[APP_NAME].deployments["text"]
+                    if dep.replica_states.get("RUNNING", 0) < 2 or str(getattr(dep.status, "value", dep.status)) != "HEALTHY":
+                        break
+                except Exception:  # noqa: BLE001
+                    pass
+                time.sleep(0.1)
         out["kills"] = len(gaps)
         out["kills_asked"] = kills
+        out["gaps"] = sorted(gaps)
         if gaps:
             out["gap_s_p50"] = statistics.median(gaps)
             out["gap_s_p95"] = pct(gaps, 0.95)
@@ -241,6 +255,8 @@ def main() -> None:
               f"(budget {args.budget_s:.0f} s): "
               + (f"p50 {f['gap_s_p50']:.2f} s, p95 {f['gap_s_p95']:.2f} s, max {f['gap_s_max']:.2f} s"
                  if f.get("kills") else "none measured"))
+        if f.get("gaps"):
+            print("each gap, sorted (s): " + " ".join(f"{g:.2f}" for g in f["gaps"]))
 
 
 if __name__ == "__main__":

@@ -130,3 +130,39 @@ def test_openai_and_metrics_through_the_ingress(cluster: str) -> None:
         assert r.json()["choices"][0]["message"]["content"]
         assert "multistream:event_log_up" in client.get(f"{cluster}/metrics").text
         assert client.post(f"{cluster}/v1/image", json={"prompt": "x"}).status_code == 404  # 0 image replicas
+
+
+def test_edits_reach_the_model_replica(cluster: str) -> None:
+    """steer, rewind and finish sent to the ingress (either replica) reach the model replica
+    generating the stream; rewound text passes through with its offset and revision."""
+    events: list[dict] = []
+    with httpx.Client(timeout=120) as client, client.stream("POST", f"{cluster}/v1/text", json={
+            "prompt": PROMPT, "max_new_tokens": 80, "temperature": 0.0}) as r:
+        assert r.status_code == 200, r.read()
+        sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+        h = {"X-Resume-Token": token}
+        sent: list[str] = []
+        for ev in iter_events(r):
+            events.append(ev)
+            if len(events) == 3 and not sent:
+                resp = client.post(f"{cluster}/v1/streams/{sid}/steer", json={"instruction": "Be brief."}, headers=h)
+                assert resp.status_code in (200, 202), resp.text
+                sent.append("steer")
+            elif ev.get("revision") == 1 and sent == ["steer"] and len("".join(e["delta"] for e in events)) > 2:
+                resp = client.post(f"{cluster}/v1/streams/{sid}/rewind", json={"offset": 2}, headers=h)
+                assert resp.status_code in (200, 202), resp.text
+                sent.append("rewind")
+            elif ev.get("revision") == 2 and sent == ["steer", "rewind"]:
+                resp = client.post(f"{cluster}/v1/streams/{sid}/finish", headers=h)
+                assert resp.status_code in (200, 202), resp.text
+                sent.append("finish")
+    final = events[-1]
+    assert sent == ["steer", "rewind", "finish"]
+    assert final["finish_reason"] == "finished_early"
+    assert [rev["kind"] for rev in final["revisions"]] == ["steer", "rewind"]
+    assert any(e["offset"] <= 2 and e["revision"] == 2 for e in events)  # snapped back to a token boundary
+    text = ""
+    for e in events:
+        text = text[: e["offset"]] + e["delta"]
+    assert text == final["text"]
+    assert [e["seq"] for e in events] == list(range(len(events)))

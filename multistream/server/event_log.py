@@ -16,6 +16,11 @@ Keys (``prefix`` defaults to ``ms:``):
 - ``ms:finished`` - a sorted set of finished streams by finish time (count/byte/time retention);
   ``ms:bytes`` - approximate bytes held by all logs; ``ms:cancel`` - a pub/sub channel: a cancel
   received by a process that does not run the stream reaches the one that does.
+- ``ms:ctl:{process}`` - a pub/sub channel per process (the ``proc`` field of ``ms:m:{id}``; a Ray
+  model replica listens on ``ms:ctl:replica:{name}``): edits (finish, steer, rewind) of a stream
+  that process runs, sent by any other; the owner applies the command and pushes its verdict
+  (``{"status": 200, "accepted": ...}`` or a 4xx with the model's message) on ``ms:r:{reply id}``,
+  which the sender waits on for ``CONTROL_WAIT_S`` (``BLPOP``).
 
 Retention mirrors the in-memory log: a live image stream keeps only its newest preview per image
 (the older entry is ``XDEL``-ed); finished streams expire after ``retention_s`` (``EXPIRE``), and
@@ -46,13 +51,15 @@ from .settings import ServerSettings
 if TYPE_CHECKING:
     from .registry import StreamRecord
 
-__all__ = ["RedisEventLog", "RemoteRecord", "entry_id"]
+__all__ = ["CONTROL_WAIT_S", "RedisEventLog", "RemoteRecord", "apply_command", "control_request", "entry_id",
+           "serve_control"]
 
 logger = logging.getLogger("multistream.server")
 
 MAXLEN = 100_000  # entries per stream: far above any real stream (a text event per token, newest previews only)
 _STALE_AFTER_S = 20.0
 _HEARTBEAT_S = 5.0
+CONTROL_WAIT_S = 2.0  # how long a forwarded edit waits for the owner's verdict before answering 202
 
 
 def entry_id(seq: int) -> str:
@@ -107,7 +114,7 @@ class _Writer:
             batch, self.pending = self.pending, []
             pipe = log.redis.pipeline(transaction=False)
             if not self.created:
-                pipe.hset(mkey, mapping={"token": rec.token, "owner": rec.owner or "", "keyed": int(rec.owner_keyed),
+                pipe.hset(mkey, mapping={"token": rec.token, "owner": rec.owner or "", "proc": log.instance, "keyed": int(rec.owner_keyed),
                                          "kind": rec.kind, "model": rec.model_name, "resumable": int(rec.resumable),
                                          "created": rec.created, "done": 0, "hb": time.time()})
             added = 0
@@ -171,6 +178,7 @@ class RemoteRecord:
         self.stream_id = stream_id
         self.token = meta.get("token", "")
         self.owner = meta.get("owner") or None
+        self.proc = meta.get("proc") or ""  # the process that runs it (its control channel)
         self.owner_keyed = meta.get("keyed") == "1"
         self.kind = meta.get("kind", "text")
         self.model_name = meta.get("model", "")
@@ -323,18 +331,23 @@ class RedisEventLog:
         self.up = True
         self._tasks: list[asyncio.Task[None]] = []
         self._cancel_handler: Any = None
+        self.instance = secrets.token_hex(8)  # this process's name on the control channel
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def start(self, on_cancel: Any = None) -> None:
-        """Start the heartbeat and the cancel listener (inside the server's event loop)."""
+    def start(self, on_cancel: Any = None, on_control: Any = None) -> None:
+        """Start the heartbeat, the cancel listener and (with ``on_control``, an async function
+        from a command message to a verdict dict) this process's edit listener."""
         self._cancel_handler = on_cancel
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._heartbeat(), name="multistream-log-heartbeat"),
                        loop.create_task(self._listen_cancels(), name="multistream-log-cancels")]
+        if on_control is not None:
+            self._tasks.append(loop.create_task(serve_control(self.redis, self.prefix, self.instance, on_control),
+                                                name="multistream-log-control"))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -384,6 +397,18 @@ class RedisEventLog:
             await self.redis.publish(self.key("cancel"), stream_id)
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not forward a cancel for stream %s: %s", stream_id, exc)
+
+    async def forward_edit(self, record: RemoteRecord, command: str, args: list[Any],
+                           kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """Send an edit to the process that runs ``record``'s stream; its verdict, ``{"gone":
+        True}`` when no process listens there, or None when none came within ``CONTROL_WAIT_S``."""
+        if not record.proc:
+            return {"gone": True}
+        try:
+            return await control_request(self.redis, self.prefix, record.proc, {
+                "stream_id": record.stream_id, "command": command, "args": list(args), "kwargs": kwargs})
+        except Exception as exc:  # noqa: BLE001
+            raise unavailable("forward the edit", exc) from None
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -445,3 +470,100 @@ class RedisEventLog:
         pick = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e6, 1)) if lat else (lambda q: None)
         return {"up": self.up, "live": len(self.live_writers), "write_failures": self.write_failures,
                 "write_us_p50": pick(0.5), "write_us_p95": pick(0.95)}
+
+
+# -- control: edits for a stream another process runs ---------------------------------------------
+
+
+def apply_command(stream: Any, command: str, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Apply an already-parsed edit to a model `Stream`; True when queued (a finish of an ended
+    stream: False). Raises `Problem`: 409 for an ended stream, 400 with the model's message."""
+    from ..errors import StreamFinishedError
+    from .problems import problem_from_exception
+
+    try:
+        if command == "finish":
+            if stream._channel.final_put:
+                return False
+            stream.finish_early()
+        elif command == "steer":
+            stream.steer(*args, **kwargs)
+        elif command == "rewind":
+            stream.rewind(*args, **kwargs)
+        else:
+            raise Problem(400, "invalid_message", f"unknown command {command!r}")
+    except StreamFinishedError as exc:
+        raise Problem(409, "stream_finished", str(exc)) from None
+    except Problem:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model's refusal is a 4xx with its message
+        raise problem_from_exception(exc) from None
+    return True
+
+
+def verdict(problem: Problem | None = None, accepted: bool = True, status: int = 200) -> dict[str, Any]:
+    """The owner's answer to a forwarded edit (JSON-ready)."""
+    if problem is not None:
+        return {"status": problem.status, "type": problem.type, "message": problem.message}
+    return {"status": status, "accepted": accepted}
+
+
+async def control_request(redis: Any, prefix: str, target: str, message: dict[str, Any],
+                          wait_s: float = CONTROL_WAIT_S) -> dict[str, Any] | None:
+    """Publish ``message`` on ``{prefix}ctl:{target}`` and wait for the verdict: a dict,
+    ``{"gone": True}`` when nobody listens on that channel, None when none came in ``wait_s``."""
+    reply = secrets.token_hex(12)
+    receivers = await redis.publish(f"{prefix}ctl:{target}", json.dumps({**message, "reply": reply}))
+    if not receivers:
+        return {"gone": True}
+    got = await redis.blpop([f"{prefix}r:{reply}"], timeout=wait_s)
+    if not got:
+        return None
+    raw = got[1]
+    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)  # type: ignore[no-any-return]
+
+
+async def serve_control(redis: Any, prefix: str, target: str, handler: Any) -> None:
+    """Forever: answer the commands published on ``{prefix}ctl:{target}`` with ``await
+    handler(message)`` (a verdict dict), pushed on the sender's reply list."""
+    async def answer(raw: Any) -> None:
+        try:
+            message = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            reply = message.get("reply")
+            if not isinstance(reply, str):
+                return
+            try:
+                result = await handler(message)
+            except Problem as problem:
+                result = verdict(problem)
+            except Exception:  # noqa: BLE001
+                logger.exception("applying a forwarded edit failed")
+                result = verdict(Problem(500, "internal_error", "the owner failed to apply the edit"))
+            key = f"{prefix}r:{reply}"
+            await redis.pipeline(transaction=False).rpush(key, json.dumps(result)).expire(key, 30).execute()
+        except Exception as exc:  # noqa: BLE001 - the sender times out and answers 202
+            logger.warning("answering a forwarded edit failed: %s", exc)
+
+    tasks: set[asyncio.Task[None]] = set()
+    while True:
+        pubsub = None
+        try:
+            pubsub = redis.pubsub()
+            await pubsub.subscribe(f"{prefix}ctl:{target}")
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg:
+                    task = asyncio.get_running_loop().create_task(answer(msg.get("data")))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Redis down: try again in a moment
+            logger.debug("control listener %s: %s", target, exc)
+            await asyncio.sleep(1.0)
+        finally:
+            if pubsub is not None:
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001
+                    pass

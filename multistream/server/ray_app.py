@@ -15,6 +15,12 @@ sampling since draws depend only on (seed, position)); for images the run restar
 seed and previews up to the last step sent are skipped. The client sees one stream: no gap, no
 duplicate. With several ingress replicas, ``event_log`` (Redis) makes a resume work on any of them.
 
+Edits (finish, steer, rewind) reach the replica generating the stream through the event log's
+control channel (``ms:ctl:replica:{name}``; `RemoteModel.forward_edit`), so they need
+``event_log``; a cancel cancels the replica's streaming call. A failover after a steer or rewind
+continues from the text so far (the rewound text, the tokens written after a steer) under the
+original prompt: the steer instructions themselves are not replayed on the new replica.
+
 Example:
     $ multistream serve --ray --text-replicas 2 --image-replicas 0 --event-log redis://127.0.0.1:6379/0
     >>> from multistream.server.ray_app import build_app                       # doctest: +SKIP
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -43,6 +50,7 @@ __all__ = ["ModelReplica", "RemoteModel", "app_builder", "build_app", "serve_ray
 logger = logging.getLogger("multistream.server")
 
 APP_NAME = "multistream"
+_PREFIX = "ms:"  # the event log's key prefix (`RedisEventLog`)
 _MAX_FAILOVERS = 8
 _FAILOVER_WINDOW_S = 60.0
 
@@ -57,10 +65,13 @@ def _retryable() -> tuple[type[BaseException], ...]:
 class ModelReplica:
     """One model replica (deployment ``text`` or ``image``): loads the model, streams events."""
 
-    def __init__(self, kind: str, spec: Any) -> None:
+    def __init__(self, kind: str, spec: Any, event_log: str | None = None) -> None:
         from .state import _load_model
 
         self.kind = kind
+        self.event_log = event_log if event_log and event_log.startswith(("redis://", "rediss://", "unix://")) else None
+        self.streams: dict[str, Stream] = {}  # ingress stream id -> the generation running here (for edits)
+        self._control: asyncio.Task[None] | None = None
         self.model = _load_model(kind, "default" if spec is None else spec)
         self.name = str(getattr(self.model, "name", None) or kind)
         try:
@@ -80,9 +91,35 @@ class ModelReplica:
         return {"kind": self.kind, "name": self.name, "replica": self.replica, "pid": os.getpid(),
                 "native_resume": self.native_resume, "capacity": capacity if isinstance(capacity, int) else 4}
 
-    async def generate(self, kwargs: dict[str, Any], resume: dict[str, Any] | None = None) -> Any:
+    def _listen(self) -> None:
+        """Start answering edits for the streams running here (``ms:ctl:replica:{name}``)."""
+        if self._control is not None or self.event_log is None or not self.replica:
+            return
+        import redis.asyncio as aioredis
+
+        from .event_log import serve_control
+
+        client = aioredis.from_url(self.event_log, socket_connect_timeout=2.0)
+        self._control = asyncio.get_running_loop().create_task(
+            serve_control(client, _PREFIX, f"replica:{self.replica}", self._on_control), name="multistream-replica-control")
+
+    async def _on_control(self, message: dict[str, Any]) -> dict[str, Any]:
+        from .event_log import apply_command, verdict
+        from .problems import Problem
+
+        stream = self.streams.get(str(message.get("stream_id")))
+        command, args, kwargs = message.get("command"), message.get("args"), message.get("kwargs")
+        if command not in ("finish", "steer", "rewind") or not isinstance(args, list) or not isinstance(kwargs, dict):
+            return verdict(Problem(400, "invalid_message", "malformed forwarded edit"))
+        if stream is None:
+            return {"gone": True}
+        return verdict(accepted=apply_command(stream, command, args, kwargs))
+
+    async def generate(self, kwargs: dict[str, Any], resume: dict[str, Any] | None = None, key: str | None = None) -> Any:
         """Yield the replica's name, then the stream's events, trimmed to what follows ``resume``
-        (``{"tokens": [...], "chars": n}`` for text, ``{"step": s}`` for an image)."""
+        (``{"tokens": [...], "chars": n}`` for text, ``{"step": s}`` for an image). ``key`` (the
+        ingress's stream id) names the generation for edits forwarded here."""
+        self._listen()
         yield {"replica": self.replica}
         resume = resume or {}
         tokens = list(resume.get("tokens") or [])
@@ -98,6 +135,8 @@ class ModelReplica:
         except Exception as exc:  # noqa: BLE001 - a refusal reaches the client as an error event
             yield ErrorEvent(stream_id="", seq=0, t=0.0, error={"type": type(exc).__name__, "message": str(exc)})
             return
+        if key is not None:
+            self.streams[key] = stream
         try:
             async for ev in stream:
                 if isinstance(ev, TextEvent) and (trim_tokens or trim_chars):
@@ -108,6 +147,8 @@ class ModelReplica:
                     continue
                 yield ev
         finally:
+            if key is not None and self.streams.get(key) is stream:
+                del self.streams[key]
             stream.close()
 
 
@@ -127,9 +168,11 @@ class RemoteModel:
     """The ingress's stand-in for a model: ``.stream(**kwargs)`` streams from the model deployment,
     failing over to another replica when one dies."""
 
-    def __init__(self, kind: str, handle: Any, name: str = "") -> None:
+    def __init__(self, kind: str, handle: Any, name: str = "", event_log: str | None = None) -> None:
         self.kind = kind
         self.handle = handle
+        self.event_log = event_log if event_log and event_log.startswith(("redis://", "rediss://", "unix://")) else None
+        self._redis: Any = None
         self.name = name or kind
         self.replica_of: dict[str, str] = {}  # stream id -> replica serving it now (for tests, metrics)
         self.failovers = 0
@@ -146,17 +189,56 @@ class RemoteModel:
                                     context=contextvars.Context())
             writer.on_cancel(lambda: loop.call_soon_threadsafe(task.cancel))
 
-        return Stream(kind=self.kind, submit=submit)
+        stream = Stream(kind=self.kind, submit=submit)
+        # The server's edit routes look for this (`routes_native.apply_edit`): edits travel to the replica.
+        stream.forward_edit = functools.partial(self.forward_edit, stream.stream_id)  # type: ignore[attr-defined]
+        return stream
+
+    async def forward_edit(self, stream_id: str, command: str, args: list[Any],
+                           kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """Send finish/steer/rewind to the replica generating ``stream_id`` (Redis control channel):
+        its verdict, ``{"gone": True}``, or None when it did not answer in time."""
+        from .event_log import control_request
+        from .problems import Problem
+
+        if self.event_log is None:
+            raise Problem(501, "edits_need_event_log", "on Ray Serve, finish/steer/rewind reach the model replica "
+                          "through the shared event log; start with --event-log redis://HOST:PORT/DB")
+        if self._redis is None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(self.event_log, socket_connect_timeout=2.0, socket_timeout=5.0)
+        answer: dict[str, Any] | None = {"gone": True}
+        seen = False
+        for _ in range(10):  # not started on a replica yet, a failover in progress, a listener subscribing
+            replica = self.replica_of.get(stream_id)
+            if replica:
+                seen = True
+                try:
+                    answer = await control_request(self._redis, _PREFIX, f"replica:{replica}", {
+                        "stream_id": stream_id, "command": command, "args": list(args), "kwargs": kwargs})
+                except Exception as exc:  # noqa: BLE001
+                    from .event_log import unavailable
+
+                    raise unavailable("forward the edit", exc) from None
+                if answer is None or not answer.get("gone"):
+                    return answer
+            await asyncio.sleep(0.1)
+        if not seen:
+            raise Problem(503, "stream_starting", f"stream {stream_id} has not reached a model replica yet; retry "
+                          "shortly", {"Retry-After": "1"})
+        return answer
 
     async def _pump(self, w: StreamWriter, kwargs: dict[str, Any]) -> None:
         ids: list[int] = []
         text = ""
+        revision = 0
         step = -1
         failures: list[float] = []
         retryable = _retryable()
         while True:
             gen = self.handle.options(stream=True).generate.remote(
-                kwargs, {"tokens": ids, "chars": len(text), "step": step})
+                kwargs, {"tokens": ids, "chars": len(text), "step": step}, w.stream_id)
             try:
                 async for item in gen:
                     if isinstance(item, dict):
@@ -164,13 +246,21 @@ class RemoteModel:
                         continue
                     ev: Event = item
                     if isinstance(ev, TextEvent):
+                        # Offsets and revisions pass through: a rewind on the replica replaces text here too.
+                        offset = ev.offset if ev.offset is not None else len(text)
+                        moved = offset != len(text)
+                        index = ev.index if moved else len(ids)
+                        while revision < (ev.revision or 0):
+                            revision = w.new_revision()
                         if ev.is_final:
-                            w.finish_text(ev.delta, ev.token_ids, len(ids), finish_reason=ev.finish_reason or "stop",
-                                          text=text + ev.delta, usage=dict(ev.usage or {}), metrics=dict(ev.metrics or {}))
-                        elif ev.delta:
-                            w.text(ev.delta, ev.token_ids, len(ids))
-                        ids.extend(ev.token_ids)
-                        text += ev.delta
+                            w.finish_text(ev.delta, ev.token_ids, index, finish_reason=ev.finish_reason or "stop",
+                                          text=text[:offset] + ev.delta, usage=dict(ev.usage or {}),
+                                          metrics=dict(ev.metrics or {}), revisions=ev.revisions,
+                                          offset=offset if moved else None)
+                        elif ev.delta or moved:
+                            w.text(ev.delta, ev.token_ids, index, offset=offset if moved else None)
+                        ids = ids[:index] + list(ev.token_ids)
+                        text = text[:offset] + ev.delta
                     elif isinstance(ev, ImageEvent):
                         w.forward(ev)
                         if not ev.is_final and ev.finish_reason is None:
@@ -250,7 +340,7 @@ class Ingress:
         def load() -> RemoteModel:
             _wait_healthy(kind)
             info = handle.info.remote().result(timeout_s=60)
-            model = RemoteModel(kind, handle, info.get("name", kind))
+            model = RemoteModel(kind, handle, info.get("name", kind), self.settings.event_log)
             # The ingress admits what all replicas together take (engine capacity x replicas).
             model.capacity = int(info.get("capacity") or 4) * max(1, _replicas(kind))
             self.remote[kind] = model
@@ -295,7 +385,7 @@ def build_app(settings: ServerSettings, *, text_model: Any = "default", image_mo
         dep = serve.deployment(ModelReplica).options(
             name=kind, ray_actor_options=options or {"num_cpus": 1}, max_ongoing_requests=64,
             health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5, **scale)
-        return dep.bind(kind, spec)
+        return dep.bind(kind, spec, settings.event_log)
 
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="ingress", num_replicas=ingress_replicas, ray_actor_options={"num_cpus": 0},

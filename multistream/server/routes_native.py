@@ -17,6 +17,11 @@ Edits of a running stream (all answer `EditResult`; the effect shows in the stre
 Bad input is a 400 with the model's own message; a stream that already ended is a 409
 (``stream_finished``); neither touches the stream.
 
+With a shared event log, an edit of a stream that another process runs (another server, another
+Ray ingress replica) is checked here (a 400 at once), forwarded to that process, and answered
+with its verdict (200, or its 4xx); if it does not answer within ``CONTROL_WAIT_S`` (2 s) the
+answer is **202** ``{"accepted": true, "pending": true, "note": ...}``: the edit is on its way.
+
 Example:
     >>> httpx.post(f"{url}/v1/streams/{sid}/steer", json={"instruction": "shorter"},
     ...            headers={"X-Resume-Token": token})                           # doctest: +SKIP
@@ -33,16 +38,16 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import StreamFinishedError
 from .bodies import (EditResult, ErrorResponse, ImageRequest, RewindRequest, SteerRequest, TextRequest,
                      parse_image_body, parse_rewind_body, parse_steer_body, parse_text_body, read_json)
-from .problems import Problem, problem_from_exception
+from .event_log import CONTROL_WAIT_S, apply_command
+from .problems import Problem
 from .registry import StreamRecord
 from .security import Principal
 from .sse import sse_response
 from .state import ServerState, get_principal, get_state
 
-__all__ = ["edit_stream", "router"]
+__all__ = ["apply_edit", "apply_parsed_edit", "edit_stream", "parse_edit", "router"]
 
 router = APIRouter(tags=["streams"])
 
@@ -184,39 +189,92 @@ async def cancel_stream(stream_id: str, request: Request, state: ServerState = D
     return CancelResult(stream_id=stream_id, cancelled=was_running)
 
 
-def edit_stream(record: StreamRecord, command: str, body: Any, state: ServerState) -> EditResult:
-    """Apply ``finish``/``steer``/``rewind`` (``body``: the JSON object) to ``record``'s stream.
-
-    Shared by the HTTP routes and the WebSocket. Raises `Problem`: 400 for bad input (the model's
-    message), 409 when the stream already ended.
-    """
+def parse_edit(command: str, body: Any, state: ServerState) -> tuple[list[Any], dict[str, Any]]:
+    """Check an edit's body here (400 at once): ``(args, kwargs)`` for `Stream.steer`/`rewind`."""
     if command == "finish":
         if body not in (None, {}):
             raise Problem(400, "invalid_argument", "finish takes no arguments; send an empty body or {}")
-        if record.done:
-            return EditResult(stream_id=record.stream_id, command=command, accepted=False)
-        record.stream.finish_early()
-        return EditResult(stream_id=record.stream_id, command=command, accepted=True)
+        return [], {}
+    if command == "steer":
+        args, kwargs = parse_steer_body(body if body is not None else {}, state.settings)
+        return list(args), kwargs
+    if command == "rewind":
+        offset, kwargs = parse_rewind_body(body if body is not None else {}, state.settings)
+        return [offset], kwargs
+    raise Problem(400, "invalid_message", f"unknown command {command!r}")  # pragma: no cover
+
+
+def _finished_problem(record: Any, command: str) -> Problem:
+    return Problem(409, "stream_finished", f"stream {record.stream_id} has already ended, so it cannot {command}; "
+                   + ("start a new stream (or revise the finished answer)" if record.kind == "text"
+                      else "start a new stream"))
+
+
+def edit_stream(record: StreamRecord, command: str, body: Any, state: ServerState) -> EditResult:
+    """Apply ``finish``/``steer``/``rewind`` (``body``: the JSON object) to a stream this process
+    runs with a local model. Raises `Problem`: 400 for bad input (the model's message), 409 when
+    the stream already ended. `apply_edit` also reaches streams run elsewhere."""
+    args, kwargs = parse_edit(command, body, state)
     if record.done:
-        raise Problem(409, "stream_finished", f"stream {record.stream_id} has already ended, so it cannot {command}; "
-                      + ("start a new stream (or revise the finished answer)" if record.kind == "text"
-                         else "start a new stream"))
-    try:
-        if command == "steer":
-            args, kwargs = parse_steer_body(body if body is not None else {}, state.settings)
-            record.stream.steer(*args, **kwargs)
-        elif command == "rewind":
-            offset, kwargs = parse_rewind_body(body if body is not None else {}, state.settings)
-            record.stream.rewind(offset, **kwargs)
-        else:  # pragma: no cover - the callers name the command
-            raise Problem(400, "invalid_message", f"unknown command {command!r}")
-    except StreamFinishedError as exc:
-        raise Problem(409, "stream_finished", str(exc)) from None
-    except Problem:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a model's refusal is a 4xx with its message
-        raise problem_from_exception(exc) from None
-    return EditResult(stream_id=record.stream_id, command=command, accepted=True)
+        if command == "finish":
+            return EditResult(stream_id=record.stream_id, command=command, accepted=False)
+        raise _finished_problem(record, command)
+    accepted = apply_command(record.stream, command, args, kwargs)
+    return EditResult(stream_id=record.stream_id, command=command, accepted=accepted)
+
+
+_PENDING_NOTE = ("forwarded to the process that runs this stream, which did not confirm within {wait:g} s; "
+                 "the edit applies when it gets there (watch the stream's events: revision, offset, "
+                 "finish_reason); a refusal there is not reported back")
+
+
+async def apply_edit(record: Any, command: str, body: Any, state: ServerState) -> tuple[int, dict[str, Any]]:
+    """Apply an edit wherever the stream runs: here, in another server process (through the
+    shared event log's control channel) or on a Ray model replica. Returns ``(status, body)``:
+    200 with `EditResult`, or 202 with ``pending: true`` and a ``note`` when the owner did not
+    answer within ``CONTROL_WAIT_S``. Raises `Problem` (400 bad input, checked here first; 409
+    ended; the owner's own 4xx verdict)."""
+    args, kwargs = parse_edit(command, body, state)
+    return await apply_parsed_edit(record, command, args, kwargs, state)
+
+
+async def apply_parsed_edit(record: Any, command: str, args: list[Any], kwargs: dict[str, Any],
+                            state: ServerState) -> tuple[int, dict[str, Any]]:
+    """`apply_edit` after the body was checked (the owner side of a forwarded edit starts here)."""
+    sid = record.stream_id
+    if record.done:
+        if command == "finish":
+            return 200, {"stream_id": sid, "command": command, "accepted": False}
+        raise _finished_problem(record, command)
+    forward = getattr(record.stream, "forward_edit", None) if not getattr(record, "remote", False) else None
+    if getattr(record, "remote", False):
+        answer = await state.registry.log.forward_edit(record, command, args, kwargs)
+        wait = CONTROL_WAIT_S
+    elif forward is not None:  # a Ray ingress: the model runs on a replica
+        answer = await forward(command, args, kwargs)
+        wait = CONTROL_WAIT_S
+    else:
+        accepted = apply_command(record.stream, command, args, kwargs)
+        return 200, {"stream_id": sid, "command": command, "accepted": accepted}
+    if answer is None:
+        return 202, {"stream_id": sid, "command": command, "accepted": True, "pending": True,
+                     "note": _PENDING_NOTE.format(wait=wait)}
+    if answer.get("gone"):
+        if command == "finish":
+            return 200, {"stream_id": sid, "command": command, "accepted": False}
+        raise Problem(409, "stream_finished", f"stream {sid} is not running anywhere any more (it ended, or the "
+                      f"process that ran it went away), so it cannot {command}")
+    status = int(answer.get("status", 500))
+    if status >= 400:
+        raise Problem(status, str(answer.get("type", "error")), str(answer.get("message", "")))
+    result: dict[str, Any] = {"stream_id": sid, "command": command, "accepted": bool(answer.get("accepted", True))}
+    if status == 202:
+        result.update(pending=True, note=_PENDING_NOTE.format(wait=wait))
+    return status, result
+
+
+def _edit_response(status: int, result: dict[str, Any]) -> Any:
+    return result if status == 200 else JSONResponse(result, status_code=status)
 
 
 async def _edit_body(request: Request, state: ServerState) -> Any:
@@ -227,7 +285,9 @@ async def _edit_body(request: Request, state: ServerState) -> Any:
     return await read_body(request, state)
 
 
-_EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the stream has already ended"}}
+_EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the stream has already ended"},
+                202: {"description": "forwarded to the process that runs the stream (shared event log), which did not "
+                      "confirm within 2 s: `EditResult` plus `pending: true` and a `note`"}}
 
 
 @router.post("/v1/streams/{stream_id}/finish", response_model=EditResult, responses=_EDIT_ERRORS,
@@ -237,7 +297,7 @@ _EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the str
 async def finish_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
                         principal: Principal = Depends(get_principal)) -> Any:
     record = owned_record(state, stream_id, request, principal)
-    return edit_stream(record, "finish", await _edit_body(request, state), state)
+    return _edit_response(*await apply_edit(record, "finish", await _edit_body(request, state), state))
 
 
 @router.post("/v1/streams/{stream_id}/steer", response_model=EditResult, responses=_EDIT_ERRORS,
@@ -247,7 +307,7 @@ async def finish_stream(stream_id: str, request: Request, state: ServerState = D
 async def steer_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
                        principal: Principal = Depends(get_principal)) -> Any:
     record = owned_record(state, stream_id, request, principal)
-    return edit_stream(record, "steer", await read_body(request, state), state)
+    return _edit_response(*await apply_edit(record, "steer", await read_body(request, state), state))
 
 
 @router.post("/v1/streams/{stream_id}/rewind", response_model=EditResult, responses=_EDIT_ERRORS,
@@ -257,7 +317,7 @@ async def steer_stream(stream_id: str, request: Request, state: ServerState = De
 async def rewind_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
                         principal: Principal = Depends(get_principal)) -> Any:
     record = owned_record(state, stream_id, request, principal)
-    return edit_stream(record, "rewind", await read_body(request, state), state)
+    return _edit_response(*await apply_edit(record, "rewind", await read_body(request, state), state))
 
 
 test_router = APIRouter(include_in_schema=False)

@@ -132,7 +132,7 @@ class ServerState:
                          for k, s in self.models.items() if s.state != "disabled"])
         log = self.registry.log
         if log is not None:
-            log.start(on_cancel=self.registry.cancel_remote_request)
+            log.start(on_cancel=self.registry.cancel_remote_request, on_control=self._on_control)
             m.gauge("multistream:event_log_up", "1 while the shared event log (Redis) answers.",
                     lambda: [({}, float(log.up))])
             m.gauge("multistream:event_log_write_failures", "Streams whose event log writes failed.",
@@ -250,6 +250,23 @@ class ServerState:
         except Exception:  # noqa: BLE001 - a failing filter fails closed
             logger.exception("the content filter raised on a prompt; refusing it")
             return STOP
+
+    async def _on_control(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An edit another process forwarded (its body already checked there) for a stream that
+        runs here: apply it, answer the verdict (`event_log.serve_control`)."""
+        from .event_log import verdict
+        from .routes_native import apply_parsed_edit
+
+        sid, command = message.get("stream_id"), message.get("command")
+        args, kwargs = message.get("args"), message.get("kwargs")
+        if command not in ("finish", "steer", "rewind") or not isinstance(args, list) or not isinstance(kwargs, dict):
+            return verdict(Problem(400, "invalid_message", "malformed forwarded edit"))
+        record = self.registry.live.get(sid) or self.registry.finished.get(sid) if isinstance(sid, str) else None
+        if record is None:
+            return verdict(Problem(409, "stream_finished", f"stream {str(sid)[:64]} is not running any more, so it "
+                                   f"cannot {command}"))
+        status, result = await apply_parsed_edit(record, command, args, kwargs, self)
+        return verdict(accepted=bool(result["accepted"]), status=status)
 
     # -- shutdown ------------------------------------------------------------------------------
 

@@ -37,7 +37,12 @@ Server -> client:
   request is refused (bad arguments, queue full: 429, an edit of an ended stream: 409, ...).
   The socket stays open.
 - ``{"type": "edited", "id": "c3", "stream_id": "...", "command": "steer", "accepted": true}``
-  when a ``finish``/``steer``/``rewind`` was queued (its effect shows in the stream's events).
+  when a ``finish``/``steer``/``rewind`` was queued (its effect shows in the stream's events);
+  with ``"pending": true`` and a ``note`` when the stream runs in another process that did not
+  confirm in time (see ``routes_native.apply_edit``).
+
+With a shared event log (``event_log="redis://..."``), ``cancel``, ``resume`` and the edits also
+reach streams that another server process (or Ray ingress replica) runs.
 
 Example (Python, with the ``websockets`` package):
     >>> import json, websockets                                            # doctest: +SKIP
@@ -63,7 +68,7 @@ from ..events import Event, ImageEvent, event_from_dict
 from .bodies import parse_image_body, parse_json_object, parse_text_body
 from .problems import Problem, problem_from_exception
 from .registry import StreamRecord
-from .routes_native import edit_stream
+from .routes_native import apply_edit
 from .security import Principal
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
@@ -185,9 +190,11 @@ class _Connection:
             for task in self.tasks:
                 task.cancel()
 
-    def _record(self, body: dict[str, Any]) -> StreamRecord:
+    async def _record(self, body: dict[str, Any]) -> Any:
+        """The stream (held here, or another process's from the shared event log), if this socket
+        may touch it; a 404 `Problem` otherwise."""
         stream_id = body.get("stream_id")
-        record = self.state.registry.get(stream_id) if isinstance(stream_id, str) else None
+        record = await self.state.registry.fetch(stream_id) if isinstance(stream_id, str) else None
         token = body.get("token") if isinstance(body.get("token"), str) else None
         if record is None or not (record.stream_id in self.mine or record.allows(self.principal, token)):
             raise Problem(404, "stream_not_found", f"no stream {str(stream_id)[:64]!r} here for you (send the "
@@ -207,26 +214,15 @@ class _Connection:
                 tag = None
                 raise Problem(400, "invalid_type", "'id' must be a short string or an integer (echoed back)")
             kind = body.pop("type", None)
-            if kind == "cancel":
-                self._record(body).cancel()
-                return
-            if kind in ("finish", "steer", "rewind"):
-                record = self._record(body)
-                body.pop("stream_id", None)
-                body.pop("token", None)
-                result = edit_stream(record, kind, body, self.state)
-                self._spawn(self._send_quietly(json.dumps({"type": "edited", "id": tag, **result.model_dump()})))
-                return
-            if kind == "resume":
-                record = self._record(body)
-                if not record.resumable:
-                    raise Problem(404, "stream_not_found", "that stream cannot be resumed")
-                after = body.get("after", -1)
-                if not isinstance(after, int) or isinstance(after, bool) or after < -1:
-                    raise Problem(400, "invalid_type", "'after' must be an integer seq >= -1")
-                self._check_room()
-                record.check_follower_room()
-                self._spawn(self._follow(tag, record, after))
+            if kind in ("cancel", "finish", "steer", "rewind", "resume"):
+                if kind == "resume":
+                    after = body.get("after", -1)
+                    if not isinstance(after, int) or isinstance(after, bool) or after < -1:
+                        raise Problem(400, "invalid_type", "'after' must be an integer seq >= -1")
+                    self._check_room()
+                # Async: a stream another process runs is looked up in the shared event log first.
+                # (A local one is found without suspending, so messages keep their order.)
+                self._spawn(self._control(tag, kind, body))
                 return
             if kind == "text":
                 kwargs, priority = parse_text_body(body, self.settings)
@@ -242,6 +238,27 @@ class _Connection:
             self._spawn(self._start(tag, kind, kwargs, priority))
         except Problem as problem:
             self._spawn(self.reject(tag, problem))
+
+    async def _control(self, tag: Any, kind: str, body: dict[str, Any]) -> None:
+        try:
+            record = await self._record(body)
+            if kind == "cancel":
+                record.cancel()
+            elif kind == "resume":
+                if not record.resumable:
+                    raise Problem(404, "stream_not_found", "that stream cannot be resumed")
+                record.check_follower_room()
+                await self._follow(tag, record, body.get("after", -1))
+            else:
+                body.pop("stream_id", None)
+                body.pop("token", None)
+                status, result = await apply_edit(record, kind, body, self.state)
+                await self._send_quietly(json.dumps({"type": "edited", "id": tag, **result}))
+        except Exception as exc:  # noqa: BLE001 - every refusal goes back to the client
+            problem = problem_from_exception(exc)
+            if problem.status >= 500 and not isinstance(exc, Problem):
+                logger.exception("websocket %s failed", kind)
+            await self.reject(tag, problem)
 
     async def _send_quietly(self, message: str) -> None:
         try:
