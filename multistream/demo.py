@@ -686,7 +686,7 @@ def create_demo(
                     used = gr.Textbox(label="Image prompt used", interactive=False, elem_id="ms-picture-used")
                     psteps = gr.Slider(1, 100, value=20, step=1, label="Steps", elem_id="ms-picture-steps")
                     pseed = gr.Number(value=0, precision=0, label="Seed (-1 = random)")
-                    ppreview = gr.Radio(list(PREVIEW_MODES), value="latent", label="Preview")
+                    ppreview = gr.Radio(list(PREVIEW_MODES), value=getattr(image_model, "default_preview", "latent"), label="Preview")
                 with gr.Column(scale=2):
                     with gr.Row():
                         plive = gr.HTML(_preview_html(None, "ms-picture-preview"), elem_id="ms-picture-preview")
