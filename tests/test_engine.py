@@ -299,17 +299,29 @@ def test_image_priority_takes_the_next_step(shapes) -> None:
         shapes._stepper.trace = None
 
 
-def test_image_finish_early_gives_a_full_vae_png(shapes) -> None:
-    s = shapes.stream("a red circle on a blue background", steps=20, seed=0, preview="x0", preview_every=1)
-    events = []
+def test_image_finish_early_gives_a_full_vae_png_closer_than_the_preview(shapes) -> None:
+    import numpy as np
+
+    prompt = "a red circle on a blue background"
+    full = shapes.generate(prompt, steps=20, seed=0, preview="none")
+    s = shapes.stream(prompt, steps=20, seed=0, preview="latent", preview_every=1)
+    events, preview_at_stop = [], None
     for ev in s:
         events.append(ev)
         if ev.step == 8 and not ev.is_final:
+            preview_at_stop = ev
             s.finish_early()
     final = events[-1]
     assert final.finish_reason == "finished_early" and final.mime == "image/png"
     assert final.image.size == (64, 64)
     assert 8 <= final.step < 20
+
+    def mae(ev) -> float:
+        a = np.asarray(ev.image.convert("RGB").resize((64, 64)), dtype=np.float32)
+        return float(np.abs(a - np.asarray(full.image.convert("RGB"), dtype=np.float32)).mean())
+
+    # Keeping the picture now gives something closer to the full run's result than the preview shown.
+    assert preview_at_stop is not None and mae(final) < mae(preview_at_stop)
 
 
 # -- leaving a stream early ends the process cleanly -------------------------------------------------

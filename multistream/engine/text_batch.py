@@ -289,14 +289,7 @@ class TextBatcher:
         positions = torch.tensor([[req.prefilled] for req in batch], device=self.device)
         mask = torch.cat([rows.mask, torch.ones(size, 1, dtype=rows.mask.dtype, device=rows.mask.device)], 1)
         try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_arg: rows.cache},
-            )
+            out = self._forward(input_ids, mask, positions, rows.cache)
         except Exception as exc:  # noqa: BLE001 - every row of this batch shares the fault
             logger.exception("a batched decode step failed; ending its %d streams", size)
             for req in batch:
