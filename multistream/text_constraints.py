@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import regex
-import torch
 
 from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AllowedText", "compile_allowed"]
 
@@ -100,6 +102,8 @@ class AllowedText:
 
     def apply(self, scores: torch.Tensor, generated: list[int]) -> torch.Tensor:
         """``scores`` (1 x vocab) with every token that breaks the pattern at -inf."""
+        import torch  # here, so that checking ``allowed=`` (text_options) stays torch-free
+
         keep = torch.full_like(scores, float("-inf"))
         ids = torch.tensor(self.allowed_ids(generated), device=scores.device)
         ids = ids[ids < scores.shape[-1]]
