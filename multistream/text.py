@@ -310,11 +310,10 @@ class TextModel:
             request = TextRequest(
                 writer=writer, prompt_ids=prompt_ids, options=options, sampler=self._sampler(plan, options),
                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
-                context_length=self.context_length, priority=priority, history=history, echo_history=echo,
+                context_length=self.context_length, priority=priority, is_chat=is_chat, history=history,
+                echo_history=echo,
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
             )
-            request.is_chat = is_chat  # type: ignore[attr-defined]
-            request.plan = plan  # type: ignore[attr-defined]
             if edit is not None:
                 request.context.extend(edit.inserted)
                 request.revisions.append({"kind": "rewind", "step": 0, "offset": len(request._text),
@@ -370,7 +369,7 @@ class TextModel:
 
     def _edit(self, request: TextRequest, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check a steer/rewind on the caller's thread and queue it for the engine's next step."""
-        is_chat = getattr(request, "is_chat", False)
+        is_chat = request.is_chat
         if name == "steer":
             if kwargs:
                 raise InvalidArgumentError(

@@ -7,17 +7,14 @@ import pytest
 import torch
 
 import multistream as ms
+
+# tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
+from test_image import one_thread  # noqa: F401
 from multistream import _random_pipelines as rp
 from multistream import image_loading as image_module
 from multistream.image import ImageModel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 import multistream as ms
+
+# tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
+from test_image import one_thread  # noqa: F401
 from multistream import preview_decoder as pd
 from multistream.errors import InvalidArgumentError, ModelLoadError
 from multistream.image import EMBEDDED_MODEL_DIR
@@ -15,12 +18,6 @@ from multistream.latent_rgb import fit_latent_rgb, latents_to_rgb
 TINY_FIT = dict(num_images=12, latent_size=8, steps=250, width=16, blocks=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

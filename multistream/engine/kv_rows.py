@@ -70,9 +70,8 @@ class RowCache:
         mask = self.mask.index_select(0, index)
         used = mask.any(0).nonzero()
         start = int(used[0]) if used.numel() else mask.shape[1]
-        kv_index = index.to(_layers(self.cache)[0].keys.device)
         layers = [
-            (k.index_select(0, kv_index.to(k.device))[:, :, start:], v.index_select(0, kv_index.to(v.device))[:, :, start:])
+            (k.index_select(0, index.to(k.device))[:, :, start:], v.index_select(0, index.to(v.device))[:, :, start:])
             for k, v in self.kv()
         ]
         return RowCache.from_layers(layers, mask[:, start:])

@@ -95,6 +95,7 @@ class TextRequest:
     context_length: int = 1 << 30
     priority: int = 0
     order: int = 0  # arrival order, the tie-break after priority
+    is_chat: bool = False  # steering instructions are inserted as chat turns (else as plain text)
     # An answer that exists already: (context, answer_ids, answer_pos) to start from, and whether
     # its text is sent again as the first delta (revise) or taken as already sent (failover).
     history: tuple[list[int], list[int], list[int]] | None = None
@@ -136,11 +137,6 @@ class TextRequest:
             self._text = kept
 
     # -- state ----------------------------------------------------------------------------------
-
-    @property
-    def sequence(self) -> list[int]:
-        """Every token the model has seen or made for this request, in order (the context)."""
-        return self.context
 
     @property
     def done(self) -> bool:
