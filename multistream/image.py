@@ -52,13 +52,14 @@ from .engine.settings import engine_thread_setup
 from .errors import InvalidArgumentError
 from .events import Event
 from .frames import check_format, check_quality
+from .image_checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from .image_loading import EMBEDDED_MODEL_DIR, _load_taesd, load_image_model
 from .image_run import ImageRun, ImageSteering
 from .latent_rgb import LatentRGB, detect_family, latent_rgb_for
 from .previews import LinearDecoder, PreviewPlan, PreviewThrottle, TinyDecoder, VaeDecoder, parse_preview, x0_strategy
 from .stream import Stream, StreamWriter
 
-__all__ = ["EMBEDDED_MODEL_DIR", "ImageJob", "ImageModel", "load_image_model"]
+__all__ = ["EMBEDDED_MODEL_DIR", "ImageCheckpoint", "ImageJob", "ImageModel", "load_image_model"]
 
 logger = logging.getLogger("multistream")
 
@@ -338,6 +339,9 @@ class ImageModel:
         final_quality: int = 95,
         taesd: Any = None,
         priority: int = 0,
+        resume_from: ImageCheckpoint | bytes | None = None,
+        on_checkpoint: Callable[[ImageCheckpoint], Any] | None = None,
+        checkpoint_every: int = 1,
         **pipeline_kwargs: Any,
     ) -> Stream:
         """Start generating; returns a `Stream` of ``image`` events (previews, then the final image).
@@ -359,6 +363,13 @@ class ImageModel:
         a ``callback_on_step_end`` of yours is called after multistream's own). ``priority``:
         higher gets the next denoising step first (default 0); equal priorities take turns.
 
+        ``on_checkpoint=fn`` calls ``fn(checkpoint)`` on the engine thread (keep it quick) after
+        every ``checkpoint_every``-th step with an `ImageCheckpoint`; ``resume_from=checkpoint``
+        (or its ``to_bytes()``), with the arguments of the run it came from, continues that run
+        from the step after it: same previews from there, same final image (see
+        `multistream.image_checkpoint`). The final event's ``metrics`` then has
+        ``resumed_from_step`` (and ``checkpoints``, the number taken).
+
         Bad arguments raise `InvalidArgumentError` here, before anything runs.
 
         Example:
@@ -372,12 +383,15 @@ class ImageModel:
         )  # fmt: skip
         if not _is_int(priority):
             raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
+        checkpoints = checkpoint_plan(self, job, resume_from, on_checkpoint, checkpoint_every)
+        if checkpoints is not None:
+            checkpoints.apply_conditioning(job.call_kwargs)  # a resumed run goes on under the steered conditioning
 
         def submit(writer: StreamWriter) -> None:
             # steer() is checked on the caller's thread and applied between two steps.
             steering = ImageSteering(self._pipe, job.call_kwargs)
             writer.on_command(steering.handle)
-            self._engine.submit(_ImageRequest(self, writer, job, int(priority), steering))
+            self._engine.submit(_ImageRequest(self, writer, job, int(priority), steering, checkpoints))
 
         return Stream(submit=submit, kind="image")
 
@@ -660,7 +674,8 @@ class _ImageRequest(ImageRequest):
     """Binds one job of an `ImageModel` to the engine's step scheduler."""
 
     def __init__(
-        self, model: ImageModel, writer: StreamWriter, job: ImageJob, priority: int, steering: ImageSteering | None = None
+        self, model: ImageModel, writer: StreamWriter, job: ImageJob, priority: int, steering: ImageSteering | None = None,
+        checkpoints: RunCheckpoints | None = None,
     ) -> None:
         super().__init__(
             self._start, writer.fail, self._cancel, priority=priority, steps_left=self._steps_left,
@@ -668,16 +683,18 @@ class _ImageRequest(ImageRequest):
         )
         self._model, self._writer, self._job = model, writer, job
         self._steering = steering
+        self._checkpoints = checkpoints
         self._run: ImageRun | None = None
 
     def _steps_left(self) -> int:
         stats = self._run.stats if self._run is not None else None
         total = (stats.total if stats is not None else None) or self._job.steps or 50
-        return total - (stats.steps_seen if stats is not None else 0)
+        done = self._checkpoints.start_step if self._checkpoints is not None else 0
+        return total - (stats.steps_seen if stats is not None else done)
 
     def _start(self, yield_step: Callable[[], None]) -> None:
         # Built here, on the engine thread: copying the scheduler copies tensors.
-        self._run = ImageRun(self._model, self._writer, self._job, yield_step, self._steering)
+        self._run = ImageRun(self._model, self._writer, self._job, yield_step, self._steering, self._checkpoints)
         self._run.execute()
 
     def _cancel(self) -> None:

@@ -13,7 +13,11 @@ An `ImageRun` calls the pipeline once, on the model's engine thread, with a step
   pipeline's own ``encode_prompt``, on the engine thread) go back through the callback's tensor
   outputs, the guidance scale through the pipeline's ``_guidance_scale``. The latents are kept,
   so the composition formed so far stays. A steer that arrives before the run starts simply
-  changes the call's arguments (the same image as starting with them).
+  changes the call's arguments (the same image as starting with them);
+* with ``on_checkpoint=`` takes an `ImageCheckpoint` every ``checkpoint_every`` steps (after the
+  steers, so it carries the next step's conditioning), and with ``resume_from=`` skips the steps
+  before the checkpoint (`RunCheckpoints`): step numbers, previews and the final event's
+  ``step`` keep their original values.
 
 The pipeline object is the request's own shallow copy with its own scheduler (schedulers keep
 per-run state: timesteps, step index), so runs can interleave step by step on one set of weights.
@@ -47,6 +51,7 @@ from .stream import StreamWriter
 
 if TYPE_CHECKING:
     from .image import ImageModel, ImageJob
+    from .image_checkpoint import RunCheckpoints
 
 __all__ = ["ImageRun", "ImageSteering", "RunStats", "steer_layout"]
 
@@ -87,14 +92,16 @@ class RunStats:
     last_frames: dict[int, PendingFrame] = field(default_factory=dict)
     stop_step: int = 0
     stop_latents: torch.Tensor | None = None
+    resumed_from: int = 0  # steps done before this run started (a resume from a checkpoint)
 
     def metrics(self, worker: FrameWorker | None, **extra: float) -> dict[str, float]:  # noqa: D102
         now = time.perf_counter()
         out: dict[str, float] = {"duration_ms": (now - self.started) * 1e3, "steps": float(self.steps_seen)}
         if self.first_step_at is not None:
             out["time_to_first_step_ms"] = (self.first_step_at - self.started) * 1e3
-            if self.steps_seen > 1 and self.last_step_at is not None:
-                out["ms_per_step"] = (self.last_step_at - self.first_step_at) * 1e3 / (self.steps_seen - 1)
+            taken = self.steps_seen - self.resumed_from
+            if taken > 1 and self.last_step_at is not None:
+                out["ms_per_step"] = (self.last_step_at - self.first_step_at) * 1e3 / (taken - 1)
             else:
                 out["ms_per_step"] = (self.first_step_at - self.call_at) * 1e3
         if self.first_preview_at is not None:
@@ -337,7 +344,7 @@ class ImageRun:
 
     def __init__(
         self, model: ImageModel, writer: StreamWriter, job: ImageJob, yield_step: Callable[[], None],
-        steering: ImageSteering | None = None,
+        steering: ImageSteering | None = None, checkpoints: RunCheckpoints | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.steering = steering
@@ -347,6 +354,10 @@ class ImageRun:
         self.pipe = _own_pipeline(model.pipeline)
         self.yield_step = yield_step
         self.worker: FrameWorker | None = None
+        # Taking checkpoints (``on_checkpoint=``) and resuming from one (``resume_from=``).
+        self.checkpoints = checkpoints
+        if checkpoints is not None:
+            self.stats.resumed_from = self.stats.steps_seen = checkpoints.start_step
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -368,6 +379,8 @@ class ImageRun:
         kwargs = dict(job.call_kwargs)
         if self.steering is not None:
             self.steering.apply_before_start(kwargs)
+        if self.checkpoints is not None:
+            self.checkpoints.install(pipe, kwargs)
         if self.model._takes_step_callback:
             kwargs["callback_on_step_end"] = self._make_callback(decoder, tracker)
             kwargs["callback_on_step_end_tensor_inputs"] = job.tensor_inputs
@@ -414,6 +427,7 @@ class ImageRun:
             extra["decode_ms"] = (pipeline_done - run.last_step_at) * 1e3
         if job.seed >= 0:
             extra["seed"] = float(job.seed)
+        extra.update(self._checkpoint_metrics())
         metrics = run.metrics(worker, **extra)
         for i, frame in enumerate(frames):
             reason = "content_filter" if nsfw is not None and i < len(nsfw) and nsfw[i] else "stop"
@@ -422,11 +436,13 @@ class ImageRun:
     def _make_callback(
         self, decoder: Callable[[torch.Tensor], torch.Tensor] | None, tracker: X0Tracker | None
     ) -> Callable[..., dict[str, Any]]:
-        writer, job, run = self.writer, self.job, self.stats
+        writer, job, run, checkpoints = self.writer, self.job, self.stats, self.checkpoints
 
         def callback(pipeline: Any, i: int, t: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             now = time.perf_counter()
-            step = int(i) + 1
+            step = int(i) + 1  # a resumed run skips the steps before its checkpoint: i keeps its numbering
+            if checkpoints is not None:
+                checkpoints.check_step(step)
             if run.total is None:
                 total = getattr(pipeline, "_num_timesteps", None)
                 if not _is_int(total) or total < 1:
@@ -460,6 +476,9 @@ class ImageRun:
             if steering is not None:
                 # Last moment before the next step: steers that came in while others stepped count.
                 callback_kwargs = steering.apply(pipeline, step, callback_kwargs, job.num_images)
+            if checkpoints is not None:
+                # After the steers: the checkpoint carries the conditioning of the next step.
+                checkpoints.after_step(step, run.total, callback_kwargs.get("latents"), steering)
             return callback_kwargs
 
         return callback
@@ -484,6 +503,17 @@ class ImageRun:
             self.worker.submit(pending)
         run.previews_made += 1
         run.preview_s += time.perf_counter() - started
+
+    def _checkpoint_metrics(self) -> dict[str, float]:
+        ck = self.checkpoints
+        if ck is None:
+            return {}
+        out: dict[str, float] = {}
+        if ck.resume is not None:
+            out["resumed_from_step"] = float(ck.resume.step)
+        if ck.sink is not None or ck.taken:
+            out["checkpoints"] = float(ck.taken)
+        return out
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -527,6 +557,7 @@ class ImageRun:
             blank = encode_frame(np.full((1, 1, 3), 128, dtype=np.uint8), job.preview_format, job.preview_quality)
             frames = [(0, blank)] * job.num_images
         extra = {"seed": float(job.seed)} if job.seed >= 0 else {}
+        extra.update(self._checkpoint_metrics())
         metrics = run.metrics(self.worker, **extra)
         for i, (step, frame) in enumerate(frames):
             self._emit_done(frame, i, step, total, "cancelled", metrics, last=i == len(frames) - 1)
@@ -547,6 +578,7 @@ class ImageRun:
         extra = {"decode_ms": (time.perf_counter() - started) * 1e3}
         if job.seed >= 0:
             extra["seed"] = float(job.seed)
+        extra.update(self._checkpoint_metrics())
         metrics = run.metrics(self.worker, **extra)
         for i, frame in enumerate(frames):
             self._emit_done(frame, i, run.stop_step, total, "finished_early", metrics, last=i == len(frames) - 1)
@@ -555,8 +587,11 @@ class ImageRun:
         self, frame: EncodedFrame, index: int, step: int, total: int, reason: str, metrics: dict[str, float], *, last: bool
     ) -> None:
         writer = self.writer
-        if self.steering is not None and self.steering.applied:
-            metrics = {**metrics, "steers": float(len(self.steering.applied))}
+        steers = len(self.steering.applied) if self.steering is not None else 0
+        if self.checkpoints is not None and self.checkpoints.resume is not None:
+            steers += self.checkpoints.resume.steers  # those taken before the checkpoint
+        if steers:
+            metrics = {**metrics, "steers": float(steers)}
         if last:
             writer.image(
                 step=step, total_steps=total, width=frame.width, height=frame.height, mime=frame.mime,
