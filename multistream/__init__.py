@@ -32,6 +32,7 @@ _LAZY = {
     "TextModel": "text",
     "load_text_model": "text",
     "ImageModel": "image",
+    "ImageCheckpoint": "image_checkpoint",
     "load_image_model": "image",
     "fit_latent_rgb": "latent_rgb",
     "fit_preview_decoder": "preview_decoder",
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from .notebook import show
     from .frames import encode_frame
     from .image import ImageModel, load_image_model
+    from .image_checkpoint import ImageCheckpoint
     from .latent_rgb import fit_latent_rgb
     from .preview_decoder import fit_preview_decoder
     from .text import TextModel, load_text_model

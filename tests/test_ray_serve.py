@@ -1,19 +1,24 @@
 """The Ray Serve application (issue 13, parts 2-3): a local Ray cluster started here (2 CPUs), a
-real redis-server, 2 ingress replicas and 2 replicas of the embedded text model.
+real redis-server, 2 ingress replicas, 2 replicas of the embedded text model and 2 of the
+embedded image model (half a CPU each, so all fit).
 
 A replica is killed (``ray.kill`` of its actor) mid-stream: the client's SSE stream, read with
-resume through the ingress, equals the uninterrupted output exactly (greedy and seeded sampling).
-Few tests, one cluster for the module: starting Ray and loading the model twice take ~30 s.
+resume through the ingress, equals the uninterrupted output exactly (text: greedy and seeded
+sampling; image: the final picture, the run continuing from the newest checkpoint in Redis).
+Few tests, one cluster for the module: starting Ray and loading the models take ~30 s.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from redis_fixtures import free_port, needs_redis, redis_server
@@ -28,52 +33,70 @@ PROMPT = "Write one sentence about the sea."
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def redis() -> Iterator[Any]:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(redis: Any) -> Iterator[str]:
     from multistream.server import ServerSettings
     from multistream.server.ray_app import APP_NAME, build_app
 
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     path = os.pathsep.join(p for p in [root, here, os.environ.get("PYTHONPATH", "")] if p)
-    with redis_server() as redis:
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
-                 _node_ip_address="127.0.0.1")
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            settings = ServerSettings(event_log=redis.url, enable_test_hooks=True)
-            serve.run(build_app(settings, text_model="default", image_model=None, text_replicas=2, ingress_replicas=2,
-                                text_actor_options={"num_cpus": 1}), name=APP_NAME, route_prefix="/", blocking=False)
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 240
-            status = None
-            while time.monotonic() < deadline:
-                try:
-                    status = httpx.get(f"{url}/readyz", timeout=2).status_code
-                    if status == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            assert status == 200, "/readyz did not answer 200 once every replica was up"
-            yield url
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
+             _node_ip_address="127.0.0.1")
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        settings = ServerSettings(event_log=redis.url, enable_test_hooks=True)
+        serve.run(build_app(settings, text_model="default", image_model="default", text_replicas=2,
+                            image_replicas=2, ingress_replicas=2, text_actor_options={"num_cpus": 0.5},
+                            image_actor_options={"num_cpus": 0.5}),
+                  name=APP_NAME, route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(f"{url}/readyz", timeout=2).status_code
+                if status == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert status == 200, "/readyz did not answer 200 once every replica was up"
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
-def _stream(url: str, body: dict[str, Any], kill_after: int | None = None) -> tuple[str, str, list[dict], float | None]:
-    """POST /v1/text; after ``kill_after`` events, kill the text replica serving it and drop the
-    connection; then read the rest with a resume (Last-Event-ID). Returns the events and the gap."""
+def _pixels(ev: dict) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(ev["data"]))).convert("RGB")).astype(np.int16)
+
+
+def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind: str = "text",
+            after_kill: Any = None) -> tuple[str, str, list[dict], float | None]:
+    """POST /v1/{kind}; after ``kill_after`` events (an image: once a preview of step
+    ``kill_after`` or later arrived), kill the replica serving it and drop the connection
+    (then call ``after_kill(stream_id)``); then read the rest with a resume (Last-Event-ID).
+    Returns the events and the gap."""
     events: list[dict] = []
     gap = None
     with httpx.Client(timeout=120) as client:
-        with client.stream("POST", f"{url}/v1/text", json=body) as r:
+        with client.stream("POST", f"{url}/v1/{kind}", json=body) as r:
             assert r.status_code == 200, r.read()
             sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
             for ev in iter_events(r):
                 events.append(ev)
-                if kill_after is not None and len(events) == kill_after:
+                if kill_after is not None and (ev.get("step", 0) >= kill_after if kind == "image"
+                                               else len(events) == kill_after):
+                    assert not ev["is_final"], "the stream ended before the replica could be killed"
                     break
         if kill_after is None:
             return sid, token, events, None
@@ -85,6 +108,8 @@ def _stream(url: str, body: dict[str, Any], kill_after: int | None = None) -> tu
         assert replica, "no ingress knows the replica serving the stream"
         ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
         killed = time.perf_counter()
+        if after_kill is not None:
+            after_kill(sid)
         with client.stream("GET", f"{url}/v1/streams/{sid}/events",
                            headers={"Last-Event-ID": str(events[-1]["seq"]), "X-Resume-Token": token}) as r:
             assert r.status_code == 200, r.read()
@@ -129,7 +154,6 @@ def test_openai_and_metrics_through_the_ingress(cluster: str) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         assert "multistream:event_log_up" in client.get(f"{cluster}/metrics").text
-        assert client.post(f"{cluster}/v1/image", json={"prompt": "x"}).status_code == 404  # 0 image replicas
 
 
 def test_edits_reach_the_model_replica(cluster: str) -> None:
@@ -166,3 +190,44 @@ def test_edits_reach_the_model_replica(cluster: str) -> None:
         text = text[: e["offset"]] + e["delta"]
     assert text == final["text"]
     assert [e["seq"] for e in events] == list(range(len(events)))
+
+
+IMAGE = {"prompt": "a red circle on a blue background", "steps": 40, "seed": 11, "preview": "latent",
+         "preview_format": "png"}
+
+
+@pytest.mark.parametrize("checkpoint", ["newest", "corrupt"])
+def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster: str, redis: Any,
+                                                                        checkpoint: str) -> None:
+    """The image replica serving a stream is killed after step 6: the replica that takes over
+    continues from the newest checkpoint in Redis (not step 0), and the client's stream, read with
+    resume, has no gap, no duplicate, one final, and the uninterrupted run's final picture. With a
+    checkpoint it cannot use (``corrupt``), the new replica denoises from step 0: the same picture."""
+    import redis as redis_client
+
+    from multistream.server.ray_app import checkpoint_key
+
+    store = redis_client.Redis.from_url(redis.url)
+    _, _, reference, _ = _stream(cluster, IMAGE, kind="image")
+    assert reference[-1]["is_final"] and reference[-1]["finish_reason"] == "stop"
+    plain = reference[-1]["metrics"]
+    assert plain["checkpoint_writes"] >= 1 and plain["checkpoint_bytes"] < 16_000
+    assert "resumed_from_step" not in plain
+
+    def spoil(sid: str) -> None:  # the dead replica writes no more: what the next one reads is this
+        store.set(checkpoint_key(sid), b"not a checkpoint")
+
+    sid, _, events, _ = _stream(cluster, IMAGE, kill_after=6, kind="image",
+                                after_kill=spoil if checkpoint == "corrupt" else None)
+    assert [e["seq"] for e in events] == list(range(len(events))), "gap or duplicate"
+    assert events[-1]["is_final"] and sum(e["is_final"] for e in events) == 1
+    steps = [e["step"] for e in events[:-1]]
+    assert steps == sorted(set(steps)) and max(steps) >= 6  # previews never repeat a step
+    final = events[-1]
+    assert final["finish_reason"] == "stop" and final["step"] == final["total_steps"] == IMAGE["steps"]
+    assert np.abs(_pixels(final) - _pixels(reference[-1])).max() <= 2  # PNG: in practice equal
+    if checkpoint == "newest":
+        assert 1 <= final["metrics"]["resumed_from_step"] < IMAGE["steps"]
+    else:
+        assert "resumed_from_step" not in final["metrics"]  # from step 0
+    assert store.get(checkpoint_key(sid)) is None  # the stream ended: its checkpoint is gone

@@ -36,6 +36,7 @@ import functools
 import inspect
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -53,6 +54,12 @@ APP_NAME = "multistream"
 _PREFIX = "ms:"  # the event log's key prefix (`RedisEventLog`)
 _MAX_FAILOVERS = 8
 _FAILOVER_WINDOW_S = 60.0
+_CHECKPOINT_TTL_S = 600  # an image checkpoint outlives its last write by this much (a stream not ended cleanly)
+
+
+def checkpoint_key(stream_id: str) -> str:
+    """The Redis key of the newest image checkpoint of ``stream_id`` (``ms:ckpt:{id}``)."""
+    return f"{_PREFIX}ckpt:{stream_id}"
 
 
 def _retryable() -> tuple[type[BaseException], ...]:
@@ -62,13 +69,88 @@ def _retryable() -> tuple[type[BaseException], ...]:
     return (RayActorError, WorkerCrashedError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 
-class ModelReplica:
-    """One model replica (deployment ``text`` or ``image``): loads the model, streams events."""
+class _CheckpointWriter:
+    """Keeps the newest checkpoint of one image stream in Redis (`checkpoint_key`).
 
-    def __init__(self, kind: str, spec: Any, event_log: str | None = None) -> None:
+    ``put`` runs on the model's engine thread and only hands the checkpoint over; one task on the
+    replica's event loop serializes and writes the newest one (a checkpoint superseded before its
+    turn is never written, so a slow Redis costs checkpoints, never denoising time). ``close``
+    waits for the write in flight and deletes the key: the stream has ended.
+    """
+
+    def __init__(self, client: Any, key: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.client, self.key, self.loop = client, key, loop
+        self._lock = threading.Lock()
+        self._newest: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.writes = 0
+        self.write_s = 0.0
+        self.nbytes = 0
+        self.failed = 0
+
+    def put(self, checkpoint: Any) -> None:
+        with self._lock:
+            self._newest = checkpoint
+        self.loop.call_soon_threadsafe(self._kick)
+
+    def _kick(self) -> None:
+        if not self._closed and (self._task is None or self._task.done()):
+            self._task = self.loop.create_task(self._drain(), name=f"multistream-ckpt-{self.key[-8:]}")
+
+    async def _drain(self) -> None:
+        while not self._closed:
+            with self._lock:
+                checkpoint, self._newest = self._newest, None
+            if checkpoint is None:
+                return
+            started = time.perf_counter()
+            try:
+                data = checkpoint.to_bytes()
+                await self.client.set(self.key, data, ex=_CHECKPOINT_TTL_S)
+            except Exception as exc:  # noqa: BLE001 - a lost checkpoint only makes a failover start earlier
+                self.failed += 1
+                logger.debug("writing image checkpoint %s failed: %s", self.key, exc)
+                continue
+            self.writes += 1
+            self.write_s += time.perf_counter() - started
+            self.nbytes = len(data)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"checkpoint_writes": float(self.writes)}
+        if self.writes:
+            out["checkpoint_write_ms"] = self.write_s * 1e3 / self.writes
+            out["checkpoint_bytes"] = float(self.nbytes)
+        return out
+
+    async def close(self) -> None:
+        self._closed = True
+        task = self._task
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), 5.0)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            await self.client.delete(self.key)
+        except Exception as exc:  # noqa: BLE001 - it expires anyway
+            logger.debug("deleting image checkpoint %s failed: %s", self.key, exc)
+
+
+class ModelReplica:
+    """One model replica (deployment ``text`` or ``image``): loads the model, streams events.
+
+    An image replica with an event log writes each stream's newest `ImageCheckpoint` to Redis
+    every ``checkpoint_every`` steps (`checkpoint_key`); the replica that takes the stream over
+    after a failure continues from it.
+    """
+
+    def __init__(self, kind: str, spec: Any, event_log: str | None = None, checkpoint_every: int = 1) -> None:
         from .state import _load_model
 
         self.kind = kind
+        self.checkpoint_every = max(1, int(checkpoint_every))
+        self._redis: Any = None
         self.event_log = event_log if event_log and event_log.startswith(("redis://", "rediss://", "unix://")) else None
         self.streams: dict[str, Stream] = {}  # ingress stream id -> the generation running here (for edits)
         self._control: asyncio.Task[None] | None = None
@@ -79,6 +161,7 @@ class ModelReplica:
         except (TypeError, ValueError):  # pragma: no cover
             params = {}
         self.native_resume = "resume_tokens" in params
+        self.checkpoints = kind == "image" and self.event_log is not None and "on_checkpoint" in params
         try:
             import ray
 
@@ -89,7 +172,23 @@ class ModelReplica:
     def info(self) -> dict[str, Any]:
         capacity = getattr(self.model, "capacity", None)
         return {"kind": self.kind, "name": self.name, "replica": self.replica, "pid": os.getpid(),
-                "native_resume": self.native_resume, "capacity": capacity if isinstance(capacity, int) else 4}
+                "native_resume": self.native_resume, "checkpoints": self.checkpoints,
+                "capacity": capacity if isinstance(capacity, int) else 4}
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(self.event_log, socket_connect_timeout=2.0, socket_timeout=5.0)
+        return self._redis
+
+    async def _newest_checkpoint(self, key: str) -> bytes | None:
+        try:
+            data = await self._client().get(checkpoint_key(key))
+        except Exception as exc:  # noqa: BLE001 - no checkpoint: the run starts from step 0
+            logger.warning("stream %s: reading its image checkpoint failed (%s); denoising from step 0", key, exc)
+            return None
+        return bytes(data) if data else None
 
     def _listen(self) -> None:
         """Start answering edits for the streams running here (``ms:ctl:replica:{name}``)."""
@@ -117,21 +216,42 @@ class ModelReplica:
 
     async def generate(self, kwargs: dict[str, Any], resume: dict[str, Any] | None = None, key: str | None = None) -> Any:
         """Yield the replica's name, then the stream's events, trimmed to what follows ``resume``
-        (``{"tokens": [...], "chars": n}`` for text, ``{"step": s}`` for an image). ``key`` (the
-        ingress's stream id) names the generation for edits forwarded here."""
+        (``{"tokens": [...], "chars": n}`` for text, ``{"step": s}`` for an image: then the run
+        continues from the stream's newest checkpoint, if there is one). ``key`` (the ingress's
+        stream id) names the generation for edits forwarded here and its checkpoints."""
         self._listen()
         yield {"replica": self.replica}
         resume = resume or {}
         tokens = list(resume.get("tokens") or [])
         kwargs = dict(kwargs)
         trim_tokens, trim_chars, trim_step = 0, 0, int(resume.get("step", -1))
+        failover = bool(resume.get("failover")) or trim_step >= 0
         if self.kind == "text" and tokens:
             if self.native_resume:
                 kwargs["resume_tokens"] = tokens
             else:
                 trim_tokens, trim_chars = len(tokens), int(resume.get("chars", 0))
+        writer: _CheckpointWriter | None = None
+        if self.checkpoints and key is not None:
+            writer = _CheckpointWriter(self._client(), checkpoint_key(key), asyncio.get_running_loop())
+            kwargs.update(on_checkpoint=writer.put, checkpoint_every=self.checkpoint_every)
+            if failover:
+                data = await self._newest_checkpoint(key)
+                if data is not None:
+                    kwargs["resume_from"] = data
         try:
-            stream = self.model.stream(**kwargs)
+            try:
+                stream = self.model.stream(**kwargs)
+            except Exception as exc:  # noqa: BLE001
+                if "resume_from" not in kwargs:
+                    raise
+                # A checkpoint this run cannot use (another model version, a corrupt value): from step 0.
+                logger.warning("stream %s: its image checkpoint is unusable (%s); denoising from step 0", key, exc)
+                del kwargs["resume_from"]
+                stream = self.model.stream(**kwargs)
+            else:
+                if "resume_from" in kwargs:
+                    logger.info("stream %s: image resumed from its checkpoint on replica %s", key, self.replica)
         except Exception as exc:  # noqa: BLE001 - a refusal reaches the client as an error event
             yield ErrorEvent(stream_id="", seq=0, t=0.0, error={"type": type(exc).__name__, "message": str(exc)})
             return
@@ -145,11 +265,15 @@ class ModelReplica:
                         continue
                 elif isinstance(ev, ImageEvent) and not ev.is_final and ev.finish_reason is None and ev.step <= trim_step:
                     continue
+                if writer is not None and isinstance(ev, ImageEvent) and ev.is_final:
+                    ev = dataclasses.replace(ev, metrics={**(ev.metrics or {}), **writer.metrics()})
                 yield ev
         finally:
             if key is not None and self.streams.get(key) is stream:
                 del self.streams[key]
             stream.close()
+            if writer is not None:
+                await writer.close()
 
 
 def _trim_text(ev: TextEvent, tokens: int, chars: int) -> TextEvent | None:
@@ -180,6 +304,9 @@ class RemoteModel:
 
     def stream(self, **kwargs: Any) -> Stream:
         loop = asyncio.get_running_loop()
+        if self.kind == "image" and kwargs.get("seed") is None and "generator" not in kwargs:
+            # Fixed here, once: a replica that takes the stream over must draw the same noise.
+            kwargs = {**kwargs, "seed": random.randrange(2**31)}
 
         def submit(writer: StreamWriter) -> None:
             # A fresh context: Serve ties handle calls made inside a request to that request and
@@ -238,7 +365,7 @@ class RemoteModel:
         retryable = _retryable()
         while True:
             gen = self.handle.options(stream=True).generate.remote(
-                kwargs, {"tokens": ids, "chars": len(text), "step": step}, w.stream_id)
+                kwargs, {"tokens": ids, "chars": len(text), "step": step, "failover": bool(failures)}, w.stream_id)
             try:
                 async for item in gen:
                     if isinstance(item, dict):
@@ -288,9 +415,9 @@ class RemoteModel:
                 if len(failures) > _MAX_FAILOVERS:
                     w.fail(RuntimeError(f"the {self.kind} replicas kept failing ({type(exc).__name__})"))
                     return
-                logger.warning("stream %s: %s replica %s failed (%s); resuming on another replica at %d tokens",
+                logger.warning("stream %s: %s replica %s failed (%s); resuming on another replica after %s",
                                w.stream_id, self.kind, self.replica_of.get(w.stream_id, "?"), type(exc).__name__,
-                               len(ids))
+                               f"{len(ids)} tokens" if self.kind == "text" else f"step {max(step, 0)}")
                 await asyncio.sleep(min(0.5, 0.02 * 2 ** (len(failures) - 1)))
             except Exception as exc:  # noqa: BLE001
                 w.fail(exc)
@@ -368,14 +495,21 @@ class Ingress:
 def build_app(settings: ServerSettings, *, text_model: Any = "default", image_model: Any = "default",
               text_replicas: int | dict[str, Any] = 1, image_replicas: int | dict[str, Any] = 1,
               ingress_replicas: int = 1, text_actor_options: dict[str, Any] | None = None,
-              image_actor_options: dict[str, Any] | None = None) -> Any:
+              image_actor_options: dict[str, Any] | None = None, image_checkpoint_every: int = 1) -> Any:
     """The Serve application: ``ingress`` bound to the ``text`` and ``image`` deployments.
 
     ``*_replicas``: a count (0: that model is not served) or an autoscaling config
     (``{"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 8}``).
     ``*_actor_options``: Ray resources per replica, e.g. ``{"num_gpus": 1}`` (default ``num_cpus=1``).
+    ``image_checkpoint_every``: with ``event_log``, image replicas write a stream's checkpoint to
+    Redis every this many denoising steps (a failover continues from the newest one).
     """
     from ray import serve
+
+    if isinstance(image_checkpoint_every, bool) or not isinstance(image_checkpoint_every, int) or image_checkpoint_every < 1:
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"image_checkpoint_every must be an integer >= 1, got {image_checkpoint_every!r}")
 
     def model_deployment(kind: str, spec: Any, replicas: int | dict[str, Any], options: dict[str, Any] | None) -> Any:
         if spec is None or replicas == 0:
@@ -385,7 +519,7 @@ def build_app(settings: ServerSettings, *, text_model: Any = "default", image_mo
         dep = serve.deployment(ModelReplica).options(
             name=kind, ray_actor_options=options or {"num_cpus": 1}, max_ongoing_requests=64,
             health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5, **scale)
-        return dep.bind(kind, spec, settings.event_log)
+        return dep.bind(kind, spec, settings.event_log, image_checkpoint_every if kind == "image" else 1)
 
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="ingress", num_replicas=ingress_replicas, ray_actor_options={"num_cpus": 0},
@@ -398,13 +532,15 @@ def app_builder(args: dict[str, Any]) -> Any:
     """For Serve config files and KubeRay's RayService (``import_path: multistream.server.ray_app:app_builder``).
 
     ``args``: ``text_model``, ``image_model`` (``"none"`` to skip), ``text_replicas``,
-    ``image_replicas``, ``ingress_replicas``, ``text_actor_options``, ``image_actor_options``;
+    ``image_replicas``, ``ingress_replicas``, ``text_actor_options``, ``image_actor_options``,
+    ``image_checkpoint_every``;
     every other key is a `ServerSettings` field (``event_log: redis://...``), after
     ``MULTISTREAM_*`` environment variables.
     """
     args = dict(args or {})
     own = {k: args.pop(k) for k in ("text_model", "image_model", "text_replicas", "image_replicas",
-                                    "ingress_replicas", "text_actor_options", "image_actor_options") if k in args}
+                                    "ingress_replicas", "text_actor_options", "image_actor_options",
+                                    "image_checkpoint_every") if k in args}
     for kind in ("text_model", "image_model"):
         if str(own.get(kind, "default")).lower() in ("none", "off", ""):
             own[kind] = None
