@@ -71,6 +71,32 @@ def test_resume_from_another_server_sharing_the_log() -> None:
             assert info["done"] and info["finish_reason"] == "stop" and info["events"] == len(events)
 
 
+def test_a_server_that_read_a_live_stream_earlier_resumes_it_at_a_later_event() -> None:
+    """Server B looks at a live stream of A (status, an edit) and caches what the log held then; a
+    resume on B after a later event still works (B reads the entries appended since)."""
+    with redis_server() as redis:
+        model = ScriptedTextModel(TOKENS, delay_s=0.03)
+        with make_server(model, event_log=redis.url) as a, make_server(ScriptedTextModel(), event_log=redis.url) as b, \
+                httpx.Client(timeout=20) as client:
+            events: list[dict] = []
+            with client.stream("POST", f"{a.url}/v1/text", json={"prompt": "hi"}) as r:
+                sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+                for ev in iter_events(r):
+                    events.append(ev)
+                    if len(events) == 2:
+                        info = client.get(f"{b.url}/v1/streams/{sid}", headers={"X-Resume-Token": token}).json()
+                        assert not info["done"]
+                    if len(events) == 8:
+                        break
+            time.sleep(0.2)  # A's log writer has the 8th event in Redis by now
+            info = client.get(f"{b.url}/v1/streams/{sid}", headers={"X-Resume-Token": token}).json()
+            assert info["events"] >= 8
+            rest = _resume(client, b.url, sid, token, events[-1]["seq"])
+            events += rest
+            assert [e["seq"] for e in events] == list(range(len(events)))
+            assert events[-1]["is_final"] and events[-1]["text"] == "".join(TOKENS)
+
+
 def test_cancel_on_another_server_reaches_the_producer() -> None:
     with redis_server() as redis:
         model = ScriptedTextModel([f" t{i}" for i in range(400)], delay_s=0.02)

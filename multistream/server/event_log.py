@@ -465,6 +465,20 @@ class RedisEventLog:
                 for k, v in meta.items()}
         return RemoteRecord(self, stream_id, meta, entries)
 
+    async def refresh(self, record: RemoteRecord) -> None:
+        """Add to ``record`` (read earlier, still live) the entries appended since; a 503 `Problem`
+        when Redis is down."""
+        try:
+            done, entries = await (self.redis.pipeline(transaction=False).hget(self.key("m", record.stream_id), "done")
+                                   .xrange(self.key("s", record.stream_id), entry_id(record.last_seq + 1), "+").execute())
+        except Exception as exc:  # noqa: BLE001
+            self.up = False
+            raise unavailable("resume streams", exc) from None
+        for eid, fields in entries:
+            record._add(eid, fields)
+        if done in (b"1", "1"):
+            record.done = True
+
     def stats(self) -> dict[str, Any]:
         lat = sorted(self.write_latency)
         pick = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e6, 1)) if lat else (lambda q: None)

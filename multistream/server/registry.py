@@ -423,6 +423,9 @@ class Registry:
     async def fetch(self, stream_id: str) -> Any:
         """`get`, falling back to the shared event log for a stream another process runs (or ran)."""
         record = self.get(stream_id)
+        if record is not None and self.log is not None and getattr(record, "remote", False) and not record.done:
+            await self.log.refresh(record)  # read while it ran on: what it held then is stale now
+            return record
         if record is not None or self.log is None:
             return record
         remote = await self.log.load(stream_id)
