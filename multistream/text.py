@@ -121,6 +121,46 @@ def _embedded_model_folder() -> Path:
 # -- the model ----------------------------------------------------------------------------------
 
 
+def _check_inserted(inserted: Any, answer_tokens: int) -> list[tuple[int, list[int]]]:
+    """``resume_inserted`` checked: ``(k, token_ids)`` pairs with 0 <= k <= len(resume_tokens)."""
+    if inserted is None:
+        return []
+    out: list[tuple[int, list[int]]] = []
+    ok = isinstance(inserted, (list, tuple))
+    for item in inserted if ok else ():
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            ok = False
+            break
+        k, ids = item
+        if (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= answer_tokens
+                or not isinstance(ids, (list, tuple))
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            ok = False
+            break
+        out.append((k, list(ids)))
+    if not ok:
+        raise InvalidArgumentError(
+            f"resume_inserted must be a list of (k, token_ids) pairs with 0 <= k <= {answer_tokens} (the "
+            "answer tokens before the instruction) and token_ids a list of non-negative integers")
+    return sorted(out, key=lambda pair: pair[0])  # stable: instructions at the same k keep their order
+
+
+def _interleave(prompt_ids: list[int], answer: list[int],
+                inserted: list[tuple[int, list[int]]]) -> tuple[list[int], list[int]]:
+    """The context (prompt, answer and instruction tokens in order) and each answer token's position in it."""
+    context = list(prompt_ids)
+    positions: list[int] = []
+    pending = list(inserted)
+    for k, token in enumerate(answer):
+        while pending and pending[0][0] <= k:
+            context.extend(pending.pop(0)[1])
+        positions.append(len(context))
+        context.append(token)
+    for _, ids in pending:
+        context.extend(ids)
+    return context, positions
+
+
 class TextModel:
     """A causal language model that streams. Build it with `load_text_model`.
 
@@ -247,6 +287,8 @@ class TextModel:
         allowed: str | list[str] | None = None,
         priority: int = 0,
         resume_tokens: list[int] | None = None,
+        resume_inserted: list[tuple[int, list[int]]] | None = None,
+        on_edit: Callable[[dict[str, Any]], Any] | None = None,
         **unknown: Any,
     ) -> Stream:
         """Start generating and return the live `Stream` of `TextEvent`s.
@@ -262,6 +304,12 @@ class TextModel:
         earlier run already produced and sent (failover to another replica): they are prefilled,
         not sent again, and generation continues after them exactly as the uninterrupted run
         would have (seeded randomness depends only on the seed and the position).
+        ``resume_inserted``: with ``resume_tokens``, the steering instructions the earlier run had
+        taken in, as ``(k, token_ids)`` pairs (its tokens went into the context before answer
+        token ``k``), so the model sees the same context: prompt, answer and instructions in
+        order. ``on_edit(revision)`` is called on the engine thread as each steer or rewind takes
+        effect, with the final event's revision dict plus ``revision`` (its number) and ``at``
+        (``k``), which is what ``resume_inserted`` takes (a Ray replica reports them this way).
 
         The stream can be edited while it runs: ``stream.steer(instruction)`` and
         ``stream.rewind(offset, instruction=None, **sampling)`` (see `revise` for a finished one).
@@ -290,19 +338,28 @@ class TextModel:
             options.chat if options.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
         )
         history = None
+        if on_edit is not None and not callable(on_edit):
+            raise InvalidArgumentError(f"on_edit must be callable (it gets a revision dict), got {type(on_edit).__name__}")
+        if resume_inserted is not None and resume_tokens is None:
+            raise InvalidArgumentError("resume_inserted goes with resume_tokens (the answer it was inserted into)")
         if resume_tokens is not None:
             if not isinstance(resume_tokens, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t for t in resume_tokens
             ):
                 raise InvalidArgumentError("resume_tokens must be a list of token ids (non-negative integers)")
             ids = list(resume_tokens)
-            history = (prompt_ids + ids, ids, list(range(len(prompt_ids), len(prompt_ids) + len(ids))))
-        return self._start(prompt_ids, options, plan, max_new, priority, is_chat, history=history)
+            context, positions = _interleave(prompt_ids, ids, _check_inserted(resume_inserted, len(ids)))
+            if len(context) >= self.context_length:
+                raise PromptTooLongError(
+                    f"the prompt, the answer so far and its instructions are {len(context)} tokens but {self.name} has "
+                    f"a context of {self.context_length} tokens")
+            history = (context, ids, positions)
+        return self._start(prompt_ids, options, plan, max_new, priority, is_chat, history=history, on_edit=on_edit)
 
     def _start(
         self, prompt_ids: list[int], options: TextOptions, plan: SamplingPlan, max_new: int, priority: int,
         is_chat: bool, *, history: tuple[list[int], list[int], list[int]] | None = None, echo: bool = False,
-        edit: Edit | None = None,
+        edit: Edit | None = None, on_edit: Callable[[dict[str, Any]], Any] | None = None,
     ) -> Stream:
         model_ref = weakref.ref(self)
 
@@ -311,7 +368,7 @@ class TextModel:
                 writer=writer, prompt_ids=prompt_ids, options=options, sampler=self._sampler(plan, options),
                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
                 context_length=self.context_length, priority=priority, is_chat=is_chat, history=history,
-                echo_history=echo,
+                echo_history=echo, on_edit=on_edit,
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
             )
             if edit is not None:

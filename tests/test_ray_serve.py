@@ -231,3 +231,51 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     else:
         assert "resumed_from_step" not in final["metrics"]  # from step 0
     assert store.get(checkpoint_key(sid)) is None  # the stream ended: its checkpoint is gone
+
+
+def test_steer_then_failover_keeps_the_instruction(cluster: str, text_model: Any) -> None:
+    """A steer reaches the text replica, which is then killed: the replica that takes over
+    continues with the same context (prompt, the answer so far and the instruction's tokens in
+    order), so the greedy answer equals the uninterrupted steered one: the plain answer up to the
+    steer's offset, then `revise` under the instruction (computed here, in-process)."""
+    body = {"prompt": PROMPT, "max_new_tokens": 48, "temperature": 0.0}
+    instruction = "Describe the waves in detail."
+    events: list[dict] = []
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{cluster}/v1/text", json=body) as r:
+            assert r.status_code == 200, r.read()
+            sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+            for ev in iter_events(r):
+                events.append(ev)
+                if len(events) == 3:
+                    resp = client.post(f"{cluster}/v1/streams/{sid}/steer", json={"instruction": instruction},
+                                       headers={"X-Resume-Token": token})
+                    assert resp.status_code in (200, 202), resp.text
+                if sum(e.get("revision") == 1 for e in events) == 3:
+                    break
+        assert not events[-1]["is_final"], "the stream ended before the replica could be killed"
+        replica = None
+        for _ in range(50):
+            replica = client.get(f"{cluster}/v1/_test/replica/{sid}").json().get("replica")
+            if replica:
+                break
+        assert replica
+        ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+        with client.stream("GET", f"{cluster}/v1/streams/{sid}/events",
+                           headers={"Last-Event-ID": str(events[-1]["seq"]), "X-Resume-Token": token}) as r:
+            assert r.status_code == 200, r.read()
+            events.extend(iter_events(r))
+    assert [e["seq"] for e in events] == list(range(len(events))), "gap or duplicate"
+    final = events[-1]
+    assert final["is_final"] and sum(e["is_final"] for e in events) == 1
+    assert all(e["revision"] == 1 for e in events if e["seq"] > 3)  # one edit, counted once across replicas
+    text = ""
+    for e in events:
+        text = text[: e["offset"]] + e["delta"]
+    assert text == final["text"]
+    [steer] = final["revisions"]  # made on the replica that died, still reported
+    assert steer["kind"] == "steer" and steer["instruction"] == instruction
+    plain = text_model.generate(PROMPT, max_new_tokens=48, temperature=0.0)
+    assert plain.text[: steer["offset"]] == final["text"][: steer["offset"]]
+    steered = text_model.revise(plain, steer["offset"], instruction=instruction).wait()
+    assert final["text"] == steered.text

@@ -130,3 +130,33 @@ def test_bad_edits_are_clear_errors_and_leave_the_stream_alone(text_model) -> No
         stream.steer("more")
     with pytest.raises(ms.InvalidArgumentError, match="final event of a text stream"):
         text_model.revise(events[0], 0)
+
+
+def test_resume_after_a_steer_with_the_instruction_tokens(text_model) -> None:
+    """``on_edit`` reports each steer as it takes effect (``at``: answer tokens before its
+    instruction); ``resume_tokens`` + ``resume_inserted`` rebuild that context (what a Ray replica
+    taking a stream over does): the continuation equals the uninterrupted steered one."""
+    llm = text_model
+    prompt = "Write one sentence about the sea."
+    edits: list[dict] = []
+    events = _run_with_edit(llm.stream(prompt, max_new_tokens=40, temperature=0.0, on_edit=edits.append), 3,
+                            lambda s: s.steer("Describe the waves in detail."))
+    final = events[-1]
+    [edit] = edits
+    assert edit["kind"] == "steer" and edit["revision"] == 1 and edit["token_ids"] == final.revisions[0]["token_ids"]
+    ids: list[int] = []
+    for ev in events:
+        ids = ids[: ev.index] + list(ev.token_ids)
+    k = edit["at"] + 2  # the failover came two tokens after the steer
+    resumed = llm.generate(prompt, max_new_tokens=40, temperature=0.0, resume_tokens=ids[:k],
+                           resume_inserted=[(edit["at"], edit["token_ids"])])
+    assert resumed.text == final.text
+    without = llm.generate(prompt, max_new_tokens=40, temperature=0.0, resume_tokens=ids[:k])
+    assert without.text != final.text  # the instruction is what kept the answer on its course
+    for bad in ([(k + 1, [1])], [(0, "x")], [(-1, [1])], "x", [(0,)]):
+        with pytest.raises(ms.InvalidArgumentError, match="resume_inserted must be a list of"):
+            llm.stream(prompt, resume_tokens=ids[:k], resume_inserted=bad)
+    with pytest.raises(ms.InvalidArgumentError, match="goes with resume_tokens"):
+        llm.stream(prompt, resume_inserted=[(0, [1])])
+    with pytest.raises(ms.InvalidArgumentError, match="on_edit must be callable"):
+        llm.stream(prompt, on_edit=3)

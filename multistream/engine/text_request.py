@@ -101,6 +101,9 @@ class TextRequest:
     history: tuple[list[int], list[int], list[int]] | None = None
     echo_history: bool = False
     on_finish: Any = None  # called with the request once it has ended (the model keeps a few)
+    # Called on the engine thread with each edit as it takes effect: its revision dict plus
+    # ``revision`` (its number) and ``at`` (answer tokens before its instruction tokens).
+    on_edit: Any = None
     # Engine bookkeeping: how much of the context is in the row's cache, the row's own cache while
     # it is not part of the batch (prefill, or paused by a higher priority or an edit).
     prefilled: int = 0
@@ -198,7 +201,7 @@ class TextRequest:
         for a steer; a rewind drops everything from its token boundary on and tells the client
         to replace from there (``offset``).
         """
-        self.writer.new_revision()
+        number = self.writer.new_revision()
         keep_cached = self.prefilled
         offset = len(self._text)
         if edit.kind == "steer":
@@ -227,10 +230,13 @@ class TextRequest:
         keep_cached = min(keep_cached, len(self.context) - 1)
         self.prefilled = keep_cached
         self.needs_prefill = True
-        self.revisions.append({
+        revision = {
             "kind": edit.kind, "step": self.generated, "offset": offset,
             "instruction": edit.instruction, "token_ids": list(edit.inserted),
-        })
+        }
+        self.revisions.append(revision)
+        if self.on_edit is not None:
+            self.on_edit({**revision, "revision": number, "at": len(self.answer_ids)})
         return keep_cached
 
     # -- tokens in, events out ------------------------------------------------------------------

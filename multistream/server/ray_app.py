@@ -11,15 +11,24 @@ Failover: when a model replica dies mid-stream (a crash, a lost node, ``ray.kill
 resubmits the request to a live replica and continues from what it already sent: for text the
 prompt plus the tokens already emitted are prefilled (``TextModel.stream(resume_tokens=...)``; a
 model without it regenerates and the replica skips what was sent, exact for greedy and seeded
-sampling since draws depend only on (seed, position)); for images the run restarts with the same
-seed and previews up to the last step sent are skipped. The client sees one stream: no gap, no
-duplicate. With several ingress replicas, ``event_log`` (Redis) makes a resume work on any of them.
+sampling since draws depend only on (seed, position)). For images, with ``event_log`` the image
+replica writes the stream's newest `ImageCheckpoint` to Redis every ``image_checkpoint_every``
+steps (`checkpoint_key`: ``ms:ckpt:{stream id}``, deleted when the stream ends); the replica
+taking over continues from it (``ImageModel.stream(resume_from=...)``, the final event's
+``metrics["resumed_from_step"]``) and ends with the uninterrupted run's picture; with no usable
+checkpoint it denoises from step 0 with the same seed (fixed by the ingress). Previews up to
+the last step sent are skipped. The client sees one stream: no gap, no duplicate. With several
+ingress replicas, ``event_log`` (Redis) makes a resume work on any of them.
 
 Edits (finish, steer, rewind) reach the replica generating the stream through the event log's
 control channel (``ms:ctl:replica:{name}``; `RemoteModel.forward_edit`), so they need
-``event_log``; a cancel cancels the replica's streaming call. A failover after a steer or rewind
-continues from the text so far (the rewound text, the tokens written after a steer) under the
-original prompt: the steer instructions themselves are not replayed on the new replica.
+``event_log``; a cancel cancels the replica's streaming call. The text replica reports each
+edit as it takes effect (a ``{"edit": ...}`` item in its handle stream, before the events after
+it); after a failover the new replica gets the instruction tokens still in the context
+(``TextModel.stream(resume_inserted=...)``), so the answer goes on as the uninterrupted steered
+one would, and ``revision`` numbers and the final ``revisions`` span all replicas. An image
+steer travels in the checkpoint (its conditioning). A rewind's new sampling options are not
+carried over.
 
 Example:
     $ multistream serve --ray --text-replicas 2 --image-replicas 0 --event-log redis://127.0.0.1:6379/0
@@ -30,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import dataclasses
 import functools
@@ -161,6 +171,8 @@ class ModelReplica:
         except (TypeError, ValueError):  # pragma: no cover
             params = {}
         self.native_resume = "resume_tokens" in params
+        # A text model that reports its edits and takes them back: a failover replays steers.
+        self.replays_edits = self.native_resume and "resume_inserted" in params and "on_edit" in params
         self.checkpoints = kind == "image" and self.event_log is not None and "on_checkpoint" in params
         try:
             import ray
@@ -216,9 +228,11 @@ class ModelReplica:
 
     async def generate(self, kwargs: dict[str, Any], resume: dict[str, Any] | None = None, key: str | None = None) -> Any:
         """Yield the replica's name, then the stream's events, trimmed to what follows ``resume``
-        (``{"tokens": [...], "chars": n}`` for text, ``{"step": s}`` for an image: then the run
-        continues from the stream's newest checkpoint, if there is one). ``key`` (the ingress's
-        stream id) names the generation for edits forwarded here and its checkpoints."""
+        (``{"tokens": [...], "chars": n, "inserted": [[k, ids], ...]}`` for text, ``{"step": s}``
+        for an image; ``"failover": True``: the image run continues from the stream's newest
+        checkpoint, if there is one), with ``{"edit": ...}`` items as text edits take effect.
+        ``key`` (the ingress's stream id) names the generation for edits forwarded here and its
+        checkpoints."""
         self._listen()
         yield {"replica": self.replica}
         resume = resume or {}
@@ -226,9 +240,15 @@ class ModelReplica:
         kwargs = dict(kwargs)
         trim_tokens, trim_chars, trim_step = 0, 0, int(resume.get("step", -1))
         failover = bool(resume.get("failover")) or trim_step >= 0
+        edits: collections.deque[dict[str, Any]] = collections.deque()
+        if self.kind == "text" and self.replays_edits:
+            kwargs["on_edit"] = edits.append  # engine thread; relayed before the events that follow the edit
         if self.kind == "text" and tokens:
             if self.native_resume:
                 kwargs["resume_tokens"] = tokens
+                if self.replays_edits and resume.get("inserted"):
+                    # An instruction after tokens the ingress never got (held back, then cut) goes at the end.
+                    kwargs["resume_inserted"] = [(min(int(k), len(tokens)), list(ids)) for k, ids in resume["inserted"]]
             else:
                 trim_tokens, trim_chars = len(tokens), int(resume.get("chars", 0))
         writer: _CheckpointWriter | None = None
@@ -259,6 +279,8 @@ class ModelReplica:
             self.streams[key] = stream
         try:
             async for ev in stream:
+                while edits:
+                    yield {"edit": edits.popleft()}
                 if isinstance(ev, TextEvent) and (trim_tokens or trim_chars):
                     ev = _trim_text(ev, trim_tokens, trim_chars)
                     if ev is None:
@@ -360,16 +382,26 @@ class RemoteModel:
         ids: list[int] = []
         text = ""
         revision = 0
+        base = 0  # revisions made on replicas that failed (a new replica counts its own from 0)
+        inserted: list[dict[str, Any]] = []  # instructions in the context now: {"revision", "at", "token_ids", ...}
+        history: list[dict[str, Any]] = []  # revision dicts reported by replicas that failed
+        edits: list[dict[str, Any]] = []  # those reported by the replica serving the stream now
         step = -1
         failures: list[float] = []
         retryable = _retryable()
         while True:
-            gen = self.handle.options(stream=True).generate.remote(
-                kwargs, {"tokens": ids, "chars": len(text), "step": step, "failover": bool(failures)}, w.stream_id)
+            resume = {"tokens": ids, "chars": len(text), "step": step, "failover": bool(failures),
+                      "inserted": [[e["at"], e["token_ids"]] for e in inserted if e.get("token_ids")]}
+            gen = self.handle.options(stream=True).generate.remote(kwargs, resume, w.stream_id)
             try:
                 async for item in gen:
                     if isinstance(item, dict):
-                        self.replica_of[w.stream_id] = item.get("replica", "")
+                        if "edit" in item:  # a steer or rewind took effect on the replica
+                            edit = dict(item["edit"])
+                            edits.append(edit)
+                            inserted.append({**edit, "revision": base + int(edit.get("revision") or 0)})
+                        elif "replica" in item:
+                            self.replica_of[w.stream_id] = item.get("replica", "")
                         continue
                     ev: Event = item
                     if isinstance(ev, TextEvent):
@@ -377,12 +409,16 @@ class RemoteModel:
                         offset = ev.offset if ev.offset is not None else len(text)
                         moved = offset != len(text)
                         index = ev.index if moved else len(ids)
-                        while revision < (ev.revision or 0):
+                        while revision < base + (ev.revision or 0):
                             revision = w.new_revision()
+                        if moved:  # a rewind: instructions taken in after its cut are gone with the text
+                            now = base + (ev.revision or 0)
+                            inserted = [e for e in inserted if e["revision"] >= now or e["at"] <= index]
                         if ev.is_final:
+                            revisions = history + list(ev.revisions or [])
                             w.finish_text(ev.delta, ev.token_ids, index, finish_reason=ev.finish_reason or "stop",
                                           text=text[:offset] + ev.delta, usage=dict(ev.usage or {}),
-                                          metrics=dict(ev.metrics or {}), revisions=ev.revisions,
+                                          metrics=dict(ev.metrics or {}), revisions=revisions or None,
                                           offset=offset if moved else None)
                         elif ev.delta or moved:
                             w.text(ev.delta, ev.token_ids, index, offset=offset if moved else None)
@@ -409,6 +445,9 @@ class RemoteModel:
                         w.fail(RuntimeError("cancelled"))
                 return
             except retryable as exc:
+                history.extend({k: v for k, v in e.items() if k not in ("revision", "at")} for e in edits)
+                edits = []
+                base = revision
                 now = time.monotonic()
                 failures = [t for t in failures if now - t < _FAILOVER_WINDOW_S] + [now]
                 self.failovers += 1
