@@ -31,8 +31,8 @@ to be step k+1.
 
 `ImageCheckpoint.to_bytes()` is a safetensors file (the tensors, plus a JSON description of the
 rest in its metadata), so loading one never unpickles anything. The embedded 64 px model's
-checkpoint is about 12 KB (fp32 latents and two multistep model outputs); an SD 1.5 512 px fp16 run
-about 100 KB.
+checkpoint is 13 KB (fp32 4x16x16 latents and two multistep model outputs; taking one costs the
+engine about 0.2 ms a step on a CPU); an SD 1.5 512 px fp16 run's about 100 KB.
 
 Example:
     >>> saved = []
@@ -134,10 +134,10 @@ class ImageCheckpoint:
         """Read what `to_bytes` wrote; `InvalidArgumentError` if ``data`` is not such a checkpoint.
 
         Example:
-            >>> ImageCheckpoint.from_bytes(b"junk")
+            >>> ImageCheckpoint.from_bytes(b"junk")                   # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            multistream.errors.InvalidArgumentError: resume_from is not a multistream image checkpoint (...)
+            multistream.errors.InvalidArgumentError: resume_from is not a multistream image checkpoint (...
         """
         from safetensors.torch import load
 
@@ -232,7 +232,7 @@ def _snapshot(scheduler: Any) -> dict[str, Any]:
     """The scheduler's run state now, with tensors copied (so later in-place changes do not leak in)."""
     out: dict[str, Any] = {}
     for key, value in vars(scheduler).items():
-        if key in _NOT_STATE or callable(value) and not isinstance(value, torch.Tensor):
+        if key in _NOT_STATE or callable(value):
             continue
         out[key] = _copy(value)
     return out
