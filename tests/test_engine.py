@@ -7,6 +7,7 @@ per step); the parity tests run the real embedded SmolLM2 (marked ``model``).
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -351,7 +352,10 @@ def test_leaving_streams_early_then_exiting_is_clean(kind: str, tmp_path) -> Non
         s = new(); next(iter(s))          # left running: the interpreter exits with it in flight
         print("left")
         """).format(start=start))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    # This checkout, whatever is installed: the script runs from a temporary directory.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left" in done.stdout
     assert "terminate called" not in done.stderr
