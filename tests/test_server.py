@@ -223,7 +223,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_no_other_stream() -> None:
                 yield b" " * 1000  # chunked upload without Content-Length
         assert client.post(srv.url + "/v1/text", content=chunks(), headers=json_type).status_code == 413
         for body, kind in [({"prompt": "p", "steps": 500}, "limit_exceeded"), ({"prompt": "p", "height": 12}, "invalid_argument"),
-                           ({"prompt": "p", "preview": "sharp"}, "invalid_argument"), ({"prompt": ""}, "invalid_argument"),
+                           ({"prompt": "p", "preview": "sharp"}, "invalid_argument"), ({"prompt": "p", "guidance_scale": -1}, "invalid_argument"),
                            ({"prompt": "p", "cfg": 1}, "unknown_field")]:
             r = client.post(srv.url + "/v1/image", json=body)
             assert r.status_code == 400 and r.json()["error"]["type"] == kind, (body, r.text)
