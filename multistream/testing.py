@@ -534,8 +534,9 @@ class ScriptedImageModel:
                 step -= 1  # the step that was asked to stop did not run
             data, mime, fw, fh = _encode(frame, a["final_format"], a["final_quality"], None)
             metrics = {"duration_ms": round((w.elapsed() - started) * 1000, 3),
-                       "first_preview_ms": round(first_frame * 1000, 3) if first_frame is not None else None,
                        "previews": float(previews)}  # as the real model counts them: all made so far
+            if first_frame is not None:  # the real model's name, absent when no preview was made
+                metrics["time_to_first_preview_ms"] = round(first_frame * 1000, 3)
             if steering.applied:
                 metrics["steers"] = float(steering.applied)
             done = ImageEvent(stream_id=w.stream_id, seq=0, t=0.0, step=step if stopped else steps,

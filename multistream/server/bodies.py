@@ -87,8 +87,9 @@ class ImageRequest(BaseModel):
     preview_every: int = Field(default=1, description="an integer >= 1")
     preview_format: str = Field(default="jpeg", description="'jpeg', 'png' or 'webp'")
     preview_quality: int = Field(default=75, description="an integer 1..100")
-    preview_max_side: int = Field(default=256, description="an integer: pixels")
+    preview_max_side: Optional[int] = Field(default=256, description="an integer: pixels; null: never scaled down")
     final_format: str = Field(default="png", description="'png', 'jpeg' or 'webp'")
+    final_quality: int = Field(default=95, description="an integer 1..100 (jpeg and webp finals)")
     priority: int = Field(default=0, description="an integer; higher runs first (capped by the server per key)")
 
 
