@@ -10,7 +10,10 @@ do not stop early):
   left-padded batch of the same N prompts, called on the main thread as a user would
   (targets: >= 0.97x at N=1, >= 0.85x at N=8 and 16);
 * TTFT of a stream that joins 8 running streams, beside its TTFT alone (target <= 2x), and the
-  p95 gap between tokens of the running streams while it prefills;
+  p95 gap between tokens of the running streams while it prefills. The joiner is submitted just
+  after the running streams' tokens of a step arrived, i.e. just after the next batched forward
+  began: the worst moment for an engine that prefills only between steps (see "prefill points"
+  in `multistream.engine.text_batch`);
 * TTFT of a priority-10 stream submitted together with 8 priority-0 streams that wait for their
   prefill, and while 8 priority-0 streams run with every row taken (``max_batch=8``), beside its
   TTFT alone (target <= 2x).
@@ -103,28 +106,36 @@ def _consume(stream: Any, times: list[float]) -> threading.Thread:
     return thread
 
 
-def join_ttft(llm: Any, joiner: str) -> tuple[float, float, float]:
-    """(TTFT alone ms, TTFT joining 8 running streams ms, p95 gap of the running ones during it)."""
-    alone = llm.stream(joiner, chat=False, max_new_tokens=4).wait().metrics["ttft_ms"]
+def join_ttft(llm: Any, joiner: str, samples: int = 3) -> tuple[float, float, float]:
+    """(TTFT alone ms, TTFT joining 8 running streams ms, p95 gap of the running ones meanwhile):
+    medians of ``samples`` joins, each submitted just after a step's tokens arrived."""
+    alone = _median([llm.stream(joiner, chat=False, max_new_tokens=4).wait().metrics["ttft_ms"]
+                     for _ in range(samples)])
     times = [[] for _ in range(8)]
     running = [llm.stream(p, chat=False, max_new_tokens=NEW_TOKENS) for p in PROMPTS[:8]]
     threads = [_consume(s, t) for s, t in zip(running, times)]
     while min(len(t) for t in times) < 8:
         time.sleep(0.005)
-    submitted = time.perf_counter()
-    final = llm.stream(joiner, chat=False, max_new_tokens=4).wait()
-    first_token_at = submitted + final.metrics["ttft_ms"] / 1000
+    joined, windows = [], []
+    for _ in range(samples):
+        seen = len(times[0])
+        while len(times[0]) == seen:  # the next step's tokens: a new batched forward begins now
+            time.sleep(0.001)
+        submitted = time.perf_counter()
+        ttft = llm.stream(joiner, chat=False, max_new_tokens=4).wait().metrics["ttft_ms"]
+        joined.append(ttft)
+        windows.append((submitted, submitted + ttft / 1000))
     for thread in threads:
         thread.join()
-    gaps = [
-        (b - a) * 1000 for t in times for a, b in zip(t, t[1:]) if b >= submitted and a <= first_token_at
-    ]
-    return alone, final.metrics["ttft_ms"], _p95(gaps)
+    gaps = [(b - a) * 1000 for t in times for a, b in zip(t, t[1:])
+            if any(b >= start and a <= end for start, end in windows)]
+    return alone, _median(joined), _p95(gaps)
 
 
 def priority_ttft(llm: Any, llm_full: Any, prompt: str) -> tuple[float, float, float]:
     """(alone ms, with 8 priority-0 arrivals ms, with 8 priority-0 running in a full batch ms)."""
-    alone = llm.stream(prompt, chat=False, max_new_tokens=4, priority=10).wait().metrics["ttft_ms"]
+    alone = _median([llm.stream(prompt, chat=False, max_new_tokens=4, priority=10).wait().metrics["ttft_ms"]
+                     for _ in range(3)])
     # 8 low-priority requests arrive together with it: it is prefilled first.
     lows = [llm.stream(p, chat=False, max_new_tokens=NEW_TOKENS, priority=0) for p in PROMPTS[:8]]
     high = llm.stream(prompt, chat=False, max_new_tokens=4, priority=10).wait().metrics["ttft_ms"]
@@ -136,7 +147,13 @@ def priority_ttft(llm: Any, llm_full: Any, prompt: str) -> tuple[float, float, f
     threads = [_consume(s, t) for s, t in zip(lows, times)]
     while min(len(t) for t in times) < 4:
         time.sleep(0.005)
-    full = llm_full.stream(prompt, chat=False, max_new_tokens=4, priority=10).wait().metrics["ttft_ms"]
+    fulls = []
+    for _ in range(3):
+        seen = len(times[0])
+        while len(times[0]) == seen:  # just after a batched forward began, as in join_ttft
+            time.sleep(0.001)
+        fulls.append(llm_full.stream(prompt, chat=False, max_new_tokens=4, priority=10).wait().metrics["ttft_ms"])
+    full = _median(fulls)
     for thread in threads:
         thread.join()
     return alone, high, full
@@ -145,17 +162,27 @@ def priority_ttft(llm: Any, llm_full: Any, prompt: str) -> tuple[float, float, f
 # -- images ------------------------------------------------------------------------------------
 
 
-def image_times(sd: Any) -> dict[str, float]:
+def image_times(sd: Any) -> dict[str, list[float]]:
+    """Seconds per run: the bare pipeline and latent previews twice each (plain, latent, latent,
+    plain: neither always goes first), then the 4-step request alone and during a 40-step one."""
     import torch
 
     prompt = "a red circle on a blue background"
-    started = time.perf_counter()
-    sd.pipeline(prompt, num_inference_steps=20, generator=torch.Generator("cpu").manual_seed(0))
-    plain = time.perf_counter() - started
-    started = time.perf_counter()
-    final = sd.stream(prompt, steps=20, seed=0, preview="latent", preview_every=1).wait()
-    assert final.finish_reason == "stop"
-    latent = time.perf_counter() - started
+
+    def plain_run() -> float:
+        started = time.perf_counter()
+        sd.pipeline(prompt, num_inference_steps=20, generator=torch.Generator("cpu").manual_seed(0))
+        return time.perf_counter() - started
+
+    def latent_run() -> float:
+        started = time.perf_counter()
+        final = sd.stream(prompt, steps=20, seed=0, preview="latent", preview_every=1).wait()
+        assert final.finish_reason == "stop"
+        return time.perf_counter() - started
+
+    plain, latent = [plain_run()], [latent_run()]
+    latent.append(latent_run())
+    plain.append(plain_run())
     started = time.perf_counter()
     sd.stream("a green square on a white background", steps=4, seed=1, preview="latent").wait()
     short_alone = time.perf_counter() - started
@@ -168,7 +195,7 @@ def image_times(sd: Any) -> dict[str, float]:
     sd.stream("a green square on a white background", steps=4, seed=1, preview="latent").wait()
     short_during = time.perf_counter() - started
     thread.join()
-    return {"plain": plain, "latent": latent, "short_alone": short_alone, "short_during": short_during}
+    return {"plain": plain, "latent": latent, "short_alone": [short_alone], "short_during": [short_during]}
 
 
 def main() -> int:
@@ -192,7 +219,7 @@ def main() -> int:
     rows: dict[int, dict[str, list[float]]] = {n: {"stream": [], "generate": []} for n in sizes}
     joins: list[tuple[float, float, float]] = []
     prios: list[tuple[float, float, float]] = []
-    images: list[dict[str, float]] = []
+    images: list[dict[str, list[float]]] = []
     sd = None if args.skip_images else ms.load_image_model()
     if sd is not None:
         image_times(sd)  # warm-up
@@ -222,7 +249,7 @@ def main() -> int:
     print(f"priority 10: TTFT alone {alone:.0f} ms; with 8 priority-0 arrivals {arrivals:.0f} ms "
           f"({arrivals / alone:.2f}x); with 8 priority-0 streams filling max_batch=8 {full:.0f} ms ({full / alone:.2f}x)")
     if images:
-        med = {k: _median([r[k] for r in images]) for k in images[0]}
+        med = {k: _median([x for r in images for x in r[k]]) for k in images[0]}
         print(f"\nimage: latent previews every step {med['latent']:.3f} s vs bare pipeline {med['plain']:.3f} s "
               f"({med['latent'] / med['plain']:.3f}x)")
         print(f"image: 4-step request alone {med['short_alone']:.3f} s, while a 40-step one runs "

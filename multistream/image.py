@@ -23,6 +23,13 @@ values. The final event's ``metrics["steers"]`` counts the steers that took effe
 With ``num_images > 1`` each image has its own previews (``index``); every finished image carries
 ``finish_reason`` and the last one is the stream's final event.
 
+The module is split by job: `multistream.image_options` checks the arguments that do not depend
+on the model (torch-free, and shared with the scripted fake in `multistream.testing`, so both
+refuse the same values and preview the same steps); this class adds the checks that need the
+pipeline (sizes as multiples of its VAE's factor, TAESD weights, pipeline arguments, step
+callbacks); `multistream.image_run` runs one request on the engine thread and
+`multistream.previews` turns latents into preview frames.
+
 Example:
     >>> import multistream as ms
     >>> sd = ms.load_image_model()                                               # doctest: +SKIP
@@ -51,39 +58,21 @@ from .engine.image_steps import ImageRequest, ImageStepper
 from .engine.settings import engine_thread_setup
 from .errors import InvalidArgumentError
 from .events import Event
-from .frames import check_format, check_quality
 from .image_checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from .image_loading import EMBEDDED_MODEL_DIR, _load_taesd, load_image_model
+from .image_options import PreviewPlan, PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
 from .image_run import ImageRun, ImageSteering
 from .latent_rgb import LatentRGB, detect_family, latent_rgb_for
-from .previews import LinearDecoder, PreviewPlan, PreviewThrottle, TinyDecoder, VaeDecoder, parse_preview, x0_strategy
+from .previews import LinearDecoder, TinyDecoder, VaeDecoder, x0_strategy
 from .stream import Stream, StreamWriter
 
 __all__ = ["EMBEDDED_MODEL_DIR", "ImageCheckpoint", "ImageJob", "ImageModel", "load_image_model"]
 
 logger = logging.getLogger("multistream")
 
-# Arguments `stream()` sets itself; passing them through **pipeline_kwargs would fight it.
-_RESERVED = {
-    "prompt": "the first argument",
-    "num_inference_steps": "steps=",
-    "num_images_per_prompt": "num_images=",
-    "return_dict": None,
-    "callback": "callback_on_step_end=",
-    "callback_steps": "callback_on_step_end=",
-}
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
-    if not _is_int(value) or int(value) < minimum:
-        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass
@@ -379,10 +368,8 @@ class ImageModel:
         job = self._prepare(
             prompt, negative_prompt, steps, guidance_scale, height, width, seed, num_images, preview,
             preview_every, preview_format, preview_quality, preview_max_side, final_format, final_quality,
-            taesd, pipeline_kwargs,
+            taesd, priority, pipeline_kwargs,
         )  # fmt: skip
-        if not _is_int(priority):
-            raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
         checkpoints = checkpoint_plan(self, job, resume_from, on_checkpoint, checkpoint_every)
         if checkpoints is not None:
             checkpoints.apply_conditioning(job.call_kwargs)  # a resumed run goes on under the steered conditioning
@@ -424,28 +411,18 @@ class ImageModel:
         final_format: Any,
         final_quality: Any,
         taesd: Any,
+        priority: Any,
         pipeline_kwargs: dict[str, Any],
     ) -> ImageJob:
-        if not isinstance(prompt, str):
-            raise InvalidArgumentError(f"prompt must be a string, got {type(prompt).__name__}")
-        if negative_prompt is not None and not isinstance(negative_prompt, str):
-            raise InvalidArgumentError(f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}")
-        steps = _check_int("steps", steps, 1, optional=True)
-        if guidance_scale is not None and (
-            isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or guidance_scale < 0
-        ):
-            raise InvalidArgumentError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
-        num_images = _check_int("num_images", num_images, 1)
-        plan = parse_preview(self.default_preview if preview is None else preview)
-        throttle = PreviewThrottle(preview_every)
-        preview_format = check_format(preview_format, "preview_format")
-        preview_quality = check_quality(preview_quality, "preview_quality")
-        preview_max_side = _check_int("preview_max_side", preview_max_side, 1, optional=True)
-        final_format = check_format(final_format, "final_format")
-        final_quality = check_quality(final_quality, "final_quality")
-        if seed is not None and (not _is_int(seed) or not 0 <= int(seed) < 2**63):
-            raise InvalidArgumentError(f"seed must be an integer from 0 to 2**63-1 or None, got {seed!r}")
-        height, width = self._check_size(height, width)
+        # What does not depend on the model is checked where the scripted fake checks it too.
+        options = parse_image_options(
+            prompt, negative_prompt, steps, guidance_scale, height, width, seed, num_images, preview,
+            preview_every, preview_format, preview_quality, preview_max_side, final_format, final_quality,
+            priority, **pipeline_kwargs,
+        )  # fmt: skip
+        plan = options.preview or parse_preview(self.default_preview)
+        seed = options.seed
+        height, width = self._check_size(options.height, options.width)
 
         taesd_model = None
         if plan.decoder == "taesd":
@@ -487,25 +464,20 @@ class ImageModel:
                 raise InvalidArgumentError(f"{type(self._pipe).__name__} takes no {what or name!r} argument")
             kwargs[name] = value
 
-        put("prompt", prompt)
-        put("negative_prompt", negative_prompt)
-        put("num_inference_steps", steps, "steps")
-        put("guidance_scale", guidance_scale)
+        put("prompt", options.prompt)
+        put("negative_prompt", options.negative_prompt)
+        put("num_inference_steps", options.steps, "steps")
+        put("guidance_scale", options.guidance_scale)
         if "height" in self._params:
             put("height", height)
             put("width", width)
         elif (height, width) != self.default_size and (height is not None or width is not None):
             raise InvalidArgumentError(f"{type(self._pipe).__name__} takes no height/width arguments")
-        if num_images != 1 or "num_images_per_prompt" in self._params:
-            put("num_images_per_prompt", num_images, "num_images")
-        for key, value in pipeline_kwargs.items():
-            if key in _RESERVED:
-                instead = _RESERVED[key]
-                hint = f"; use {instead}" if instead else ""
-                raise InvalidArgumentError(f"{key!r} is set by stream() itself{hint}")
+        if options.num_images != 1 or "num_images_per_prompt" in self._params:
+            put("num_images_per_prompt", options.num_images, "num_images")
+        # Reserved names, output_type and generator-with-seed were refused by parse_image_options.
+        for key, value in options.pipeline_kwargs.items():
             if key == "callback_on_step_end":
-                if value is not None and not callable(value):
-                    raise InvalidArgumentError("callback_on_step_end must be callable")
                 user_callback = value
                 # A diffusers PipelineCallback / MultiPipelineCallbacks names the tensors it reads
                 # (SDCFGCutoffCallback needs "prompt_embeds"); the pipeline would take them from it,
@@ -517,12 +489,6 @@ class ImageModel:
             if key == "callback_on_step_end_tensor_inputs":
                 tensor_inputs = list(dict.fromkeys([*tensor_inputs, *(value or [])]))
                 continue
-            if key == "output_type" and value not in ("pil", "np", "pt"):
-                raise InvalidArgumentError(
-                    f"output_type={value!r} is not supported: the stream encodes images; use 'pil' (default), 'np' or 'pt'"
-                )
-            if key == "generator" and seed is not None:
-                raise InvalidArgumentError("pass either seed= or generator=, not both")
             put(key, value)
         if seed is None and "generator" not in kwargs:
             seed = random.randrange(2**31)
@@ -531,42 +497,34 @@ class ImageModel:
         return ImageJob(
             call_kwargs=kwargs,
             plan=plan,
-            throttle=throttle,
-            steps=steps,
+            throttle=options.throttle,
+            steps=options.steps,
             height=height,
             width=width,
             seed=int(seed) if seed is not None else -1,
-            num_images=num_images,
-            preview_format=preview_format,
-            preview_quality=preview_quality,
-            preview_max_side=preview_max_side,
-            final_format=final_format,
-            final_quality=final_quality,
+            num_images=options.num_images,
+            preview_format=options.preview_format,
+            preview_quality=options.preview_quality,
+            preview_max_side=options.preview_max_side,
+            final_format=options.final_format,
+            final_quality=options.final_quality,
             taesd=taesd_model,
             user_callback=user_callback,
             tensor_inputs=tensor_inputs,
         )
 
-    def _check_size(self, height: Any, width: Any) -> tuple[int | None, int | None]:
+    def _check_size(self, height: int | None, width: int | None) -> tuple[int | None, int | None]:
+        """The model's default where a side is None; a given side (a positive integer, checked by
+        `parse_image_options`) must be a multiple of `size_multiple`."""
         multiple = self.size_multiple
+        why = f"the VAE downsamples by {self.vae_scale_factor}"
+        if multiple != self.vae_scale_factor:
+            why += " and the denoiser works on patches of latents"
         default_h, default_w = self.default_size
-        out = []
-        for name, value, default in (("height", height, default_h), ("width", width, default_w)):
-            if value is None:
-                out.append(default)
-                continue
-            if not _is_int(value) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-            if value % multiple:
-                why = f"the VAE downsamples by {self.vae_scale_factor}"
-                if multiple != self.vae_scale_factor:
-                    why += " and the denoiser works on patches of latents"
-                lower = max(multiple, value - value % multiple)
-                raise InvalidArgumentError(
-                    f"{name}={value} is not a multiple of {multiple} ({why}); use e.g. {lower} or {lower + multiple}"
-                )
-            out.append(int(value))
-        return out[0], out[1]
+        return (
+            default_h if height is None else check_size_multiple("height", height, multiple, why),
+            default_w if width is None else check_size_multiple("width", width, multiple, why),
+        )
 
     def _warn_if_no_x0(self, plan: PreviewPlan) -> None:
         scheduler = self._pipe.scheduler

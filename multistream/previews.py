@@ -4,7 +4,9 @@ The pieces, each small and testable without a real model:
 
 * `PreviewThrottle` decides at which steps a preview is made (``preview_every``).
 * `parse_preview` reads ``preview=`` into a *source* (the noisy latent, or the model's current
-  prediction of the clean image, x0) and a *decoder* (a linear latent->RGB map, TAESD, the VAE):
+  prediction of the clean image, x0) and a *decoder* (a linear latent->RGB map, TAESD, the VAE).
+  Both live in the torch-free `multistream.image_options` (the fake image model checks its
+  arguments with them too) and are re-exported here:
 
   ============  =====================  ======================================================
   ``preview=``  source                 decoder
@@ -51,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import sys
 import threading
 from collections.abc import Callable
@@ -62,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InvalidArgumentError
+from .image_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 from .latent_rgb import LatentRGB, latents_to_rgb, latents_to_vae_space
 
 __all__ = [
@@ -82,72 +84,6 @@ __all__ = [
     "unpack_latents",
     "x0_strategy",
 ]
-
-PREVIEW_MODES: tuple[str, ...] = ("latent", "x0", "taesd", "vae", "none", "x0+taesd", "x0+vae", "tiny", "x0+tiny")
-
-
-@dataclass(frozen=True)
-class PreviewPlan:
-    """What ``preview=`` asks for: ``source`` ("latent" | "x0" | None) and ``decoder``
-    ("linear" | "taesd" | "tiny" | "vae" | None)."""
-
-    mode: str
-    source: str | None
-    decoder: str | None
-
-    @property
-    def enabled(self) -> bool:
-        return self.decoder is not None
-
-
-def parse_preview(mode: str) -> PreviewPlan:
-    """Read a ``preview=`` value, or raise `InvalidArgumentError` naming the valid ones.
-
-    Example:
-        >>> parse_preview("x0")
-        PreviewPlan(mode='x0', source='x0', decoder='linear')
-    """
-    if not isinstance(mode, str) or mode.lower() not in PREVIEW_MODES:
-        raise InvalidArgumentError(f"unknown preview={mode!r}; use one of {list(PREVIEW_MODES)}")
-    mode = mode.lower()
-    if mode == "none":
-        return PreviewPlan(mode, None, None)
-    if mode == "latent":
-        return PreviewPlan(mode, "latent", "linear")
-    if mode == "x0":
-        return PreviewPlan(mode, "x0", "linear")
-    if mode == "tiny":
-        return PreviewPlan(mode, "x0", "tiny")
-    if mode.startswith("x0+"):
-        return PreviewPlan(mode, "x0", mode[3:])
-    return PreviewPlan(mode, "latent", mode)
-
-
-class PreviewThrottle:
-    """Decides which steps get a preview: steps 1, 1+k, 1+2k, ... for ``every=k``.
-
-    The first step always gets one (the sooner the user sees something, the better), so a run
-    of ``n`` steps makes exactly ``ceil(n / k)`` previews. The last step's preview is kept even
-    though the final image follows: it costs one cheap decode and keeps the count predictable.
-
-    Example:
-        >>> PreviewThrottle(every=1).count(4), PreviewThrottle(every=4).count(4)
-        (4, 1)
-    """
-
-    def __init__(self, every: int = 1) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise InvalidArgumentError(f"preview_every must be an integer >= 1, got {every!r}")
-        self.every = every
-
-    def should_preview(self, step: int) -> bool:
-        """True if ``step`` (1-based) gets a preview."""
-        return step >= 1 and (step - 1) % self.every == 0
-
-    def count(self, total_steps: int) -> int:
-        """How many previews a run of ``total_steps`` steps makes."""
-        return math.ceil(max(0, total_steps) / self.every)
-
 
 # --- x0: the model's current estimate of the clean latent -------------------------------------
 

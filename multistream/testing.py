@@ -3,9 +3,10 @@
 `ScriptedTextModel` and `ScriptedImageModel` have the same ``.stream()`` / ``.generate()``
 signatures as the real models and emit scripted events through a real `Stream` (so seq,
 backpressure, cancel and error handling behave exactly as in production), without torch or
-weights. They validate the basic arguments the way the real models do (unknown keyword names,
-``max_new_tokens >= 1``, ``steps >= 1``, ``priority``, ...), honour ``cancel()`` and
-``finish_early()`` within one step, and take edits in a simple scripted way: text ``steer(text)``
+weights. They check their arguments with the code the real models use
+(`multistream.text_options`, `multistream.image_options`), so they refuse the same mistakes with
+the same messages and an image stream previews the same steps as a real one. They honour
+``cancel()`` and ``finish_early()`` within one step, and take edits in a simple scripted way: text ``steer(text)``
 starts a new revision and the script goes on; text ``rewind(offset)`` cuts the answer at
 ``offset`` and the script goes on from there; ``ScriptedTextModel.revise(final, offset)``
 regenerates a finished answer from ``offset``; image ``steer(prompt=...)`` recolours the picture
@@ -36,8 +37,8 @@ from typing import Any
 
 from .errors import InvalidArgumentError, PromptTooLongError, StreamFinishedError
 from .events import Event, ImageEvent, TextEvent
-from .frames import check_format, check_quality, encode_frame
-from .previews import PreviewThrottle
+from .frames import encode_frame
+from .image_options import PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
 from .stop_strings import StopMatcher
 from .stream import Stream, StreamWriter, _run_producer
 from .text_options import check_prompt, parse_text_options
@@ -48,12 +49,6 @@ DEFAULT_TOKENS: tuple[str, ...] = (
     "Streams", " carry", " tokens", " one", " by", " one", ",", " and", " previews",
     " step", " by", " step", ":", " the", " reader", " sees", " them", " as", " they", " come", ".",
 )
-
-_IMAGE_KWARGS = (
-    "negative_prompt", "steps", "guidance_scale", "height", "width", "seed", "num_images", "preview",
-    "preview_every", "preview_format", "preview_quality", "preview_max_side", "final_format",
-)
-_PREVIEW_MODES = ("latent", "x0", "taesd", "vae", "none")
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -392,12 +387,25 @@ class ScriptedImageModel:
     final image (PNG by default) ends the stream. With ``num_images > 1`` the images come one after
     another; only the last final frame has ``is_final`` (earlier ones carry ``finish_reason``).
 
+    ``stream()`` checks its arguments with `parse_image_options`, as `ImageModel` does, so it
+    refuses the same values with the same messages and previews the same steps (1, 1+k, ... for
+    ``preview_every=k``; the final's ``metrics["previews"]`` counts them). Where the real checks
+    need a model the fake has its own rules: every preview mode draws the same blend (so
+    ``"taesd"`` needs no weights), a given height or width must be a multiple of `size_multiple`
+    (the real model's multiple comes from its VAE), and keyword arguments that the real model
+    passes to its pipeline are refused.
+
     Example:
         >>> sd = ScriptedImageModel(steps=3, size=16)
         >>> final = sd.generate("a red circle", preview="none")
         >>> final.mime, final.width, final.image.size
         ('image/png', 16, (16, 16))
     """
+
+    #: What ``preview=None`` means here (`ImageModel.default_preview` on a real model).
+    default_preview = "latent"
+    #: What a given height or width must be a multiple of (Stable Diffusion's VAE factor).
+    size_multiple = 8
 
     def __init__(self, steps: int = 8, size: int | tuple[int, int] = 64, delay_s: float = 0.0, *,
                  name: str = "scripted-image", fail_at_step: int | None = None) -> None:
@@ -432,49 +440,42 @@ class ScriptedImageModel:
         width: int | None = None,
         seed: int | None = None,
         num_images: int = 1,
-        preview: str = "latent",
+        preview: str | None = None,
         preview_every: int = 1,
         preview_format: str = "jpeg",
         preview_quality: int = 75,
-        preview_max_side: int = 256,
+        preview_max_side: int | None = 256,
         final_format: str = "png",
+        final_quality: int = 95,
         priority: int = 0,
         **pipeline_kwargs: Any,
     ) -> Stream:
-        """Validate the arguments now, then stream previews and the final image."""
-        priority = _check_priority(priority)
-        if pipeline_kwargs:
-            raise InvalidArgumentError(
-                f"unknown argument(s) {sorted(pipeline_kwargs)} for ImageModel.stream(); "
-                f"known ones are {list(_IMAGE_KWARGS)}"
-            )
-        _require(isinstance(prompt, str) and prompt.strip() != "", f"prompt must be a non-empty string, got {prompt!r}")
-        _require(negative_prompt is None or isinstance(negative_prompt, str), "negative_prompt must be a string or None")
-        steps = self.default_steps if steps is None else steps
-        _require(_is_int(steps) and steps >= 1, f"steps must be an integer >= 1, got {steps!r}")
-        _require(guidance_scale is None or (_is_number(guidance_scale) and guidance_scale >= 0),
-                 f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
-        height = self.height if height is None else height
-        width = self.width if width is None else width
-        for label, v in (("height", height), ("width", width)):
-            _require(_is_int(v) and v >= 8 and v % 8 == 0, f"{label} must be a multiple of 8 and >= 8, got {v!r}")
-        _require(seed is None or (_is_int(seed) and 0 <= seed < 2**63),
-                 f"seed must be an integer from 0 to 2**63-1 or None, got {seed!r}")
-        _require(_is_int(num_images) and num_images >= 1, f"num_images must be an integer >= 1, got {num_images!r}")
-        _require(preview in _PREVIEW_MODES, f"preview must be one of {list(_PREVIEW_MODES)}, got {preview!r}")
-        _require(_is_int(preview_every) and preview_every >= 1, f"preview_every must be an integer >= 1, got {preview_every!r}")
-        preview_format = check_format(preview_format, "preview_format")
-        final_format = check_format(final_format, "final_format")
-        preview_quality = check_quality(preview_quality, "preview_quality")
-        _require(_is_int(preview_max_side) and preview_max_side >= 8,
-                 f"preview_max_side must be an integer >= 8, got {preview_max_side!r}")
-        args = {"prompt": prompt, "negative_prompt": negative_prompt, "steps": steps, "guidance_scale": guidance_scale,
-                "height": height, "width": width, "seed": seed, "num_images": num_images, "preview": preview,
-                "preview_every": preview_every, "preview_format": preview_format, "preview_quality": preview_quality,
-                "preview_max_side": preview_max_side, "final_format": final_format, "priority": priority}
+        """Validate the arguments now (with `parse_image_options`, as the real model does), then
+        stream previews and the final image."""
+        options = parse_image_options(
+            prompt, negative_prompt, steps, guidance_scale, height, width, seed, num_images, preview,
+            preview_every, preview_format, preview_quality, preview_max_side, final_format, final_quality,
+            priority, **pipeline_kwargs,
+        )  # fmt: skip
+        for key in options.pipeline_kwargs:
+            # The real model hands these to its pipeline, which refuses names it does not take.
+            raise InvalidArgumentError(f"{type(self).__name__} takes no {key!r} argument (it has no pipeline)")
+        plan = options.preview or parse_preview(self.default_preview)
+        why = f"the fake, like a VAE, downsamples by {self.size_multiple}"
+        height, width = (default if value is None else check_size_multiple(name, value, self.size_multiple, why)
+                         for name, value, default in (("height", options.height, self.height),
+                                                      ("width", options.width, self.width)))
+        args = {
+            "prompt": options.prompt, "negative_prompt": options.negative_prompt,
+            "steps": self.default_steps if options.steps is None else options.steps,
+            "guidance_scale": options.guidance_scale, "height": height, "width": width, "seed": options.seed, "num_images": options.num_images, "preview": plan.mode,
+            "preview_every": options.preview_every, "preview_format": options.preview_format,
+            "preview_quality": options.preview_quality, "preview_max_side": options.preview_max_side,
+            "final_format": options.final_format, "final_quality": options.final_quality, "priority": options.priority,
+        }  # fmt: skip
         self.calls.append(args)
         self._counters.enter()
-        steering = _ImageSteers(guidance_scale)
+        steering = _ImageSteers(options.guidance_scale)
         return _start("image", lambda w: self._produce(w, args, steering), steering.handle)
 
     def generate(self, prompt: str, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
@@ -501,6 +502,7 @@ class ScriptedImageModel:
         rng = random.Random(a["seed"] if a["seed"] is not None else 0)
         started = w.elapsed()
         first_frame: float | None = None
+        previews = 0
         frame = target
         for index in range(n_images):
             noise = Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
@@ -524,14 +526,17 @@ class ScriptedImageModel:
                     data, mime, pw, ph = _encode(frame, a["preview_format"], a["preview_quality"], a["preview_max_side"])
                     w.image(step=step, total_steps=steps, width=pw, height=ph, mime=mime, data=data, index=index)
                     first_frame = first_frame if first_frame is not None else w.elapsed()
+                    previews += 1
                 if step == steps:
                     steering.close()
             last = index == n_images - 1 or stopped is not None
             if stopped is not None:
                 step -= 1  # the step that was asked to stop did not run
-            data, mime, fw, fh = _encode(frame, a["final_format"], 95, None)
+            data, mime, fw, fh = _encode(frame, a["final_format"], a["final_quality"], None)
             metrics = {"duration_ms": round((w.elapsed() - started) * 1000, 3),
-                       "first_preview_ms": round(first_frame * 1000, 3) if first_frame is not None else None}
+                       "previews": float(previews)}  # as the real model counts them: all made so far
+            if first_frame is not None:  # the real model's name, absent when no preview was made
+                metrics["time_to_first_preview_ms"] = round(first_frame * 1000, 3)
             if steering.applied:
                 metrics["steers"] = float(steering.applied)
             done = ImageEvent(stream_id=w.stream_id, seq=0, t=0.0, step=step if stopped else steps,

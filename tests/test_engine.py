@@ -7,6 +7,7 @@ per step); the parity tests run the real embedded SmolLM2 (marked ``model``).
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -206,6 +207,79 @@ def test_priority_runs_first_when_the_batch_is_full(text_tokenizer, tiny_llm) ->
         llm.close()
 
 
+@pytest.mark.parametrize("case", ["free row", "outranks a full batch", "full batch, same priority"])
+def test_a_newcomer_is_prefilled_inside_a_running_decode_step(text_tokenizer, tiny_llm, case: str) -> None:
+    """A request that arrives while a batched decode forward runs is prefilled at the next prefill
+    point (between two decoder layers), so its first token does not wait for the rest of the step;
+    unless it would then wait for a row (full batch, no lower priority to pause). Every output
+    still equals its output alone."""
+    from multistream.engine.text_batch import _decoder_layers
+
+    rows = 2 if case == "free row" else 1
+    llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-prefill-points", max_batch=rows + (case == "free row"))
+    batcher = llm._batcher
+    arrived: dict = {}
+
+    def arrive(module, args) -> None:  # runs on the engine thread, at the top of the decode forward
+        if batcher._open_for is not None and batcher.batch and not arrived and batcher.steps >= 3:
+            arrived["steps"] = batcher.steps
+            arrived["stream"] = llm.stream(PROMPTS[3], max_new_tokens=5, temperature=0.0,
+                                           priority=5 if case == "outranks a full batch" else 0)
+
+    handle = _decoder_layers(llm.model)[0].register_forward_pre_hook(arrive)
+    try:
+        running = [llm.stream(p, max_new_tokens=12, temperature=0.0) for p in PROMPTS[1 : 1 + rows]]
+        finals = [s.wait() for s in running]
+        joined = arrived["stream"].wait()
+    finally:
+        handle.remove()
+        llm.close()
+    assert batcher.prefills_inside_steps == (0 if case == "full batch, same priority" else 1)
+    assert [f.text for f in finals] == [tiny_llm.generate(p, max_new_tokens=12).text for p in PROMPTS[1 : 1 + rows]]
+    assert joined.text == tiny_llm.generate(PROMPTS[3], max_new_tokens=5).text
+
+
+def test_a_higher_priority_is_prefilled_inside_a_group_prefill(text_tokenizer, tiny_llm) -> None:
+    """While a group of priority-0 prompts is being prefilled, a priority-10 arrival is prefilled at
+    a prefill point of that forward and its first token goes out before theirs; a priority-0
+    arrival waits for the next step."""
+    from multistream.engine.text_batch import _decoder_layers
+
+    llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-prefill-points-group", max_batch=8)
+    batcher = llm._batcher
+    arrived: list = []
+
+    def arrive(module, args) -> None:
+        if batcher._prefilling and len(batcher._prefilling) == 3 and not arrived:
+            arrived.append(llm.stream(PROMPTS[0], max_new_tokens=3, temperature=0.0, priority=0))
+            arrived.append(llm.stream(PROMPTS[3], max_new_tokens=3, temperature=0.0, priority=10))
+
+    seen: list = []
+
+    def before_lows_logits(module, args, output) -> None:  # the end of the lows' group forward
+        if batcher._prefilling and len(batcher._prefilling) == 3 and not seen:
+            seen.append(({r.priority: r.generated for r in batcher.waiting if r not in batcher._prefilling},
+                         [r.generated for r in batcher._prefilling]))
+
+    layers = _decoder_layers(llm.model)
+    handle = layers[0].register_forward_pre_hook(arrive)
+    last = layers[-1].register_forward_hook(before_lows_logits)
+    try:
+        lows = llm.engine.run_on_engine(lambda: [llm.stream(p, max_new_tokens=4, temperature=0.0) for p in PROMPTS[:3]])
+        low_finals = [s.wait() for s in lows]
+        same, high = (s.wait() for s in arrived)
+    finally:
+        handle.remove()
+        last.remove()
+        llm.close()
+    assert batcher.prefills_inside_steps == 1
+    # The high one had its first token before the lows' forward even ended; the same-priority one had not.
+    assert seen == [({10: 1, 0: 0}, [0, 0, 0])]
+    assert all(f.finish_reason == "length" for f in low_finals)
+    assert high.text == tiny_llm.generate(PROMPTS[3], max_new_tokens=3).text
+    assert same.text == tiny_llm.generate(PROMPTS[0], max_new_tokens=3).text
+
+
 def test_close_ends_the_thread_and_later_streams_raise(text_tokenizer, tiny_llm) -> None:
     llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-closing")
     running = llm.stream(PROMPTS[1], max_new_tokens=400)
@@ -351,7 +425,10 @@ def test_leaving_streams_early_then_exiting_is_clean(kind: str, tmp_path) -> Non
         s = new(); next(iter(s))          # left running: the interpreter exits with it in flight
         print("left")
         """).format(start=start))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    # This checkout, whatever is installed: the script runs from a temporary directory.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left" in done.stdout
     assert "terminate called" not in done.stderr

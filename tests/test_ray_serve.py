@@ -80,6 +80,20 @@ def _pixels(ev: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(ev["data"]))).convert("RGB")).astype(np.int16)
 
 
+def test_every_ingress_replica_that_answers_is_ready(cluster: str) -> None:
+    """Right after the first /readyz 200, every ingress replica Serve routes to has its models:
+    none answers 503 "still loading" (an ingress replica takes traffic only once it has them)."""
+    pids, statuses = set(), []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(40):
+            statuses.append(client.get(f"{cluster}/readyz").status_code)
+            pids.add(client.get(f"{cluster}/v1/_test/replica/none").json()["pid"])
+            r = client.post(f"{cluster}/v1/text", json={"prompt": "Hi", "max_new_tokens": 1})
+            statuses.append(r.status_code)
+    assert statuses == [200] * len(statuses)
+    assert len(pids) == 2, "both ingress replicas should have answered"
+
+
 def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind: str = "text",
             after_kill: Any = None) -> tuple[str, str, list[dict], float | None]:
     """POST /v1/{kind}; after ``kill_after`` events (an image: once a preview of step

@@ -76,6 +76,20 @@ def test_image_stream_over_sse() -> None:
     assert all(e["mime"] == "image/jpeg" for e in events[:-1]) and len(events) >= 2
 
 
+def test_image_body_takes_final_quality_and_unscaled_previews() -> None:
+    """Every argument of ImageModel.stream that the protocol carries is in the body: a jpeg final at
+    final_quality, previews at full size with preview_max_side null."""
+    with make_server(image=ScriptedImageModel(steps=3, size=64)) as srv:
+        def run(**extra: Any) -> list[dict[str, Any]]:
+            body = {"prompt": "a red circle", "seed": 1, "final_format": "jpeg", "preview_max_side": None, **extra}
+            with httpx.stream("POST", srv.url + "/v1/image", json=body, timeout=30) as r:
+                assert r.status_code == 200, r.read()
+                return list(iter_events(r))
+        low, high = run(final_quality=10), run(final_quality=95)
+    assert low[-1]["mime"] == "image/jpeg" and len(low[-1]["data"]) < len(high[-1]["data"])
+    assert all(e["width"] == 64 for e in low[:-1]) and len(low) >= 2
+
+
 def test_resume_after_dropped_connection_has_no_gap_or_duplicate() -> None:
     model = ScriptedTextModel(TOKENS, delay_s=0.1)
     with make_server(model, grace_period_s=20) as srv, httpx.Client(timeout=30) as client:
@@ -223,7 +237,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_no_other_stream() -> None:
                 yield b" " * 1000  # chunked upload without Content-Length
         assert client.post(srv.url + "/v1/text", content=chunks(), headers=json_type).status_code == 413
         for body, kind in [({"prompt": "p", "steps": 500}, "limit_exceeded"), ({"prompt": "p", "height": 12}, "invalid_argument"),
-                           ({"prompt": "p", "preview": "sharp"}, "invalid_argument"), ({"prompt": ""}, "invalid_argument"),
+                           ({"prompt": "p", "preview": "sharp"}, "invalid_argument"), ({"prompt": "p", "guidance_scale": -1}, "invalid_argument"),
                            ({"prompt": "p", "cfg": 1}, "unknown_field")]:
             r = client.post(srv.url + "/v1/image", json=body)
             assert r.status_code == 400 and r.json()["error"]["type"] == kind, (body, r.text)

@@ -114,6 +114,25 @@ class Engine:
         self.submit(call)
         return call.future.result(timeout)
 
+    def poll_arrivals(self) -> int:
+        """On the engine thread, inside a long step: admit the requests that arrived since it began.
+
+        For backends that can start new work part-way through a step (`TextBatcher` prefills a
+        newcomer between two layers of a batched decode). Function calls (`run_on_engine`) stay
+        queued for the step boundary. Returns how many requests were admitted.
+        """
+        if not self._inbox:  # the common case, without the lock: a deque's length is safe to read
+            return 0
+        with self._cond:
+            arrived = [item for item in self._inbox if not isinstance(item, _Call)]
+            if not arrived or self._closed:
+                return 0
+            calls = [item for item in self._inbox if isinstance(item, _Call)]
+            self._inbox.clear()
+            self._inbox.extend(calls)
+        self._take(arrived)
+        return len(arrived)
+
     def wake(self) -> None:
         """Wake an idle engine (e.g. after a request's flags changed)."""
         with self._cond:

@@ -11,6 +11,14 @@ Each engine step:
 4. prefilled requests join the batch while there is room (``max_batch`` rows);
 5. one forward for all rows of the batch, each row's next token chosen by its own sampler.
 
+A request that arrives *during* that forward does not wait for it to end: every few decoder
+layers a pre-hook (a "prefill point") admits newcomers and, if one will get a row at the next
+step boundary, prefills it there and then, so its first token goes out without waiting for the
+rest of the step (time to first token under load is about the prefill plus a fraction of a
+step, not plus a whole step). The batched forward resumes afterwards untouched: the newcomer
+has its own cache and joins the batch at the next boundary. A group prefill has prefill points
+too, open only to higher priorities.
+
 Rows share one left-padded KV cache (`RowCache`); each row has its own position ids, so a row's
 logits are those it would get alone (test: greedy output in a batch equals the output alone).
 
@@ -23,8 +31,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from itertools import count
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +43,24 @@ from .text_request import TextRequest
 __all__ = ["TextBatcher"]
 
 logger = logging.getLogger("multistream")
+
+_ANY = (float("inf"), float("inf"))  # during a decode, any newcomer may take a prefill point
+# Prefill points per decode forward: a newcomer waits at most about 1/N of a step for its prefill.
+_PREFILL_POINTS = 6
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    """The model's stack of decoder layers (the first ModuleList as long as the config says), or []."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    n = next((getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
+              if isinstance(getattr(config, k, None), int)), None)
+    if not n:
+        return []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return list(module)
+    return []
 
 
 def _returned_cache(out: Any, name: str, given: Any) -> Any:
@@ -63,6 +90,14 @@ class TextBatcher:
         self.rows: RowCache | None = None
         self._arrivals = count()
         self.steps = 0  # decode steps run (tests and benchmarks read it)
+        self.prefills_inside_steps = 0  # newcomers prefilled at a prefill point (tests read it)
+        self._poll_arrivals: Callable[[], int] | None = None
+        # While a forward runs with its prefill points open: the rank a newcomer must beat (_ANY
+        # during a decode); None otherwise. Plus the requests that forward is prefilling.
+        self._open_for: tuple[float, float] | None = None
+        self._prefilling: list[TextRequest] = []
+        self._engine_thread = 0
+        self._hooks: list[Any] = []
 
     # -- Backend --------------------------------------------------------------------------------
 
@@ -91,6 +126,65 @@ class TextBatcher:
         for req in self.batch + self.waiting:
             req.finish("cancelled")
         self.batch, self.waiting, self.rows = [], [], None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- prefill points -------------------------------------------------------------------------
+
+    def enable_prefill_points(self, poll_arrivals: Callable[[], int]) -> None:
+        """Prefill newcomers part-way through a decode forward (see the module docstring).
+
+        ``poll_arrivals`` (the engine's `Engine.poll_arrivals`) admits what arrived since the step
+        began. Models whose decoder layers cannot be found keep prefilling at step boundaries only.
+        """
+        layers = _decoder_layers(self.model)
+        if not layers or self._hooks:
+            return
+        self._poll_arrivals = poll_arrivals
+        spacing = max(1, len(layers) // _PREFILL_POINTS)
+        # Not before the first layer: the step boundary just before it has already looked.
+        self._hooks = [layer.register_forward_pre_hook(self._prefill_point) for layer in layers[spacing::spacing]]
+
+    def _prefill_point(self, module: Any, args: Any) -> None:
+        # The hooks sit on the user's model: only the engine's own batched decode stops here (not a
+        # prefill, not the user calling the model on another thread).
+        open_for = self._open_for
+        if open_for is None or threading.get_ident() != self._engine_thread:
+            return
+        assert self._poll_arrivals is not None
+        if not self._poll_arrivals():
+            return
+        group = self._newcomers_to_prefill_now(open_for)
+        if not group:
+            return
+        outer = self._prefilling
+        try:
+            self._guarded(self._prefill_group, group)  # closes the points for its own forward
+            self.prefills_inside_steps += len(group)
+        finally:
+            self._open_for, self._prefilling = open_for, outer
+        self.waiting = [r for r in self.waiting if not r.done]
+
+    def _newcomers_to_prefill_now(self, open_for: tuple[float, float]) -> list[TextRequest]:
+        """Fresh whole prompts (one priority, within the budget, ranked before ``open_for``) that
+        will get a row at the next step boundary: a free one, or one a lower rank gives up."""
+        ready = sum(1 for r in self.waiting if not r.needs_prefill and not r.done)
+        free_rows = self.capacity - len(self.batch) - ready - len(self._prefilling)
+        worst = max((_rank(r) for r in self.batch + self._prefilling), default=None)
+        budget = self.prefill_budget
+        group: list[TextRequest] = []
+        for req in sorted(self.waiting, key=_rank):
+            if req.done or not req.needs_prefill or req in self._prefilling:
+                continue
+            fresh = req.prefilled == 0 and req.own_cache is None and len(req.context) <= budget
+            gets_row = free_rows > 0 or (worst is not None and _rank(req) < worst)
+            if not fresh or not gets_row or _rank(req) >= open_for or (group and req.priority != group[0].priority):
+                break
+            group.append(req)
+            budget -= len(req.context)
+            free_rows -= 1
+        return group
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -226,9 +320,16 @@ class TextBatcher:
             positions.append([0] * pad + list(range(len(req.context))))
         cache = DynamicCache()
         mask_t = torch.tensor(mask, device=self.device)
-        out = self._forward(
-            torch.tensor(ids, device=self.device), mask_t, torch.tensor(positions, device=self.device), cache
-        )
+        # Only a higher priority may be prefilled part-way through this one.
+        self._open_for = _rank(group[0]) if self._poll_arrivals is not None else None
+        self._prefilling = group
+        self._engine_thread = threading.get_ident()
+        try:
+            out = self._forward(
+                torch.tensor(ids, device=self.device), mask_t, torch.tensor(positions, device=self.device), cache
+            )
+        finally:
+            self._open_for, self._prefilling = None, []
         rows = RowCache(_returned_cache(out, self._cache_arg, cache), mask_t)
         for i, req in enumerate(group):
             req.prefilled = len(req.context)
@@ -288,6 +389,8 @@ class TextBatcher:
         input_ids = torch.tensor([[req.context[req.prefilled]] for req in batch], device=self.device)
         positions = torch.tensor([[req.prefilled] for req in batch], device=self.device)
         mask = torch.cat([rows.mask, torch.ones(size, 1, dtype=rows.mask.dtype, device=rows.mask.device)], 1)
+        self._engine_thread = threading.get_ident()
+        self._open_for = _ANY if self._poll_arrivals is not None else None
         try:
             out = self._forward(input_ids, mask, positions, rows.cache)
         except Exception as exc:  # noqa: BLE001 - every row of this batch shares the fault
@@ -296,6 +399,8 @@ class TextBatcher:
                 req.fail(exc)
             self.batch, self.rows = [], None
             return
+        finally:
+            self._open_for = None
         self.steps += 1
         rows.mask = mask
         for req in batch:

@@ -24,6 +24,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
+from ..image_options import PREVIEW_MODES
 from .problems import Problem
 from .settings import ServerSettings
 
@@ -82,12 +83,13 @@ class ImageRequest(BaseModel):
     width: Optional[int] = Field(default=None, description="an integer: pixels")
     seed: Optional[int] = Field(default=None, description="an integer, or null")
     num_images: int = Field(default=1, description="an integer >= 1")
-    preview: str = Field(default="latent", description="'latent', 'x0', 'taesd', 'vae' or 'none'")
+    preview: Optional[str] = Field(default=None, description=f"one of {', '.join(PREVIEW_MODES)}; null: the model's default")
     preview_every: int = Field(default=1, description="an integer >= 1")
     preview_format: str = Field(default="jpeg", description="'jpeg', 'png' or 'webp'")
     preview_quality: int = Field(default=75, description="an integer 1..100")
-    preview_max_side: int = Field(default=256, description="an integer: pixels")
+    preview_max_side: Optional[int] = Field(default=256, description="an integer: pixels; null: never scaled down")
     final_format: str = Field(default="png", description="'png', 'jpeg' or 'webp'")
+    final_quality: int = Field(default=95, description="an integer 1..100 (jpeg and webp finals)")
     priority: int = Field(default=0, description="an integer; higher runs first (capped by the server per key)")
 
 
@@ -404,10 +406,6 @@ def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None
             _limit(side, kwargs[side], settings.max_image_side, "max_image_side")
     if "num_images" in kwargs:
         _limit("num_images", kwargs["num_images"], settings.max_images, "max_images")
-    gs = kwargs.get("guidance_scale")
-    if gs is not None and not math.isfinite(gs):
-        raise Problem(400, "invalid_argument", f"'guidance_scale' must be a finite number, got {gs}",
-                      param="guidance_scale")
 
 
 # -- edits of a running stream ------------------------------------------------------------------

@@ -64,6 +64,7 @@ APP_NAME = "multistream"
 _PREFIX = "ms:"  # the event log's key prefix (`RedisEventLog`)
 _MAX_FAILOVERS = 8
 _FAILOVER_WINDOW_S = 60.0
+_MODEL_WAIT_S = 600.0  # how long an ingress replica waits for its model deployments before it starts
 _CHECKPOINT_TTL_S = 600  # an image checkpoint outlives its last write by this much (a stream not ended cleanly)
 
 
@@ -491,33 +492,46 @@ def _replicas(kind: str) -> int:
 
 
 class Ingress:
-    """The HTTP ingress: ``create_app`` with `RemoteModel` proxies for the model deployments."""
+    """The HTTP ingress: ``create_app`` with `RemoteModel` proxies for the model deployments.
 
-    def __init__(self, settings: ServerSettings, text: Any = None, image: Any = None) -> None:
+    The constructor is async and waits (up to ``_MODEL_WAIT_S``) for every model deployment to run
+    its target replicas: Serve routes traffic to an ingress replica only once its constructor has
+    returned, so every ingress replica that answers already has its models (with two ingress
+    replicas, one answering ``/readyz`` 200 must not leave the other answering 503). A deployment
+    that is not up in time is resolved in the background instead, and ``/readyz`` says so.
+    """
+
+    async def __init__(self, settings: ServerSettings, text: Any = None, image: Any = None) -> None:
         self.settings = settings
         self.handles = {"text": text, "image": image}
         self.remote: dict[str, RemoteModel] = {}
+        self.models: dict[str, Any] = {}
+        for kind in ("text", "image"):
+            if self.handles[kind] is None:
+                self.models[kind] = None
+                continue
+            try:
+                self.models[kind] = await asyncio.wait_for(asyncio.to_thread(self._resolve, kind), _MODEL_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - keep starting; the slot loads in the background
+                logger.warning("the %s deployment is not up yet (%s); the ingress starts and keeps waiting",
+                               kind, type(exc).__name__)
+                self.models[kind] = functools.partial(self._resolve, kind)
 
-    def _factory(self, kind: str) -> Any:
+    def _resolve(self, kind: str) -> RemoteModel:
+        """Wait for the ``kind`` deployment's replicas, then build its proxy (blocking: a worker thread)."""
         handle = self.handles[kind]
-        if handle is None:
-            return None
-
-        def load() -> RemoteModel:
-            _wait_healthy(kind)
-            info = handle.info.remote().result(timeout_s=60)
-            model = RemoteModel(kind, handle, info.get("name", kind), self.settings.event_log)
-            # The ingress admits what all replicas together take (engine capacity x replicas).
-            model.capacity = int(info.get("capacity") or 4) * max(1, _replicas(kind))
-            self.remote[kind] = model
-            return model
-
-        return load
+        _wait_healthy(kind)
+        info = handle.info.remote().result(timeout_s=60)
+        model = RemoteModel(kind, handle, info.get("name", kind), self.settings.event_log)
+        # The ingress admits what all replicas together take (engine capacity x replicas).
+        model.capacity = int(info.get("capacity") or 4) * max(1, _replicas(kind))
+        self.remote[kind] = model
+        return model
 
     def __serve_build_asgi_app__(self) -> Any:
         from .app import create_app
 
-        app = create_app(text_model=self._factory("text"), image_model=self._factory("image"), settings=self.settings)
+        app = create_app(text_model=self.models["text"], image_model=self.models["image"], settings=self.settings)
         if self.settings.enable_test_hooks:
             async def replica_of(stream_id: str) -> Any:
                 from starlette.responses import JSONResponse
