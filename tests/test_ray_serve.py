@@ -168,6 +168,12 @@ def test_openai_and_metrics_through_the_ingress(cluster: str) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         assert "multistream:event_log_up" in client.get(f"{cluster}/metrics").text
+        # A bad argument is refused by the ingress with the models' own message, as on one server.
+        for path, body, words in [("/v1/image", {"prompt": "x", "preview": "sharp"}, "unknown preview"),
+                                  ("/v1/image", {"prompt": "x", "preview_every": 0}, "preview_every"),
+                                  ("/v1/text", {"prompt": "x", "stop": [""]}, "must not be empty")]:
+            r = client.post(f"{cluster}{path}", json=body)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
 
 
 def test_edits_reach_the_model_replica(cluster: str) -> None:

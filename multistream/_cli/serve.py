@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 
@@ -55,6 +56,9 @@ def add_parser(subparsers: Any) -> None:
                        help="--ray: image model replicas (0: no image model; default 1)")
     scale.add_argument("--ingress-replicas", type=int, default=1, metavar="K",
                        help="--ray: HTTP ingress replicas (default 1)")
+    scale.add_argument("--image-checkpoint-every", type=int, default=1, metavar="K",
+                       help="--ray with --event-log: image replicas checkpoint a stream every K denoising steps, "
+                       "so a replica taking over continues from there (default 1)")
     scale.add_argument("--autoscale", action="store_true",
                        help="--ray: autoscale model replicas between 1 and the --*-replicas counts")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -78,10 +82,16 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         from ..server.ray_app import serve_ray
 
+        if args.image_checkpoint_every < 1:
+            print(f"multistream serve: --image-checkpoint-every must be >= 1, got {args.image_checkpoint_every}",
+                  file=sys.stderr)
+            return 2
+
         return serve_ray(settings, text_model=spec(args.text_model), image_model=spec(args.image_model),
                          text_replicas=args.text_replicas, image_replicas=args.image_replicas,
                          ingress_replicas=args.ingress_replicas, autoscale=args.autoscale, host=args.host,
-                         port=args.port, address=args.ray_address)
+                         port=args.port, address=args.ray_address,
+                         image_checkpoint_every=args.image_checkpoint_every)
 
     # With keys, the demo page asks for a login (an API key as the password) and runs through the
     # same gates as the API.

@@ -311,6 +311,22 @@ def _trim_text(ev: TextEvent, tokens: int, chars: int) -> TextEvent | None:
     return dataclasses.replace(ev, delta=delta, token_ids=ids, index=max(ev.index, tokens), offset=max(offset, chars))
 
 
+def _check_here(kind: str, kwargs: dict[str, Any]) -> None:
+    """The model-independent argument checks (torch-free, the models' own code), at the ingress: a
+    bad argument is a 400 there, as on a single server, not an error event in a 200 stream. What
+    needs the model (a prompt longer than its context, a size its VAE cannot make) is checked on
+    the replica."""
+    if kind == "image":
+        from ..image_options import parse_image_options
+
+        parse_image_options(**kwargs)
+    elif kind == "text":
+        from ..text_options import TEXT_STREAM_ARGS, check_prompt, parse_text_options
+
+        check_prompt(kwargs.get("prompt"))
+        parse_text_options(**{k: v for k, v in kwargs.items() if k in TEXT_STREAM_ARGS})
+
+
 class RemoteModel:
     """The ingress's stand-in for a model: ``.stream(**kwargs)`` streams from the model deployment,
     failing over to another replica when one dies."""
@@ -326,6 +342,7 @@ class RemoteModel:
         self.capacity = 4
 
     def stream(self, **kwargs: Any) -> Stream:
+        _check_here(self.kind, kwargs)
         loop = asyncio.get_running_loop()
         if self.kind == "image" and kwargs.get("seed") is None and "generator" not in kwargs:
             # Fixed here, once: a replica that takes the stream over must draw the same noise.
@@ -602,7 +619,8 @@ def app_builder(args: dict[str, Any]) -> Any:
 
 def serve_ray(settings: ServerSettings, *, text_model: Any = "default", image_model: Any = "default",
               text_replicas: int = 1, image_replicas: int = 1, ingress_replicas: int = 1, autoscale: bool = False,
-              host: str = "127.0.0.1", port: int = 8000, address: str | None = None) -> int:
+              host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
+              image_checkpoint_every: int = 1) -> int:
     """``multistream serve --ray``: run the application on a local or existing Ray cluster until SIGINT/SIGTERM."""
     import httpx
     import ray
@@ -618,7 +636,8 @@ def serve_ray(settings: ServerSettings, *, text_model: Any = "default", image_mo
         return {"min_replicas": 1, "max_replicas": n, "target_ongoing_requests": 8} if autoscale and n > 1 else n
 
     serve.run(build_app(settings, text_model=text_model, image_model=image_model, text_replicas=count(text_replicas),
-                        image_replicas=count(image_replicas), ingress_replicas=ingress_replicas),
+                        image_replicas=count(image_replicas), ingress_replicas=ingress_replicas,
+                        image_checkpoint_every=image_checkpoint_every),
               name=APP_NAME, route_prefix="/", blocking=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
