@@ -21,7 +21,9 @@ do not stop early):
 Images (the embedded shapes model, 64x64):
 
 * ``latent`` previews every step vs the bare pipeline call (target <= 1.03x);
-* a 4-step request started while a 40-step one runs: its time beside its time alone (<= 2x).
+* a 4-step request started while a 40-step one runs: its time beside its time alone (<= 2x);
+* 4 concurrent same-shape 20-step requests, their denoising steps batched (``max_batch=4``, the
+  default) beside taking the steps in turn (``max_batch=1``): wall time for all four.
 """
 
 from __future__ import annotations
@@ -162,6 +164,17 @@ def priority_ttft(llm: Any, llm_full: Any, prompt: str) -> tuple[float, float, f
 # -- images ------------------------------------------------------------------------------------
 
 
+def four_at_once(sd: Any) -> float:
+    """Seconds until 4 concurrent 20-step requests of one shape have all finished."""
+    prompts = ["a red circle on a blue background", "a green square on a white background",
+               "a yellow triangle on a green background", "a blue circle on a yellow background"]
+    started = time.perf_counter()
+    streams = [sd.stream(p, steps=20, seed=i, preview="latent") for i, p in enumerate(prompts)]
+    for s in streams:
+        assert s.wait().finish_reason == "stop"
+    return time.perf_counter() - started
+
+
 def image_times(sd: Any) -> dict[str, list[float]]:
     """Seconds per run: the bare pipeline and latent previews twice each (plain, latent, latent,
     plain: neither always goes first), then the 4-step request alone and during a 40-step one."""
@@ -195,7 +208,15 @@ def image_times(sd: Any) -> dict[str, list[float]]:
     sd.stream("a green square on a white background", steps=4, seed=1, preview="latent").wait()
     short_during = time.perf_counter() - started
     thread.join()
-    return {"plain": plain, "latent": latent, "short_alone": [short_alone], "short_during": [short_during]}
+    import multistream as ms
+
+    in_turn = ms.ImageModel(sd.pipeline, max_batch=1, name="steps in turn")
+    batched, turns = [four_at_once(sd)], [four_at_once(in_turn)]
+    turns.append(four_at_once(in_turn))
+    batched.append(four_at_once(sd))
+    in_turn.close()
+    return {"plain": plain, "latent": latent, "short_alone": [short_alone], "short_during": [short_during],
+            "four_batched": batched, "four_in_turn": turns}
 
 
 def main() -> int:
@@ -254,6 +275,8 @@ def main() -> int:
               f"({med['latent'] / med['plain']:.3f}x)")
         print(f"image: 4-step request alone {med['short_alone']:.3f} s, while a 40-step one runs "
               f"{med['short_during']:.3f} s ({med['short_during'] / med['short_alone']:.2f}x)")
+        print(f"image: 4 concurrent 20-step requests, steps batched {med['four_batched']:.3f} s vs in turn "
+              f"{med['four_in_turn']:.3f} s ({med['four_in_turn'] / med['four_batched']:.2f}x the throughput)")
     llm_full.close()
     return 0
 

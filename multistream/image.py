@@ -113,6 +113,10 @@ class ImageModel:
     ``preview_decoder`` (a `PreviewDecoderNet` or its ``.safetensors`` path) is the decoder of
     ``preview="tiny"``; by default the model folder's ``preview_decoder.safetensors``, else one
     fitted to the VAE on first use (`multistream.fit_preview_decoder`, cached per VAE).
+    ``max_batch`` (default 4): up to this many concurrent requests of one priority take each
+    denoising step together, their UNet calls batched where shapes match
+    (`multistream.engine.denoiser_batch`: about 1.6x the throughput for 2 requests of the
+    embedded model on a CPU); 1 steps them one at a time, bit-identical to a request alone.
 
     Example:
         >>> from diffusers import StableDiffusionPipeline              # doctest: +SKIP
@@ -133,6 +137,7 @@ class ImageModel:
         model_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,
         preview_decoder: Any = None,
+        max_batch: int = 4,
     ) -> None:
         if isinstance(pipeline, (str, os.PathLike)):
             raise InvalidArgumentError(
@@ -185,13 +190,18 @@ class ImageModel:
                 )
             self._preview_net = net.to(self.device)
         self._takes_step_callback = "callback_on_step_end" in self._params or self._var_kw
-        self._stepper = ImageStepper()
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidArgumentError(f"max_batch must be an integer >= 1 (1: never batch requests), got {max_batch!r}")
+        self.max_batch = max_batch
+        self.capacity = max(type(self).capacity, max_batch)
+        self._stepper = ImageStepper(max_batch)
         self._engine = Engine(self._stepper, name=f"image-{self.name}", setup=engine_thread_setup)
         # The engine thread must not keep this object alive; closing on collection ends it.
         self._finalizer = weakref.finalize(self, self._engine.close, 30.0)
 
-    #: Streams a server runs at once on this model; they take denoising steps in turn, so more
-    #: only stretches every one of them (set it on the instance to change it).
+    #: Streams a server runs at once on this model (at least ``max_batch``); up to ``max_batch``
+    #: of them share each denoising step, more take turns, which only stretches every one of
+    #: them (set it on the instance to change it).
     capacity = 4
 
     @property

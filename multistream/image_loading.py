@@ -116,7 +116,8 @@ def load_image_model(
     id (needs network, or the hub cache), a pipeline object you already built, or None for the
     project's own small embedded model (offline). ``device="auto"`` picks CUDA with float16 when
     there is a GPU (bfloat16 for Flux), else the CPU with float32; for a pipeline object "auto"
-    leaves it where it is. ``taesd=`` and ``latent_rgb=`` go to `ImageModel`; other keywords go
+    leaves it where it is. ``taesd=``, ``latent_rgb=``, ``preview_decoder=`` and ``max_batch=`` go to
+    `ImageModel`; other keywords go
     to ``DiffusionPipeline.from_pretrained`` (e.g. ``variant="fp16"``).
 
     Raises `ModelLoadError` with the cause and the fix when the model cannot be loaded.
@@ -127,7 +128,7 @@ def load_image_model(
     """
     from .image import ImageModel
 
-    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name", "preview_decoder") if k in kw}
+    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name", "preview_decoder", "max_batch") if k in kw}
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
         return ImageModel(
             name_or_path,

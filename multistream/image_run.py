@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from .engine.denoiser_batch import DenoiserGate
 from .errors import InvalidArgumentError, StreamFinishedError
 from .events import ImageEvent
 from .frames import EncodedFrame, encode_frame
@@ -352,6 +353,9 @@ class ImageRun:
         self.job = job
         self.stats = RunStats(started=time.perf_counter())
         self.pipe = _own_pipeline(model.pipeline)
+        if model.max_batch > 1 and isinstance(getattr(self.pipe, "unet", None), torch.nn.Module):
+            # Same-shape requests share batched UNet calls (`engine.denoiser_batch`).
+            self.pipe.__dict__["unet"] = DenoiserGate(self.pipe.unet, model._stepper)
         self.yield_step = yield_step
         self.worker: FrameWorker | None = None
         # Taking checkpoints (``on_checkpoint=``) and resuming from one (``resume_from=``).

@@ -342,17 +342,115 @@ def test_a_short_image_request_finishes_while_a_long_one_runs(shapes) -> None:
 
 
 def test_interleaved_images_equal_images_alone(shapes) -> None:
-    alone = [shapes.generate(p, steps=6, seed=3, preview="none").data for p in ("a red circle on a blue background", "a yellow star on a black background")]
-    shapes._stepper.trace = []
+    """With max_batch=1 requests take steps in turn, each bit-identical to its run alone."""
+    one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
     try:
-        streams = [shapes.stream(p, steps=6, seed=3, preview="latent") for p in ("a red circle on a blue background", "a yellow star on a black background")]
+        alone = [one.generate(p, steps=6, seed=3, preview="none").data for p in ("a red circle on a blue background", "a yellow star on a black background")]
+        one._stepper.trace = []
+        streams = [one.stream(p, steps=6, seed=3, preview="latent") for p in ("a red circle on a blue background", "a yellow star on a black background")]
         together = [s.wait().data for s in streams]
-        trace = [order for order, _ in shapes._stepper.trace]
+        trace = [order for order, _ in one._stepper.trace]
+        assert one._stepper.batched_calls == 0
     finally:
-        shapes._stepper.trace = None
+        one.close()
     assert together == alone
     # Requests of equal length take turns: both advance in the first half of the steps.
     assert len(set(trace[: len(trace) // 2])) == 2
+
+
+SHAPES = ["a red circle on a blue background", "a green square on a white background",
+          "a yellow triangle on a green background"]
+
+
+def _pixels(ev) -> "np.ndarray":
+    import numpy as np
+
+    return np.asarray(ev.image.convert("RGB"), dtype=np.int16)
+
+
+def test_same_shape_requests_share_batched_denoiser_calls(shapes) -> None:
+    """Concurrent requests of one shape take their steps together in one batched UNet call; each
+    image matches its run alone within float rounding, and each gets all its own previews."""
+    import numpy as np
+
+    one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
+    try:
+        alone = [one.generate(p, steps=8, seed=i, preview="none") for i, p in enumerate(SHAPES)]
+    finally:
+        one.close()
+    before = shapes._stepper.batched_calls
+    shapes._stepper.trace = []
+    try:
+        streams = [shapes.stream(p, steps=8, seed=i, preview="latent", preview_every=1) for i, p in enumerate(SHAPES)]
+        events = [list(s) for s in streams]
+        trace = shapes._stepper.trace
+    finally:
+        shapes._stepper.trace = None
+    assert shapes._stepper.batched_calls - before >= 6  # (all three joined after their first steps)
+    ticks: dict[int, set[int]] = {}
+    for order, tick in trace:
+        ticks.setdefault(tick, set()).add(order)
+    assert max(len(v) for v in ticks.values()) == 3
+    for evs, ref in zip(events, alone):
+        final = evs[-1]
+        assert final.finish_reason == "stop" and final.step == 8
+        assert np.abs(_pixels(final) - _pixels(ref)).max() <= 2
+        assert final.metrics["previews"] == 8
+
+
+def test_batched_steps_keep_priority_and_shapes_apart(shapes) -> None:
+    """A higher priority steps alone (never slowed by lower ones); requests of another size run
+    in the same steps without sharing a call; both still match their runs alone."""
+    import numpy as np
+
+    one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
+    try:
+        ref_small = one.generate(SHAPES[0], steps=6, seed=1, height=32, width=32, preview="none")
+        ref_big = one.generate(SHAPES[1], steps=6, seed=2, preview="none")
+    finally:
+        one.close()
+    shapes._stepper.trace = []
+    before = shapes._stepper.batched_calls
+    try:
+        lows = [shapes.stream(SHAPES[0], steps=6, seed=1, height=32, width=32, preview="none"),
+                shapes.stream(SHAPES[1], steps=6, seed=2, preview="none")]
+        high = shapes.stream(SHAPES[2], steps=6, seed=3, preview="none", priority=5)
+        finals = [s.wait() for s in lows]
+        assert high.wait().finish_reason == "stop"
+        trace = shapes._stepper.trace
+    finally:
+        shapes._stepper.trace = None
+    assert shapes._stepper.batched_calls == before  # 32 px and 64 px latents never share a call
+    assert np.abs(_pixels(finals[0]) - _pixels(ref_small)).max() <= 2
+    assert np.abs(_pixels(finals[1]) - _pixels(ref_big)).max() <= 2
+    orders = sorted({order for order, _ in trace})
+    high_order = orders[-1]
+    ticks: dict[int, set[int]] = {}
+    for order, tick in trace:
+        ticks.setdefault(tick, set()).add(order)
+    assert all(group == {high_order} for group in ticks.values() if high_order in group)
+
+
+def test_a_failing_batched_call_fails_its_requests_and_the_engine_goes_on(shapes) -> None:
+    def refuse_batches(module, args, kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        if sample.shape[0] > 2:  # more than one request's CFG pair
+            raise RuntimeError("injected fault in a batched UNet call")
+
+    handle = shapes.pipeline.unet.register_forward_pre_hook(refuse_batches, with_kwargs=True)
+    try:
+        streams = [shapes.stream(p, steps=6, seed=i, preview="none") for i, p in enumerate(SHAPES[:2])]
+        finals = [s.wait() for s in streams]
+    finally:
+        handle.remove()
+    assert [f.type for f in finals] == ["error", "error"]
+    assert all("injected fault" in f.error["message"] for f in finals)
+    assert shapes.generate(SHAPES[0], steps=3, seed=0, preview="none").finish_reason == "stop"
+
+
+def test_image_max_batch_is_checked() -> None:
+    with pytest.raises(ms.InvalidArgumentError, match="max_batch must be an integer >= 1"):
+        ms.ImageModel(ms.load_image_model().pipeline, max_batch=0)
 
 
 def test_image_priority_takes_the_next_step(shapes) -> None:

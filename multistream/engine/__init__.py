@@ -4,7 +4,8 @@
 on garbage collection and interpreter exit) and fault isolation. What one step means is a
 *backend*'s business: `TextBatcher` runs one batched forward for every active text request
 (continuous batching), `ImageStepper` runs one denoising step of the request that comes first by
-priority (step-level interleaving).
+priority (step-level interleaving), together with same-priority requests whose UNet calls it
+batches (`denoiser_batch`).
 
 Example:
     >>> import multistream as ms

@@ -11,6 +11,11 @@ step a request has waited since it last ran (so a 4-step request started while a
 finishes first, requests of equal length take turns, and a long request still advances when short
 ones keep coming), then arrival. A request cancelled before its first step ends at once.
 
+Batched steps: with ``max_batch > 1``, the request that comes first takes its step together with
+up to ``max_batch - 1`` others of the same priority (next in the same order); their denoiser calls
+of that step run as one batched call where their shapes match (`denoiser_batch`). Each request
+still runs its own pipeline, scheduler, callback and previews.
+
 Example (what `ImageModel` does):
     >>> stepper = ImageStepper()                       # doctest: +SKIP
     >>> engine = Engine(stepper, name="image-shapes")  # doctest: +SKIP
@@ -23,6 +28,8 @@ from itertools import count
 from typing import Any, Callable
 
 from greenlet import greenlet, getcurrent
+
+from .denoiser_batch import Parked, call_together
 
 __all__ = ["ImageRequest", "ImageStepper"]
 
@@ -60,11 +67,14 @@ class ImageRequest:
 class ImageStepper:
     """The engine backend of an image model (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_batch: int = 1) -> None:
         self.requests: list[ImageRequest] = []
+        self.max_batch = max_batch
         self._arrivals = count()
         self._now = 0  # steps taken by this engine, the clock of waiting
         self.steps = 0
+        self.batched_calls = 0  # denoiser calls shared by several requests (tests, benchmarks)
+        self.gathering = False  # True while a group's members run up to their denoiser calls
         self.trace: list[tuple[int, int]] | None = None  # (request order, tick); tests switch it on
 
     def admit(self, request: ImageRequest) -> None:
@@ -82,21 +92,49 @@ class ImageStepper:
         if not self.requests:
             return
         now = self._now
-        req = min(self.requests, key=lambda r: (-r.priority, r.steps_left() - _AGING * (now - r.last_step), r.order))
-        req.last_step = now
+        ranked = sorted(self.requests, key=lambda r: (-r.priority, r.steps_left() - _AGING * (now - r.last_step), r.order))
+        lead = ranked[0]
+        group = [lead]
+        if self.max_batch > 1 and not lead.cancelled():  # a cancelled lead ends alone, at once
+            group += [r for r in ranked[1:] if r.priority == lead.priority and not r.cancelled()][: self.max_batch - 1]
         self._now = now + 1
-        if self.trace is not None:
-            self.trace.append((req.order, req.last_step))
+        for req in group:
+            req.last_step = now
+            if self.trace is not None:
+                self.trace.append((req.order, req.last_step))
+        if len(group) == 1:
+            self._switch(group[0])
+        else:
+            self._step_together(group)
+        self.steps += 1
+
+    def _step_together(self, group: list[ImageRequest]) -> None:
+        """One step of every member, their denoiser calls batched (see the module docstring)."""
+        parked: list[tuple[ImageRequest, Parked]] = []
+        self.gathering = True
+        try:
+            for req in group:
+                out = self._switch(req)  # runs up to its denoiser call (or yields, or ends)
+                if isinstance(out, Parked):
+                    parked.append((req, out))
+        finally:
+            self.gathering = False
+        replies, shared = call_together([call for _, call in parked])
+        self.batched_calls += shared
+        for (req, _), reply in zip(parked, replies):
+            self._switch(req, reply)  # on to its scheduler step, callback and preview
+
+    def _switch(self, req: ImageRequest, value: Any = None) -> Any:
+        """Run ``req`` until it hands control back; what it handed back (a `Parked` call or None)."""
         if req.glet is None:
             engine = getcurrent()
             req.glet = greenlet(lambda: self._run(req), parent=engine)
             req.yield_step = engine.switch  # type: ignore[attr-defined]
         try:
-            req.glet.switch()
+            return req.glet.switch(value) if value is not None else req.glet.switch()
         finally:
             if req.glet.dead:
                 self.requests.remove(req)
-        self.steps += 1
 
     @staticmethod
     def _run(req: ImageRequest) -> None:
