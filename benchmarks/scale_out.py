@@ -13,6 +13,9 @@
    ``--kills`` kills, fewer if ``--budget-s`` runs out (the output says how many). Each kill
    waits until Serve has noticed the previous one and runs 2 replicas again, so a survivor
    always exists (the gap of one replica failing over to another, not of a cold start).
+4. Image failover: the same with 2 replicas of the embedded image model (``--image-kills``, 30
+   steps, killed after the 6th preview): the gap to the next preview, and the step the surviving
+   replica resumed from (its checkpoint in Redis) beside the last step the client had seen.
 
 Starts its own redis-server and local Ray cluster on loopback; needs ``multistream[scale]`` and
 Debian's ``redis-server``.
@@ -174,7 +177,46 @@ def kill_gap(url: str, ray: Any) -> float | None:
     return None
 
 
-def ray_figures(redis_url: str, kills: int, budget_s: float) -> dict[str, Any]:
+def image_kill(url: str, ray: Any) -> tuple[float, int, int] | None:
+    """One 30-step image stream; kill its replica after the 6th preview: (seconds from the kill to
+    the next event, last step seen before, step the new replica resumed from)."""
+    with httpx.Client(timeout=300) as c, c.stream("POST", f"{url}/v1/image", json={
+            "prompt": "a red circle on a blue background", "steps": 30, "seed": 3, "preview": "latent"}) as r:
+        sid = r.headers["x-stream-id"]
+        killed, seen, gap = None, 0, None
+        for i, ev in enumerate(iter_events(r)):
+            if killed is not None and gap is None:
+                gap = time.perf_counter() - killed
+            if ev.get("is_final"):
+                resumed = int((ev.get("metrics") or {}).get("resumed_from_step", 0))
+                return (gap, seen, resumed) if gap is not None else None
+            seen = max(seen, int(ev.get("step") or 0))
+            if i == 5:
+                replica = None
+                for _ in range(50):
+                    replica = c.get(f"{url}/v1/_test/replica/{sid}").json().get("replica")
+                    if replica:
+                        break
+                ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+                killed = time.perf_counter()
+    return None
+
+
+def _wait_noticed(serve: Any, kind: str) -> None:
+    """Until the controller has noticed a death (or 10 s): otherwise the next round's wait_ready
+    still sees 2 RUNNING, the next kill takes the survivor, and that "gap" is a replica start."""
+    noticed_by = time.monotonic() + 10
+    while time.monotonic() < noticed_by:
+        try:
+            dep = serve.status().applications["multistream"].deployments[kind]
+            if dep.replica_states.get("RUNNING", 0) < 2 or str(getattr(dep.status, "value", dep.status)) != "HEALTHY":
+                return
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.1)
+
+
+def ray_figures(redis_url: str, kills: int, budget_s: float, image_kills: int = 0) -> dict[str, Any]:
     import ray
     from ray import serve
 
@@ -205,17 +247,7 @@ def ray_figures(redis_url: str, kills: int, budget_s: float) -> dict[str, Any]:
             gap = kill_gap(url, ray)
             if gap is not None:
                 gaps.append(gap)
-            # Let the controller notice the death before the next round: otherwise wait_ready still
-            # sees 2 RUNNING, the next kill takes the survivor, and that "gap" is a replica start.
-            noticed_by = time.monotonic() + 10
-            while time.monotonic() < noticed_by:
-                try:
-                    dep = serve.status().applications[APP_NAME].deployments["text"]
-                    if dep.replica_states.get("RUNNING", 0) < 2 or str(getattr(dep.status, "value", dep.status)) != "HEALTHY":
-                        break
-                except Exception:  # noqa: BLE001
-                    pass
-                time.sleep(0.1)
+            _wait_noticed(serve, "text")
         out["kills"] = len(gaps)
         out["kills_asked"] = kills
         out["gaps"] = sorted(gaps)
@@ -223,6 +255,19 @@ def ray_figures(redis_url: str, kills: int, budget_s: float) -> dict[str, Any]:
             out["gap_s_p50"] = statistics.median(gaps)
             out["gap_s_p95"] = pct(gaps, 0.95)
             out["gap_s_max"] = max(gaps)
+        if image_kills:
+            serve.delete(APP_NAME)
+            serve.run(build_app(settings, text_model=None, image_model="default", image_replicas=2,
+                                image_actor_options={"num_cpus": 1}), name=APP_NAME, route_prefix="/",
+                      blocking=False)
+            images: list[tuple[float, int, int]] = []
+            for _ in range(image_kills):
+                wait_ready(url, "image", 2)
+                result = image_kill(url, ray)
+                if result is not None:
+                    images.append(result)
+                _wait_noticed(serve, "image")
+            out["image_kills"] = images
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -233,6 +278,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=300.0, help="time for the kill loop")
+    ap.add_argument("--image-kills", type=int, default=5)
     ap.add_argument("--skip-ray", action="store_true")
     args = ap.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, no GPU assumed; Python {sys.version.split()[0]}")
@@ -247,7 +293,7 @@ def main() -> None:
         print(f"Redis memory per text event (incl. stream overhead): ~{r['redis_bytes_per_text_event']:.0f} B")
         if args.skip_ray:
             return
-        f = ray_figures(redis.url, args.kills, args.budget_s)
+        f = ray_figures(redis.url, args.kills, args.budget_s, args.image_kills)
         print("\n== Ray Serve (local cluster, num_cpus=2, embedded SmolLM2-135M, CPU) ==")
         print(f"aggregate tok/s, 8 concurrent greedy streams x 32 tokens: 1 replica {f['tok_s_1_replica']:.1f}, "
               f"2 replicas {f['tok_s_2_replica']:.1f}  (one CPU core per replica standing in for a device: a simulation)")
@@ -257,6 +303,14 @@ def main() -> None:
                  if f.get("kills") else "none measured"))
         if f.get("gaps"):
             print("each gap, sorted (s): " + " ".join(f"{g:.2f}" for g in f["gaps"]))
+        if "image_kills" in f:
+            kills = f["image_kills"]
+            print(f"image failover, 2 replicas of the embedded model, 30 steps, {len(kills)} of {args.image_kills} kills:")
+            if kills:
+                gaps = [g for g, _, _ in kills]
+                print(f"  gap to the next preview p50 {statistics.median(gaps):.2f} s, max {max(gaps):.2f} s; "
+                      "last step seen -> resumed from checkpoint step: "
+                      + ", ".join(f"{seen}->{resumed}" for _, seen, resumed in kills))
 
 
 if __name__ == "__main__":
