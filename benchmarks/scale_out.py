@@ -190,7 +190,8 @@ def image_kill(url: str, ray: Any) -> tuple[float, int, int] | None:
             if ev.get("is_final"):
                 resumed = int((ev.get("metrics") or {}).get("resumed_from_step", 0))
                 return (gap, seen, resumed) if gap is not None else None
-            seen = max(seen, int(ev.get("step") or 0))
+            if killed is None:
+                seen = max(seen, int(ev.get("step") or 0))
             if i == 5:
                 replica = None
                 for _ in range(50):

@@ -194,7 +194,9 @@ class ImageModel:
             raise InvalidArgumentError(f"max_batch must be an integer >= 1 (1: never batch requests), got {max_batch!r}")
         self.max_batch = max_batch
         self.capacity = max(type(self).capacity, max_batch)
-        self._stepper = ImageStepper(max_batch)
+        # Steps are shared only where the denoiser's calls can be batched (a UNet; `denoiser_batch`).
+        self._batch_steps = max_batch > 1 and isinstance(getattr(pipeline, "unet", None), torch.nn.Module)
+        self._stepper = ImageStepper(max_batch if self._batch_steps else 1)
         self._engine = Engine(self._stepper, name=f"image-{self.name}", setup=engine_thread_setup)
         # The engine thread must not keep this object alive; closing on collection ends it.
         self._finalizer = weakref.finalize(self, self._engine.close, 30.0)

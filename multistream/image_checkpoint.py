@@ -4,7 +4,9 @@
 `ImageCheckpoint` after every k-th step; ``ImageModel.stream(..., resume_from=checkpoint)`` (the
 same arguments as the run it came from) continues from that step and ends with the same final
 image, bit for bit where the denoiser itself is deterministic (fp32 on a CPU: exact; the same GPU
-and kernels: exact as well), and the same previews after step k with their original step numbers.
+and kernels: exact as well) and the run's steps are not batched with other requests'
+(``ImageModel(max_batch=1)``; batched steps match within float rounding), and the same previews
+after step k with their original step numbers.
 
 A checkpoint holds what the rest of the run depends on:
 
@@ -372,8 +374,16 @@ class RunCheckpoints:
                     raise InvalidArgumentError(
                         f"resume_from was taken from a run of {resume.total_steps} denoising steps; this run has "
                         f"{count}: resume with the arguments of the run the checkpoint came from")
+                # Pipelines set the timesteps before they make the latents, so the run's device
+                # is not known from those yet: ask the pipeline (a multistep solver's saved model
+                # outputs must sit with the latents they are combined with).
+                try:
+                    device = torch.device(pipe._execution_device)
+                except Exception:  # noqa: BLE001 - not a diffusers pipeline: where the timesteps are
+                    timesteps = getattr(scheduler, "timesteps", None)
+                    device = timesteps.device if isinstance(timesteps, torch.Tensor) else self._device
                 for key, value in resume.scheduler_state.items():
-                    vars(scheduler)[key] = _decode(value, resume.tensors, self._device)
+                    vars(scheduler)[key] = _decode(value, resume.tensors, device)
             return out
 
         scheduler.set_timesteps = set_timesteps

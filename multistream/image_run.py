@@ -353,7 +353,7 @@ class ImageRun:
         self.job = job
         self.stats = RunStats(started=time.perf_counter())
         self.pipe = _own_pipeline(model.pipeline)
-        if model.max_batch > 1 and isinstance(getattr(self.pipe, "unet", None), torch.nn.Module):
+        if model._batch_steps:
             # Same-shape requests share batched UNet calls (`engine.denoiser_batch`).
             self.pipe.__dict__["unet"] = DenoiserGate(self.pipe.unet, model._stepper)
         self.yield_step = yield_step

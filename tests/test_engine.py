@@ -280,6 +280,44 @@ def test_a_higher_priority_is_prefilled_inside_a_group_prefill(text_tokenizer, t
     assert same.text == tiny_llm.generate(PROMPTS[0], max_new_tokens=3).text
 
 
+def test_newcomers_prefilled_inside_a_step_each_get_a_row(text_tokenizer, tiny_llm) -> None:
+    """A full batch of priorities 0 and 5: of two priority-3 arrivals only one can take a row at
+    the next boundary (the priority-0 one's), so only one is prefilled at a prefill point; the
+    other waits for a row instead of sending a first token and then stalling."""
+    from multistream.engine.text_batch import _decoder_layers
+
+    llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-rows", max_batch=2)
+    batcher = llm._batcher
+    arrived: list = []
+    counted: list = []
+
+    def arrive(module, args) -> None:
+        if batcher._open_for is not None and len(batcher.batch) == 2 and batcher.steps >= 3 and not arrived:
+            counted.append(batcher.prefills_inside_steps)  # (the priority-5 one may have been, at the start)
+            arrived.extend(llm.stream(p, max_new_tokens=4, temperature=0.0, priority=3) for p in PROMPTS[2:4])
+
+    handle = _decoder_layers(llm.model)[0].register_forward_pre_hook(arrive)
+    try:
+        running = [llm.stream(PROMPTS[0], max_new_tokens=40, temperature=0.0, priority=0),
+                   llm.stream(PROMPTS[1], max_new_tokens=40, temperature=0.0, priority=5)]
+        finals = [s.wait() for s in running]
+        finals = [s.wait() for s in arrived] + finals  # (they arrive while the running ones decode)
+    finally:
+        handle.remove()
+        llm.close()
+    assert len(finals) == 4 and batcher.prefills_inside_steps - counted[0] == 1
+    assert all(f.finish_reason in ("length", "stop") for f in finals)
+    assert finals[0].text == tiny_llm.generate(PROMPTS[2], max_new_tokens=4).text
+
+
+def test_the_model_stays_copyable_while_an_engine_runs_it(tiny_llm) -> None:
+    """The prefill-point hooks on the user's model hold the engine weakly: deepcopy still works."""
+    import copy
+
+    twin = copy.deepcopy(tiny_llm.model)
+    assert sum(p.numel() for p in twin.parameters()) == sum(p.numel() for p in tiny_llm.model.parameters())
+
+
 def test_close_ends_the_thread_and_later_streams_raise(text_tokenizer, tiny_llm) -> None:
     llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-closing")
     running = llm.stream(PROMPTS[1], max_new_tokens=400)
@@ -431,20 +469,37 @@ def test_batched_steps_keep_priority_and_shapes_apart(shapes) -> None:
     assert all(group == {high_order} for group in ticks.values() if high_order in group)
 
 
-def test_a_failing_batched_call_fails_its_requests_and_the_engine_goes_on(shapes) -> None:
-    def refuse_batches(module, args, kwargs):
-        sample = args[0] if args else kwargs["sample"]
-        if sample.shape[0] > 2:  # more than one request's CFG pair
-            raise RuntimeError("injected fault in a batched UNet call")
+@pytest.mark.parametrize("fault", ["batched calls only", "every call"])
+def test_a_failing_batched_call_is_retried_alone_and_the_engine_goes_on(shapes, fault: str) -> None:
+    """A batched UNet call that fails (out of memory at the larger batch, say) is run again one
+    request at a time: the requests finish if they can alone, else each gets an error event; the
+    engine serves the next request either way."""
+    import numpy as np
 
-    handle = shapes.pipeline.unet.register_forward_pre_hook(refuse_batches, with_kwargs=True)
+    def refuse(module, args, kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        if fault == "every call" or sample.shape[0] > 2:  # > 2: more than one request's CFG pair
+            raise RuntimeError("injected fault in a UNet call")
+
+    before = shapes._stepper.batched_calls
+    handle = shapes.pipeline.unet.register_forward_pre_hook(refuse, with_kwargs=True)
     try:
         streams = [shapes.stream(p, steps=6, seed=i, preview="none") for i, p in enumerate(SHAPES[:2])]
         finals = [s.wait() for s in streams]
     finally:
         handle.remove()
-    assert [f.type for f in finals] == ["error", "error"]
-    assert all("injected fault" in f.error["message"] for f in finals)
+    assert shapes._stepper.batched_calls == before
+    if fault == "every call":
+        assert [f.type for f in finals] == ["error", "error"]
+        assert all("injected fault" in f.error["message"] for f in finals)
+    else:
+        one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
+        try:
+            refs = [one.generate(p, steps=6, seed=i, preview="none") for i, p in enumerate(SHAPES[:2])]
+        finally:
+            one.close()
+        assert [f.finish_reason for f in finals] == ["stop", "stop"]
+        assert all(np.abs(_pixels(f) - _pixels(r)).max() <= 2 for f, r in zip(finals, refs))
     assert shapes.generate(SHAPES[0], steps=3, seed=0, preview="none").finish_reason == "stop"
 
 

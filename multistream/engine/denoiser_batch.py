@@ -15,7 +15,8 @@ request's CFG pair, 25 ms for two requests, 35 ms for four), so interleaved requ
 took their own step pay for the weights' pass again and again.
 
 Calls that carry anything else (ControlNet residuals, attention masks, cross-attention kwargs,
-class labels) run alone. Batching may change the last bits of float results (kernels pick other
+class labels) run alone; a batched call that fails (out of memory at the larger batch, say) is run
+again one request at a time, so it fails only the requests that fail alone. Batching may change the last bits of float results (kernels pick other
 blockings at other batch sizes): pass ``max_batch=1`` to `ImageModel` for results bit-identical
 to a request run alone.
 
@@ -25,6 +26,7 @@ Example (what `ImageRun` does with its pipeline copy):
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DenoiserGate", "Parked", "call_together"]
 
+logger = logging.getLogger("multistream")
+
 # UNet2DConditionModel.forward's leading positional parameters, in order.
 _POSITIONAL = ("sample", "timestep", "encoder_hidden_states")
 # Keyword arguments that may be set (not None) in a batched call; anything else runs alone.
@@ -42,14 +46,18 @@ _BATCHABLE = {"sample", "timestep", "encoder_hidden_states", "timestep_cond", "a
 
 
 class Parked:
-    """A denoiser call waiting for the engine: its inputs, and (once run) its result or error."""
+    """A denoiser call waiting for the engine: the call as made, its inputs by name, its batch key."""
 
-    __slots__ = ("gate", "inputs", "key")
+    __slots__ = ("args", "gate", "inputs", "key", "kwargs")
 
     def __init__(self, gate: DenoiserGate, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.gate = gate
+        self.args, self.kwargs = args, kwargs
         self.inputs = {**dict(zip(_POSITIONAL, args)), **kwargs}
         self.key = _batch_key(gate.denoiser, self.inputs) if len(args) <= len(_POSITIONAL) else None
+
+    def alone(self) -> Any:
+        return self.gate.denoiser(*self.args, **self.kwargs)
 
 
 class _Failed:
@@ -77,6 +85,8 @@ class DenoiserGate:
 
     def __getattr__(self, name: str) -> Any:
         # config, dtype, device, add_embedding, ...: the pipeline reads them from its "unet".
+        if name in ("denoiser", "stepper"):  # not set yet (copy, unpickling): no endless recursion
+            raise AttributeError(name)
         return getattr(self.denoiser, name)
 
 
@@ -113,17 +123,21 @@ def call_together(calls: list[Parked]) -> tuple[list[Any], int]:
     for i, call in enumerate(calls):
         groups.setdefault(call.key if call.key is not None else ("alone", i), []).append(i)
     for members in groups.values():
-        try:
-            if len(members) == 1:
-                call = calls[members[0]]
-                replies[members[0]] = call.gate.denoiser(**call.inputs)
+        if len(members) > 1:
+            try:
+                outputs = _batched(calls[members[0]].gate.denoiser, [calls[i].inputs for i in members])
+            except Exception:  # noqa: BLE001 - e.g. out of memory at the larger batch: each alone
+                logger.warning("a batched denoiser call of %d requests failed; running them one by one",
+                               len(members), exc_info=True)
+            else:
+                shared += 1
+                for i, out in zip(members, outputs):
+                    replies[i] = out
                 continue
-            outputs = _batched(calls[members[0]].gate.denoiser, [calls[i].inputs for i in members])
-            shared += 1
-            for i, out in zip(members, outputs):
-                replies[i] = out
-        except Exception as exc:  # noqa: BLE001 - each request of the group fails with it
-            for i in members:
+        for i in members:
+            try:
+                replies[i] = calls[i].alone()
+            except Exception as exc:  # noqa: BLE001 - that request fails with it, the others go on
                 replies[i] = _Failed(exc)
     return replies, shared
 

@@ -17,7 +17,9 @@ step boundary, prefills it there and then, so its first token goes out without w
 rest of the step (time to first token under load is about the prefill plus a fraction of a
 step, not plus a whole step). The batched forward resumes afterwards untouched: the newcomer
 has its own cache and joins the batch at the next boundary. A group prefill has prefill points
-too, open only to higher priorities.
+too, open only to higher priorities. The boundary and the prefill points share one
+``prefill_budget`` per step, and a newcomer is prefilled at a point only if a row is sure to be
+free for it (or taken, one each, from a lower priority) at the next boundary.
 
 Rows share one left-padded KV cache (`RowCache`); each row has its own position ids, so a row's
 logits are those it would get alone (test: greedy output in a batch equals the output alone).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import weakref
 from itertools import count
 from typing import Any, Callable
 
@@ -96,6 +99,7 @@ class TextBatcher:
         # during a decode); None otherwise. Plus the requests that forward is prefilling.
         self._open_for: tuple[float, float] | None = None
         self._prefilling: list[TextRequest] = []
+        self._budget_left = prefill_budget  # of this step's prefill budget
         self._engine_thread = 0
         self._hooks: list[Any] = []
 
@@ -109,6 +113,9 @@ class TextBatcher:
         return bool(self.waiting or self.batch)
 
     def step(self) -> None:
+        # One prefill budget per step, shared by the boundary and the prefill points, so running
+        # streams are never held up by more than one budget's worth of prefill.
+        self._budget_left = self.prefill_budget
         self._apply_edits()
         self._drop_ended()
         self._make_room_for_priority()
@@ -143,10 +150,19 @@ class TextBatcher:
             return
         self._poll_arrivals = poll_arrivals
         spacing = max(1, len(layers) // _PREFILL_POINTS)
-        # Not before the first layer: the step boundary just before it has already looked.
-        self._hooks = [layer.register_forward_pre_hook(self._prefill_point) for layer in layers[spacing::spacing]]
+        # A hook that holds the batcher only weakly: the user's model stays copyable
+        # (copy.deepcopy, torch.save) and does not keep the engine alive.
+        batcher = weakref.ref(self)
 
-    def _prefill_point(self, module: Any, args: Any) -> None:
+        def prefill_point(module: Any, args: Any) -> None:
+            this = batcher()
+            if this is not None:
+                this._prefill_point()
+
+        # Not before the first layer: the step boundary just before it has already looked.
+        self._hooks = [layer.register_forward_pre_hook(prefill_point) for layer in layers[spacing::spacing]]
+
+    def _prefill_point(self) -> None:
         # The hooks sit on the user's model: only the engine's own batched decode stops here (not a
         # prefill, not the user calling the model on another thread).
         open_for = self._open_for
@@ -161,29 +177,35 @@ class TextBatcher:
         outer = self._prefilling
         try:
             self._guarded(self._prefill_group, group)  # closes the points for its own forward
-            self.prefills_inside_steps += len(group)
+            self.prefills_inside_steps += sum(1 for r in group if not r.needs_prefill)
         finally:
             self._open_for, self._prefilling = open_for, outer
         self.waiting = [r for r in self.waiting if not r.done]
 
     def _newcomers_to_prefill_now(self, open_for: tuple[float, float]) -> list[TextRequest]:
-        """Fresh whole prompts (one priority, within the budget, ranked before ``open_for``) that
-        will get a row at the next step boundary: a free one, or one a lower rank gives up."""
+        """Fresh whole prompts (one priority, within what is left of this step's prefill budget,
+        ranked before ``open_for``) that will get a row at the next step boundary: a free one, or
+        one that `_make_room_for_priority` takes from a lower-ranked running request (one each)."""
         ready = sum(1 for r in self.waiting if not r.needs_prefill and not r.done)
         free_rows = self.capacity - len(self.batch) - ready - len(self._prefilling)
-        worst = max((_rank(r) for r in self.batch + self._prefilling), default=None)
-        budget = self.prefill_budget
+        # Rows a newcomer can take by pausing a running request, worst first (a cache that cannot
+        # be split gives none).
+        victims = sorted((_rank(r) for r in self.batch), reverse=True) if self._mergeable else []
         group: list[TextRequest] = []
         for req in sorted(self.waiting, key=_rank):
-            if req.done or not req.needs_prefill or req in self._prefilling:
+            if req.done or not req.needs_prefill or req in self._prefilling or req.check_flags():
                 continue
-            fresh = req.prefilled == 0 and req.own_cache is None and len(req.context) <= budget
-            gets_row = free_rows > 0 or (worst is not None and _rank(req) < worst)
-            if not fresh or not gets_row or _rank(req) >= open_for or (group and req.priority != group[0].priority):
+            fresh = req.prefilled == 0 and req.own_cache is None and len(req.context) <= self._budget_left
+            if not fresh or _rank(req) >= open_for or (group and req.priority != group[0].priority):
+                break
+            if free_rows > 0:
+                free_rows -= 1
+            elif victims and _rank(req) < victims[0]:
+                victims.pop(0)
+            else:
                 break
             group.append(req)
-            budget -= len(req.context)
-            free_rows -= 1
+            self._budget_left -= len(req.context)
         return group
 
     # -- capacity -------------------------------------------------------------------------------
@@ -261,7 +283,7 @@ class TextBatcher:
         left-padded forward (one pass over the weights for all of them); a prompt longer than the
         budget goes alone, one chunk per step.
         """
-        budget = self.prefill_budget
+        budget = self._budget_left
         free_rows = self.capacity - len(self.batch)
         group: list[TextRequest] = []
         for req in sorted(self.waiting, key=_rank):
@@ -280,6 +302,7 @@ class TextBatcher:
             elif not group:
                 self._guarded(self._prefill_chunk, [req], min(budget, remaining))
                 budget = 0
+        self._budget_left = budget
         if group:
             self._guarded(self._prefill_group, group)
         self.waiting = [r for r in self.waiting if not r.done]

@@ -7,6 +7,7 @@ the request's next token is computed; `TextRequest.accept` turns that token into
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -21,6 +22,8 @@ from ..text_options import TextOptions
 from ..text_sampling import RowSampler
 
 __all__ = ["Edit", "TextRequest"]
+
+logger = logging.getLogger("multistream")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -236,7 +239,10 @@ class TextRequest:
         }
         self.revisions.append(revision)
         if self.on_edit is not None:
-            self.on_edit({**revision, "revision": number, "at": len(self.answer_ids)})
+            try:
+                self.on_edit({**revision, "revision": number, "at": len(self.answer_ids)})
+            except Exception:  # noqa: BLE001 - the caller's hook must not fail the engine's other streams
+                logger.exception("stream %s: on_edit raised; the edit stands", self.writer.stream_id)
         return keep_cached
 
     # -- tokens in, events out ------------------------------------------------------------------

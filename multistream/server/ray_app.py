@@ -15,9 +15,12 @@ sampling since draws depend only on (seed, position)). For images, with ``event_
 replica writes the stream's newest `ImageCheckpoint` to Redis every ``image_checkpoint_every``
 steps (`checkpoint_key`: ``ms:ckpt:{stream id}``, deleted when the stream ends); the replica
 taking over continues from it (``ImageModel.stream(resume_from=...)``, the final event's
-``metrics["resumed_from_step"]``) and ends with the uninterrupted run's picture; with no usable
-checkpoint it denoises from step 0 with the same seed (fixed by the ingress). Previews up to
-the last step sent are skipped. The client sees one stream: no gap, no duplicate. With several
+``metrics["resumed_from_step"]``) and ends with the uninterrupted run's picture (bit for bit on
+the same device when steps are not batched with other requests, ``max_batch=1``; within float
+rounding when they are); with no usable checkpoint it denoises from step 0 with the same seed
+(fixed by the ingress). Previews up to the last step sent are skipped. The client sees one
+stream: no duplicate, nothing out of order, no text or final missing (a preview that a newer one
+replaced while the client was away is skipped, as on one server). With several
 ingress replicas, ``event_log`` (Redis) makes a resume work on any of them.
 
 Edits (finish, steer, rewind) reach the replica generating the stream through the event log's
@@ -134,7 +137,8 @@ class _CheckpointWriter:
             out["checkpoint_bytes"] = float(self.nbytes)
         return out
 
-    async def close(self) -> None:
+    async def close(self, delete: bool) -> None:
+        """Stop writing; ``delete`` the key once the stream has ended (else it expires)."""
         self._closed = True
         task = self._task
         if task is not None and not task.done():
@@ -142,6 +146,8 @@ class _CheckpointWriter:
                 await asyncio.wait_for(asyncio.shield(task), 5.0)
             except Exception:  # noqa: BLE001
                 pass
+        if not delete:
+            return
         try:
             await self.client.delete(self.key)
         except Exception as exc:  # noqa: BLE001 - it expires anyway
@@ -278,6 +284,7 @@ class ModelReplica:
             return
         if key is not None:
             self.streams[key] = stream
+        ended = False  # the final event went out; otherwise (a drain, a cancelled call) keep the checkpoint
         try:
             async for ev in stream:
                 while edits:
@@ -290,13 +297,16 @@ class ModelReplica:
                     continue
                 if writer is not None and isinstance(ev, ImageEvent) and ev.is_final:
                     ev = dataclasses.replace(ev, metrics={**(ev.metrics or {}), **writer.metrics()})
+                ended = ended or ev.is_final
                 yield ev
         finally:
             if key is not None and self.streams.get(key) is stream:
                 del self.streams[key]
             stream.close()
             if writer is not None:
-                await writer.close()
+                # A replica drained or a call cancelled mid-run leaves the checkpoint for the replica
+                # that takes over; it expires on its own.
+                await writer.close(delete=ended)
 
 
 def _trim_text(ev: TextEvent, tokens: int, chars: int) -> TextEvent | None:
