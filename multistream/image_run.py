@@ -353,7 +353,9 @@ class ImageRun:
         self.job = job
         self.stats = RunStats(started=time.perf_counter())
         self.pipe = _own_pipeline(model.pipeline)
-        if model._batch_steps:
+        # Offloaded pipelines (accelerate hooks on the UNet) keep a plain UNet: the offload chain
+        # is rebuilt from the pipeline's modules, which a gate is not.
+        if model._batch_steps and not hasattr(self.pipe.unet, "_hf_hook"):
             # Same-shape requests share batched UNet calls (`engine.denoiser_batch`).
             self.pipe.__dict__["unet"] = DenoiserGate(self.pipe.unet, model._stepper)
         self.yield_step = yield_step
