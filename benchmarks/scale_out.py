@@ -153,6 +153,18 @@ def load(url: str, streams: int, tokens: int) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
+def kill_replica_of(client: httpx.Client, url: str, sid: str, ray: Any) -> float:
+    """Kill the model replica generating stream ``sid`` (asking the ingress replicas until one
+    knows it); the perf_counter time of the kill."""
+    replica = None
+    for _ in range(50):
+        replica = client.get(f"{url}/v1/_test/replica/{sid}").json().get("replica")
+        if replica:
+            break
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    return time.perf_counter()
+
+
 def kill_gap(url: str, ray: Any) -> float | None:
     """One stream; kill its replica after 3 events; seconds from the kill to the next new event."""
     with httpx.Client(timeout=300) as c, c.stream("POST", f"{url}/v1/text", json={
@@ -167,13 +179,7 @@ def kill_gap(url: str, ray: Any) -> float | None:
             if killed is not None and ev["t"] + offset > killed:
                 return now - killed
             if i == 2:
-                replica = None
-                for _ in range(50):
-                    replica = c.get(f"{url}/v1/_test/replica/{sid}").json().get("replica")
-                    if replica:
-                        break
-                ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
-                killed = time.perf_counter()
+                killed = kill_replica_of(c, url, sid, ray)
     return None
 
 
@@ -193,13 +199,7 @@ def image_kill(url: str, ray: Any) -> tuple[float, int, int] | None:
             if killed is None:
                 seen = max(seen, int(ev.get("step") or 0))
             if i == 5:
-                replica = None
-                for _ in range(50):
-                    replica = c.get(f"{url}/v1/_test/replica/{sid}").json().get("replica")
-                    if replica:
-                        break
-                ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
-                killed = time.perf_counter()
+                killed = kill_replica_of(c, url, sid, ray)
     return None
 
 

@@ -358,6 +358,15 @@ def shapes():
     sd.close()
 
 
+@pytest.fixture(scope="module")
+def in_turn(shapes):
+    """The embedded model's pipeline with max_batch=1: requests take steps in turn, each
+    bit-identical to its run alone (the reference for batched steps)."""
+    one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
+    yield one
+    one.close()
+
+
 def test_a_short_image_request_finishes_while_a_long_one_runs(shapes) -> None:
     shapes._stepper.trace = []
     try:
@@ -379,18 +388,18 @@ def test_a_short_image_request_finishes_while_a_long_one_runs(shapes) -> None:
         shapes._stepper.trace = None
 
 
-def test_interleaved_images_equal_images_alone(shapes) -> None:
+def test_interleaved_images_equal_images_alone(in_turn) -> None:
     """With max_batch=1 requests take steps in turn, each bit-identical to its run alone."""
-    one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
+    one = in_turn
+    alone = [one.generate(p, steps=6, seed=3, preview="none").data for p in ("a red circle on a blue background", "a yellow star on a black background")]
+    one._stepper.trace = []
     try:
-        alone = [one.generate(p, steps=6, seed=3, preview="none").data for p in ("a red circle on a blue background", "a yellow star on a black background")]
-        one._stepper.trace = []
         streams = [one.stream(p, steps=6, seed=3, preview="latent") for p in ("a red circle on a blue background", "a yellow star on a black background")]
         together = [s.wait().data for s in streams]
         trace = [order for order, _ in one._stepper.trace]
         assert one._stepper.batched_calls == 0
     finally:
-        one.close()
+        one._stepper.trace = None
     assert together == alone
     # Requests of equal length take turns: both advance in the first half of the steps.
     assert len(set(trace[: len(trace) // 2])) == 2
@@ -406,16 +415,12 @@ def _pixels(ev) -> "np.ndarray":
     return np.asarray(ev.image.convert("RGB"), dtype=np.int16)
 
 
-def test_same_shape_requests_share_batched_denoiser_calls(shapes) -> None:
+def test_same_shape_requests_share_batched_denoiser_calls(shapes, in_turn) -> None:
     """Concurrent requests of one shape take their steps together in one batched UNet call; each
     image matches its run alone within float rounding, and each gets all its own previews."""
     import numpy as np
 
-    one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
-    try:
-        alone = [one.generate(p, steps=8, seed=i, preview="none") for i, p in enumerate(SHAPES)]
-    finally:
-        one.close()
+    alone = [in_turn.generate(p, steps=8, seed=i, preview="none") for i, p in enumerate(SHAPES)]
     before = shapes._stepper.batched_calls
     shapes._stepper.trace = []
     try:
@@ -436,17 +441,13 @@ def test_same_shape_requests_share_batched_denoiser_calls(shapes) -> None:
         assert final.metrics["previews"] == 8
 
 
-def test_batched_steps_keep_priority_and_shapes_apart(shapes) -> None:
+def test_batched_steps_keep_priority_and_shapes_apart(shapes, in_turn) -> None:
     """A higher priority steps alone (never slowed by lower ones); requests of another size run
     in the same steps without sharing a call; both still match their runs alone."""
     import numpy as np
 
-    one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
-    try:
-        ref_small = one.generate(SHAPES[0], steps=6, seed=1, height=32, width=32, preview="none")
-        ref_big = one.generate(SHAPES[1], steps=6, seed=2, preview="none")
-    finally:
-        one.close()
+    ref_small = in_turn.generate(SHAPES[0], steps=6, seed=1, height=32, width=32, preview="none")
+    ref_big = in_turn.generate(SHAPES[1], steps=6, seed=2, preview="none")
     shapes._stepper.trace = []
     before = shapes._stepper.batched_calls
     try:
@@ -470,7 +471,7 @@ def test_batched_steps_keep_priority_and_shapes_apart(shapes) -> None:
 
 
 @pytest.mark.parametrize("fault", ["batched calls only", "every call"])
-def test_a_failing_batched_call_is_retried_alone_and_the_engine_goes_on(shapes, fault: str) -> None:
+def test_a_failing_batched_call_is_retried_alone_and_the_engine_goes_on(shapes, in_turn, fault: str) -> None:
     """A batched UNet call that fails (out of memory at the larger batch, say) is run again one
     request at a time: the requests finish if they can alone, else each gets an error event; the
     engine serves the next request either way."""
@@ -493,11 +494,7 @@ def test_a_failing_batched_call_is_retried_alone_and_the_engine_goes_on(shapes, 
         assert [f.type for f in finals] == ["error", "error"]
         assert all("injected fault" in f.error["message"] for f in finals)
     else:
-        one = ms.ImageModel(shapes.pipeline, max_batch=1, name="one-at-a-time")
-        try:
-            refs = [one.generate(p, steps=6, seed=i, preview="none") for i, p in enumerate(SHAPES[:2])]
-        finally:
-            one.close()
+        refs = [in_turn.generate(p, steps=6, seed=i, preview="none") for i, p in enumerate(SHAPES[:2])]
         assert [f.finish_reason for f in finals] == ["stop", "stop"]
         assert all(np.abs(_pixels(f) - _pixels(r)).max() <= 2 for f, r in zip(finals, refs))
     assert shapes.generate(SHAPES[0], steps=3, seed=0, preview="none").finish_reason == "stop"
