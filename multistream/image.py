@@ -49,7 +49,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from .devices import resolve_device, resolve_dtype
@@ -60,7 +59,7 @@ from .errors import InvalidArgumentError
 from .events import Event
 from .image_checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from .image_loading import EMBEDDED_MODEL_DIR, _load_taesd, load_image_model
-from .image_options import PreviewPlan, PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
+from .image_options import PreviewPlan, PreviewThrottle, _is_int, check_size_multiple, parse_image_options, parse_preview
 from .image_run import ImageRun, ImageSteering
 from .latent_rgb import LatentRGB, detect_family, latent_rgb_for
 from .previews import LinearDecoder, TinyDecoder, VaeDecoder, x0_strategy
@@ -69,10 +68,6 @@ from .stream import Stream, StreamWriter
 __all__ = ["EMBEDDED_MODEL_DIR", "ImageCheckpoint", "ImageJob", "ImageModel", "load_image_model"]
 
 logger = logging.getLogger("multistream")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclass

@@ -150,6 +150,8 @@ class ImageOptions:
 
 
 def _is_int(value: Any) -> bool:
+    """An integer, numpy's included (image sizes and steps often come from arrays); not a bool.
+    (`text_options._is_int` takes Python ints only; `events` checks wire values its own way.)"""
     # numbers.Integral takes numpy integers too, without importing numpy.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

@@ -46,6 +46,7 @@ from .engine.denoiser_batch import DenoiserGate
 from .errors import InvalidArgumentError, StreamFinishedError
 from .events import ImageEvent
 from .frames import EncodedFrame, encode_frame
+from .image_options import _is_int
 from .latent_rgb import latents_to_rgb
 from .previews import FrameWorker, HostFrames, PendingFrame, VaeDecoder, X0Tracker, false_color, to_uint8_frames, unpack_latents, x0_strategy
 from .stream import StreamWriter
@@ -68,10 +69,6 @@ class _Cancelled(BaseException):
 
 class _FinishEarly(BaseException):
     """Raised out of the step callback to stop denoising and decode the current x0 estimate."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclass

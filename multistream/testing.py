@@ -41,7 +41,7 @@ from .frames import encode_frame
 from .image_options import PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
 from .stop_strings import StopMatcher
 from .stream import Stream, StreamWriter, _run_producer
-from .text_options import check_prompt, parse_text_options
+from .text_options import _is_int, _is_number, check_prompt, parse_text_options
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedTextModel"]
 
@@ -49,14 +49,6 @@ DEFAULT_TOKENS: tuple[str, ...] = (
     "Streams", " carry", " tokens", " one", " by", " one", ",", " and", " previews",
     " step", " by", " step", ":", " the", " reader", " sees", " them", " as", " they", " come", ".",
 )
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
 
 def _require(condition: bool, message: str) -> None:
     if not condition:

@@ -242,7 +242,7 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     # No duplicate and nothing out of order. A resume may skip the seq of a preview that a newer
     # preview replaced while the client was away (the log keeps the newest preview of a live image).
     seqs = [e["seq"] for e in events]
-    assert seqs == sorted(set(seqs)) and seqs[:6] == list(range(6)), "duplicate or out of order"
+    assert seqs == sorted(set(seqs)) and seqs[0] == 0, "duplicate or out of order"
     assert events[-1]["is_final"] and sum(e["is_final"] for e in events) == 1
     steps = [e["step"] for e in events[:-1]]
     assert steps == sorted(set(steps)) and max(steps) >= 6  # previews never repeat a step
