@@ -95,11 +95,15 @@ def test_every_ingress_replica_that_answers_is_ready(cluster: str) -> None:
 
 
 def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind: str = "text",
-            after_kill: Any = None) -> tuple[str, str, list[dict], float | None]:
-    """POST /v1/{kind}; after ``kill_after`` events (an image: once a preview of step
-    ``kill_after`` or later arrived), kill the replica serving it and drop the connection
-    (then call ``after_kill(stream_id)``); then read the rest with a resume (Last-Event-ID).
-    Returns the events and the gap."""
+            after_kill: Any = None, kill_when: Any = None) -> tuple[str, str, list[dict], float | None]:
+    """POST /v1/{kind}; once ``kill_when(client, stream_id, token, events)`` says so (or after
+    ``kill_after`` events; an image: once a preview of step ``kill_after`` or later arrived), kill
+    the replica serving it and drop the connection (then call ``after_kill(stream_id)``); then read
+    the rest with a resume (Last-Event-ID). Returns the events and the gap."""
+    if kill_when is None and kill_after is not None:
+        def kill_when(client: Any, sid: str, token: str, events: list[dict]) -> bool:
+            ev = events[-1]
+            return ev.get("step", 0) >= kill_after if kind == "image" else len(events) == kill_after
     events: list[dict] = []
     gap = None
     with httpx.Client(timeout=120) as client:
@@ -108,11 +112,10 @@ def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind:
             sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
             for ev in iter_events(r):
                 events.append(ev)
-                if kill_after is not None and (ev.get("step", 0) >= kill_after if kind == "image"
-                                               else len(events) == kill_after):
+                if kill_when is not None and kill_when(client, sid, token, events):
                     assert not ev["is_final"], "the stream ended before the replica could be killed"
                     break
-        if kill_after is None:
+        if kill_when is None:
             return sid, token, events, None
         replica = None
         for _ in range(50):  # 2 ingress replicas: ask until the one running the stream answers
@@ -263,31 +266,15 @@ def test_steer_then_failover_keeps_the_instruction(cluster: str, text_model: Any
     steer's offset, then `revise` under the instruction (computed here, in-process)."""
     body = {"prompt": PROMPT, "max_new_tokens": 48, "temperature": 0.0}
     instruction = "Describe the waves in detail."
-    events: list[dict] = []
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", f"{cluster}/v1/text", json=body) as r:
-            assert r.status_code == 200, r.read()
-            sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
-            for ev in iter_events(r):
-                events.append(ev)
-                if len(events) == 3:
-                    resp = client.post(f"{cluster}/v1/streams/{sid}/steer", json={"instruction": instruction},
-                                       headers={"X-Resume-Token": token})
-                    assert resp.status_code in (200, 202), resp.text
-                if sum(e.get("revision") == 1 for e in events) == 3:
-                    break
-        assert not events[-1]["is_final"], "the stream ended before the replica could be killed"
-        replica = None
-        for _ in range(50):
-            replica = client.get(f"{cluster}/v1/_test/replica/{sid}").json().get("replica")
-            if replica:
-                break
-        assert replica
-        ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
-        with client.stream("GET", f"{cluster}/v1/streams/{sid}/events",
-                           headers={"Last-Event-ID": str(events[-1]["seq"]), "X-Resume-Token": token}) as r:
-            assert r.status_code == 200, r.read()
-            events.extend(iter_events(r))
+
+    def steer_then_kill(client: httpx.Client, sid: str, token: str, events: list[dict]) -> bool:
+        if len(events) == 3:
+            resp = client.post(f"{cluster}/v1/streams/{sid}/steer", json={"instruction": instruction},
+                               headers={"X-Resume-Token": token})
+            assert resp.status_code in (200, 202), resp.text
+        return sum(e.get("revision") == 1 for e in events) == 3  # the steer took effect on this replica
+
+    _, _, events, _ = _stream(cluster, body, kill_when=steer_then_kill)
     assert [e["seq"] for e in events] == list(range(len(events))), "gap or duplicate"
     final = events[-1]
     assert final["is_final"] and sum(e["is_final"] for e in events) == 1
