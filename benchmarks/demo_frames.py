@@ -48,7 +48,7 @@ def main() -> None:
 
     from playwright.sync_api import sync_playwright
 
-    from multistream.demo import create_demo
+    from multistream.ui.demo import create_demo
     from multistream.testing import ScriptedImageModel, ScriptedTextModel
 
     model = None

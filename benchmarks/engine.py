@@ -13,7 +13,7 @@ do not stop early):
   p95 gap between tokens of the running streams while it prefills. The joiner is submitted just
   after the running streams' tokens of a step arrived, i.e. just after the next batched forward
   began: the worst moment for an engine that prefills only between steps (see "prefill points"
-  in `multistream.engine.text_batch`);
+  in `multistream.text._batcher`);
 * TTFT of a priority-10 stream submitted together with 8 priority-0 streams that wait for their
   prefill, and while 8 priority-0 streams run with every row taken (``max_batch=8``), beside its
   TTFT alone (target <= 2x).

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from image_stream import compare, print_table
 
     import multistream as ms
-    from multistream._random_pipelines import sd15_pipeline
+    from multistream.image._random_pipelines import sd15_pipeline
 
     if args.tiny:
         device, dtype, scale = torch.device("cpu"), torch.float32, "tiny"

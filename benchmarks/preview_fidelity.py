@@ -55,7 +55,7 @@ def log(msg: str, t0: float = time.time()) -> None:
 def collect(model: Any, prompts: list[str], seeds: list[int], steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """Per run: the noisy latents and x0 of every step ``(N, steps, C, h, w)``, and the final
     images ``(N, 3, H, W)`` as uint8 (what the stream's final PNG holds)."""
-    from multistream.previews import X0Tracker
+    from multistream.image._previews import X0Tracker
 
     pipe = model.pipeline
     runs = [(p, s) for s in seeds for p in prompts]
@@ -84,8 +84,8 @@ def collect(model: Any, prompts: list[str], seeds: list[int], steps: int, batch:
 
 def previews(model: Any, mode: str, lat: torch.Tensor, x0: torch.Tensor, size: int) -> torch.Tensor:
     """uint8 previews ``(N, steps, 3, size, size)`` of one mode, as the stream makes them."""
-    from multistream.latent_rgb import latents_to_rgb
-    from multistream.previews import TinyDecoder, VaeDecoder, to_uint8_frames
+    from multistream.image._latent_rgb import latents_to_rgb
+    from multistream.image._previews import TinyDecoder, VaeDecoder, to_uint8_frames
 
     n, steps = lat.shape[:2]
     src = (lat if mode == "latent" else x0).reshape(n * steps, *lat.shape[2:])
@@ -138,7 +138,7 @@ def layouts_section(fit_steps: int) -> None:
     from diffusers import AutoencoderKL
 
     import multistream as ms
-    from multistream.latent_rgb import _synthetic_images, fit_latent_rgb, latents_from_vae_space, latents_to_rgb, latents_to_vae_space
+    from multistream.image._latent_rgb import synthetic_images, fit_latent_rgb, latents_from_vae_space, latents_to_rgb, latents_to_vae_space
 
     layouts = {
         "sd15": dict(latent_channels=4, scaling_factor=0.18215, shift_factor=None),
@@ -159,7 +159,7 @@ def layouts_section(fit_steps: int) -> None:
         fit_s = time.perf_counter() - started
         gen = torch.Generator().manual_seed(123)
         with torch.inference_mode():
-            images = _synthetic_images(8, 64, gen)
+            images = synthetic_images(8, 64, gen)
             scaled = latents_from_vae_space(vae.encode(images).latent_dist.mode(), vae.config)
             target = vae.decode(latents_to_vae_space(scaled, vae.config)).sample.clamp(-1, 1)
             tiny = net(scaled).clamp(-1, 1)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import multistream as ms
     from multistream.image import EMBEDDED_MODEL_DIR
-    from multistream.preview_decoder import PREVIEW_DECODER_FILE, load_preview_decoder
+    from multistream.image._preview_decoder import PREVIEW_DECODER_FILE, load_preview_decoder
     from shapes_quality import draw_prompts, train_judge
 
     from diffusers.utils import logging as dlogging

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from multistream.demo import create_demo
+from multistream.ui.demo import create_demo
 
 demo = create_demo()
 

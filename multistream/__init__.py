@@ -32,25 +32,28 @@ _LAZY = {
     "TextModel": "text",
     "load_text_model": "text",
     "ImageModel": "image",
-    "ImageCheckpoint": "image_checkpoint",
+    "ImageCheckpoint": "image",
     "load_image_model": "image",
-    "fit_latent_rgb": "latent_rgb",
-    "fit_preview_decoder": "preview_decoder",
-    "encode_frame": "frames",
+    "fit_latent_rgb": "image",
+    "fit_preview_decoder": "image",
+    "encode_frame": "image",
     "chain": "compose",
     "merge": "compose",
-    "show": "notebook",
+    "show": "ui",
 }
 
 if TYPE_CHECKING:
     from .compose import chain, merge
-    from .notebook import show
-    from .frames import encode_frame
-    from .image import ImageModel, load_image_model
-    from .image_checkpoint import ImageCheckpoint
-    from .latent_rgb import fit_latent_rgb
-    from .preview_decoder import fit_preview_decoder
+    from .image import (
+        ImageCheckpoint,
+        ImageModel,
+        encode_frame,
+        fit_latent_rgb,
+        fit_preview_decoder,
+        load_image_model,
+    )
     from .text import TextModel, load_text_model
+    from .ui import show
 
 
 def __getattr__(name: str) -> Any:

@@ -421,7 +421,7 @@ class Stream:
             submit(writer)
             return
         self._thread = threading.Thread(
-            target=_run_producer,
+            target=run_producer,
             args=(producer, writer),
             name=name or f"multistream-{kind}-{self.stream_id[:8]}",
             daemon=True,
@@ -620,7 +620,7 @@ class Stream:
         return f"<Stream {self.kind} id={self.stream_id} state={self._state}>"
 
 
-def _run_producer(producer: Callable[[StreamWriter], None], writer: StreamWriter) -> None:
+def run_producer(producer: Callable[[StreamWriter], None], writer: StreamWriter) -> None:
     """The producer thread: run the model; turn any exception into the stream's error event."""
     try:
         producer(writer)

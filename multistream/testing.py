@@ -4,7 +4,7 @@
 signatures as the real models and emit scripted events through a real `Stream` (so seq,
 backpressure, cancel and error handling behave exactly as in production), without torch or
 weights. They check their arguments with the code the real models use
-(`multistream.text_options`, `multistream.image_options`), so they refuse the same mistakes with
+(`multistream.text._options`, `multistream.image._options`), so they refuse the same mistakes with
 the same messages and an image stream previews the same steps as a real one. They honour
 ``cancel()`` and ``finish_early()`` within one step, and take edits in a simple scripted way: text ``steer(text)``
 starts a new revision and the script goes on; text ``rewind(offset)`` cuts the answer at
@@ -35,13 +35,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._checks import is_int, is_number
 from .errors import InvalidArgumentError, PromptTooLongError, StreamFinishedError
 from .events import Event, ImageEvent, TextEvent
-from .frames import encode_frame
-from .image_options import PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
-from .stop_strings import StopMatcher
-from .stream import Stream, StreamWriter, _run_producer
-from .text_options import _is_int, _is_number, check_prompt, parse_text_options
+from .image import encode_frame
+from .image import PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
+from .text import StopMatcher
+from .stream import Stream, StreamWriter, run_producer
+from .text import check_prompt, parse_text_options
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedTextModel"]
 
@@ -66,7 +67,7 @@ def _sleep(writer: StreamWriter, seconds: float) -> None:
 
 
 def _check_priority(priority: Any) -> int:
-    _require(_is_int(priority), f"priority must be an integer (higher runs first), got {priority!r}")
+    _require(is_int(priority), f"priority must be an integer (higher runs first), got {priority!r}")
     return int(priority)
 
 
@@ -78,7 +79,7 @@ def _start(kind: str, producer: Callable[[StreamWriter], None],
     def submit(writer: StreamWriter) -> None:
         if on_command is not None:
             writer.on_command(on_command)
-        threading.Thread(target=_run_producer, args=(producer, writer), daemon=True,
+        threading.Thread(target=run_producer, args=(producer, writer), daemon=True,
                          name=f"multistream-scripted-{kind}-{writer.stream_id[:8]}").start()
 
     return Stream(submit=submit, kind=kind)
@@ -110,7 +111,7 @@ class _TextEdits:
             _require(instruction is None or (isinstance(instruction, str) and instruction.strip() != ""),
                      "instruction must be a non-empty string or None")
             length = self.writer.text_length if self.writer is not None else 0
-            _require(_is_int(offset) and 0 <= offset <= length,
+            _require(is_int(offset) and 0 <= offset <= length,
                      f"offset must be an integer from 0 to {length} (the answer's length so far), got {offset!r}")
             item = ("rewind", int(offset), instruction)
         else:
@@ -180,7 +181,7 @@ class ScriptedTextModel:
     ) -> None:
         _require(tokens is None or (len(tokens) > 0 and all(isinstance(t, str) for t in tokens)),
                  "tokens must be a non-empty list of strings (or None for the default script)")
-        _require(_is_number(delay_s) and delay_s >= 0, f"delay_s must be a number >= 0, got {delay_s!r}")
+        _require(is_number(delay_s) and delay_s >= 0, f"delay_s must be a number >= 0, got {delay_s!r}")
         self.tokens = list(tokens) if tokens is not None else list(DEFAULT_TOKENS)
         self.delay_s = float(delay_s)
         self.first_delay_s = self.delay_s if first_delay_s is None else float(first_delay_s)
@@ -262,7 +263,7 @@ class ScriptedTextModel:
         _require(isinstance(final, TextEvent) and final.is_final and final.text is not None,
                  "revise() needs the final text event of a finished answer")
         text = final.text or ""
-        _require(_is_int(offset) and 0 <= offset <= len(text),
+        _require(is_int(offset) and 0 <= offset <= len(text),
                  f"offset must be an integer from 0 to {len(text)} (the answer's length), got {offset!r}")
         _require(instruction is None or (isinstance(instruction, str) and instruction.strip() != ""),
                  "instruction must be a non-empty string or None")
@@ -401,9 +402,9 @@ class ScriptedImageModel:
 
     def __init__(self, steps: int = 8, size: int | tuple[int, int] = 64, delay_s: float = 0.0, *,
                  name: str = "scripted-image", fail_at_step: int | None = None) -> None:
-        _require(_is_int(steps) and steps >= 1, f"steps must be an integer >= 1, got {steps!r}")
-        w, h = (size, size) if _is_int(size) else size  # type: ignore[misc]
-        _require(_is_int(w) and _is_int(h) and w >= 1 and h >= 1, f"size must be an int or (width, height), got {size!r}")
+        _require(is_int(steps) and steps >= 1, f"steps must be an integer >= 1, got {steps!r}")
+        w, h = (size, size) if is_int(size) else size  # type: ignore[misc]
+        _require(is_int(w) and is_int(h) and w >= 1 and h >= 1, f"size must be an int or (width, height), got {size!r}")
         self.default_steps = steps
         self.width, self.height = int(w), int(h)
         self.delay_s = float(delay_s)
@@ -592,7 +593,7 @@ class _ImageSteers:
                      "prompt must not be empty; pass the new prompt, e.g. steer(prompt='a red circle')")
         if "guidance_scale" in changes:
             g = changes["guidance_scale"]
-            _require(_is_number(g) and math.isfinite(g) and g >= 0,
+            _require(is_number(g) and math.isfinite(g) and g >= 0,
                      f"guidance_scale must be a finite number >= 0, got {g!r}")
         with self._lock:
             if self.closed:

@@ -14,7 +14,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import multistream as ms
 from multistream._shapes import COLORS, SHAPES, parse_prompt
-from multistream.demo import create_demo, mount_demo, prompt_messages, shapes_prompt_pattern, throttled_views
+from multistream.ui.demo import create_demo, mount_demo, prompt_messages, shapes_prompt_pattern, throttled_views
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
 
 gradio_client = pytest.importorskip("gradio_client")

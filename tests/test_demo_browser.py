@@ -19,7 +19,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import multistream as ms
 from multistream._shapes import COLORS, SHAPES, parse_prompt
-from multistream.demo import create_demo
+from multistream.ui.demo import create_demo
 from multistream.testing import ScriptedImageModel
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from multistream.demo import create_demo
+from multistream.ui.demo import create_demo
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
 
 gradio_client = pytest.importorskip("gradio_client")

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from multistream.detokenizer import IncrementalDetokenizer
+from multistream.text._detokenizer import IncrementalDetokenizer
 
 SAMPLES = [
     "Hello, world! Streaming text token by token.",

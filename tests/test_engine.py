@@ -213,7 +213,7 @@ def test_a_newcomer_is_prefilled_inside_a_running_decode_step(text_tokenizer, ti
     point (between two decoder layers), so its first token does not wait for the rest of the step;
     unless it would then wait for a row (full batch, no lower priority to pause). Every output
     still equals its output alone."""
-    from multistream.engine.text_batch import _decoder_layers
+    from multistream.text._batcher import _decoder_layers
 
     rows = 2 if case == "free row" else 1
     llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-prefill-points", max_batch=rows + (case == "free row"))
@@ -243,7 +243,7 @@ def test_a_higher_priority_is_prefilled_inside_a_group_prefill(text_tokenizer, t
     """While a group of priority-0 prompts is being prefilled, a priority-10 arrival is prefilled at
     a prefill point of that forward and its first token goes out before theirs; a priority-0
     arrival waits for the next step."""
-    from multistream.engine.text_batch import _decoder_layers
+    from multistream.text._batcher import _decoder_layers
 
     llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-prefill-points-group", max_batch=8)
     batcher = llm._batcher
@@ -284,7 +284,7 @@ def test_newcomers_prefilled_inside_a_step_each_get_a_row(text_tokenizer, tiny_l
     """A full batch of priorities 0 and 5: of two priority-3 arrivals only one can take a row at
     the next boundary (the priority-0 one's), so only one is prefilled at a prefill point; the
     other waits for a row instead of sending a first token and then stalling."""
-    from multistream.engine.text_batch import _decoder_layers
+    from multistream.text._batcher import _decoder_layers
 
     llm = ms.TextModel(tiny_llm.model, text_tokenizer, name="tiny-rows", max_batch=2)
     batcher = llm._batcher

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 import multistream as ms
-from multistream.frames import EncodedFrame, check_format, encode_frame, fit_size, to_pil
+from multistream.image._frames import EncodedFrame, check_format, encode_frame, fit_size, to_pil
 
 
 def _decode(frame: EncodedFrame) -> Image.Image:

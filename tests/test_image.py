@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 import multistream as ms
-from multistream import _random_pipelines as rp
+from multistream.image import _random_pipelines as rp
 from multistream.image import ImageModel
 
 
@@ -430,7 +430,7 @@ def test_single_file_is_refused_clearly(tmp_path) -> None:
 
 
 def test_no_embedded_model_is_a_clear_error(monkeypatch, tmp_path) -> None:
-    import multistream.image_loading as loading
+    import multistream.image._loading as loading
 
     monkeypatch.setattr(loading, "EMBEDDED_MODEL_DIR", tmp_path / "shapes")
     with pytest.raises(ms.ModelLoadError, match="embedded image model is not installed"):

@@ -10,8 +10,8 @@ import multistream as ms
 
 # tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
 from test_image import one_thread  # noqa: F401
-from multistream import _random_pipelines as rp
-from multistream import image_loading as image_module
+from multistream.image import _random_pipelines as rp
+from multistream.image import _loading as image_module
 from multistream.image import ImageModel
 
 

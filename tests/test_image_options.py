@@ -1,4 +1,4 @@
-"""Argument checks shared by the real image model and the scripted fake (`multistream.image_options`)."""
+"""Argument checks shared by the real image model and the scripted fake (`multistream.image._options`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_image import Lockstep, one_thread  # noqa: F401
 
 import multistream as ms
 from multistream.image import EMBEDDED_MODEL_DIR
-from multistream.image_options import PreviewThrottle, parse_image_options
+from multistream.image._options import PreviewThrottle, parse_image_options
 from multistream.testing import ScriptedImageModel
 
 embedded = pytest.mark.skipif(
@@ -32,7 +32,7 @@ def shapes():
 
 def test_options_and_the_fake_import_without_torch() -> None:
     code = (
-        "import sys; import multistream.image_options; from multistream.testing import ScriptedImageModel; "
+        "import sys; import multistream.image._options; from multistream.testing import ScriptedImageModel; "
         "final = ScriptedImageModel(steps=2, size=16).generate('x', preview='tiny'); "
         "assert final.is_final and 'torch' not in sys.modules, 'torch'"
     )

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import multistream as ms
-import multistream.notebook as nb
+import multistream.ui.notebook as nb
 from multistream.events import ImageEvent, TextEvent
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
 

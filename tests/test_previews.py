@@ -12,7 +12,7 @@ import torch
 from test_image import one_thread  # noqa: F401
 
 import multistream as ms
-from multistream.latent_rgb import (
+from multistream.image._latent_rgb import (
     PUBLISHED,
     LatentRGB,
     detect_family,
@@ -22,7 +22,7 @@ from multistream.latent_rgb import (
     latents_to_rgb,
     latents_to_vae_space,
 )
-from multistream.previews import (
+from multistream.image._previews import (
     PREVIEW_MODES,
     FrameWorker,
     HostFrames,
@@ -367,8 +367,8 @@ def test_parse_preview_tiny() -> None:
 
 
 def test_tiny_decoder_maps_to_unit_range() -> None:
-    from multistream.preview_decoder import PreviewDecoderNet
-    from multistream.previews import TinyDecoder
+    from multistream.image._preview_decoder import PreviewDecoderNet
+    from multistream.image._previews import TinyDecoder
 
     torch.manual_seed(0)
     rgb = TinyDecoder(PreviewDecoderNet(4, 8, width=8, blocks=1))(torch.randn(2, 4, 3, 3) * 5)

@@ -363,7 +363,6 @@ def _ready(url: str) -> bool:
 
 @pytest.mark.model
 def test_real_default_text_model_through_the_server() -> None:
-    pytest.importorskip("multistream.text", reason="multistream/text.py has not landed yet")
     import multistream as ms
 
     llm = ms.load_text_model()

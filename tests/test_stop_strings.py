@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from multistream.stop_strings import StopMatcher
+from multistream.text._stop_strings import StopMatcher
 
 
 def run(stops, pieces):

@@ -6,7 +6,7 @@ import regex
 import pytest
 
 import multistream as ms
-from multistream.text_constraints import AllowedText, compile_allowed
+from multistream.text._constraints import AllowedText, compile_allowed
 
 
 def test_bad_allowed_values_are_clear_errors() -> None:

@@ -200,7 +200,7 @@ def test_hub_id_without_network_fails_clearly(monkeypatch):
 
 
 def test_embedded_model_is_cached_as_safetensors(text_model, tmp_path):
-    from multistream.text import _embedded_model_folder
+    from multistream.text._loading import _embedded_model_folder
 
     folder = _embedded_model_folder()
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
@@ -208,7 +208,7 @@ def test_embedded_model_is_cached_as_safetensors(text_model, tmp_path):
 
 
 def test_cache_dir_honours_env(monkeypatch, tmp_path):
-    from multistream.text import cache_dir
+    from multistream._cache import cache_dir
 
     monkeypatch.setenv("MULTISTREAM_CACHE", str(tmp_path / "ms"))
     assert cache_dir() == tmp_path / "ms"

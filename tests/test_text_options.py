@@ -8,7 +8,7 @@ import pytest
 
 import multistream as ms
 from multistream.testing import ScriptedTextModel
-from multistream.text_options import parse_text_options
+from multistream.text._options import parse_text_options
 
 
 @pytest.mark.parametrize(

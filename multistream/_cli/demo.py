@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         text_model = _load("text", args.text_model, args.device)
         image_model = _load("image", args.image_model, args.device)
-        from ..demo import launch
+        from ..ui.demo import launch
 
         print(f"multistream demo on http://{args.host}:{args.port}", file=sys.stderr)
         launch(text_model, image_model, host=args.host, port=args.port, max_fps=args.max_fps,

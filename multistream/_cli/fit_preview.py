@@ -40,8 +40,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..image import load_image_model
-    from ..preview_decoder import (
-        _GENERIC_PROMPTS,
+    from ..image._preview_decoder import (
+        GENERIC_PROMPTS,
         FitProgress,
         collect_x0_latents,
         fit_preview_decoder,
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     extra = None
     if args.x0_prompts > 0:
         embedded = args.model is None
-        prompts = None if embedded else [_GENERIC_PROMPTS[i % len(_GENERIC_PROMPTS)] for i in range(args.x0_prompts)]
+        prompts = None if embedded else [GENERIC_PROMPTS[i % len(GENERIC_PROMPTS)] for i in range(args.x0_prompts)]
         with tqdm(total=args.x0_prompts, desc="x0 runs", unit="run", file=sys.stderr) as runs:
             extra = collect_x0_latents(model.pipeline, prompts, count=args.x0_prompts, steps=args.x0_steps,
                                        progress=lambda done, total: runs.update(done - runs.n))  # fmt: skip

@@ -198,7 +198,7 @@ def create_app(
 
 def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing) -> None:
     """Serve the Gradio demo; its generations run through this server's gates (`GatedModel`)."""
-    from ..demo import mount_demo
+    from ..ui.demo import mount_demo
     from .gated import GatedModel
 
     def provider(kind: str) -> Any:

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from ..image_options import PREVIEW_MODES
+from ..image import PREVIEW_MODES
 from .problems import Problem
 from .settings import ServerSettings
 

@@ -2,7 +2,7 @@
 
 A filter that saw each delta alone would let a banned word through when the model writes it in
 two tokens ("sec" + "ret"). `OutputFilter` runs the hook over the whole text so far and holds
-back the last ``holdback`` characters (as `multistream.stop_strings.StopMatcher` holds back a
+back the last ``holdback`` characters (as `multistream.text._stop_strings.StopMatcher` holds back a
 possible stop string) until more text shows what they become; at the end everything is released.
 An event whose text the filter changed loses its ``token_ids`` (they no longer match the text).
 

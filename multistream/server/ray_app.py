@@ -163,7 +163,7 @@ class ModelReplica:
     """
 
     def __init__(self, kind: str, spec: Any, event_log: str | None = None, checkpoint_every: int = 1) -> None:
-        from .state import _load_model
+        from .state import load_model
 
         self.kind = kind
         self.checkpoint_every = max(1, int(checkpoint_every))
@@ -171,7 +171,7 @@ class ModelReplica:
         self.event_log = event_log if event_log and event_log.startswith(("redis://", "rediss://", "unix://")) else None
         self.streams: dict[str, Stream] = {}  # ingress stream id -> the generation running here (for edits)
         self._control: asyncio.Task[None] | None = None
-        self.model = _load_model(kind, "default" if spec is None else spec)
+        self.model = load_model(kind, "default" if spec is None else spec)
         self.name = str(getattr(self.model, "name", None) or kind)
         try:
             params = inspect.signature(self.model.stream).parameters
@@ -327,11 +327,11 @@ def _check_here(kind: str, kwargs: dict[str, Any]) -> None:
     needs the model (a prompt longer than its context, a size its VAE cannot make) is checked on
     the replica."""
     if kind == "image":
-        from ..image_options import parse_image_options
+        from ..image import parse_image_options
 
         parse_image_options(**kwargs)
     elif kind == "text":
-        from ..text_options import TEXT_STREAM_ARGS, check_prompt, parse_text_options
+        from ..text import TEXT_STREAM_ARGS, check_prompt, parse_text_options
 
         check_prompt(kwargs.get("prompt"))
         parse_text_options(**{k: v for k, v in kwargs.items() if k in TEXT_STREAM_ARGS})

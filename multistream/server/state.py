@@ -63,7 +63,7 @@ class ModelSlot:
 
     def _load(self) -> None:
         try:
-            self.model = _load_model(self.kind, self.spec)
+            self.model = load_model(self.kind, self.spec)
             self.state = "ready"
             logger.info("%s model %s is ready", self.kind, self.name)
         except BaseException as exc:  # noqa: BLE001 - report it on /healthz, keep serving the rest
@@ -84,7 +84,7 @@ class ModelSlot:
                       {"Retry-After": "5"})
 
 
-def _load_model(kind: str, spec: Any) -> Any:
+def load_model(kind: str, spec: Any) -> Any:
     if callable(spec) and not isinstance(spec, str):
         return spec()
     if isinstance(spec, str) and ":" in spec and not spec.startswith(("/", ".")) and "/" not in spec.split(":")[0]:

@@ -40,8 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from .kv_rows import RowCache, supports_row_cache
-from .text_request import TextRequest
+from ._kv_rows import RowCache, supports_row_cache
+from ._request import TextRequest
 
 __all__ = ["TextBatcher"]
 

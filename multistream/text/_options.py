@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidArgumentError
+from .._checks import is_int, is_number
+from ..errors import InvalidArgumentError
 
 __all__ = ["TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt", "parse_text_options"]
 
@@ -45,7 +46,7 @@ class TextOptions:
 
     max_new_tokens: int = 256
     # None: the model's generation_config decides (as transformers' generate does); see
-    # `multistream.text_sampling.SamplingPlan`. temperature None there means greedy unless the
+    # `multistream.text._sampling.SamplingPlan`. temperature None there means greedy unless the
     # config says do_sample.
     temperature: float | None = None
     top_p: float | None = None
@@ -57,14 +58,6 @@ class TextOptions:
     chunk_ms: float | None = None
     chat: bool | None = None
     allowed: str | None = None  # a regular expression the whole answer must match (choices joined)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _reject_unknown(unknown: dict[str, Any]) -> None:
@@ -95,17 +88,17 @@ def parse_text_options(
 ) -> TextOptions:
     """Check every option; raise `InvalidArgumentError` naming the first bad one and the fix."""
     _reject_unknown(unknown)
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if temperature is not None and (not _is_number(temperature) or temperature < 0):
+    if temperature is not None and (not is_number(temperature) or temperature < 0):
         raise InvalidArgumentError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+    if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
         raise InvalidArgumentError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+    if top_k is not None and (not is_int(top_k) or top_k < 0):
         raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if repetition_penalty is not None and (not _is_number(repetition_penalty) or repetition_penalty <= 0):
+    if repetition_penalty is not None and (not is_number(repetition_penalty) or repetition_penalty <= 0):
         raise InvalidArgumentError(f"repetition_penalty must be a number > 0 (1 disables it), got {repetition_penalty!r}")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
         raise InvalidArgumentError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -117,25 +110,25 @@ def parse_text_options(
         raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
     if any(not s for s in stops):
         raise InvalidArgumentError("stop strings must not be empty")
-    if chunk_tokens is not None and (not _is_int(chunk_tokens) or chunk_tokens < 1):
+    if chunk_tokens is not None and (not is_int(chunk_tokens) or chunk_tokens < 1):
         raise InvalidArgumentError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
-    if chunk_ms is not None and (not _is_number(chunk_ms) or chunk_ms <= 0):
+    if chunk_ms is not None and (not is_number(chunk_ms) or chunk_ms <= 0):
         raise InvalidArgumentError(f"chunk_ms must be a number of milliseconds > 0, got {chunk_ms!r}")
     if chat is not None and not isinstance(chat, bool):
         raise InvalidArgumentError(f"chat must be True, False or None (automatic), got {chat!r}")
-    from .text_constraints import compile_allowed
+    from ._constraints import compile_allowed
 
     pattern = compile_allowed(allowed)
     return TextOptions(
         allowed=pattern,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=int(max_new_tokens),
         temperature=None if temperature is None else float(temperature),
         top_p=None if top_p is None else float(top_p),
-        top_k=top_k,
+        top_k=None if top_k is None else int(top_k),
         repetition_penalty=None if repetition_penalty is None else float(repetition_penalty),
-        seed=seed,
+        seed=None if seed is None else int(seed),
         stop=stops,
-        chunk_tokens=chunk_tokens,
+        chunk_tokens=None if chunk_tokens is None else int(chunk_tokens),
         chunk_ms=None if chunk_ms is None else float(chunk_ms),
         chat=chat,
     )

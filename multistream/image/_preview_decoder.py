@@ -1,6 +1,6 @@
 """Tiny preview decoders distilled from any VAE: previews in the image's own colours, nearly free.
 
-The linear latent->RGB map (`multistream.latent_rgb`) is about free but only a first
+The linear latent->RGB map (`multistream.image._latent_rgb`) is about free but only a first
 approximation (RMSE 0.32 on the [-1, 1] scale for the embedded model's VAE: wrong colours, soft
 shapes); the full VAE is exact but costs a large share of a denoising step. TAESD
 (madebyollin/taesd) sits in between, but exists only for the families someone trained it for and
@@ -24,7 +24,7 @@ channels works (4 for SD 1.x/SDXL, 16 for SD3/Flux).
 
 Fitted decoders are saved as one safetensors file whose metadata holds the architecture and the
 hash of the VAE they were fitted to; `fit_preview_decoder` caches them by that hash in
-``multistream.text.cache_dir() / "preview_decoders"``, so each VAE is fitted once. The embedded
+``multistream._cache.cache_dir() / "preview_decoders"``, so each VAE is fitted once. The embedded
 model ships its own (``multistream/_models/shapes/preview_decoder.safetensors``), made with::
 
     python -m multistream fit-preview --out multistream/_models/shapes/preview_decoder.safetensors
@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import InvalidArgumentError, ModelLoadError
-from .latent_rgb import _synthetic_images, latents_from_vae_space, latents_to_vae_space
+from ..errors import InvalidArgumentError, ModelLoadError
+from ._latent_rgb import synthetic_images, latents_from_vae_space, latents_to_vae_space
 
 __all__ = [
     "PREVIEW_DECODER_FILE",
@@ -249,7 +249,7 @@ def vae_fingerprint(vae: Any) -> str:
 
 def preview_decoder_cache_path(fingerprint: str, options: dict[str, Any] | None = None) -> Path:
     """Where the fit for a VAE with this `vae_fingerprint` (and these fit options) is cached."""
-    from .text import cache_dir
+    from .._cache import cache_dir
 
     tag = ""
     if options:
@@ -296,7 +296,7 @@ def _encode_scaled(vae: Any, images: torch.Tensor, batch: int) -> torch.Tensor |
 
 
 def _shapes_images(n: int, size: int, seed: int) -> torch.Tensor:
-    from ._shapes import make_dataset
+    from .._shapes import make_dataset
 
     images, _ = make_dataset(n, seed=seed, size=size)
     return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
@@ -422,7 +422,7 @@ def fit_preview_decoder(
         factor = max(1, probe.shape[-1] // 2)
         size = latent_size * factor
         half = num_images // 2
-        images = torch.cat([_shapes_images(half, size, seed), _synthetic_images(num_images - half, size, gen)])
+        images = torch.cat([_shapes_images(half, size, seed), synthetic_images(num_images - half, size, gen)])
         batch = max(1, 8192 // (latent_size * latent_size))
         clean = _encode_scaled(vae, images, batch)
         if clean is None or clean.shape[1:] != (channels, latent_size, latent_size):
@@ -549,7 +549,7 @@ def preview_decoder_for(
     return fit_preview_decoder(vae, progress=progress)
 
 
-_GENERIC_PROMPTS = (
+GENERIC_PROMPTS = (
     "a photo of a cat on a sofa", "a mountain lake at sunrise", "a red sports car in the city", "a bowl of fruit",
     "a portrait of an old man", "a watercolor of a forest", "a lighthouse at dusk", "a bright abstract painting",
 )  # fmt: skip
@@ -574,10 +574,10 @@ def collect_x0_latents(
         >>> x0 = collect_x0_latents(sd.pipeline, count=8, steps=10)     # doctest: +SKIP
         >>> net = fit_preview_decoder(sd.pipeline.vae, extra_latents=x0, cache=False)  # doctest: +SKIP
     """
-    from .previews import X0Tracker, unpack_latents
+    from ._previews import X0Tracker, unpack_latents
 
     if prompts is None:
-        from ._shapes import caption, make_dataset
+        from .._shapes import caption, make_dataset
 
         _, scenes = make_dataset(count, seed=999)
         prompts = [caption(s) for s in scenes]

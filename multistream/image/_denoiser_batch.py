@@ -33,7 +33,7 @@ import torch
 from greenlet import getcurrent
 
 if TYPE_CHECKING:
-    from .image_steps import ImageStepper
+    from ._stepper import ImageStepper
 
 __all__ = ["DenoiserGate", "Parked", "call_together"]
 

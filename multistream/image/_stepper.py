@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from greenlet import greenlet, getcurrent
 
-from .denoiser_batch import Parked, call_together
+from ._denoiser_batch import Parked, call_together
 
 __all__ = ["ImageRequest", "ImageStepper"]
 

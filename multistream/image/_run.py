@@ -42,18 +42,18 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from .engine.denoiser_batch import DenoiserGate
-from .errors import InvalidArgumentError, StreamFinishedError
-from .events import ImageEvent
-from .frames import EncodedFrame, encode_frame
-from .image_options import _is_int
-from .latent_rgb import latents_to_rgb
-from .previews import FrameWorker, HostFrames, PendingFrame, VaeDecoder, X0Tracker, false_color, to_uint8_frames, unpack_latents, x0_strategy
-from .stream import StreamWriter
+from .._checks import is_int
+from ._denoiser_batch import DenoiserGate
+from ..errors import InvalidArgumentError, StreamFinishedError
+from ..events import ImageEvent
+from ._frames import EncodedFrame, encode_frame
+from ._latent_rgb import latents_to_rgb
+from ._previews import FrameWorker, HostFrames, PendingFrame, VaeDecoder, X0Tracker, false_color, to_uint8_frames, unpack_latents, x0_strategy
+from ..stream import StreamWriter
 
 if TYPE_CHECKING:
-    from .image import ImageModel, ImageJob
-    from .image_checkpoint import RunCheckpoints
+    from ._model import ImageModel, ImageJob
+    from ._checkpoint import RunCheckpoints
 
 __all__ = ["ImageRun", "ImageSteering", "RunStats", "steer_layout"]
 
@@ -448,7 +448,7 @@ class ImageRun:
                 checkpoints.check_step(step)
             if run.total is None:
                 total = getattr(pipeline, "_num_timesteps", None)
-                if not _is_int(total) or total < 1:
+                if not is_int(total) or total < 1:
                     timesteps = getattr(pipeline.scheduler, "timesteps", None)
                     total = len(timesteps) if timesteps is not None else (job.steps or step)
                 run.total = int(total)

@@ -23,12 +23,12 @@ values. The final event's ``metrics["steers"]`` counts the steers that took effe
 With ``num_images > 1`` each image has its own previews (``index``); every finished image carries
 ``finish_reason`` and the last one is the stream's final event.
 
-The module is split by job: `multistream.image_options` checks the arguments that do not depend
+The module is split by job: `multistream.image._options` checks the arguments that do not depend
 on the model (torch-free, and shared with the scripted fake in `multistream.testing`, so both
 refuse the same values and preview the same steps); this class adds the checks that need the
 pipeline (sizes as multiples of its VAE's factor, TAESD weights, pipeline arguments, step
-callbacks); `multistream.image_run` runs one request on the engine thread and
-`multistream.previews` turns latents into preview frames.
+callbacks); `multistream.image._run` runs one request on the engine thread and
+`multistream.image._previews` turns latents into preview frames.
 
 Example:
     >>> import multistream as ms
@@ -51,21 +51,22 @@ from typing import Any, Callable
 
 import torch
 
-from .devices import resolve_device, resolve_dtype
-from .engine import Engine
-from .engine.image_steps import ImageRequest, ImageStepper
-from .engine.settings import engine_thread_setup
-from .errors import InvalidArgumentError
-from .events import Event
-from .image_checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
-from .image_loading import EMBEDDED_MODEL_DIR, _load_taesd, load_image_model
-from .image_options import PreviewPlan, PreviewThrottle, _is_int, check_size_multiple, parse_image_options, parse_preview
-from .image_run import ImageRun, ImageSteering
-from .latent_rgb import LatentRGB, detect_family, latent_rgb_for
-from .previews import LinearDecoder, TinyDecoder, VaeDecoder, x0_strategy
-from .stream import Stream, StreamWriter
+from .._checks import is_int
+from .._devices import resolve_device, resolve_dtype
+from ..engine import Engine
+from ._stepper import ImageRequest, ImageStepper
+from ..engine.settings import engine_thread_setup
+from ..errors import InvalidArgumentError
+from ..events import Event
+from ._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
+from ._taesd import load_taesd
+from ._options import PreviewPlan, PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
+from ._run import ImageRun, ImageSteering
+from ._latent_rgb import LatentRGB, detect_family, latent_rgb_for
+from ._previews import LinearDecoder, TinyDecoder, VaeDecoder, x0_strategy
+from ..stream import Stream, StreamWriter
 
-__all__ = ["EMBEDDED_MODEL_DIR", "ImageCheckpoint", "ImageJob", "ImageModel", "load_image_model"]
+__all__ = ["ImageJob", "ImageModel"]
 
 logger = logging.getLogger("multistream")
 
@@ -104,13 +105,13 @@ class ImageModel:
 
     ``taesd`` (a folder or an ``AutoencoderTiny``) enables ``preview="taesd"``. ``latent_rgb``
     (a `LatentRGB`, a ``{"matrix", "bias"}`` dict or a ``latent_rgb.json`` path) overrides the
-    latent->RGB map that ``preview="latent"``/``"x0"`` use; see `multistream.latent_rgb`.
+    latent->RGB map that ``preview="latent"``/``"x0"`` use; see `multistream.image._latent_rgb`.
     ``preview_decoder`` (a `PreviewDecoderNet` or its ``.safetensors`` path) is the decoder of
     ``preview="tiny"``; by default the model folder's ``preview_decoder.safetensors``, else one
     fitted to the VAE on first use (`multistream.fit_preview_decoder`, cached per VAE).
     ``max_batch`` (default 4): up to this many concurrent requests of one priority take each
     denoising step together, their UNet calls batched where shapes match
-    (`multistream.engine.denoiser_batch`: about 1.6x the throughput for 2 requests of the
+    (`multistream.image._denoiser_batch`: about 1.6x the throughput for 2 requests of the
     embedded model on a CPU); 1 steps them one at a time, bit-identical to a request alone.
 
     Example:
@@ -168,14 +169,14 @@ class ImageModel:
         # diffusers pipelines take **kwargs only for deprecated arguments that they then ignore, so
         # names are checked against the explicit parameters (a typo must not pass silently).
         self._var_kw = signature is None
-        self._taesd = _load_taesd(taesd, self.device, self._vae_dtype) if taesd is not None else None
+        self._taesd = load_taesd(taesd, self.device, self._vae_dtype) if taesd is not None else None
         self._taesd_by_path: dict[str, Any] = {}
         self._latent_rgb: LatentRGB | None = None
         if latent_rgb is not None:
             self._latent_rgb = self._read_latent_rgb(latent_rgb)
         self._preview_net: Any = None
         if preview_decoder is not None:
-            from .preview_decoder import load_preview_decoder
+            from ._preview_decoder import load_preview_decoder
 
             net = load_preview_decoder(preview_decoder) if isinstance(preview_decoder, (str, os.PathLike)) else preview_decoder
             if self.latent_channels is not None and getattr(net, "latent_channels", None) != self.latent_channels:
@@ -274,7 +275,7 @@ class ImageModel:
         preview decoder comes with it (the embedded model, a folder with
         ``preview_decoder.safetensors``, or ``preview_decoder=``), so no fit can delay the first
         frame; else ``"latent"``."""
-        from .preview_decoder import shipped_preview_decoder_path
+        from ._preview_decoder import shipped_preview_decoder_path
 
         if self._preview_net is not None or shipped_preview_decoder_path(self._model_dir) is not None:
             return "tiny"
@@ -291,7 +292,7 @@ class ImageModel:
         if getattr(type(self._pipe), "_unpack_latents", None) is not None:
             multiple *= 2
         patch = getattr(self._pipe, "patch_size", None)
-        if _is_int(patch) and patch > 1:
+        if is_int(patch) and patch > 1:
             multiple *= int(patch)
         return multiple
 
@@ -363,7 +364,7 @@ class ImageModel:
         every ``checkpoint_every``-th step with an `ImageCheckpoint`; ``resume_from=checkpoint``
         (or its ``to_bytes()``), with the arguments of the run it came from, continues that run
         from the step after it: same previews from there, same final image (see
-        `multistream.image_checkpoint`). The final event's ``metrics`` then has
+        `multistream.image._checkpoint`). The final event's ``metrics`` then has
         ``resumed_from_step`` (and ``checkpoints``, the number taken).
 
         Bad arguments raise `InvalidArgumentError` here, before anything runs.
@@ -550,9 +551,9 @@ class ImageModel:
         if isinstance(taesd, (str, os.PathLike)):
             key = os.fspath(taesd)
             if key not in self._taesd_by_path:
-                self._taesd_by_path[key] = _load_taesd(key, self.device, self._vae_dtype)
+                self._taesd_by_path[key] = load_taesd(key, self.device, self._vae_dtype)
             return self._taesd_by_path[key]
-        return _load_taesd(taesd, self.device, self._vae_dtype)
+        return load_taesd(taesd, self.device, self._vae_dtype)
 
     def _read_latent_rgb(self, value: Any) -> LatentRGB:
         if isinstance(value, LatentRGB):
@@ -615,7 +616,7 @@ class ImageModel:
         """The fitted preview decoder: given, shipped in the model folder, or fitted (once per VAE)."""
         with self._resolve_lock:
             if self._preview_net is None:
-                from .preview_decoder import preview_decoder_for, shipped_preview_decoder_path
+                from ._preview_decoder import preview_decoder_for, shipped_preview_decoder_path
 
                 if shipped_preview_decoder_path(self._model_dir) is None:
                     logger.warning("fitting a preview decoder to this VAE for preview='tiny' (once; cached per VAE)")

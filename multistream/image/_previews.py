@@ -5,17 +5,17 @@ The pieces, each small and testable without a real model:
 * `PreviewThrottle` decides at which steps a preview is made (``preview_every``).
 * `parse_preview` reads ``preview=`` into a *source* (the noisy latent, or the model's current
   prediction of the clean image, x0) and a *decoder* (a linear latent->RGB map, TAESD, the VAE).
-  Both live in the torch-free `multistream.image_options` (the fake image model checks its
+  Both live in the torch-free `multistream.image._options` (the fake image model checks its
   arguments with them too) and are re-exported here:
 
   ============  =====================  ======================================================
   ``preview=``  source                 decoder
   ============  =====================  ======================================================
-  ``"latent"``  noisy latent           linear map (`multistream.latent_rgb`): about free
+  ``"latent"``  noisy latent           linear map (`multistream.image._latent_rgb`): about free
   ``"x0"``      predicted clean image  linear map: as cheap, far more informative early on
   ``"taesd"``   noisy latent           ``diffusers.AutoencoderTiny`` (weights from the user)
   ``"tiny"``    predicted clean image  a tiny decoder fitted to this VAE
-                                       (`multistream.preview_decoder`): the image's own
+                                       (`multistream.image._preview_decoder`): the image's own
                                        colours and shapes for about 2 ms a frame (CPU)
   ``"vae"``     noisy latent           the pipeline's full VAE: best looking, most expensive
   ``"none"``    -                      no previews, only the final image
@@ -62,9 +62,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import InvalidArgumentError
-from .image_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
-from .latent_rgb import LatentRGB, latents_to_rgb, latents_to_vae_space
+from ..errors import InvalidArgumentError
+from ._options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
+from ._latent_rgb import LatentRGB, latents_to_rgb, latents_to_vae_space
 
 __all__ = [
     "PREVIEW_MODES",
@@ -335,7 +335,7 @@ class TinyDecoder:
     """Scaled latents -> RGB in [0, 1] with a fitted `PreviewDecoderNet` (float32, on its device).
 
     Example:
-        >>> from multistream.preview_decoder import PreviewDecoderNet
+        >>> from multistream.image._preview_decoder import PreviewDecoderNet
         >>> TinyDecoder(PreviewDecoderNet(4, 8))(torch.zeros(1, 4, 2, 2)).shape
         torch.Size([1, 3, 16, 16])
     """

@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .errors import InvalidArgumentError
-from .events import ErrorEvent, Event, ImageEvent, TextEvent
-from .stream import Stream
+from ..errors import InvalidArgumentError
+from ..events import ErrorEvent, Event, ImageEvent, TextEvent
+from ..stream import Stream
 
 __all__ = ["show"]
 

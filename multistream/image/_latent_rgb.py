@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import InvalidArgumentError, ModelLoadError
+from ..errors import InvalidArgumentError, ModelLoadError
 
 __all__ = [
     "PUBLISHED",
@@ -336,7 +336,7 @@ def _cached_fit(vae: Any) -> LatentRGB | None:
             return None
 
 
-def _synthetic_images(n: int, size: int, generator: torch.Generator) -> torch.Tensor:
+def synthetic_images(n: int, size: int, generator: torch.Generator) -> torch.Tensor:
     """Colours everywhere in the cube, in the two looks images have: smooth fields (every other
     image) or flat backgrounds, each with a few flat discs and squares with hard edges."""
     coarse = torch.rand(n, 3, 4, 4, generator=generator) * 2 - 1
@@ -418,7 +418,7 @@ def fit_latent_rgb(
         probe = _decode(vae, torch.zeros(1, channels, 2, 2, device=device, dtype=dtype))
         factor = max(1, probe.shape[-1] // 2)
         size = latent_size * factor
-        images = _synthetic_images(num_samples, size, gen)
+        images = synthetic_images(num_samples, size, gen)
         raw = _encode(vae, images.to(device=device, dtype=dtype))
         if raw is not None and raw.shape[-1] == latent_size and raw.shape[1] == channels:
             scaled = latents_from_vae_space(raw.float(), vae.config)

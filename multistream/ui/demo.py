@@ -14,7 +14,7 @@ Preview frames travel as ``data:`` URLs inside the update (no file per frame in 
 no extra request per frame); only the final full-quality image goes through ``gr.Image``.
 
 Example:
-    >>> from multistream.demo import create_demo
+    >>> from multistream.ui.demo import create_demo
     >>> demo = create_demo()            # loads the embedded default models   # doctest: +SKIP
     >>> demo.launch()                                                          # doctest: +SKIP
 """
@@ -31,18 +31,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from .compose import chain
-from .errors import InvalidArgumentError, MultistreamError
-from .events import ImageEvent, TextEvent
+from ..compose import chain
+from ..errors import InvalidArgumentError, MultistreamError
+from ..events import ImageEvent, TextEvent
 from .notebook import _Throttle, _View
-from .stream import Stream
+from ..stream import Stream
 
 if TYPE_CHECKING:
     import gradio as gr
 
 __all__ = ["create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern"]
 
-logger = logging.getLogger("multistream.demo")
+logger = logging.getLogger("multistream.ui.demo")
 
 
 def _gradio() -> Any:
@@ -94,7 +94,7 @@ def shapes_prompt_pattern() -> str:
         >>> bool(re.fullmatch(shapes_prompt_pattern(), "a small yellow circle on a blue background"))
         True
     """
-    from ._shapes import COLORS, SHAPES, SIZES
+    from .._shapes import COLORS, SHAPES, SIZES
 
     colors, shapes, sizes = "|".join(COLORS), "|".join(SHAPES), "|".join(SIZES)
     return rf"an? (({sizes}) )?({colors}) ({shapes}) on an? ({colors}) background"
@@ -299,10 +299,10 @@ def _load_default(kind: str) -> tuple[Any, str]:
     """Load an embedded default model; on failure return (None, why), so the rest of the page works."""
     try:
         if kind == "text":
-            from .text import load_text_model
+            from ..text import load_text_model
 
             return load_text_model(), ""
-        from .image import load_image_model  # type: ignore[import-not-found]
+        from ..image import load_image_model  # type: ignore[import-not-found]
 
         return load_image_model(), ""
     except (ImportError, MultistreamError, OSError, RuntimeError) as exc:

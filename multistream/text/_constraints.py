@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import regex
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """Where models run and in what precision: ``device="auto"`` and dtype names, for every adapter.
 
 Example:
-    >>> from multistream.devices import resolve_device, resolve_dtype
+    >>> from multistream._devices import resolve_device, resolve_dtype
     >>> resolve_device("cpu").type, resolve_dtype("bf16")
     ('cpu', torch.bfloat16)
 """

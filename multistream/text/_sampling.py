@@ -8,7 +8,7 @@ from both before every draw. So a seeded stream gives the same tokens whatever e
 batch, and a generation resumed at token k continues exactly as an uninterrupted one would.
 
 Example:
-    >>> from multistream.text_options import parse_text_options
+    >>> from multistream.text._options import parse_text_options
     >>> plan = SamplingPlan.resolve(parse_text_options(temperature=0.7), generation_config=None)
     >>> plan.greedy, plan.top_k, plan.top_p
     (False, 50, 1.0)
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .text_options import TextOptions
+from ._options import TextOptions
 
 __all__ = ["RowSampler", "SamplingPlan", "position_seed"]
 

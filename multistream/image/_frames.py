@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

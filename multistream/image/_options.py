@@ -7,7 +7,7 @@ arguments exist, whether the pipeline has step callbacks) is checked by the mode
 parsed `ImageOptions`.
 
 Also here because they are argument parsing: `parse_preview` (``preview=`` into a source and a
-decoder, see `multistream.previews`) and `PreviewThrottle` (``preview_every=`` into the steps
+decoder, see `multistream.image._previews`) and `PreviewThrottle` (``preview_every=`` into the steps
 that get a preview).
 
 Example:
@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidArgumentError
+from .._checks import is_int
+from ..errors import InvalidArgumentError
 
 __all__ = [
     "PREVIEW_MODES",
@@ -103,7 +104,7 @@ class PreviewThrottle:
     """
 
     def __init__(self, every: int = 1) -> None:
-        if not _is_int(every) or every < 1:
+        if not is_int(every) or every < 1:
             raise InvalidArgumentError(f"preview_every must be an integer >= 1, got {every!r}")
         self.every = int(every)
 
@@ -149,17 +150,10 @@ class ImageOptions:
         return PreviewThrottle(self.preview_every)
 
 
-def _is_int(value: Any) -> bool:
-    """An integer, numpy's included (image sizes and steps often come from arrays); not a bool.
-    (`text_options._is_int` takes Python ints only; `events` checks wire values its own way.)"""
-    # numbers.Integral takes numpy integers too, without importing numpy.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
-    if not _is_int(value) or int(value) < minimum:
+    if not is_int(value) or int(value) < minimum:
         raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
@@ -219,7 +213,7 @@ def parse_image_options(
         multistream.errors.InvalidArgumentError: guidance_scale must be a finite number >= 0, got nan
     """
     # Here, not at the top: frames needs Pillow and numpy, and the server imports PREVIEW_MODES.
-    from .frames import check_format, check_quality
+    from ._frames import check_format, check_quality
 
     if not isinstance(prompt, str):
         raise InvalidArgumentError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -235,14 +229,14 @@ def parse_image_options(
     preview_max_side = _check_int("preview_max_side", preview_max_side, 1, optional=True)
     final_format = check_format(final_format, "final_format")
     final_quality = check_quality(final_quality, "final_quality")
-    if seed is not None and (not _is_int(seed) or not 0 <= int(seed) < 2**63):
+    if seed is not None and (not is_int(seed) or not 0 <= int(seed) < 2**63):
         raise InvalidArgumentError(f"seed must be an integer from 0 to 2**63-1 or None, got {seed!r}")
     sides = []
     for name, value in (("height", height), ("width", width)):
-        if value is not None and (not _is_int(value) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
         sides.append(None if value is None else int(value))
-    if not _is_int(priority):
+    if not is_int(priority):
         raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
     _check_pipeline_kwargs(pipeline_kwargs, seed)
     return ImageOptions(

@@ -15,54 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .devices import default_dtype, resolve_device, resolve_dtype
-from .errors import InvalidArgumentError, ModelLoadError
+from .._devices import default_dtype, resolve_device, resolve_dtype
+from ..errors import ModelLoadError
+from ._taesd import dtype_kwarg
 
 if TYPE_CHECKING:
-    from .image import ImageModel
+    from ._model import ImageModel
 
 __all__ = ["EMBEDDED_MODEL_DIR", "load_image_model"]
 
 #: Where the project's own small text-to-image model lives (``load_image_model()`` with no name).
-EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "_models" / "shapes"
+EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent.parent / "_models" / "shapes"
 
 def _default_dtype(device: torch.device, class_name: str | None) -> torch.dtype:
     # Flux overflows float16 (black images); its weights are bfloat16 to begin with.
     return default_dtype(device, prefer_bf16=bool(class_name and class_name.startswith("Flux")))
-
-
-def _dtype_kwarg(dtype: torch.dtype | None) -> dict[str, Any]:
-    """``from_pretrained``'s dtype argument: ``dtype=`` in newer diffusers (which deprecate
-    ``torch_dtype=``), ``torch_dtype=`` in older ones."""
-    try:
-        from diffusers.utils import deprecation_utils
-
-        new = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
-    except ImportError:
-        new = False
-    return {"dtype": dtype} if new else {"torch_dtype": dtype}
-
-
-def _load_taesd(taesd: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    if isinstance(taesd, (str, os.PathLike)):
-        from diffusers import AutoencoderTiny
-
-        path = os.fspath(taesd)
-        try:
-            model = AutoencoderTiny.from_pretrained(path, local_files_only=os.path.isdir(path), **_dtype_kwarg(dtype))
-        except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear error
-            raise ModelLoadError(
-                f"could not load TAESD weights from {path!r} ({type(exc).__name__}: {exc}). Pass a local folder "
-                "with a diffusers AutoencoderTiny (config.json + diffusion_pytorch_model.safetensors), e.g. a "
-                "download of madebyollin/taesd for SD 1.x/2.x, or an AutoencoderTiny object."
-            ) from exc
-    elif hasattr(taesd, "decode") and hasattr(taesd, "parameters") and hasattr(taesd, "config"):
-        model = taesd
-    else:
-        raise InvalidArgumentError(
-            f"taesd must be a folder path or a diffusers AutoencoderTiny object, got {type(taesd).__name__}"
-        )
-    return model.to(device=device, dtype=dtype).eval()
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -101,7 +68,7 @@ def _hub_class_name(source: str, **kw: Any) -> str | None:
 def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kw: Any) -> Any:
     from diffusers import DiffusionPipeline
 
-    return DiffusionPipeline.from_pretrained(source, local_files_only=local_only, **_dtype_kwarg(dtype), **kw)
+    return DiffusionPipeline.from_pretrained(source, local_files_only=local_only, **dtype_kwarg(dtype), **kw)
 
 
 def load_image_model(
@@ -126,7 +93,7 @@ def load_image_model(
         >>> sd = load_image_model()                                   # doctest: +SKIP
         >>> sd = load_image_model("./models/sd-turbo", device="cuda")  # doctest: +SKIP
     """
-    from .image import ImageModel
+    from ._model import ImageModel
 
     model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name", "preview_decoder", "max_batch") if k in kw}
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):

@@ -59,17 +59,17 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from .image import ImageJob, ImageModel
-    from .image_run import ImageSteering
+    from ._model import ImageJob, ImageModel
+    from ._run import ImageSteering
 
 __all__ = ["ImageCheckpoint", "RunCheckpoints", "checkpoint_plan"]
 
 logger = logging.getLogger("multistream")
 
-_FORMAT = "multistream.image_checkpoint/1"
+_FORMAT = "multistream.image._checkpoint/1"
 _META_KEY = "multistream"
 # Scheduler attributes that are not run state: the frozen config, and the wrappers that
 # `X0Tracker` and `RunCheckpoints` install on the run's own scheduler while a run lasts.

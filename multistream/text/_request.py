@@ -15,11 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..detokenizer import IncrementalDetokenizer
-from ..stop_strings import StopMatcher
+from ._detokenizer import IncrementalDetokenizer
+from ._stop_strings import StopMatcher
 from ..stream import StreamWriter
-from ..text_options import TextOptions
-from ..text_sampling import RowSampler
+from ._options import TextOptions
+from ._sampling import RowSampler
 
 __all__ = ["Edit", "TextRequest"]
 

