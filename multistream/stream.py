@@ -384,16 +384,21 @@ class StreamWriter:
 class Stream:
     """A live stream of events from one generation; iterate it with ``for`` or ``async for``.
 
-    The model starts at once in a producer thread. ``cancel()`` stops it within one step and the
-    stream ends with ``finish_reason="cancelled"``. Breaking out of the loop, closing the stream,
-    or dropping it also cancels the model. An exception in the model ends the stream with an
-    ``error`` event (and is kept in ``stream.exception``). A stream can be iterated once.
+    The model starts at once (on its engine, or in a producer thread). A stream is its own
+    iterator (``iter(s) is s``), like a file: ``next(s)`` and a later ``for ev in s`` continue the
+    same events, which are read once. ``cancel()`` stops the model within one step and the stream
+    ends with ``finish_reason="cancelled"``; ``close()``, leaving a ``with llm.stream(...) as s:``
+    block, or dropping the stream (a ``for`` loop left early over a stream nothing else holds)
+    also stop it. An exception in the model ends the stream with an ``error`` event (and is kept in
+    ``stream.exception``).
 
     Example:
         >>> import multistream as ms
         >>> llm = ms.load_text_model()                                  # doctest: +SKIP
         >>> for ev in llm.stream("Write a haiku", max_new_tokens=32):   # doctest: +SKIP
         ...     print(ev.delta, end="", flush=True)
+        >>> with llm.stream("Write a long story") as s:                 # doctest: +SKIP
+        ...     first = next(s)                  # the rest is cancelled when the block ends
     """
 
     def __init__(
@@ -414,6 +419,7 @@ class Stream:
         self._channel = _Channel(self.stream_id)
         self._state = _NEW
         self._state_lock = threading.Lock()
+        self._taking = False  # a consumer is inside __next__/__anext__
         self._thread: threading.Thread | None = None
         writer = StreamWriter(self._channel)
         if submit is not None:
@@ -512,6 +518,16 @@ class Stream:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    async def aclose(self) -> None:
+        """`close`, for async code (``contextlib.aclosing``, ``async with``)."""
+        self.close()
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
     def __del__(self) -> None:
         try:
             if not self._channel.final_put:
@@ -521,80 +537,85 @@ class Stream:
 
     # -- consumption ---------------------------------------------------------------------------
 
-    def _claim(self) -> None:
+    def _check_iterable(self) -> None:
+        """``iter(stream)``: fine while the stream has events left; a clear error once it has none."""
         with self._state_lock:
-            if self._state == _NEW:
-                self._state = _ITERATING
-                return
             state = self._state
-        if state == _ITERATING:
-            raise StreamConsumedError(
-                f"stream {self.stream_id} is already being iterated; a stream has one consumer. "
-                "Fan out the events yourself (e.g. keep a list) if several places need them."
-            )
         if state == _DONE:
             raise StreamConsumedError(
                 f"stream {self.stream_id} was already consumed to its final event; a stream can be "
                 "iterated once. Keep the events as you read them, or use stream.final for the last one, "
                 "or start a new stream."
             )
-        raise StreamConsumedError(
-            f"stream {self.stream_id} was closed (the loop was left early, or close()/cancel() ran) "
-            "before its end; start a new stream to generate again."
-        )
+        if state == _CLOSED:
+            raise StreamConsumedError(
+                f"stream {self.stream_id} was closed (close()/cancel() ran, or a `with` block was left) "
+                "before its end; start a new stream to generate again."
+            )
 
-    def _on_event(self, ev: Event) -> None:
-        if ev.is_final:
+    def _begin_take(self) -> bool:
+        """Mark one consumer as taking the next event; False when the stream has no events left."""
+        with self._state_lock:
+            if self._state in (_DONE, _CLOSED):
+                return False
+            if self._taking:
+                raise StreamConsumedError(
+                    f"stream {self.stream_id} is already being iterated (by another thread or async task); "
+                    "a stream has one consumer. Fan out the events yourself (e.g. keep a list) if several "
+                    "places need them."
+                )
+            self._taking = True
+            self._state = _ITERATING
+            return True
+
+    def _end_take(self, ev: Event | None) -> None:
+        if ev is not None and ev.is_final:
             self.final = ev
             self.exception = self._channel.exception
-
-    def _release(self) -> None:
-        """Called when a consumer loop ends: at the final event, or early (break/close/GC)."""
         with self._state_lock:
-            finished = self.final is not None
-            self._state = _DONE if finished else _CLOSED
-        if not finished:
-            self.cancel()
+            self._taking = False
+            if ev is not None and ev.is_final:
+                self._state = _DONE
 
-    def __iter__(self) -> Iterator[Event]:
-        self._claim()
-        return self._iterate()
+    def __iter__(self) -> Stream:
+        """A stream is its own iterator, as files and generators are: ``next(iter(s))`` and then
+        ``for ev in s`` read one stream, in order, once."""
+        self._check_iterable()
+        return self
 
-    def _iterate(self) -> Iterator[Event]:
+    def __next__(self) -> Event:
+        if not self._begin_take():
+            raise StopIteration
+        ev = None
         try:
-            while True:
-                ev = self._channel.take()
-                assert ev is not None
-                self._on_event(ev)
-                if ev.is_final:
-                    # The producer returns right after queuing the final event; waiting for that
-                    # keeps a script that exits after its loop from killing a thread mid-cleanup.
-                    self.join(timeout=2.0)
-                yield ev
-                if ev.is_final:
-                    return
+            ev = self._channel.take()
+            assert ev is not None
+            if ev.is_final:
+                # The producer returns right after queuing the final event; waiting for that
+                # keeps a script that exits after its loop from killing a thread mid-cleanup.
+                self.join(timeout=2.0)
+            return ev
         finally:
-            self._release()
+            self._end_take(ev)
 
-    def __aiter__(self) -> AsyncIterator[Event]:
-        self._claim()
-        return self._aiterate()
+    def __aiter__(self) -> Stream:
+        self._check_iterable()
+        return self
 
-    async def _aiterate(self) -> AsyncIterator[Event]:
+    async def __anext__(self) -> Event:
+        if not self._begin_take():
+            raise StopAsyncIteration
         loop = asyncio.get_running_loop()
+        ev = None
         try:
-            while True:
+            while ev is None:
                 fut: asyncio.Future[None] = loop.create_future()
                 ev = self._channel.take_or_register(loop, fut)
                 if ev is None:
                     await fut
-                    continue
-                self._on_event(ev)
-                yield ev
-                if ev.is_final:
-                    return
+            return ev
         finally:
-            self._release()
+            self._end_take(ev)
 
     def wait(self, on_event: Callable[[Event], Any] | None = None) -> Event:
         """Consume the whole stream, calling ``on_event`` for each event; return the final event.

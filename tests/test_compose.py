@@ -66,9 +66,8 @@ def test_chain_cancel_reaches_the_running_part() -> None:
 
 def test_chain_breaking_out_cancels_sub_streams() -> None:
     llm = ScriptedTextModel(delay_s=0.01)
-    s = ms.chain(llm.stream("x", max_new_tokens=10_000), lambda f: None)
-    for _ in s:
-        break
+    for _ in ms.chain(llm.stream("x", max_new_tokens=10_000), lambda f: None):
+        break  # nothing else holds the chain: leaving the loop drops it, which cancels it
     deadline = time.monotonic() + 10
     while llm.active and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -116,26 +116,87 @@ def test_iterating_a_consumed_stream_raises_a_clear_error():
         list(stream)
 
 
+def test_a_stream_is_its_own_iterator_and_next_then_for_reads_it_whole():
+    stream = Stream(scripted(["a", "b", "c"], step_s=0.01))
+    assert iter(stream) is stream
+    first = next(iter(stream))
+    rest = list(stream)
+    events = [first, *rest]
+    check_protocol(events)
+    assert "".join(ev.delta for ev in events) == "abc" and events[-1].text == "abc"
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+async def test_anext_then_async_for_reads_it_whole():
+    stream = Stream(scripted(["a", "b", "c"], step_s=0.01))
+    assert stream.__aiter__() is stream
+    first = await stream.__anext__()
+    events = [first] + [ev async for ev in stream]
+    check_protocol(events)
+    assert events[-1].text == "abc"
+
+
 def test_second_concurrent_consumer_raises():
     stream = Stream(scripted(["a"] * 50, step_s=0.01))
-    it = iter(stream)
-    next(it)
-    with pytest.raises(ms.StreamConsumedError, match="already being iterated"):
-        iter(stream)
+    inside = threading.Event()
+    errors: list[BaseException] = []
+
+    def slow_reader() -> None:
+        inside.set()
+        try:
+            list(stream)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    inside.wait(5)
+    deadline = time.time() + 5
+    raised = None
+    while time.time() < deadline and raised is None and reader.is_alive():
+        try:
+            next(stream)
+        except ms.StreamConsumedError as exc:
+            raised = exc
+        except StopIteration:
+            break
+    assert raised is not None and "already being iterated" in str(raised)
     stream.cancel()
-    list(it)
+    reader.join(5)
 
 
-def test_breaking_out_of_the_loop_cancels_the_model():
+def test_breaking_out_of_a_loop_over_an_unheld_stream_cancels_the_model():
+    steps: list[int] = []
+    finished = threading.Event()
+    for _ in Stream(scripted(["t"] * 1000, step_s=0.005, steps_done=steps, finished=finished)):
+        break
+    gc.collect()
+    assert finished.wait(5), "the model kept running after the consumer left"
+    assert len(steps) < 1000
+
+
+def test_a_held_stream_continues_after_break_and_close_stops_it():
     steps: list[int] = []
     finished = threading.Event()
     stream = Stream(scripted(["t"] * 1000, step_s=0.005, steps_done=steps, finished=finished))
     for _ in stream:
         break
-    assert finished.wait(5), "the model kept running after the consumer left"
+    assert next(stream).type == "text"  # still live: the next loop continues it
+    stream.close()
+    assert finished.wait(5), "close() did not stop the model"
     assert len(steps) < 1000
     with pytest.raises(ms.StreamConsumedError, match="closed"):
         list(stream)
+
+
+def test_leaving_a_with_block_stops_the_model():
+    steps: list[int] = []
+    finished = threading.Event()
+    with Stream(scripted(["t"] * 1000, step_s=0.005, steps_done=steps, finished=finished)) as stream:
+        next(stream)
+    assert finished.wait(5), "leaving the with block did not stop the model"
+    assert len(steps) < 1000
 
 
 def test_dropping_an_unconsumed_stream_cancels_the_model():

@@ -218,9 +218,8 @@ class StreamRecord:
     # -- the pump ------------------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        events = self.stream.__aiter__()
         try:
-            async for ev in events:
+            async for ev in self.stream:
                 if isinstance(ev, TextEvent):
                     ev, stopped = self._filter_text(ev)
                     if stopped:
@@ -243,7 +242,6 @@ class StreamRecord:
                     stream_id=self.stream_id, seq=len(self.events), t=self._t(),
                     error={"type": type(exc).__name__, "message": str(exc)})))
         finally:
-            await events.aclose()
             self.stream.close()  # cancels the model if it is still running (content filter, force)
             if not self.done:  # pragma: no cover - defensive: every path above appends a final
                 self._append(self._server_final("cancelled"))
