@@ -221,7 +221,7 @@ def ray_figures(redis_url: str, kills: int, budget_s: float, image_kills: int = 
     import ray
     from ray import serve
 
-    from multistream.server.ray_app import APP_NAME, build_app
+    from multistream.server.ray import APP_NAME, build_app
 
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}},

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
-
 from collections.abc import Sequence
 
 __all__ = ["main"]

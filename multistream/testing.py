@@ -38,11 +38,9 @@ from typing import Any
 from ._checks import is_int, is_number
 from .errors import InvalidArgumentError, PromptTooLongError, StreamFinishedError
 from .events import Event, ImageEvent, TextEvent
-from .image import encode_frame
-from .image import PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
-from .text import StopMatcher
+from .image import PreviewThrottle, check_size_multiple, encode_frame, parse_image_options, parse_preview
 from .stream import Stream, StreamWriter, run_producer
-from .text import check_prompt, parse_text_options
+from .text import TEXT_STREAM_ARGS, StopMatcher, check_prompt, parse_text_options
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedTextModel"]
 
@@ -64,11 +62,6 @@ def _sleep(writer: StreamWriter, seconds: float) -> None:
         if left <= 0:
             return
         time.sleep(min(left, 0.01))
-
-
-def _check_priority(priority: Any) -> int:
-    _require(is_int(priority), f"priority must be an integer (higher runs first), got {priority!r}")
-    return int(priority)
 
 
 def _start(kind: str, producer: Callable[[StreamWriter], None],
@@ -208,30 +201,10 @@ class ScriptedTextModel:
         """Whitespace tokens: good enough to exercise prompt-length limits."""
         return max(1, len(_prompt_text(prompt).split()))
 
-    def stream(
-        self,
-        prompt: str | list[dict[str, str]],
-        *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        chunk_tokens: int = 1,
-        chunk_ms: float | None = None,
-        chat: bool | None = None,
-        priority: int = 0,
-        **unknown: Any,
-    ) -> Stream:
+    def stream(self, prompt: str | list[dict[str, str]], **options: Any) -> Stream:
         """Validate the arguments now (as the real model does), then stream the script in a thread."""
-        priority = _check_priority(priority)
-        options = parse_text_options(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, chunk_tokens=chunk_tokens,
-            chunk_ms=chunk_ms, chat=chat, **unknown,
-        )
+        checked = parse_text_options(**options)
+
         prompt = check_prompt(prompt)
         prompt_tokens = self.count_tokens(prompt)
         if prompt_tokens >= self.context_length:
@@ -239,15 +212,13 @@ class ScriptedTextModel:
                 f"the prompt has {prompt_tokens} tokens but the context window is {self.context_length}; "
                 "shorten the prompt"
             )
-        self.calls.append({"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                           "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty, "seed": seed,
-                           "stop": stop, "chunk_tokens": chunk_tokens, "chunk_ms": chunk_ms, "chat": chat,
-                           "priority": priority})
+        # What the model was asked: every option (its checked default when not given) as the caller wrote it.
+        self.calls.append({"prompt": prompt, **{name: getattr(checked, name) for name in TEXT_STREAM_ARGS}, **options})
         self._counters.enter()
         edits = _TextEdits()
         return _start(
             "text",
-            lambda w: self._produce(w, prompt_tokens, max_new_tokens, list(options.stop), options.chunk_tokens or 1, edits),
+            lambda w: self._produce(w, prompt_tokens, checked.max_new_tokens, list(checked.stop), checked.chunk_tokens or 1, edits),
             edits.handle,
         )
 
@@ -423,33 +394,10 @@ class ScriptedImageModel:
     def finish_reasons(self) -> list[str]:
         return list(self._counters.finish_reasons)
 
-    def stream(
-        self,
-        prompt: str,
-        negative_prompt: str | None = None,
-        steps: int | None = None,
-        guidance_scale: float | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        seed: int | None = None,
-        num_images: int = 1,
-        preview: str | None = None,
-        preview_every: int = 1,
-        preview_format: str = "jpeg",
-        preview_quality: int = 75,
-        preview_max_side: int | None = 256,
-        final_format: str = "png",
-        final_quality: int = 95,
-        priority: int = 0,
-        **pipeline_kwargs: Any,
-    ) -> Stream:
+    def stream(self, prompt: str, **options: Any) -> Stream:
         """Validate the arguments now (with `parse_image_options`, as the real model does), then
         stream previews and the final image."""
-        options = parse_image_options(
-            prompt, negative_prompt, steps, guidance_scale, height, width, seed, num_images, preview,
-            preview_every, preview_format, preview_quality, preview_max_side, final_format, final_quality,
-            priority, **pipeline_kwargs,
-        )  # fmt: skip
+        options = parse_image_options(prompt, **options)
         for key in options.pipeline_kwargs:
             # The real model hands these to its pipeline, which refuses names it does not take.
             raise InvalidArgumentError(f"{type(self).__name__} takes no {key!r} argument (it has no pipeline)")

@@ -41,7 +41,7 @@ def redis() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def cluster(redis: Any) -> Iterator[str]:
     from multistream.server import ServerSettings
-    from multistream.server.ray_app import APP_NAME, build_app
+    from multistream.server.ray import APP_NAME, build_app
 
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
@@ -228,7 +228,7 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     checkpoint it cannot use (``corrupt``), the new replica denoises from step 0: the same picture."""
     import redis as redis_client
 
-    from multistream.server.ray_app import checkpoint_key
+    from multistream.server.ray import checkpoint_key
 
     store = redis_client.Redis.from_url(redis.url)
     _, _, reference, _ = _stream(cluster, IMAGE, kind="image")

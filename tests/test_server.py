@@ -202,7 +202,7 @@ BAD_TEXT_REQUESTS = [
     ({"prompt": [{"role": "user"}]}, 400, "invalid_type"),
     ({"prompt": "hi", "max_new_tokens": "5"}, 400, "invalid_type"),
     ({"prompt": "hi", "max_new_tokens": True}, 400, "invalid_type"),
-    ({"prompt": "hi", "temperature": None}, 400, "invalid_type"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "invalid_type"),       # (null is valid: the model's default)
     ({"prompt": "hi", "max_new_tokens": 0}, 400, "invalid_argument"),      # caught by the model's own validation
     ({"prompt": "hi", "top_p": 7}, 400, "invalid_argument"),
     ({"prompt": "hi", "max_new_tokens": 10**6}, 400, "limit_exceeded"),

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return None if value.lower() in ("none", "off", "") else value
 
     if args.ray:
-        from ..server.ray_app import serve_ray
+        from ..server.ray import serve_ray
 
         if args.image_checkpoint_every < 1:
             print(f"multistream serve: --image-checkpoint-every must be >= 1, got {args.image_checkpoint_every}",

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._options import (
+    IMAGE_STREAM_ARGS,
     PREVIEW_MODES,
     ImageOptions,
     PreviewPlan,
@@ -61,15 +62,22 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = sorted(
-    [
-        "ImageOptions",
-        "PREVIEW_MODES",
-        "PreviewPlan",
-        "PreviewThrottle",
-        "check_size_multiple",
-        "parse_image_options",
-        "parse_preview",
-        *_LAZY,
-    ]
-)
+__all__ = [
+    "IMAGE_STREAM_ARGS",
+    "EMBEDDED_MODEL_DIR",
+    "EncodedFrame",
+    "ImageCheckpoint",
+    "ImageModel",
+    "ImageOptions",
+    "PREVIEW_MODES",
+    "PreviewPlan",
+    "PreviewThrottle",
+    "check_size_multiple",
+    "encode_frame",
+    "fit_latent_rgb",
+    "fit_preview_decoder",
+    "load_image_model",
+    "parse_image_options",
+    "parse_preview",
+    "to_pil",
+]

@@ -54,17 +54,17 @@ import torch
 from .._checks import is_int
 from .._devices import resolve_device, resolve_dtype
 from ..engine import Engine
-from ._stepper import ImageRequest, ImageStepper
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
-from ._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
-from ._taesd import load_taesd
-from ._options import PreviewPlan, PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
-from ._run import ImageRun, ImageSteering
-from ._latent_rgb import LatentRGB, detect_family, latent_rgb_for
-from ._previews import LinearDecoder, TinyDecoder, VaeDecoder, x0_strategy
 from ..stream import Stream, StreamWriter
+from ._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
+from ._latent_rgb import LatentRGB, detect_family, latent_rgb_for
+from ._options import PreviewPlan, PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
+from ._previews import LinearDecoder, TinyDecoder, VaeDecoder, x0_strategy
+from ._run import ImageRun, ImageSteering
+from ._stepper import ImageRequest, ImageStepper
+from ._taesd import load_taesd
 
 __all__ = ["ImageJob", "ImageModel"]
 
@@ -91,6 +91,7 @@ class ImageJob:
     taesd: Any
     user_callback: Callable[..., Any] | None
     tensor_inputs: list[str]
+    priority: int = 0
 
 
 class ImageModel:
@@ -320,26 +321,12 @@ class ImageModel:
     def stream(
         self,
         prompt: str,
-        negative_prompt: str | None = None,
-        steps: int | None = None,
-        guidance_scale: float | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        seed: int | None = None,
-        num_images: int = 1,
-        preview: str | None = None,
-        preview_every: int = 1,
-        preview_format: str = "jpeg",
-        preview_quality: int = 75,
-        preview_max_side: int | None = 256,
-        final_format: str = "png",
-        final_quality: int = 95,
+        *,
         taesd: Any = None,
-        priority: int = 0,
         resume_from: ImageCheckpoint | bytes | None = None,
         on_checkpoint: Callable[[ImageCheckpoint], Any] | None = None,
         checkpoint_every: int = 1,
-        **pipeline_kwargs: Any,
+        **options: Any,
     ) -> Stream:
         """Start generating; returns a `Stream` of ``image`` events (previews, then the final image).
 
@@ -367,17 +354,17 @@ class ImageModel:
         `multistream.image._checkpoint`). The final event's ``metrics`` then has
         ``resumed_from_step`` (and ``checkpoints``, the number taken).
 
-        Bad arguments raise `InvalidArgumentError` here, before anything runs.
+        ``options`` are those of `ImageOptions` (each declared and described there once:
+        ``negative_prompt``, ``steps``, ``guidance_scale``, ``height``, ``width``, ``seed``,
+        ``num_images``, ``preview``, ``preview_every``, ``preview_format``, ``preview_quality``,
+        ``preview_max_side``, ``final_format``, ``final_quality``, ``priority``); other names go to
+        the pipeline call. Bad arguments raise `InvalidArgumentError` here, before anything runs.
 
         Example:
             >>> for ev in sd.stream("a red circle", steps=10, seed=0, preview="x0"):  # doctest: +SKIP
             ...     ev.image.save(f"step_{ev.step:03d}.png")
         """
-        job = self._prepare(
-            prompt, negative_prompt, steps, guidance_scale, height, width, seed, num_images, preview,
-            preview_every, preview_format, preview_quality, preview_max_side, final_format, final_quality,
-            taesd, priority, pipeline_kwargs,
-        )  # fmt: skip
+        job = self._prepare(prompt, taesd, options)
         checkpoints = checkpoint_plan(self, job, resume_from, on_checkpoint, checkpoint_every)
         if checkpoints is not None:
             checkpoints.apply_conditioning(job.call_kwargs)  # a resumed run goes on under the steered conditioning
@@ -386,7 +373,7 @@ class ImageModel:
             # steer() is checked on the caller's thread and applied between two steps.
             steering = ImageSteering(self._pipe, job.call_kwargs)
             writer.on_command(steering.handle)
-            self._engine.submit(_ImageRequest(self, writer, job, int(priority), steering, checkpoints))
+            self._engine.submit(_ImageRequest(self, writer, job, job.priority, steering, checkpoints))
 
         return Stream(submit=submit, kind="image")
 
@@ -401,33 +388,9 @@ class ImageModel:
 
     # -- validation ---------------------------------------------------------------------------
 
-    def _prepare(
-        self,
-        prompt: Any,
-        negative_prompt: Any,
-        steps: Any,
-        guidance_scale: Any,
-        height: Any,
-        width: Any,
-        seed: Any,
-        num_images: Any,
-        preview: Any,
-        preview_every: Any,
-        preview_format: Any,
-        preview_quality: Any,
-        preview_max_side: Any,
-        final_format: Any,
-        final_quality: Any,
-        taesd: Any,
-        priority: Any,
-        pipeline_kwargs: dict[str, Any],
-    ) -> ImageJob:
+    def _prepare(self, prompt: Any, taesd: Any, given: dict[str, Any]) -> ImageJob:
         # What does not depend on the model is checked where the scripted fake checks it too.
-        options = parse_image_options(
-            prompt, negative_prompt, steps, guidance_scale, height, width, seed, num_images, preview,
-            preview_every, preview_format, preview_quality, preview_max_side, final_format, final_quality,
-            priority, **pipeline_kwargs,
-        )  # fmt: skip
+        options = parse_image_options(prompt, **given)
         plan = options.preview or parse_preview(self.default_preview)
         seed = options.seed
         height, width = self._check_size(options.height, options.width)
@@ -503,6 +466,7 @@ class ImageModel:
         if "generator" not in kwargs and ("generator" in self._params or self._var_kw):
             kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))  # type: ignore[arg-type]
         return ImageJob(
+            priority=options.priority,
             call_kwargs=kwargs,
             plan=plan,
             throttle=options.throttle,

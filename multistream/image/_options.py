@@ -26,12 +26,14 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from .._checks import is_int
+from .._spec import option, option_names, parse_options
 from ..errors import InvalidArgumentError
 
 __all__ = [
+    "IMAGE_STREAM_ARGS",
     "PREVIEW_MODES",
     "ImageOptions",
     "PreviewPlan",
@@ -117,39 +119,6 @@ class PreviewThrottle:
         return math.ceil(max(0, total_steps) / self.every)
 
 
-@dataclass(frozen=True)
-class ImageOptions:
-    """Checked ``ImageModel.stream()`` options (see there for their meaning).
-
-    None means "the model's own default" for ``steps``, ``guidance_scale``, ``height``,
-    ``width`` and ``preview`` (the model's ``default_preview``); ``seed`` None means a random one.
-    ``pipeline_kwargs`` are the other keyword arguments, for the pipeline call.
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    steps: int | None = None
-    guidance_scale: float | None = None
-    height: int | None = None
-    width: int | None = None
-    seed: int | None = None
-    num_images: int = 1
-    preview: PreviewPlan | None = None
-    preview_every: int = 1
-    preview_format: str = "jpeg"
-    preview_quality: int = 75
-    preview_max_side: int | None = 256
-    final_format: str = "png"
-    final_quality: int = 95
-    priority: int = 0
-    pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
-
-    @property
-    def throttle(self) -> PreviewThrottle:
-        """The steps that get a preview: 1, 1+k, 1+2k, ... for ``preview_every=k``."""
-        return PreviewThrottle(self.preview_every)
-
-
 def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
@@ -185,26 +154,108 @@ def _check_pipeline_kwargs(pipeline_kwargs: dict[str, Any], seed: Any) -> None:
             raise InvalidArgumentError("pass either seed= or generator=, not both")
 
 
-def parse_image_options(
-    prompt: Any,
-    negative_prompt: Any = None,
-    steps: Any = None,
-    guidance_scale: Any = None,
-    height: Any = None,
-    width: Any = None,
-    seed: Any = None,
-    num_images: Any = 1,
-    preview: Any = None,
-    preview_every: Any = 1,
-    preview_format: Any = "jpeg",
-    preview_quality: Any = 75,
-    preview_max_side: Any = 256,
-    final_format: Any = "png",
-    final_quality: Any = 95,
-    priority: Any = 0,
-    **pipeline_kwargs: Any,
-) -> ImageOptions:
+def _prompt(v: Any) -> str:
+    if not isinstance(v, str):
+        raise InvalidArgumentError(f"prompt must be a string, got {type(v).__name__}")
+    return v
+
+
+def _negative_prompt(v: Any) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise InvalidArgumentError(f"negative_prompt must be a string or None, got {type(v).__name__}")
+    return v  # type: ignore[no-any-return]
+
+
+def _side(name: str) -> Any:
+    def check(v: Any) -> int | None:
+        if v is not None and (not is_int(v) or v < 1):
+            raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
+        return None if v is None else int(v)
+
+    return check
+
+
+def _seed(v: Any) -> int | None:
+    if v is not None and (not is_int(v) or not 0 <= int(v) < 2**63):
+        raise InvalidArgumentError(f"seed must be an integer from 0 to 2**63-1 or None, got {v!r}")
+    return None if v is None else int(v)
+
+
+def _format(name: str) -> Any:
+    def check(v: Any) -> str:
+        from ._frames import check_format  # Pillow and numpy, only when checking
+
+        return check_format(v, name)
+
+    return check
+
+
+def _quality(name: str) -> Any:
+    def check(v: Any) -> int:
+        from ._frames import check_quality
+
+        return check_quality(v, name)
+
+    return check
+
+
+def _priority(v: Any) -> int:
+    if not is_int(v):
+        raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """Checked ``ImageModel.stream()`` options: each declared once, here.
+
+    None means "the model's own default" for ``steps``, ``guidance_scale``, ``height``,
+    ``width`` and ``preview`` (the model's ``default_preview``); ``seed`` None means a random one.
+    ``pipeline_kwargs`` are the other keyword arguments, for the pipeline call.
+    """
+
+    prompt: str
+    negative_prompt: Optional[str] = option(None, "a string, or null", _negative_prompt, wire=Optional[str])
+    steps: Optional[int] = option(None, "an integer >= 1: denoising steps; null: the pipeline's default",
+                                  lambda v: _check_int("steps", v, 1, optional=True), wire=Optional[int])
+    guidance_scale: Optional[float] = option(None, "a finite number >= 0; null: the pipeline's default",
+                                             lambda v: _check_guidance(v), wire=Optional[float])
+    height: Optional[int] = option(None, "an integer: pixels (a multiple of the VAE's factor)", _side("height"),
+                                   wire=Optional[int])
+    width: Optional[int] = option(None, "an integer: pixels (a multiple of the VAE's factor)", _side("width"),
+                                  wire=Optional[int])
+    seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible picture; null: random", _seed,
+                                 wire=Optional[int])
+    num_images: int = option(1, "an integer >= 1: images per prompt", lambda v: _check_int("num_images", v, 1),
+                             wire=int)
+    preview: Optional[PreviewPlan] = option(
+        None, f"one of {', '.join(PREVIEW_MODES)}; null: the model's default", lambda v: None if v is None else parse_preview(v),
+        wire=Optional[str])
+    preview_every: int = option(1, "an integer >= 1: preview steps 1, 1+k, 1+2k, ...",
+                                lambda v: PreviewThrottle(v).every, wire=int)
+    preview_format: str = option("jpeg", "'jpeg', 'png' or 'webp'", _format("preview_format"), wire=str)
+    preview_quality: int = option(75, "an integer 1..100", _quality("preview_quality"), wire=int)
+    preview_max_side: Optional[int] = option(256, "an integer: pixels; null: never scaled down",
+                                             lambda v: _check_int("preview_max_side", v, 1, optional=True),
+                                             wire=Optional[int])
+    final_format: str = option("png", "'png', 'jpeg' or 'webp'", _format("final_format"), wire=str)
+    final_quality: int = option(95, "an integer 1..100 (jpeg and webp finals)", _quality("final_quality"), wire=int)
+    priority: int = option(0, "an integer; higher gets the next denoising step first (a server caps it per key)",
+                           _priority, wire=int)
+    pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def throttle(self) -> PreviewThrottle:
+        """The steps that get a preview: 1, 1+k, 1+2k, ... for ``preview_every=k``."""
+        return PreviewThrottle(self.preview_every)
+
+
+IMAGE_STREAM_ARGS: tuple[str, ...] = option_names(ImageOptions)
+
+
+def parse_image_options(prompt: Any, **options: Any) -> ImageOptions:
     """Check every model-independent option; raise `InvalidArgumentError` naming the first bad one.
+    Names that are not options go to ``pipeline_kwargs`` (the pipeline call's own arguments).
 
     Example:
         >>> parse_image_options("x", guidance_scale=float("nan"))
@@ -212,52 +263,9 @@ def parse_image_options(
         ...
         multistream.errors.InvalidArgumentError: guidance_scale must be a finite number >= 0, got nan
     """
-    # Here, not at the top: frames needs Pillow and numpy, and the server imports PREVIEW_MODES.
-    from ._frames import check_format, check_quality
-
-    if not isinstance(prompt, str):
-        raise InvalidArgumentError(f"prompt must be a string, got {type(prompt).__name__}")
-    if negative_prompt is not None and not isinstance(negative_prompt, str):
-        raise InvalidArgumentError(f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}")
-    steps = _check_int("steps", steps, 1, optional=True)
-    guidance = _check_guidance(guidance_scale)
-    num_images = _check_int("num_images", num_images, 1)
-    plan = None if preview is None else parse_preview(preview)
-    preview_every = PreviewThrottle(preview_every).every
-    preview_format = check_format(preview_format, "preview_format")
-    preview_quality = check_quality(preview_quality, "preview_quality")
-    preview_max_side = _check_int("preview_max_side", preview_max_side, 1, optional=True)
-    final_format = check_format(final_format, "final_format")
-    final_quality = check_quality(final_quality, "final_quality")
-    if seed is not None and (not is_int(seed) or not 0 <= int(seed) < 2**63):
-        raise InvalidArgumentError(f"seed must be an integer from 0 to 2**63-1 or None, got {seed!r}")
-    sides = []
-    for name, value in (("height", height), ("width", width)):
-        if value is not None and (not is_int(value) or value < 1):
-            raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-        sides.append(None if value is None else int(value))
-    if not is_int(priority):
-        raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
-    _check_pipeline_kwargs(pipeline_kwargs, seed)
-    return ImageOptions(
-        prompt=prompt,
-        negative_prompt=negative_prompt,
-        steps=steps,
-        guidance_scale=guidance,
-        height=sides[0],
-        width=sides[1],
-        seed=None if seed is None else int(seed),
-        num_images=num_images,  # type: ignore[arg-type]
-        preview=plan,
-        preview_every=preview_every,
-        preview_format=preview_format,
-        preview_quality=preview_quality,
-        preview_max_side=preview_max_side,
-        final_format=final_format,
-        final_quality=final_quality,
-        priority=int(priority),
-        pipeline_kwargs=dict(pipeline_kwargs),
-    )
+    parsed = parse_options(ImageOptions, "ImageModel.stream()", options, extra="pipeline_kwargs", prompt=_prompt(prompt))
+    _check_pipeline_kwargs(dict(parsed.pipeline_kwargs), parsed.seed)
+    return parsed
 
 
 def check_size_multiple(name: str, value: int, multiple: int, why: str) -> int:

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidArgumentError, ModelLoadError
-from ._latent_rgb import synthetic_images, latents_from_vae_space, latents_to_vae_space
+from ._latent_rgb import latents_from_vae_space, latents_to_vae_space, synthetic_images
 
 __all__ = [
     "PREVIEW_DECODER_FILE",

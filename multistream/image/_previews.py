@@ -63,8 +63,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidArgumentError
-from ._options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 from ._latent_rgb import LatentRGB, latents_to_rgb, latents_to_vae_space
+from ._options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 
 __all__ = [
     "PREVIEW_MODES",

@@ -43,17 +43,27 @@ import numpy as np
 import torch
 
 from .._checks import is_int
-from ._denoiser_batch import DenoiserGate
 from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import ImageEvent
+from ..stream import StreamWriter
+from ._denoiser_batch import DenoiserGate
 from ._frames import EncodedFrame, encode_frame
 from ._latent_rgb import latents_to_rgb
-from ._previews import FrameWorker, HostFrames, PendingFrame, VaeDecoder, X0Tracker, false_color, to_uint8_frames, unpack_latents, x0_strategy
-from ..stream import StreamWriter
+from ._previews import (
+    FrameWorker,
+    HostFrames,
+    PendingFrame,
+    VaeDecoder,
+    X0Tracker,
+    false_color,
+    to_uint8_frames,
+    unpack_latents,
+    x0_strategy,
+)
 
 if TYPE_CHECKING:
-    from ._model import ImageModel, ImageJob
     from ._checkpoint import RunCheckpoints
+    from ._model import ImageJob, ImageModel
 
 __all__ = ["ImageRun", "ImageSteering", "RunStats", "steer_layout"]
 

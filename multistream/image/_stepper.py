@@ -27,7 +27,7 @@ import logging
 from itertools import count
 from typing import Any, Callable
 
-from greenlet import greenlet, getcurrent
+from greenlet import getcurrent, greenlet
 
 from ._denoiser_batch import Parked, call_together
 

@@ -17,14 +17,18 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 from starlette.requests import Request
 
-from ..image import PREVIEW_MODES
+from .._spec import body_fields
+from ..errors import InvalidArgumentError
+from ..image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
+from ..text import TEXT_STREAM_ARGS, TextOptions, parse_text_options
 from .problems import Problem
 from .settings import ServerSettings
 
@@ -52,45 +56,28 @@ class ChatMessage(BaseModel):
     name: Optional[str] = Field(default=None, description="optional speaker name (ignored by most templates)")
 
 
-class TextRequest(BaseModel):
-    """``POST /v1/text`` (and a WebSocket ``{"type": "text", ...}`` message): `TextModel.stream` arguments."""
-
+class _StrictBody(BaseModel):
     model_config = _STRICT
-    prompt: Union[str, list[ChatMessage]] = Field(
-        description="a string, or a non-empty list of chat messages", min_length=0)
-    max_new_tokens: Optional[int] = Field(default=None, description="an integer >= 1: tokens to generate at most")
-    temperature: float = Field(default=0.0, description="a number >= 0 (0 = greedy)")
-    top_p: float = Field(default=1.0, description="a number in (0, 1]")
-    top_k: int = Field(default=0, description="an integer >= 0 (0 = off)")
-    repetition_penalty: float = Field(default=1.0, description="a number > 0 (1 = off)")
-    seed: Optional[int] = Field(default=None, description="an integer, or null for a random seed")
-    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings that end the text")
-    chunk_tokens: int = Field(default=1, description="an integer >= 1: tokens per event")
-    chunk_ms: Optional[float] = Field(default=None, description="a number of milliseconds per event, or null")
-    chat: Optional[bool] = Field(default=None, description="true/false: apply the chat template; null = auto")
-    priority: int = Field(default=0, description="an integer; higher runs first (capped by the server per key)")
 
 
-class ImageRequest(BaseModel):
-    """``POST /v1/image`` (and a WebSocket ``{"type": "image", ...}`` message): `ImageModel.stream` arguments."""
+# The native bodies are built from the families' one definition of their options (`TextOptions`,
+# `ImageOptions`): the same names, defaults and descriptions as ``TextModel.stream()`` and
+# ``ImageModel.stream()``, so ``/openapi.json`` describes exactly the Python options.
+TextRequest = create_model(
+    "TextRequest",
+    __base__=_StrictBody,
+    __doc__="``POST /v1/text`` (and a WebSocket ``{\"type\": \"text\", ...}`` message): `TextModel.stream` arguments.",
+    prompt=(Union[str, list[ChatMessage]], Field(description="a string, or a non-empty list of chat messages")),
+    **body_fields(TextOptions),
+)
 
-    model_config = _STRICT
-    prompt: str = Field(description="a string describing the image")
-    negative_prompt: Optional[str] = Field(default=None, description="a string, or null")
-    steps: Optional[int] = Field(default=None, description="an integer >= 1: denoising steps")
-    guidance_scale: Optional[float] = Field(default=None, description="a finite number, or null")
-    height: Optional[int] = Field(default=None, description="an integer: pixels")
-    width: Optional[int] = Field(default=None, description="an integer: pixels")
-    seed: Optional[int] = Field(default=None, description="an integer, or null")
-    num_images: int = Field(default=1, description="an integer >= 1")
-    preview: Optional[str] = Field(default=None, description=f"one of {', '.join(PREVIEW_MODES)}; null: the model's default")
-    preview_every: int = Field(default=1, description="an integer >= 1")
-    preview_format: str = Field(default="jpeg", description="'jpeg', 'png' or 'webp'")
-    preview_quality: int = Field(default=75, description="an integer 1..100")
-    preview_max_side: Optional[int] = Field(default=256, description="an integer: pixels; null: never scaled down")
-    final_format: str = Field(default="png", description="'png', 'jpeg' or 'webp'")
-    final_quality: int = Field(default=95, description="an integer 1..100 (jpeg and webp finals)")
-    priority: int = Field(default=0, description="an integer; higher runs first (capped by the server per key)")
+ImageRequest = create_model(
+    "ImageRequest",
+    __base__=_StrictBody,
+    __doc__="``POST /v1/image`` (and a WebSocket ``{\"type\": \"image\", ...}`` message): `ImageModel.stream` arguments.",
+    prompt=(str, Field(description="a string describing the image")),
+    **body_fields(ImageOptions),
+)
 
 
 class StreamOptions(BaseModel):
@@ -368,8 +355,44 @@ def _given(model: BaseModel) -> dict[str, Any]:
     return {name: getattr(model, name) for name in model.model_fields_set}
 
 
+def check_family_options(kind: str, body: Any) -> None:
+    """The family's own checks of the options in a body, first: a bad value gets the very message
+    ``TextModel.stream()`` / ``ImageModel.stream()`` would raise, as a 400 naming the option."""
+    if not isinstance(body, dict):
+        return
+    names = TEXT_STREAM_ARGS if kind == "text" else IMAGE_STREAM_ARGS
+    given = {k: v for k, v in body.items() if k in names}
+    try:
+        if kind == "text":
+            parse_text_options(**given)
+        elif isinstance(body.get("prompt"), str):
+            parse_image_options(body["prompt"], **given)
+    except InvalidArgumentError as exc:
+        message = str(exc)
+        param = next((n for n in given if message.startswith(n) or f" {n}" in message[:40]), None)
+        body_model = TextRequest if kind == "text" else ImageRequest
+        kind_of = "invalid_argument"
+        if param is not None and not _json_type_fits(body_model, param, given[param]):
+            kind_of = "invalid_type"  # e.g. a string where a number goes; the message is still the model's
+        raise Problem(400, kind_of, message, param=param) from None
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(body_model: type[BaseModel], name: str) -> TypeAdapter[Any]:
+    return TypeAdapter(body_model.model_fields[name].annotation)
+
+
+def _json_type_fits(body_model: type[BaseModel], name: str, value: Any) -> bool:
+    try:
+        _adapter(body_model, name).validate_python(value, strict=True)
+    except ValidationError:
+        return False
+    return True
+
+
 def parse_text_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
     """``POST /v1/text`` body -> (keyword arguments for ``TextModel.stream``, priority)."""
+    check_family_options("text", body)
     req = validate_body(TextRequest, body, "POST /v1/text")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)
@@ -390,6 +413,7 @@ def parse_text_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any]
 
 def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
     """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
+    check_family_options("image", body)
     req = validate_body(ImageRequest, body, "POST /v1/image")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)

@@ -33,10 +33,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-import secrets
 from typing import Any
 
 from .. import errors as _errors

@@ -38,16 +38,25 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .bodies import (EditResult, ErrorResponse, ImageRequest, RewindRequest, SteerRequest, TextRequest,
-                     parse_image_body, parse_rewind_body, parse_steer_body, parse_text_body, read_json)
-from .event_log import CONTROL_WAIT_S, apply_command
+from .bodies import (
+    EditResult,
+    ErrorResponse,
+    ImageRequest,
+    RewindRequest,
+    SteerRequest,
+    TextRequest,
+    parse_image_body,
+    parse_text_body,
+    read_json,
+)
+from .edits import apply_edit
 from .problems import Problem
 from .registry import StreamRecord
 from .security import Principal
 from .sse import sse_response
 from .state import ServerState, get_principal, get_state
 
-__all__ = ["apply_edit", "apply_parsed_edit", "edit_stream", "parse_edit", "router"]
+__all__ = ["router"]
 
 router = APIRouter(tags=["streams"])
 
@@ -189,90 +198,6 @@ async def cancel_stream(stream_id: str, request: Request, state: ServerState = D
     return CancelResult(stream_id=stream_id, cancelled=was_running)
 
 
-def parse_edit(command: str, body: Any, state: ServerState) -> tuple[list[Any], dict[str, Any]]:
-    """Check an edit's body here (400 at once): ``(args, kwargs)`` for `Stream.steer`/`rewind`."""
-    if command == "finish":
-        if body not in (None, {}):
-            raise Problem(400, "invalid_argument", "finish takes no arguments; send an empty body or {}")
-        return [], {}
-    if command == "steer":
-        args, kwargs = parse_steer_body(body if body is not None else {}, state.settings)
-        return list(args), kwargs
-    if command == "rewind":
-        offset, kwargs = parse_rewind_body(body if body is not None else {}, state.settings)
-        return [offset], kwargs
-    raise Problem(400, "invalid_message", f"unknown command {command!r}")  # pragma: no cover
-
-
-def _finished_problem(record: Any, command: str) -> Problem:
-    return Problem(409, "stream_finished", f"stream {record.stream_id} has already ended, so it cannot {command}; "
-                   + ("start a new stream (or revise the finished answer)" if record.kind == "text"
-                      else "start a new stream"))
-
-
-def edit_stream(record: StreamRecord, command: str, body: Any, state: ServerState) -> EditResult:
-    """Apply ``finish``/``steer``/``rewind`` (``body``: the JSON object) to a stream this process
-    runs with a local model. Raises `Problem`: 400 for bad input (the model's message), 409 when
-    the stream already ended. `apply_edit` also reaches streams run elsewhere."""
-    args, kwargs = parse_edit(command, body, state)
-    if record.done:
-        if command == "finish":
-            return EditResult(stream_id=record.stream_id, command=command, accepted=False)
-        raise _finished_problem(record, command)
-    accepted = apply_command(record.stream, command, args, kwargs)
-    return EditResult(stream_id=record.stream_id, command=command, accepted=accepted)
-
-
-_PENDING_NOTE = ("forwarded to the process that runs this stream, which did not confirm within {wait:g} s; "
-                 "the edit applies when it gets there (watch the stream's events: revision, offset, "
-                 "finish_reason); a refusal there is not reported back")
-
-
-async def apply_edit(record: Any, command: str, body: Any, state: ServerState) -> tuple[int, dict[str, Any]]:
-    """Apply an edit wherever the stream runs: here, in another server process (through the
-    shared event log's control channel) or on a Ray model replica. Returns ``(status, body)``:
-    200 with `EditResult`, or 202 with ``pending: true`` and a ``note`` when the owner did not
-    answer within ``CONTROL_WAIT_S``. Raises `Problem` (400 bad input, checked here first; 409
-    ended; the owner's own 4xx verdict)."""
-    args, kwargs = parse_edit(command, body, state)
-    return await apply_parsed_edit(record, command, args, kwargs, state)
-
-
-async def apply_parsed_edit(record: Any, command: str, args: list[Any], kwargs: dict[str, Any],
-                            state: ServerState) -> tuple[int, dict[str, Any]]:
-    """`apply_edit` after the body was checked (the owner side of a forwarded edit starts here)."""
-    sid = record.stream_id
-    if record.done:
-        if command == "finish":
-            return 200, {"stream_id": sid, "command": command, "accepted": False}
-        raise _finished_problem(record, command)
-    forward = getattr(record.stream, "forward_edit", None) if not getattr(record, "remote", False) else None
-    if getattr(record, "remote", False):
-        answer = await state.registry.log.forward_edit(record, command, args, kwargs)
-        wait = CONTROL_WAIT_S
-    elif forward is not None:  # a Ray ingress: the model runs on a replica
-        answer = await forward(command, args, kwargs)
-        wait = CONTROL_WAIT_S
-    else:
-        accepted = apply_command(record.stream, command, args, kwargs)
-        return 200, {"stream_id": sid, "command": command, "accepted": accepted}
-    if answer is None:
-        return 202, {"stream_id": sid, "command": command, "accepted": True, "pending": True,
-                     "note": _PENDING_NOTE.format(wait=wait)}
-    if answer.get("gone"):
-        if command == "finish":
-            return 200, {"stream_id": sid, "command": command, "accepted": False}
-        raise Problem(409, "stream_finished", f"stream {sid} is not running anywhere any more (it ended, or the "
-                      f"process that ran it went away), so it cannot {command}")
-    status = int(answer.get("status", 500))
-    if status >= 400:
-        raise Problem(status, str(answer.get("type", "error")), str(answer.get("message", "")))
-    result: dict[str, Any] = {"stream_id": sid, "command": command, "accepted": bool(answer.get("accepted", True))}
-    if status == 202:
-        result.update(pending=True, note=_PENDING_NOTE.format(wait=wait))
-    return status, result
-
-
 def _edit_response(status: int, result: dict[str, Any]) -> Any:
     return result if status == 200 else JSONResponse(result, status_code=status)
 
@@ -297,7 +222,7 @@ _EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the str
 async def finish_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
                         principal: Principal = Depends(get_principal)) -> Any:
     record = owned_record(state, stream_id, request, principal)
-    return _edit_response(*await apply_edit(record, "finish", await _edit_body(request, state), state))
+    return _edit_response(*await apply_edit(record, "finish", await _edit_body(request, state), state.settings, state.registry.log))
 
 
 @router.post("/v1/streams/{stream_id}/steer", response_model=EditResult, responses=_EDIT_ERRORS,
@@ -307,7 +232,7 @@ async def finish_stream(stream_id: str, request: Request, state: ServerState = D
 async def steer_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
                        principal: Principal = Depends(get_principal)) -> Any:
     record = owned_record(state, stream_id, request, principal)
-    return _edit_response(*await apply_edit(record, "steer", await read_body(request, state), state))
+    return _edit_response(*await apply_edit(record, "steer", await read_body(request, state), state.settings, state.registry.log))
 
 
 @router.post("/v1/streams/{stream_id}/rewind", response_model=EditResult, responses=_EDIT_ERRORS,
@@ -317,7 +242,7 @@ async def steer_stream(stream_id: str, request: Request, state: ServerState = De
 async def rewind_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
                         principal: Principal = Depends(get_principal)) -> Any:
     record = owned_record(state, stream_id, request, principal)
-    return _edit_response(*await apply_edit(record, "rewind", await read_body(request, state), state))
+    return _edit_response(*await apply_edit(record, "rewind", await read_body(request, state), state.settings, state.registry.log))
 
 
 test_router = APIRouter(include_in_schema=False)

@@ -254,8 +254,8 @@ class ServerState:
     async def _on_control(self, message: dict[str, Any]) -> dict[str, Any]:
         """An edit another process forwarded (its body already checked there) for a stream that
         runs here: apply it, answer the verdict (`event_log.serve_control`)."""
+        from .edits import apply_parsed_edit
         from .event_log import verdict
-        from .routes_native import apply_parsed_edit
 
         sid, command = message.get("stream_id"), message.get("command")
         args, kwargs = message.get("args"), message.get("kwargs")
@@ -265,7 +265,7 @@ class ServerState:
         if record is None:
             return verdict(Problem(409, "stream_finished", f"stream {str(sid)[:64]} is not running any more, so it "
                                    f"cannot {command}"))
-        status, result = await apply_parsed_edit(record, command, args, kwargs, self)
+        status, result = await apply_parsed_edit(record, command, args, kwargs, self.registry.log)
         return verdict(accepted=bool(result["accepted"]), status=status)
 
     # -- shutdown ------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ Server -> client:
 - ``{"type": "edited", "id": "c3", "stream_id": "...", "command": "steer", "accepted": true}``
   when a ``finish``/``steer``/``rewind`` was queued (its effect shows in the stream's events);
   with ``"pending": true`` and a ``note`` when the stream runs in another process that did not
-  confirm in time (see ``routes_native.apply_edit``).
+  confirm in time (see ``edits.apply_edit``).
 
 With a shared event log (``event_log="redis://..."``), ``cancel``, ``resume`` and the edits also
 reach streams that another server process (or Ray ingress replica) runs.
@@ -66,9 +66,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..events import Event, ImageEvent, event_from_dict
 from .bodies import parse_image_body, parse_json_object, parse_text_body
+from .edits import apply_edit
 from .problems import Problem, problem_from_exception
 from .registry import StreamRecord
-from .routes_native import apply_edit
 from .security import Principal
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
@@ -252,7 +252,7 @@ class _Connection:
             else:
                 body.pop("stream_id", None)
                 body.pop("token", None)
-                status, result = await apply_edit(record, kind, body, self.state)
+                status, result = await apply_edit(record, kind, body, self.state.settings, self.state.registry.log)
                 await self._send_quietly(json.dumps({"type": "edited", "id": tag, **result}))
         except Exception as exc:  # noqa: BLE001 - every refusal goes back to the client
             problem = problem_from_exception(exc)

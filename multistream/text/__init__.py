@@ -43,6 +43,14 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = sorted(
-    ["TEXT_STREAM_ARGS", "StopMatcher", "TextOptions", "check_messages", "check_prompt", "parse_text_options", *_LAZY]
-)
+__all__ = [
+    "EMBEDDED_TEXT_MODEL",
+    "StopMatcher",
+    "TEXT_STREAM_ARGS",
+    "TextModel",
+    "TextOptions",
+    "check_messages",
+    "check_prompt",
+    "load_text_model",
+    "parse_text_options",
+]

@@ -21,29 +21,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import threading
-from collections import OrderedDict
-import os
-import shutil
-import tempfile
 import weakref
-from pathlib import Path
+from collections import OrderedDict
 from typing import Any, Callable
 
-import torch
-
-from .._devices import default_dtype, resolve_device, resolve_dtype
 from ..engine import Engine
 from ..engine.settings import engine_thread_setup
-from ._batcher import TextBatcher
-from ._request import Edit, TextRequest
-from ..errors import EngineClosedError, InvalidArgumentError, ModelLoadError, PromptTooLongError
+from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
-from ._options import TextOptions, check_prompt, parse_text_options
-from ._sampling import RowSampler, SamplingPlan
 from ..stream import Stream, StreamWriter
+from ._batcher import TextBatcher
+from ._options import TextOptions, check_prompt, parse_text_options
+from ._request import Edit, TextRequest
+from ._sampling import RowSampler, SamplingPlan
 
 __all__ = ["TextModel"]
 
@@ -202,46 +194,19 @@ class TextModel:
 
     # -- streaming ------------------------------------------------------------------------------
 
-    def stream(
-        self,
-        prompt: str | list[dict[str, str]],
-        *,
-        max_new_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        chunk_tokens: int | None = None,
-        chunk_ms: float | None = None,
-        chat: bool | None = None,
-        allowed: str | list[str] | None = None,
-        priority: int = 0,
-        resume_tokens: list[int] | None = None,
-        resume_inserted: list[tuple[int, list[int]]] | None = None,
-        on_edit: Callable[[dict[str, Any]], Any] | None = None,
-        **unknown: Any,
-    ) -> Stream:
+    def stream(self, prompt: str | list[dict[str, str]], **options: Any) -> Stream:
         """Start generating and return the live `Stream` of `TextEvent`s.
 
-        Arguments are checked now, so mistakes raise here (an `InvalidArgumentError`), not later
-        inside the stream. ``temperature=0`` is greedy decoding (the default, unless the model's
-        ``generation_config`` says ``do_sample``); sampling options left as None take the
+        ``options`` are those of `TextOptions` (each declared and described there once):
+        ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
+        ``seed``, ``stop``, ``chunk_tokens``, ``chunk_ms``, ``chat``, ``allowed`` and
+        ``priority``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
+        not later inside the stream. ``temperature=0`` is greedy decoding (the default, unless the
+        model's ``generation_config`` says ``do_sample``); sampling options left as None take the
         ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
         emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events. ``allowed``: a
         regular expression the whole answer must match, or a list of choices (constrained
-        decoding, `multistream.text._constraints`). ``priority``:
-        higher runs first at every engine step (default 0). ``resume_tokens``: answer tokens an
-        earlier run already produced and sent (failover to another replica): they are prefilled,
-        not sent again, and generation continues after them exactly as the uninterrupted run
-        would have (seeded randomness depends only on the seed and the position).
-        ``resume_inserted``: with ``resume_tokens``, the steering instructions the earlier run had
-        taken in, as ``(k, token_ids)`` pairs (its tokens went into the context before answer
-        token ``k``), so the model sees the same context: prompt, answer and instructions in
-        order. ``on_edit(revision)`` is called on the engine thread as each steer or rewind takes
-        effect, with the final event's revision dict plus ``revision`` (its number) and ``at``
-        (``k``), which is what ``resume_inserted`` takes (a Ray replica reports them this way).
+        decoding). ``priority``: higher runs first at every engine step (default 0).
 
         The stream can be edited while it runs: ``stream.steer(instruction)`` and
         ``stream.rewind(offset, instruction=None, **sampling)`` (see `revise` for a finished one).
@@ -250,24 +215,45 @@ class TextModel:
             >>> for ev in llm.stream("Count to 5", max_new_tokens=20, stop=["5"]):   # doctest: +SKIP
             ...     print(ev.delta, end="")
         """
-        options = parse_text_options(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop, chunk_tokens=chunk_tokens,
-            chunk_ms=chunk_ms, chat=chat, allowed=allowed, **unknown,
-        )
-        prompt_ids = self.encode_prompt(prompt, chat=options.chat)
+        return self.replica_stream(prompt, **options)
+
+    def replica_stream(
+        self,
+        prompt: str | list[dict[str, str]],
+        *,
+        resume_tokens: list[int] | None = None,
+        resume_inserted: list[tuple[int, list[int]]] | None = None,
+        on_edit: Callable[[dict[str, Any]], Any] | None = None,
+        **options: Any,
+    ) -> Stream:
+        """Internal entry point of the server's failover (a Ray replica): `stream` plus the plumbing
+        that continues another replica's run. Users call `stream`.
+
+        ``resume_tokens``: answer tokens an earlier run already produced and sent: they are
+        prefilled, not sent again, and generation continues after them exactly as the
+        uninterrupted run would have (seeded randomness depends only on the seed and the
+        position). ``resume_inserted``: with ``resume_tokens``, the steering instructions the
+        earlier run had taken in, as ``(k, token_ids)`` pairs (its tokens went into the context
+        before answer token ``k``), so the model sees the same context: prompt, answer and
+        instructions in order. ``on_edit(revision)`` is called on the engine thread as each steer
+        or rewind takes effect, with the final event's revision dict plus ``revision`` (its
+        number) and ``at`` (``k``), which is what ``resume_inserted`` takes.
+
+        Example:
+            >>> s = llm.replica_stream("Tell a story", resume_tokens=[504, 3237])   # doctest: +SKIP
+        """
+        checked = parse_text_options(**options)
+        prompt_ids = self.encode_prompt(prompt, chat=checked.chat)
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLongError(
                 f"the prompt is {len(prompt_ids)} tokens but {self.name} has a context of "
                 f"{self.context_length} tokens; shorten the prompt (or drop early chat turns)"
             )
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidArgumentError(f"priority must be an integer (higher runs first), got {priority!r}")
-        plan = SamplingPlan.resolve(options, getattr(self.model, "generation_config", None))
-        max_new = min(options.max_new_tokens, self.context_length - len(prompt_ids))
+        plan = SamplingPlan.resolve(checked, getattr(self.model, "generation_config", None))
+        max_new = min(checked.max_new_tokens, self.context_length - len(prompt_ids))
 
         is_chat = not isinstance(prompt, str) or (
-            options.chat if options.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
+            checked.chat if checked.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
         )
         history = None
         if on_edit is not None and not callable(on_edit):
@@ -286,7 +272,8 @@ class TextModel:
                     f"the prompt, the answer so far and its instructions are {len(context)} tokens but {self.name} has "
                     f"a context of {self.context_length} tokens")
             history = (context, ids, positions)
-        return self._start(prompt_ids, options, plan, max_new, priority, is_chat, history=history, on_edit=on_edit)
+        return self._start(prompt_ids, checked, plan, max_new, checked.priority, is_chat, history=history,
+                           on_edit=on_edit)
 
     def _start(
         self, prompt_ids: list[int], options: TextOptions, plan: SamplingPlan, max_new: int, priority: int,
@@ -445,7 +432,7 @@ class TextModel:
             raise PromptTooLongError("the kept text and the instruction fill the context; revise from an earlier offset")
         max_new = min(new_options.max_new_tokens, self.context_length - cut - len(inserted))
         return self._start(
-            old.prompt_ids, new_options, plan, max_new, old.priority, old.is_chat, history=history, echo=True,
+            old.prompt_ids, new_options, plan, max_new, new_options.priority, old.is_chat, history=history, echo=True,
             edit=Edit("rewind", inserted, instruction=instruction, offset=offset),
         )
 

@@ -1,7 +1,10 @@
-"""The arguments of ``TextModel.stream()``, checked once, without torch.
+"""The one definition of every ``TextModel.stream()`` option, checked without torch.
 
-Shared by the real text model, the scripted fake in `multistream.testing` and the server's request
-parsing, so every entry point rejects the same mistakes with the same message.
+`TextOptions` declares each option once (type, default, bounds in its check, description); the
+real model, the scripted fake in `multistream.testing`, the server's request bodies (built from it,
+so ``/openapi.json`` describes exactly these options), the OpenAI conversion, the WebSocket and the
+Ray ingress all go through `parse_text_options`, so every entry point accepts the same values and
+rejects the same mistakes with the same message.
 
 Example:
     >>> opts = parse_text_options(max_new_tokens=16, stop="\\n\\n")
@@ -15,123 +18,131 @@ Example:
 
 from __future__ import annotations
 
-import difflib
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Union
 
 from .._checks import is_int, is_number
+from .._spec import option, option_names, parse_options
 from ..errors import InvalidArgumentError
 
 __all__ = ["TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt", "parse_text_options"]
 
-TEXT_STREAM_ARGS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "chunk_tokens",
-    "chunk_ms",
-    "chat",
-    "allowed",
-)
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidArgumentError(message)
+
+
+def _max_new_tokens(v: Any) -> int:
+    _require(is_int(v) and v >= 1, f"max_new_tokens must be an integer >= 1, got {v!r}")
+    return int(v)
+
+
+def _temperature(v: Any) -> float | None:
+    _require(v is None or (is_number(v) and v >= 0), f"temperature must be a number >= 0 (0 means greedy), got {v!r}")
+    return None if v is None else float(v)
+
+
+def _top_p(v: Any) -> float | None:
+    _require(v is None or (is_number(v) and 0 < v <= 1), f"top_p must be in (0, 1] (1 disables it), got {v!r}")
+    return None if v is None else float(v)
+
+
+def _top_k(v: Any) -> int | None:
+    _require(v is None or (is_int(v) and v >= 0), f"top_k must be an integer >= 0 (0 disables it), got {v!r}")
+    return None if v is None else int(v)
+
+
+def _repetition_penalty(v: Any) -> float | None:
+    _require(v is None or (is_number(v) and v > 0), f"repetition_penalty must be a number > 0 (1 disables it), got {v!r}")
+    return None if v is None else float(v)
+
+
+def _seed(v: Any) -> int | None:
+    _require(v is None or (is_int(v) and 0 <= v < 2**63), f"seed must be an integer in [0, 2**63) or None, got {v!r}")
+    return None if v is None else int(v)
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        stops: tuple[str, ...] = (v,)
+    elif isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
+        stops = tuple(v)
+    else:
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {v!r}")
+    _require(all(stops), "stop strings must not be empty")
+    return stops
+
+
+def _chunk_tokens(v: Any) -> int | None:
+    _require(v is None or (is_int(v) and v >= 1), f"chunk_tokens must be an integer >= 1, got {v!r}")
+    return None if v is None else int(v)
+
+
+def _chunk_ms(v: Any) -> float | None:
+    _require(v is None or (is_number(v) and v > 0), f"chunk_ms must be a number of milliseconds > 0, got {v!r}")
+    return None if v is None else float(v)
+
+
+def _chat(v: Any) -> bool | None:
+    _require(v is None or isinstance(v, bool), f"chat must be True, False or None (automatic), got {v!r}")
+    return v  # type: ignore[no-any-return]
+
+
+def _allowed(v: Any) -> str | None:
+    from ._constraints import compile_allowed  # the `regex` package, only when a constraint is given
+
+    return compile_allowed(v)
+
+
+def _priority(v: Any) -> int:
+    _require(is_int(v), f"priority must be an integer (higher runs first), got {v!r}")
+    return int(v)
 
 
 @dataclass(frozen=True)
 class TextOptions:
-    """Checked generation options (see ``TextModel.stream`` for their meaning)."""
+    """Checked ``TextModel.stream()`` options: each declared once, here.
 
-    max_new_tokens: int = 256
-    # None: the model's generation_config decides (as transformers' generate does); see
-    # `multistream.text._sampling.SamplingPlan`. temperature None there means greedy unless the
-    # config says do_sample.
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    chunk_tokens: int | None = None
-    chunk_ms: float | None = None
-    chat: bool | None = None
-    allowed: str | None = None  # a regular expression the whole answer must match (choices joined)
+    Sampling options left as None follow the model's ``generation_config`` (as transformers'
+    ``generate`` does; see `multistream.text._sampling.SamplingPlan`): temperature None means
+    greedy unless the config says ``do_sample``.
+    """
+
+    max_new_tokens: int = option(256, "an integer >= 1: tokens to generate at most", _max_new_tokens,
+                                 wire=Optional[int], body_default=None)
+    temperature: Optional[float] = option(
+        None, "a number >= 0 (0 = greedy); null: the model's generation_config", _temperature, wire=Optional[float])
+    top_p: Optional[float] = option(None, "a number in (0, 1] (1 = off); null: the model's default", _top_p,
+                                    wire=Optional[float])
+    top_k: Optional[int] = option(None, "an integer >= 0 (0 = off); null: the model's default", _top_k,
+                                  wire=Optional[int])
+    repetition_penalty: Optional[float] = option(
+        None, "a number > 0 (1 = off); null: the model's default", _repetition_penalty, wire=Optional[float])
+    seed: Optional[int] = option(None, "an integer in [0, 2**63): reproducible sampling; null: random", _seed,
+                                 wire=Optional[int])
+    stop: tuple[str, ...] = option((), "a string or a list of strings that end the text (never emitted)", _stop,
+                                   wire=Union[str, list[str], None])
+    chunk_tokens: Optional[int] = option(None, "an integer >= 1: tokens per event", _chunk_tokens, wire=Optional[int])
+    chunk_ms: Optional[float] = option(None, "a number of milliseconds > 0: group tokens into events this long",
+                                       _chunk_ms, wire=Optional[float])
+    chat: Optional[bool] = option(None, "true/false: apply the chat template to a prompt string; null = auto",
+                                  _chat, wire=Optional[bool])
+    allowed: Optional[str] = option(
+        None, "a regular expression the whole answer must match, or a list of choices (constrained decoding)",
+        _allowed, wire=Union[str, list[str], None])
+    priority: int = option(0, "an integer; higher runs first at every engine step (a server caps it per key)",
+                           _priority, wire=int)
 
 
-def _reject_unknown(unknown: dict[str, Any]) -> None:
-    if not unknown:
-        return
-    name = sorted(unknown)[0]
-    close = difflib.get_close_matches(name, TEXT_STREAM_ARGS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise InvalidArgumentError(
-        f"unknown argument {name!r} for TextModel.stream().{hint} Known arguments: {', '.join(TEXT_STREAM_ARGS)}."
-    )
+TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)
 
 
-def parse_text_options(
-    *,
-    max_new_tokens: Any = 256,
-    temperature: Any = None,
-    top_p: Any = None,
-    top_k: Any = None,
-    repetition_penalty: Any = None,
-    seed: Any = None,
-    stop: Any = None,
-    chunk_tokens: Any = None,
-    chunk_ms: Any = None,
-    chat: Any = None,
-    allowed: Any = None,
-    **unknown: Any,
-) -> TextOptions:
+def parse_text_options(**options: Any) -> TextOptions:
     """Check every option; raise `InvalidArgumentError` naming the first bad one and the fix."""
-    _reject_unknown(unknown)
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if temperature is not None and (not is_number(temperature) or temperature < 0):
-        raise InvalidArgumentError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
-        raise InvalidArgumentError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
-    if top_k is not None and (not is_int(top_k) or top_k < 0):
-        raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if repetition_penalty is not None and (not is_number(repetition_penalty) or repetition_penalty <= 0):
-        raise InvalidArgumentError(f"repetition_penalty must be a number > 0 (1 disables it), got {repetition_penalty!r}")
-    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
-        raise InvalidArgumentError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(not s for s in stops):
-        raise InvalidArgumentError("stop strings must not be empty")
-    if chunk_tokens is not None and (not is_int(chunk_tokens) or chunk_tokens < 1):
-        raise InvalidArgumentError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
-    if chunk_ms is not None and (not is_number(chunk_ms) or chunk_ms <= 0):
-        raise InvalidArgumentError(f"chunk_ms must be a number of milliseconds > 0, got {chunk_ms!r}")
-    if chat is not None and not isinstance(chat, bool):
-        raise InvalidArgumentError(f"chat must be True, False or None (automatic), got {chat!r}")
-    from ._constraints import compile_allowed
-
-    pattern = compile_allowed(allowed)
-    return TextOptions(
-        allowed=pattern,
-        max_new_tokens=int(max_new_tokens),
-        temperature=None if temperature is None else float(temperature),
-        top_p=None if top_p is None else float(top_p),
-        top_k=None if top_k is None else int(top_k),
-        repetition_penalty=None if repetition_penalty is None else float(repetition_penalty),
-        seed=None if seed is None else int(seed),
-        stop=stops,
-        chunk_tokens=None if chunk_tokens is None else int(chunk_tokens),
-        chunk_ms=None if chunk_ms is None else float(chunk_ms),
-        chat=chat,
-    )
+    return parse_options(TextOptions, "TextModel.stream()", options)
 
 
 def check_messages(messages: list[Any]) -> list[dict[str, str]]:

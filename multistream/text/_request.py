@@ -12,14 +12,14 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ._detokenizer import IncrementalDetokenizer
-from ._stop_strings import StopMatcher
 from ..stream import StreamWriter
+from ._detokenizer import IncrementalDetokenizer
 from ._options import TextOptions
 from ._sampling import RowSampler
+from ._stop_strings import StopMatcher
 
 __all__ = ["Edit", "TextRequest"]
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from ..compose import chain
 from ..errors import InvalidArgumentError, MultistreamError
 from ..events import ImageEvent, TextEvent
-from .notebook import _Throttle, _View
 from ..stream import Stream
+from .notebook import _Throttle, _View
 
 if TYPE_CHECKING:
     import gradio as gr

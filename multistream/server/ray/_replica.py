@@ -1,0 +1,260 @@
+"""A model replica of the Ray application: loads one model, streams its events to the ingress,
+continues another replica's stream after a failover, takes edits from the event log's control channel."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import inspect
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ...events import ErrorEvent, ImageEvent, TextEvent
+from ...stream import Stream
+from ._common import CHECKPOINT_TTL_S, PREFIX, checkpoint_key
+
+logger = logging.getLogger("multistream.server")
+
+class _CheckpointWriter:
+    """Keeps the newest checkpoint of one image stream in Redis (`checkpoint_key`).
+
+    ``put`` runs on the model's engine thread and only hands the checkpoint over; one task on the
+    replica's event loop serializes and writes the newest one (a checkpoint superseded before its
+    turn is never written, so a slow Redis costs checkpoints, never denoising time). ``close``
+    waits for the write in flight and deletes the key: the stream has ended.
+    """
+
+    def __init__(self, client: Any, key: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.client, self.key, self.loop = client, key, loop
+        self._lock = threading.Lock()
+        self._newest: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.writes = 0
+        self.write_s = 0.0
+        self.nbytes = 0
+        self.failed = 0
+
+    def put(self, checkpoint: Any) -> None:
+        with self._lock:
+            self._newest = checkpoint
+        self.loop.call_soon_threadsafe(self._kick)
+
+    def _kick(self) -> None:
+        if not self._closed and (self._task is None or self._task.done()):
+            self._task = self.loop.create_task(self._drain(), name=f"multistream-ckpt-{self.key[-8:]}")
+
+    async def _drain(self) -> None:
+        while not self._closed:
+            with self._lock:
+                checkpoint, self._newest = self._newest, None
+            if checkpoint is None:
+                return
+            started = time.perf_counter()
+            try:
+                data = checkpoint.to_bytes()
+                await self.client.set(self.key, data, ex=CHECKPOINT_TTL_S)
+            except Exception as exc:  # noqa: BLE001 - a lost checkpoint only makes a failover start earlier
+                self.failed += 1
+                logger.debug("writing image checkpoint %s failed: %s", self.key, exc)
+                continue
+            self.writes += 1
+            self.write_s += time.perf_counter() - started
+            self.nbytes = len(data)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"checkpoint_writes": float(self.writes)}
+        if self.writes:
+            out["checkpoint_write_ms"] = self.write_s * 1e3 / self.writes
+            out["checkpoint_bytes"] = float(self.nbytes)
+        return out
+
+    async def close(self, delete: bool) -> None:
+        """Stop writing; ``delete`` the key once the stream has ended (else it expires)."""
+        self._closed = True
+        task = self._task
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), 5.0)
+            except Exception:  # noqa: BLE001
+                pass
+        if not delete:
+            return
+        try:
+            await self.client.delete(self.key)
+        except Exception as exc:  # noqa: BLE001 - it expires anyway
+            logger.debug("deleting image checkpoint %s failed: %s", self.key, exc)
+
+
+class ModelReplica:
+    """One model replica (deployment ``text`` or ``image``): loads the model, streams events.
+
+    An image replica with an event log writes each stream's newest `ImageCheckpoint` to Redis
+    every ``checkpoint_every`` steps (`checkpoint_key`); the replica that takes the stream over
+    after a failure continues from it.
+    """
+
+    def __init__(self, kind: str, spec: Any, event_log: str | None = None, checkpoint_every: int = 1) -> None:
+        from ..state import load_model
+
+        self.kind = kind
+        self.checkpoint_every = max(1, int(checkpoint_every))
+        self._redis: Any = None
+        self.event_log = event_log if event_log and event_log.startswith(("redis://", "rediss://", "unix://")) else None
+        self.streams: dict[str, Stream] = {}  # ingress stream id -> the generation running here (for edits)
+        self._control: asyncio.Task[None] | None = None
+        self.model = load_model(kind, "default" if spec is None else spec)
+        self.name = str(getattr(self.model, "name", None) or kind)
+        try:
+            params = inspect.signature(self.model.stream).parameters
+        except (TypeError, ValueError):  # pragma: no cover
+            params = {}
+        # A text model with the failover entry point (`TextModel.replica_stream`) continues a run
+        # from its tokens, reports its edits and takes them back: a failover replays steers.
+        self._replica_stream = getattr(self.model, "replica_stream", None) if kind == "text" else None
+        self.native_resume = callable(self._replica_stream)
+        self.replays_edits = self.native_resume
+        self.checkpoints = kind == "image" and self.event_log is not None and "on_checkpoint" in params
+        try:
+            import ray
+
+            self.replica = ray.get_runtime_context().get_actor_name() or ""
+        except Exception:  # noqa: BLE001
+            self.replica = ""
+
+    def info(self) -> dict[str, Any]:
+        capacity = getattr(self.model, "capacity", None)
+        return {"kind": self.kind, "name": self.name, "replica": self.replica, "pid": os.getpid(),
+                "native_resume": self.native_resume, "checkpoints": self.checkpoints,
+                "capacity": capacity if isinstance(capacity, int) else 4}
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(self.event_log, socket_connect_timeout=2.0, socket_timeout=5.0)
+        return self._redis
+
+    async def _newest_checkpoint(self, key: str) -> bytes | None:
+        try:
+            data = await self._client().get(checkpoint_key(key))
+        except Exception as exc:  # noqa: BLE001 - no checkpoint: the run starts from step 0
+            logger.warning("stream %s: reading its image checkpoint failed (%s); denoising from step 0", key, exc)
+            return None
+        return bytes(data) if data else None
+
+    def _listen(self) -> None:
+        """Start answering edits for the streams running here (``ms:ctl:replica:{name}``)."""
+        if self._control is not None or self.event_log is None or not self.replica:
+            return
+        import redis.asyncio as aioredis
+
+        from ..event_log import serve_control
+
+        client = aioredis.from_url(self.event_log, socket_connect_timeout=2.0)
+        self._control = asyncio.get_running_loop().create_task(
+            serve_control(client, PREFIX, f"replica:{self.replica}", self._on_control), name="multistream-replica-control")
+
+    async def _on_control(self, message: dict[str, Any]) -> dict[str, Any]:
+        from ..event_log import apply_command, verdict
+        from ..problems import Problem
+
+        stream = self.streams.get(str(message.get("stream_id")))
+        command, args, kwargs = message.get("command"), message.get("args"), message.get("kwargs")
+        if command not in ("finish", "steer", "rewind") or not isinstance(args, list) or not isinstance(kwargs, dict):
+            return verdict(Problem(400, "invalid_message", "malformed forwarded edit"))
+        if stream is None:
+            return {"gone": True}
+        return verdict(accepted=apply_command(stream, command, args, kwargs))
+
+    async def generate(self, kwargs: dict[str, Any], resume: dict[str, Any] | None = None, key: str | None = None) -> Any:
+        """Yield the replica's name, then the stream's events, trimmed to what follows ``resume``
+        (``{"tokens": [...], "chars": n, "inserted": [[k, ids], ...]}`` for text, ``{"step": s}``
+        for an image; ``"failover": True``: the image run continues from the stream's newest
+        checkpoint, if there is one), with ``{"edit": ...}`` items as text edits take effect.
+        ``key`` (the ingress's stream id) names the generation for edits forwarded here and its
+        checkpoints."""
+        self._listen()
+        yield {"replica": self.replica}
+        resume = resume or {}
+        tokens = list(resume.get("tokens") or [])
+        kwargs = dict(kwargs)
+        trim_tokens, trim_chars, trim_step = 0, 0, int(resume.get("step", -1))
+        failover = bool(resume.get("failover")) or trim_step >= 0
+        edits: collections.deque[dict[str, Any]] = collections.deque()
+        if self.kind == "text" and self.replays_edits:
+            kwargs["on_edit"] = edits.append  # engine thread; relayed before the events that follow the edit
+        if self.kind == "text" and tokens:
+            if self.native_resume:
+                kwargs["resume_tokens"] = tokens
+                if self.replays_edits and resume.get("inserted"):
+                    # An instruction after tokens the ingress never got (held back, then cut) goes at the end.
+                    kwargs["resume_inserted"] = [(min(int(k), len(tokens)), list(ids)) for k, ids in resume["inserted"]]
+            else:
+                trim_tokens, trim_chars = len(tokens), int(resume.get("chars", 0))
+        writer: _CheckpointWriter | None = None
+        if self.checkpoints and key is not None:
+            writer = _CheckpointWriter(self._client(), checkpoint_key(key), asyncio.get_running_loop())
+            kwargs.update(on_checkpoint=writer.put, checkpoint_every=self.checkpoint_every)
+            if failover:
+                data = await self._newest_checkpoint(key)
+                if data is not None:
+                    kwargs["resume_from"] = data
+        start = self._replica_stream if self.native_resume else self.model.stream
+        try:
+            try:
+                stream = start(**kwargs)
+            except Exception as exc:  # noqa: BLE001
+                if "resume_from" not in kwargs:
+                    raise
+                # A checkpoint this run cannot use (another model version, a corrupt value): from step 0.
+                logger.warning("stream %s: its image checkpoint is unusable (%s); denoising from step 0", key, exc)
+                del kwargs["resume_from"]
+                stream = start(**kwargs)
+            else:
+                if "resume_from" in kwargs:
+                    logger.info("stream %s: image resumed from its checkpoint on replica %s", key, self.replica)
+        except Exception as exc:  # noqa: BLE001 - a refusal reaches the client as an error event
+            yield ErrorEvent(stream_id="", seq=0, t=0.0, error={"type": type(exc).__name__, "message": str(exc)})
+            return
+        if key is not None:
+            self.streams[key] = stream
+        ended = False  # the final event went out; otherwise (a drain, a cancelled call) keep the checkpoint
+        try:
+            async for ev in stream:
+                while edits:
+                    yield {"edit": edits.popleft()}
+                if isinstance(ev, TextEvent) and (trim_tokens or trim_chars):
+                    ev = _trim_text(ev, trim_tokens, trim_chars)
+                    if ev is None:
+                        continue
+                elif isinstance(ev, ImageEvent) and not ev.is_final and ev.finish_reason is None and ev.step <= trim_step:
+                    continue
+                if writer is not None and isinstance(ev, ImageEvent) and ev.is_final:
+                    ev = dataclasses.replace(ev, metrics={**(ev.metrics or {}), **writer.metrics()})
+                ended = ended or ev.is_final
+                yield ev
+        finally:
+            if key is not None and self.streams.get(key) is stream:
+                del self.streams[key]
+            stream.close()
+            if writer is not None:
+                # A replica drained or a call cancelled mid-run leaves the checkpoint for the replica
+                # that takes over; it expires on its own.
+                await writer.close(delete=ended)
+
+
+def _trim_text(ev: TextEvent, tokens: int, chars: int) -> TextEvent | None:
+    """The part of a regenerated event that comes after ``tokens`` tokens / ``chars`` characters."""
+    end_tokens = ev.index + len(ev.token_ids)
+    offset = ev.offset if ev.offset is not None else 0
+    end_chars = offset + len(ev.delta)
+    if end_tokens <= tokens and end_chars <= chars and not ev.is_final:
+        return None
+    delta = ev.delta[max(0, chars - offset):] if offset < chars else ev.delta
+    ids = list(ev.token_ids[max(0, tokens - ev.index):]) if ev.index < tokens else list(ev.token_ids)
+    return dataclasses.replace(ev, delta=delta, token_ids=ids, index=max(ev.index, tokens), offset=max(offset, chars))
