@@ -21,26 +21,24 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import html
 import logging
 import os
 import threading
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ..compose import chain
 from ..errors import InvalidArgumentError, MultistreamError
 from ..events import ImageEvent, TextEvent
-from .notebook import _Throttle, _View
 from ..stream import Stream
+from .view import LiveView, throttled_views
 
 if TYPE_CHECKING:
     import gradio as gr
 
-__all__ = ["create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern"]
+__all__ = ["create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern", "throttled_views"]
 
 logger = logging.getLogger("multistream.ui.demo")
 
@@ -113,50 +111,6 @@ def prompt_messages(idea: str, style: str) -> list[dict[str, str]]:
 # -- streaming to the page -------------------------------------------------------------------------
 
 
-async def throttled_views(stream: Stream, max_fps: float, view: _View | None = None) -> AsyncIterator[_View]:
-    """Yield the stream's folded state at most ``max_fps`` times a second, and always at the end.
-
-    Events that arrive between two updates are folded into the state (text placed at its
-    ``offset``, the preview replaced), so a slow page receives the newest frame instead of a queue
-    of old ones. Leaving early (the page closed, the task cancelled) cancels the model. ``view``
-    may start with text already there (a revised answer's kept part).
-    """
-    view = view if view is not None else _View()
-    throttle = _Throttle(max_fps)
-    events = stream.__aiter__()
-    next_ev: asyncio.Future[Any] | None = None
-    dirty = False
-    try:
-        while True:
-            if next_ev is None:
-                next_ev = asyncio.ensure_future(events.__anext__())
-            timeout = None
-            if dirty:
-                timeout = max(0.0, throttle.interval - (time.monotonic() - throttle._last))
-            done, _ = await asyncio.wait({next_ev}, timeout=timeout)
-            if next_ev in done:
-                ev = next_ev.result()
-                next_ev = None
-                view.apply(ev)
-                dirty = True
-                if ev.is_final:
-                    yield view
-                    return
-            now = time.monotonic()
-            if dirty and throttle.due(now):
-                throttle.mark(now)
-                dirty = False
-                yield view
-    finally:
-        stream.cancel()
-        if next_ev is not None and not next_ev.done():
-            next_ev.cancel()
-            # The cancelled __anext__ must finish before aclose(), or aclose() finds the generator
-            # still running and raises.
-            await asyncio.gather(next_ev, return_exceptions=True)
-        await events.aclose()  # type: ignore[attr-defined]
-
-
 class _ActiveRuns:
     """The stream each browser session is running per tab, so its Stop button can cancel it.
 
@@ -205,7 +159,7 @@ def _data_url(ev: ImageEvent) -> str:
     return f"data:{ev.mime};base64,{base64.b64encode(ev.data).decode('ascii')}"
 
 
-def _preview_html(view: _View | None, elem: str, note: str = "") -> str:
+def _preview_html(view: LiveView | None, elem: str, note: str = "") -> str:
     """The live preview box: the newest frame (or the final image), a progress bar and a step line."""
     side = _PREVIEW_SIDE_PX
     frame = view.images.get(0) if view is not None else None
@@ -253,12 +207,12 @@ _SELECTION_JS = """() => {
 }"""
 
 
-def _chat_stats(view: _View) -> str:
+def _chat_stats(view: LiveView) -> str:
     line = _chat_line(view)
     return f"{line} · revision {view.revision}" if view.revision and view.error is None else line
 
 
-def _chat_line(view: _View) -> str:
+def _chat_line(view: LiveView) -> str:
     final = view.final
     if isinstance(final, TextEvent) and final.metrics is not None:
         m, u = final.metrics, final.usage or {}
@@ -397,7 +351,7 @@ def create_demo(
         async for out in _stream_answer(key, stream, shown, None, "waiting for the first token…"):
             yield out
 
-    async def _stream_answer(key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]], view: _View | None,
+    async def _stream_answer(key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]], view: LiveView | None,
                              first_note: str) -> AsyncIterator[tuple[Any, ...]]:
         runs.start(key, stream)
         answers.pop(key, None)
@@ -475,7 +429,7 @@ def create_demo(
         shown = [{"role": m["role"], "content": _content_text(m.get("content"))} for m in history]
         kept = (final.text or "")[:at]
         shown[-1] = {"role": "assistant", "content": kept}
-        seeded = _View()
+        seeded = LiveView()
         seeded.apply(TextEvent(stream_id=stream.stream_id, seq=0, t=0.0, delta=kept, token_ids=[], index=0))
         seeded.events, seeded.first_text_t = 0, None
         async for out in _stream_answer(key, stream, shown, seeded, f"regenerating from character {at}…"):
@@ -500,7 +454,7 @@ def create_demo(
         # Only ever appended to, so Gradio's streaming diff sends just the new <img> each update.
         return "".join(frames)
 
-    def image_outputs(view: _View, elem: str, frames: list[str], keep_strip: bool, note: str = "") -> tuple[Any, ...]:
+    def image_outputs(view: LiveView, elem: str, frames: list[str], keep_strip: bool, note: str = "") -> tuple[Any, ...]:
         frame = view.images.get(0)
         final_img = frame.ev.image if frame is not None and frame.final else None
         if keep_strip and frame is not None and not frame.final and len(frames) < _STRIP_MAX:
