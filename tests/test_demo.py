@@ -161,6 +161,22 @@ def test_create_demo_bad_arguments() -> None:
         mount_demo(object(), ScriptedTextModel(), ScriptedImageModel(), path="demo")
 
 
+def test_every_handler_gets_the_session_request() -> None:
+    """Gradio passes gr.Request only when it can resolve ALL of a handler's annotations (else it
+    silently passes none): every tab handler that takes ``request`` must resolve it."""
+    import inspect
+
+    import gradio as gr
+    from gradio.utils import get_type_hints
+
+    demo = create_demo(ScriptedTextModel(), ScriptedImageModel())
+    handlers = [f.fn for f in demo.fns.values() if f.fn is not None]
+    with_request = [fn for fn in handlers if "request" in inspect.signature(fn).parameters]
+    assert len(with_request) >= 10, handlers
+    for fn in with_request:
+        assert get_type_hints(fn).get("request") is gr.Request, fn
+
+
 def test_mount_demo_serves_the_page_from_a_fastapi_app() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient

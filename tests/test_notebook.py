@@ -11,6 +11,7 @@ import multistream as ms
 import multistream.ui.notebook as nb
 from multistream.events import ImageEvent, TextEvent
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
+from multistream.ui.view import LiveView
 
 
 class _FakeHandle:
@@ -134,7 +135,7 @@ def test_show_redraws_a_rewind_in_place(fake_jupyter: list[str]) -> None:
 
 
 def test_view_follows_offsets_across_composed_parts() -> None:
-    view = nb._View()
+    view = LiveView()
     for ev in REWOUND:
         view.apply(ev)
     assert view.text(0) == "Hello there!" and view.revision == 1

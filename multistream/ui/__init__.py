@@ -1,5 +1,5 @@
-"""Where people watch: the Jupyter view (`show`) and the Gradio demo (`create_demo`, `launch`),
-both built on one shared live view of a stream.
+"""Where people watch: the Jupyter view (`show`) and the Gradio demo (`multistream.ui.demo`:
+`create_demo`, `launch`), both built on one shared live view of a stream (`LiveView`, `Throttle`).
 
 Example:
     >>> from multistream.ui import show
@@ -9,5 +9,6 @@ Example:
 from __future__ import annotations
 
 from .notebook import show
+from .view import Frame, LiveView, Throttle, throttled_views
 
-__all__ = ["show"]
+__all__ = ["Frame", "LiveView", "Throttle", "show", "throttled_views"]

@@ -5,7 +5,8 @@ is updated in place (``display(..., display_id=True)`` then ``.update()``), at m
 times a second and always once more for the final event. Edits show in place too: text follows
 each event's ``offset`` (``text = text[:offset] + delta``), so after a ``rewind`` the cut part
 disappears and the regenerated text takes its place, with the ``revision`` beside it. Outside Jupyter it prints the text as
-it arrives and a progress line for images. It returns the final event.
+it arrives and a progress line for images. It returns the final event. The folding of events and
+the update rate are the shared ``LiveView`` and ``Throttle`` (``multistream.ui.view``), as in the demo.
 
 Example (in a notebook cell):
     >>> import multistream as ms
@@ -21,91 +22,14 @@ import html
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..errors import InvalidArgumentError
-from ..events import ErrorEvent, Event, ImageEvent, TextEvent
+from ..events import Event, ImageEvent, TextEvent
 from ..stream import Stream
+from .view import LiveView, Throttle
 
 __all__ = ["show"]
-
-
-class _Throttle:
-    """Lets an update through at most once per ``interval`` seconds. I/O-free: the caller gives the time."""
-
-    def __init__(self, max_fps: float) -> None:
-        self.interval = 1.0 / max_fps
-        self._last = -float("inf")
-
-    def due(self, now: float) -> bool:
-        return now - self._last >= self.interval
-
-    def mark(self, now: float) -> None:
-        self._last = now
-
-
-@dataclass
-class _Frame:
-    ev: ImageEvent
-    final: bool = False
-
-
-@dataclass
-class _View:
-    """What a stream has shown so far, folded from its events (shared by every renderer)."""
-
-    # Text parts: a composed stream can hold several (each closed by an event with a finish_reason).
-    texts: list[list[str]] = field(default_factory=list)
-    text_done: list[TextEvent | None] = field(default_factory=list)
-    images: dict[int, _Frame] = field(default_factory=dict)
-    final: Event | None = None
-    error: dict[str, str] | None = None
-    events: int = 0
-    t: float = 0.0
-    first_text_t: float | None = None  # when the first text arrived: the live time-to-first-token
-    text_tokens: int = 0
-    frames: int = 0  # preview frames seen (after the stream's own coalescing)
-    revision: int = 0  # the newest text revision (+1 per steer or rewind)
-    # Where each text part starts in the stream's text (offsets count over the whole stream).
-    starts: list[int] = field(default_factory=list)
-    length: int = 0  # characters of text in the stream so far (after edits)
-
-    def apply(self, ev: Event) -> None:
-        self.events += 1
-        self.t = ev.t
-        if isinstance(ev, TextEvent):
-            if not self.texts or self.text_done[-1] is not None:
-                self.texts.append([])
-                self.text_done.append(None)
-                self.starts.append(self.length)
-            self.revision = max(self.revision, ev.revision)
-            offset = ev.offset
-            if offset < self.length:
-                # A rewind: keep the part's text up to the offset, then the new delta.
-                start = self.starts[-1]
-                kept = self.text(len(self.texts) - 1)[: max(0, offset - start)]
-                self.texts[-1][:] = [kept] if kept else []
-                self.length = start + len(kept)
-            if ev.delta:
-                self.texts[-1].append(ev.delta)
-                self.length += len(ev.delta)
-                if self.first_text_t is None:
-                    self.first_text_t = ev.t
-            self.text_tokens += len(ev.token_ids)
-            if ev.finish_reason is not None:
-                self.text_done[-1] = ev
-        elif isinstance(ev, ImageEvent):
-            self.images[ev.index] = _Frame(ev, final=ev.finish_reason is not None)
-            if ev.finish_reason is None:
-                self.frames += 1
-        elif isinstance(ev, ErrorEvent):
-            self.error = dict(ev.error)
-        if ev.is_final:
-            self.final = ev
-
-    def text(self, part: int) -> str:
-        return "".join(self.texts[part])
 
 
 def _text_summary(ev: TextEvent) -> str:
@@ -131,7 +55,7 @@ def _image_summary(ev: ImageEvent) -> str:
     return " · ".join(bits)
 
 
-def _render_html(view: _View, width: int) -> str:
+def _render_html(view: LiveView, width: int) -> str:
     """One self-contained HTML block (inline styles, data URLs) so it works in any Jupyter front end."""
     parts: list[str] = ['<div class="multistream-show" style="display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start">']
     if view.texts:
@@ -208,8 +132,8 @@ def show(stream: Stream | Iterable[Event], *, max_fps: float = 20.0, width: int 
         >>> final.image                                                            # doctest: +SKIP
     """
     _check_args(stream, max_fps, width)
-    view = _View()
-    throttle = _Throttle(max_fps)
+    view = LiveView()
+    throttle = Throttle(max_fps)
     if _in_notebook() and file is None:
         from IPython.display import HTML, display
 
@@ -239,7 +163,7 @@ def show(stream: Stream | Iterable[Event], *, max_fps: float = 20.0, width: int 
 class _PlainRenderer:
     """Prints what is new since the last call: text deltas as they come, a line per image."""
 
-    def __init__(self, view: _View, out: TextIO) -> None:
+    def __init__(self, view: LiveView, out: TextIO) -> None:
         self.view = view
         self.out = out
         self.tty = bool(getattr(out, "isatty", lambda: False)())

@@ -1,0 +1,50 @@
+"""The Gradio demo: chat, image previews and prompt-to-picture, all streaming live.
+
+``create_demo()`` builds the page (it is what ``multistream demo``, ``python demos/app.py`` and
+``multistream serve`` at ``/demo`` run). Every tab reads one multistream `Stream` and pushes
+updates to the browser at most ``max_fps`` times a second (``throttled_views`` over the shared
+``LiveView``); between two pushes newer events are folded in, so a slow page gets the newest
+frame, never a backlog, and always the final one.
+
+Layout: one module per tab, each a small class with its layout and named handlers: ``_chat``
+(streaming chat; Steer and Regenerate from here edit the answer while it streams), ``_image``
+(live denoising previews; Use this, Apply now), ``_picture`` (the LLM writes an image prompt that
+the image model then draws, one composed stream); ``_shared`` holds what they share (models,
+runs per session, the preview box), ``_prompts`` the LLM prompts, ``_page`` the page and its serving.
+
+Gradio is imported only when ``create_demo``, ``launch`` or ``mount_demo`` is first used, so the
+prompt helpers here work without it.
+
+Example:
+    >>> from multistream.ui.demo import create_demo
+    >>> demo = create_demo()            # loads the embedded default models   # doctest: +SKIP
+    >>> demo.launch()                                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..view import throttled_views
+from ._prompts import prompt_messages, shapes_prompt_pattern
+
+if TYPE_CHECKING:
+    from ._page import create_demo, launch, mount_demo
+
+_NEEDS_GRADIO = ("create_demo", "launch", "mount_demo")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NEEDS_GRADIO:
+        raise AttributeError(f"module 'multistream.ui.demo' has no attribute {name!r}")
+    # The demo must never phone home (offline machines, privacy); set before gradio is imported.
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    from . import _page
+
+    value = getattr(_page, name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern", "throttled_views"]

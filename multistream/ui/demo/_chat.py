@@ -1,0 +1,264 @@
+"""The Chat tab: the answer streams token by token; Steer and Regenerate edit it while it streams.
+
+"Steer" sends the typed text as a new instruction (``stream.steer``); "Regenerate from here"
+rewinds the answer to where the selected words begin, or to a character offset (``rewind``, or
+``llm.revise`` once the answer ended).
+
+Example:
+    >>> content_text([{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}])
+    'Hello there'
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import gradio as gr
+
+from ...errors import MultistreamError
+from ...events import TextEvent
+from ...stream import Stream
+from ..view import LiveView, throttled_views
+from ._shared import ActiveRuns, ModelSlot, run_key, ui_error
+
+__all__ = ["SELECTION_JS", "ChatTab", "chat_stats", "clear_chat", "content_text"]
+
+# Selecting text in the chat answer fills "Selected in the answer" (Regenerate from here starts
+# where it begins); the server finds it in the raw answer, so markdown rendering cannot shift the offset.
+SELECTION_JS = """() => {
+  document.addEventListener("mouseup", () => {
+    const sel = window.getSelection();
+    const chat = document.getElementById("ms-chatbot");
+    const box = document.querySelector("#ms-chat-selection textarea");
+    if (!sel || sel.isCollapsed || !chat || !box || !chat.contains(sel.anchorNode)) return;
+    box.value = sel.toString();
+    box.dispatchEvent(new Event("input", { bubbles: true }));
+  });
+}"""
+
+
+def content_text(content: Any) -> str:
+    """A chat message's text, whatever shape Gradio hands it in (str, dict, list of parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text") or content.get("content") or "")
+    if isinstance(content, (list, tuple)):
+        return "".join(content_text(c) for c in content)
+    return ""
+
+
+def _history(history: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    return [{"role": m["role"], "content": content_text(m.get("content"))} for m in (history or [])]
+
+
+def chat_stats(view: LiveView) -> str:
+    """The line under the chat: live TTFT and speed while it streams, the result once it ended.
+
+    Example:
+        >>> chat_stats(LiveView())
+        'waiting for the first token… 0.00 s'
+    """
+    line = _chat_line(view)
+    return f"{line} · revision {view.revision}" if view.revision and view.error is None else line
+
+
+def _chat_line(view: LiveView) -> str:
+    final = view.final
+    if isinstance(final, TextEvent) and final.metrics is not None:
+        m, u = final.metrics, final.usage or {}
+        ttft = m.get("ttft_ms")
+        tps = m.get("tokens_per_s")
+        return (
+            f"**{final.finish_reason}** · TTFT {ttft:.0f} ms · {tps:.1f} tokens/s · "
+            f"{u.get('completion_tokens', view.text_tokens)} tokens in {(m.get('duration_ms') or 0) / 1000:.2f} s"
+            if ttft is not None and tps is not None
+            else f"**{final.finish_reason}** · {u.get('completion_tokens', view.text_tokens)} tokens"
+        )
+    if view.error is not None:
+        return f"**error** · {view.error.get('type')}: {view.error.get('message')}"
+    if view.first_text_t is None:
+        return f"waiting for the first token… {view.t:.2f} s"
+    # Decode speed after the first token: the prefill is already counted in the TTFT.
+    decode_s = view.t - view.first_text_t
+    rate = f"{(view.text_tokens - 1) / decode_s:.1f}" if view.text_tokens > 1 and decode_s > 0 else "–"
+    return f"streaming · TTFT {view.first_text_t * 1000:.0f} ms · {rate} tokens/s · {view.text_tokens} tokens"
+
+
+def clear_chat() -> tuple[list[dict[str, Any]], str]:
+    """"Clear": an empty chat and no stats line."""
+    return [], ""
+
+
+class ChatTab:
+    """The Chat tab's layout and handlers; each browser session has its own run and last answer.
+
+    Example:
+        >>> from multistream.testing import ScriptedTextModel
+        >>> with gr.Blocks():                                               # doctest: +SKIP
+        ...     ChatTab(ModelSlot("text", ScriptedTextModel()), ActiveRuns(), max_fps=15).build()
+    """
+
+    def __init__(self, model: ModelSlot, runs: ActiveRuns, max_fps: float) -> None:
+        self.model = model
+        self.runs = runs
+        self.max_fps = max_fps
+        self.answers: dict[tuple[str, str], TextEvent] = {}  # each session's last finished answer
+        self.live_text: dict[tuple[str, str], str] = {}  # each session's answer as it streams (after edits)
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    async def send(self, message: str, history: list[dict[str, Any]], max_tokens: float, temperature: float,
+                   top_p: float, seed: float, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
+        """"Send": stream the answer to ``message`` after the ``history`` shown so far."""
+        model = self.model.get()
+        message = (message or "").strip()
+        if not message:
+            raise gr.Error("type a message first")
+        turns = [t for t in _history(history) if t["role"] in ("user", "assistant", "system") and t["content"]]
+        prompt = [*turns, {"role": "user", "content": message}]
+        try:
+            stream = model.stream(
+                prompt,
+                max_new_tokens=int(max_tokens),
+                temperature=float(temperature),
+                top_p=float(top_p),
+                seed=None if seed is None or int(seed) < 0 else int(seed),
+            )
+        except MultistreamError as exc:
+            raise ui_error(exc) from exc
+        shown: list[dict[str, Any]] = [*prompt, {"role": "assistant", "content": ""}]
+        async for out in self._stream_answer(run_key(request, "chat"), stream, shown, None,
+                                             "waiting for the first token…"):
+            yield out
+
+    async def _stream_answer(self, key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]],
+                             view: LiveView | None, first_note: str) -> AsyncIterator[tuple[Any, ...]]:
+        """(chat, input box, stats) updates while ``stream`` writes the last message of ``shown``."""
+        self.runs.start(key, stream)
+        self.answers.pop(key, None)
+        try:
+            yield shown, "", first_note
+            # `start` is the view to continue (a revision keeps the text before its offset).
+            start = view
+            async for view in throttled_views(stream, self.max_fps, start):  # noqa: B020 - the new view replaces the old
+                shown[-1] = {"role": "assistant", "content": view.text(0) if view.texts else ""}
+                self.live_text[key] = shown[-1]["content"]
+                if view.error is not None:
+                    shown[-1]["content"] += f"\n\n⚠️ {view.error.get('message')}"
+                elif isinstance(view.final, TextEvent):
+                    self.answers[key] = view.final  # "Regenerate from here" revises it once it ended
+                # The box was cleared once above; now it is left alone, so the user can type an
+                # instruction for "Steer" while the answer streams.
+                yield shown, gr.skip(), chat_stats(view)
+        finally:
+            self.runs.end(key, stream)
+            self.live_text.pop(key, None)
+
+    def stop(self, request: gr.Request) -> None:
+        """"Stop": cancel this session's answer (the model stops within one token)."""
+        self.runs.cancel(run_key(request, "chat"))
+
+    def steer(self, instruction: str, request: gr.Request) -> str:
+        """"Steer": the typed text becomes a new instruction for the answer being written."""
+        instruction = (instruction or "").strip()
+        if not instruction:
+            raise gr.Error("type how the answer should change (e.g. 'make it shorter'), then press Steer")
+        stream = self.runs.get(run_key(request, "chat"))
+        if stream is None:
+            raise gr.Error("no answer is being written; Steer changes an answer while it streams (use Send)")
+        try:
+            stream.steer(instruction)
+        except MultistreamError as exc:
+            raise ui_error(exc) from exc
+        return ""
+
+    async def regenerate(self, offset: float | None, selection: str, instruction: str,
+                         history: list[dict[str, Any]], request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
+        """"Regenerate from here": rewind the streaming answer to where the selected text begins
+        (or to ``offset`` characters when nothing is selected), or revise the finished answer from
+        there (``llm.revise``), optionally under the typed instruction."""
+        key = run_key(request, "chat")
+        stream = self.runs.get(key)
+        final = self.answers.get(key)
+        at = self._rewind_point(key, offset, selection, running=stream is not None)
+        note = (instruction or "").strip() or None
+        if stream is not None:
+            try:
+                stream.rewind(at, instruction=note)
+            except MultistreamError as exc:
+                raise ui_error(exc) from exc
+            yield gr.skip(), "", gr.skip(), ""  # the running send handler shows the new text
+            return
+        if final is None or not history:
+            raise gr.Error("no answer to regenerate yet; Send a message first")
+        model = self.model.get()
+        revise = getattr(model, "revise", None)
+        if revise is None:
+            raise gr.Error(f"{type(model).__name__} cannot revise a finished answer")
+        try:
+            stream = revise(final, at, instruction=note)
+        except MultistreamError as exc:
+            raise ui_error(exc) from exc
+        shown: list[dict[str, Any]] = list(_history(history))
+        kept = (final.text or "")[:at]
+        shown[-1] = {"role": "assistant", "content": kept}
+        async for out in self._stream_answer(key, stream, shown, LiveView.starting_with(kept),
+                                             f"regenerating from character {at}…"):
+            yield (*out, "")
+
+    def _rewind_point(self, key: tuple[str, str], offset: float | None, selection: str, running: bool) -> int:
+        """Where "Regenerate from here" starts: the selection's place in the answer, else ``offset``."""
+        if selection and selection.strip():
+            final = self.answers.get(key)
+            text = self.live_text.get(key, "") if running else (final.text or "" if final is not None else "")
+            at = text.find(selection)
+            if at < 0:
+                at = text.find(selection.strip())
+            if at < 0:
+                raise gr.Error("the selected text is not in the answer (any more); select it again, "
+                               "or clear the selection and set 'From character'")
+            return at
+        if offset is None or int(offset) < 0:
+            raise gr.Error("select text in the answer, or set 'From character' (0 = the start)")
+        return int(offset)
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """Lay the tab out and wire its events (inside a ``gr.Blocks`` context)."""
+        with gr.Tab("Chat", id="chat"):
+            if self.model.missing:
+                gr.Markdown(f"⚠️ No text model: {self.model.why}")
+            chatbot = gr.Chatbot(label="Chat", height=380, elem_id="ms-chatbot")
+            with gr.Row():
+                msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="ms-chat-input")
+                send = gr.Button("Send", variant="primary", scale=1, elem_id="ms-chat-send")
+                stop = gr.Button("Stop", variant="stop", scale=1, elem_id="ms-chat-stop")
+                steer = gr.Button("Steer", scale=1, elem_id="ms-chat-steer")
+            with gr.Row():
+                selection = gr.Textbox(label="Selected in the answer (select text above)", scale=3, max_lines=2,
+                                       elem_id="ms-chat-selection")
+                rewind_at = gr.Number(value=0, precision=0, minimum=0, label="or from character", scale=1,
+                                      elem_id="ms-chat-offset")
+                regenerate = gr.Button("Regenerate from here", scale=2, elem_id="ms-chat-rewind")
+            stats = gr.Markdown("", elem_id="ms-chat-stats")
+            with gr.Accordion("Sampling", open=False):
+                with gr.Row():
+                    max_tokens = gr.Slider(1, 512, value=128, step=1, label="Max new tokens", elem_id="ms-chat-max-tokens")
+                    temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature (0 = greedy)",
+                                            elem_id="ms-chat-temperature")
+                    top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
+                    seed = gr.Number(value=-1, precision=0, label="Seed (-1 = random)")
+            clear = gr.Button("Clear", size="sm")
+            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed]
+            outputs = [chatbot, msg, stats]
+            send.click(self.send, inputs, outputs, api_name="chat", show_progress="hidden")
+            msg.submit(self.send, inputs, outputs, api_name=False, show_progress="hidden")
+            stop.click(self.stop, None, None, api_name="stop_chat", queue=False)
+            # Typing while the answer streams, then Steer: a new instruction from the next token on.
+            steer.click(self.steer, [msg], [msg], api_name="steer_chat", queue=False)
+            regenerate.click(self.regenerate, [rewind_at, selection, msg, chatbot], [*outputs, selection],
+                             api_name="regenerate_chat", show_progress="hidden")
+            clear.click(clear_chat, None, [chatbot, stats], api_name=False, queue=False)

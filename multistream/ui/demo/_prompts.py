@@ -1,0 +1,64 @@
+"""How the Prompt-to-picture tab asks the LLM for an image prompt. Needs no gradio (the notebook uses it).
+
+Example:
+    >>> prompt_messages("the sun at night", "free")[-1]
+    {'role': 'user', 'content': 'the sun at night'}
+"""
+
+from __future__ import annotations
+
+__all__ = ["prompt_messages", "shapes_prompt_pattern"]
+
+_SHAPES_SYSTEM = (
+    "You turn an idea into a picture description for a tiny image model. It can only draw ONE shape "
+    "on a plain background. Shapes: circle, square, triangle, star. Colors: red, green, blue, yellow, "
+    "orange, purple, white, black. Reply with one line only, exactly in the form: "
+    "a <color> <shape> on a <color> background"
+)
+_SHAPES_FEW_SHOT = (
+    ("the sun at night", "a yellow circle on a black background"),
+    ("a pine tree in the snow", "a green triangle on a white background"),
+    ("a starfish in the sea", "an orange star on a blue background"),
+    ("a plum on the grass", "a purple circle on a green background"),
+    ("a box of tomatoes", "a red square on a yellow background"),
+)
+_FREE_SYSTEM = (
+    "You write short, vivid prompts for a text-to-image model. Reply with one line of at most 20 words, "
+    "no quotes."
+)
+
+
+def shapes_prompt_pattern() -> str:
+    """The embedded image model's whole vocabulary as a regular expression, for ``allowed=``.
+
+    The LLM's decoding is held to it, so what the LLM writes is exactly what gets drawn.
+
+    Example:
+        >>> import re
+        >>> bool(re.fullmatch(shapes_prompt_pattern(), "a small yellow circle on a blue background"))
+        True
+    """
+    from ..._shapes import COLORS, SHAPES, SIZES
+
+    colors, shapes, sizes = "|".join(COLORS), "|".join(SHAPES), "|".join(SIZES)
+    return rf"an? (({sizes}) )?({colors}) ({shapes}) on an? ({colors}) background"
+
+
+def prompt_messages(idea: str, style: str) -> list[dict[str, str]]:
+    """The chat messages that ask the LLM to turn ``idea`` into an image prompt.
+
+    ``style`` is ``"shapes"`` (a few-shot prompt in the embedded image model's vocabulary; pair it
+    with ``allowed=shapes_prompt_pattern()``) or ``"free"`` (one vivid line for any model).
+
+    Example:
+        >>> msgs = prompt_messages("a fire truck", "shapes")
+        >>> msgs[0]["role"], msgs[-1]["content"], len(msgs)
+        ('system', 'a fire truck', 12)
+    """
+    if style == "free":
+        return [{"role": "system", "content": _FREE_SYSTEM}, {"role": "user", "content": idea}]
+    messages = [{"role": "system", "content": _SHAPES_SYSTEM}]
+    for user, assistant in _SHAPES_FEW_SHOT:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    messages.append({"role": "user", "content": idea})
+    return messages

@@ -1,0 +1,196 @@
+"""The live view of a stream, shared by every renderer: the notebook (``ms.show``) and the demo.
+
+A :class:`LiveView` folds a stream's events into what is on screen so far (text placed at each
+event's ``offset``, the newest frame per image, the final event or the error); a
+:class:`Throttle` says when the next redraw is due. Both are I/O-free: the caller gives the
+events and the time. :func:`throttled_views` is the thin async loop over them that the demo uses;
+``ms.show`` runs the same two in a plain ``for`` loop.
+
+Example:
+    >>> from multistream.events import TextEvent
+    >>> view = LiveView()
+    >>> view.apply(TextEvent(stream_id="s", seq=0, t=0.1, delta="Hello", token_ids=[1], index=0))
+    >>> view.apply(TextEvent(stream_id="s", seq=1, t=0.2, delta=" there", token_ids=[2], index=1, offset=5))
+    >>> view.text(0), view.length
+    ('Hello there', 11)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..events import ErrorEvent, Event, ImageEvent, TextEvent
+from ..stream import Stream
+
+__all__ = ["Frame", "LiveView", "Throttle", "throttled_views"]
+
+
+class Throttle:
+    """Lets an update through at most once per ``interval`` seconds. I/O-free: the caller gives the time.
+
+    Example:
+        >>> throttle = Throttle(max_fps=10)
+        >>> throttle.due(0.0)
+        True
+        >>> throttle.mark(0.0)
+        >>> throttle.due(0.05), round(throttle.remaining(0.05), 3), throttle.due(0.1)
+        (False, 0.05, True)
+    """
+
+    def __init__(self, max_fps: float) -> None:
+        self.interval = 1.0 / max_fps
+        self._last = -float("inf")
+
+    def due(self, now: float) -> bool:
+        """True when an update at ``now`` is allowed."""
+        return now - self._last >= self.interval
+
+    def mark(self, now: float) -> None:
+        """Record that an update went out at ``now``."""
+        self._last = now
+
+    def remaining(self, now: float) -> float:
+        """Seconds from ``now`` until the next update is due (0.0 when it already is)."""
+        return max(0.0, self.interval - (now - self._last))
+
+
+@dataclass
+class Frame:
+    """The newest frame of one image in the batch; ``final`` once it is the full-quality result.
+
+    Example:
+        >>> LiveView().images.get(0) is None     # no frame yet
+        True
+    """
+
+    ev: ImageEvent
+    final: bool = False
+
+
+@dataclass
+class LiveView:
+    """What a stream has shown so far, folded from its events (shared by every renderer).
+
+    Text follows each event's ``offset`` (``text = text[:offset] + delta``), so after a rewind the
+    cut part is gone; a composed stream (``ms.chain``) can hold several text parts, each closed by
+    an event with a ``finish_reason``. ``images`` keeps the newest frame per image index.
+
+    Example:
+        >>> view = LiveView.starting_with("Hello ")    # a revised answer keeps its first part
+        >>> view.text(0), view.events
+        ('Hello ', 0)
+    """
+
+    # Text parts: a composed stream can hold several (each closed by an event with a finish_reason).
+    texts: list[list[str]] = field(default_factory=list)
+    text_done: list[TextEvent | None] = field(default_factory=list)
+    images: dict[int, Frame] = field(default_factory=dict)
+    final: Event | None = None
+    error: dict[str, str] | None = None
+    events: int = 0
+    t: float = 0.0
+    first_text_t: float | None = None  # when the first text arrived: the live time-to-first-token
+    text_tokens: int = 0
+    frames: int = 0  # preview frames seen (after the stream's own coalescing)
+    revision: int = 0  # the newest text revision (+1 per steer or rewind)
+    # Where each text part starts in the stream's text (offsets count over the whole stream).
+    starts: list[int] = field(default_factory=list)
+    length: int = 0  # characters of text in the stream so far (after edits)
+
+    @classmethod
+    def starting_with(cls, text: str) -> LiveView:
+        """A view whose first text part already holds ``text`` (no events, no first token yet).
+
+        For a stream that continues an answer, e.g. ``llm.revise(final, offset)``, whose events
+        place new text after the kept part.
+        """
+        return cls(texts=[[text] if text else []], text_done=[None], starts=[0], length=len(text))
+
+    def apply(self, ev: Event) -> None:
+        """Fold one event into the view."""
+        self.events += 1
+        self.t = ev.t
+        if isinstance(ev, TextEvent):
+            if not self.texts or self.text_done[-1] is not None:
+                self.texts.append([])
+                self.text_done.append(None)
+                self.starts.append(self.length)
+            self.revision = max(self.revision, ev.revision)
+            offset = ev.offset
+            if offset < self.length:
+                # A rewind: keep the part's text up to the offset, then the new delta.
+                start = self.starts[-1]
+                kept = self.text(len(self.texts) - 1)[: max(0, offset - start)]
+                self.texts[-1][:] = [kept] if kept else []
+                self.length = start + len(kept)
+            if ev.delta:
+                self.texts[-1].append(ev.delta)
+                self.length += len(ev.delta)
+                if self.first_text_t is None:
+                    self.first_text_t = ev.t
+            self.text_tokens += len(ev.token_ids)
+            if ev.finish_reason is not None:
+                self.text_done[-1] = ev
+        elif isinstance(ev, ImageEvent):
+            self.images[ev.index] = Frame(ev, final=ev.finish_reason is not None)
+            if ev.finish_reason is None:
+                self.frames += 1
+        elif isinstance(ev, ErrorEvent):
+            self.error = dict(ev.error)
+        if ev.is_final:
+            self.final = ev
+
+    def text(self, part: int) -> str:
+        """The text of one text part so far."""
+        return "".join(self.texts[part])
+
+
+async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None = None) -> AsyncIterator[LiveView]:
+    """Yield the stream's folded state at most ``max_fps`` times a second, and always at the end.
+
+    Events that arrive between two updates are folded into the state (text placed at its
+    ``offset``, the preview replaced), so a slow page receives the newest frame instead of a queue
+    of old ones; a view with news is sent once its turn comes even if no newer event arrives.
+    Leaving early (the page closed, the task cancelled) cancels the model. ``view`` may start with
+    text already there (:meth:`LiveView.starting_with`, a revised answer's kept part).
+
+    Example:
+        >>> async for view in throttled_views(llm.stream("Write a haiku"), max_fps=15):  # doctest: +SKIP
+        ...     print(view.text(0))
+    """
+    view = view if view is not None else LiveView()
+    throttle = Throttle(max_fps)
+    events = stream.__aiter__()
+    next_ev: asyncio.Future[Any] | None = None
+    dirty = False
+    try:
+        while True:
+            if next_ev is None:
+                next_ev = asyncio.ensure_future(events.__anext__())
+            timeout = throttle.remaining(time.monotonic()) if dirty else None
+            done, _ = await asyncio.wait({next_ev}, timeout=timeout)
+            if next_ev in done:
+                ev = next_ev.result()
+                next_ev = None
+                view.apply(ev)
+                dirty = True
+                if ev.is_final:
+                    yield view
+                    return
+            now = time.monotonic()
+            if dirty and throttle.due(now):
+                throttle.mark(now)
+                dirty = False
+                yield view
+    finally:
+        stream.cancel()
+        if next_ev is not None and not next_ev.done():
+            next_ev.cancel()
+            # The cancelled __anext__ must finish before aclose(), or aclose() finds the generator
+            # still running and raises.
+            await asyncio.gather(next_ev, return_exceptions=True)
+        await events.aclose()  # type: ignore[attr-defined]
