@@ -415,6 +415,8 @@ def _takes_priority(model: Any) -> bool:
     import inspect
 
     try:
-        return "priority" in inspect.signature(model.stream).parameters
+        params = inspect.signature(model.stream).parameters
     except (TypeError, ValueError):
         return False
+    # The families take every option as keywords (`TextOptions`, `ImageOptions`, priority among them).
+    return "priority" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -142,7 +142,7 @@ class ChatTab:
             yield shown, "", first_note
             # `start` is the view to continue (a revision keeps the text before its offset).
             start = view
-            async for view in throttled_views(stream, self.max_fps, start):  # noqa: B020 - the new view replaces the old
+            async for view in throttled_views(stream, self.max_fps, start):
                 shown[-1] = {"role": "assistant", "content": view.text(0) if view.texts else ""}
                 self.live_text[key] = shown[-1]["content"]
                 if view.error is not None:
