@@ -1,10 +1,15 @@
 """How close is each preview to the final image, how early, and at what cost? (issue 10)
 
 On the embedded shapes model, ``--prompts`` prompts x ``--seeds`` seeds at ``--steps`` steps
-(the model's own scheduler and guidance). Every step of every run is previewed four ways:
+(the model's own scheduler and guidance). Every step of every run is previewed five ways, each
+decoder built from the model through the decoder table (`multistream.image._previews.DECODERS`,
+the plan settled as a stream settles it):
 
 * ``latent``: the noisy latent through the linear latent->RGB map;
-* ``x0``:     the model's x0 estimate through the same linear map;
+* ``x0``:     the model's x0 estimate through the best cheap decoder the model has (on the
+              embedded model: the shipped fitted decoder, so the same pictures as ``tiny``);
+* ``x0 map``: x0 through the linear map (what ``preview="x0"`` was before it preferred a fitted
+              decoder, and still is on a model without one);
 * ``tiny``:   x0 through the fitted preview decoder shipped with the model (the default);
 * ``vae``:    x0 through the full VAE (``preview="x0+vae"``: the best a preview can look).
 
@@ -22,7 +27,8 @@ Plain process: no thread-count or OpenMP environment variables are set.
     python benchmarks/preview_fidelity.py --prompts 8 --seeds 1 --reps 3 --skip-layouts   # quicker
 
 Targets: tiny at 50 % within 1.5x of vae's error; tiny at the last step <= 8/255; its error
-falls from step to step on average; tiny's cost <= 1.05x the bare pipeline.
+falls from step to step on average; tiny's cost <= 1.05x the bare pipeline; x0 at the last step
+<= 12/255, its error falling on average.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-MODES = ("latent", "x0", "tiny", "vae")
+# Row name -> preview= mode ("x0 map" is no mode of its own: x0 through the linear map).
+MODES = {"latent": "latent", "x0": "x0", "x0 map": "x0", "tiny": "tiny", "vae": "x0+vae"}
 COST_MODES = {"latent": "latent", "x0": "x0", "tiny": "tiny", "vae": "x0+vae"}
 
 
@@ -82,22 +89,30 @@ def collect(model: Any, prompts: list[str], seeds: list[int], steps: int, batch:
     return torch.cat(lat_all), torch.cat(x0_all), torch.cat(finals), [p for p, _ in runs]
 
 
-def previews(model: Any, mode: str, lat: torch.Tensor, x0: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 previews ``(N, steps, 3, size, size)`` of one mode, as the stream makes them."""
-    from multistream.image._latent_rgb import latents_to_rgb
-    from multistream.image._previews import TinyDecoder, VaeDecoder, to_uint8_frames
+def plan_for(model: Any, row: str) -> Any:
+    """The settled `PreviewPlan` of a row: what a stream of that mode on this model decodes with."""
+    import dataclasses
 
+    from multistream.image._previews import parse_preview, settle_plan
+
+    plan = parse_preview(MODES[row])
+    if row == "x0 map":
+        return dataclasses.replace(plan, decoder="linear", prefer=())
+    return settle_plan(plan, model._decoder_parts(None))
+
+
+def previews(model: Any, row: str, lat: torch.Tensor, x0: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 previews ``(N, steps, 3, size, size)`` of one row, as the stream makes them."""
+    from multistream.image._previews import build_decoder, to_uint8_frames
+
+    plan = plan_for(model, row)
+    decoder = build_decoder(plan, model._decoder_parts(None))
     n, steps = lat.shape[:2]
-    src = (lat if mode == "latent" else x0).reshape(n * steps, *lat.shape[2:])
+    src = (lat if plan.source == "latent" else x0).reshape(n * steps, *lat.shape[2:])
     out = []
     with torch.inference_mode():
         for chunk in src.split(64):
-            if mode in ("latent", "x0"):
-                rgb = latents_to_rgb(chunk, model.latent_rgb)
-            elif mode == "tiny":
-                rgb = TinyDecoder(model._tiny_net())(chunk)
-            else:
-                rgb = VaeDecoder(model.pipeline.vae)(chunk)
+            rgb = decoder.decode(chunk)
             frames = to_uint8_frames(rgb, None).permute(0, 3, 1, 2)
             if frames.shape[-1] != size:  # latent-sized: shown scaled up
                 frames = F.interpolate(frames.float(), size=(size, size), mode="bilinear", align_corners=False)
@@ -213,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     fc, fb, fs = judge_scores(judge, finals, run_prompts)
 
     rows: dict[str, dict[str, Any]] = {}
+    print("decoders: " + ", ".join(f"{row} -> {plan_for(model, row).decoder}" for row in MODES))
     for mode in MODES:
         log(f"previews: {mode}")
         frames = previews(model, mode, lat, x0, size)
@@ -254,13 +270,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<8}{r['median_s']:>10.3f}{r.get('ratio', 1.0):>8.3f}{r.get('overhead_ms_per_step', 0.0):>10.2f}"
               f"{r.get('preview_ms', float('nan')):>11.2f}")  # fmt: skip
 
-    tiny, vae = rows["tiny"], rows["vae"]
+    tiny, vae, x0row = rows["tiny"], rows["vae"], rows["x0"]
     checks = [
         ("tiny at 50 % within 1.5x of vae", tiny["50%"][0] <= 1.5 * vae["50%"][0], f"{tiny['50%'][0]:.1f} vs {vae['50%'][0]:.1f}"),
         ("tiny at the last step <= 8/255", tiny["last"][0] <= 8.0, f"{tiny['last'][0]:.1f}"),
         ("tiny's error falls step to step on average", statistics.fmean(b - a for a, b in zip(tiny["curve"], tiny["curve"][1:])) < 0,
          f"falls at {tiny['falls']}/{steps - 1} steps"),
         ("tiny costs <= 1.05x the bare pipeline", results["tiny"]["ratio"] <= 1.05, f"{results['tiny']['ratio']:.3f}x"),
+        ("x0 at the last step <= 12/255", x0row["last"][0] <= 12.0, f"{x0row['last'][0]:.1f} (x0 map: {rows['x0 map']['last'][0]:.1f})"),
+        ("x0's error falls step to step on average", statistics.fmean(b - a for a, b in zip(x0row["curve"], x0row["curve"][1:])) < 0,
+         f"falls at {x0row['falls']}/{steps - 1} steps"),
     ]  # fmt: skip
     print("\n## targets")
     for text, ok, detail in checks:

@@ -69,3 +69,24 @@ def test_previews_approach_the_final_image(shapes: ms.ImageModel) -> None:
     half = len(x0_vae) // 2
     assert x0_vae[-1] < 0.25 * x0_vae[0]
     assert sum(x0_vae[half:]) / (len(x0_vae) - half) < sum(x0_vae[:half]) / half
+
+
+def test_x0_previews_converge_on_the_final_image(shapes: ms.ImageModel) -> None:
+    """The README's example: ``preview="x0"`` shows the model's estimate through the best cheap
+    decoder it has (the shipped fitted one), so the previews end on the final image. Through the
+    linear map they stopped near 28/255 away and drifted off again over the last steps."""
+    lock = Lockstep()
+    events = lock.events(shapes.stream(PROMPT, steps=20, seed=0, preview="x0", preview_format="png",
+                                       preview_max_side=None, callback_on_step_end=lock.callback))  # fmt: skip
+    assert [e.step for e in events[:-1]] == list(range(1, 21)) and events[-1].finish_reason == "stop"
+    distances = _distances(events)  # mean absolute difference from the final image, 0-255
+    third = len(distances) // 3
+    first, middle, last = distances[:third], distances[third:-third], distances[-third:]
+    # Falling over the run: each third closer than the one before, and a negative trend throughout.
+    assert sum(last) / len(last) < sum(middle) / len(middle) < sum(first) / len(first), distances
+    steps = np.arange(len(distances))
+    assert np.polyfit(steps, distances, 1)[0] < 0, distances
+    # Settling: over the last quarter it never moves away again (beyond rounding of the pixels).
+    tail = distances[-len(distances) // 4 :]
+    assert all(b <= a + 0.5 for a, b in zip(tail, tail[1:])), distances
+    assert distances[-1] <= 12, distances

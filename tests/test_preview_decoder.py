@@ -156,6 +156,42 @@ def test_tiny_preview_on_a_pipeline_without_a_shipped_decoder_fits_once(monkeypa
     assert model._preview_net is not None
 
 
+def _preview_sides(model, preview: str) -> set[int]:
+    """The preview widths of a 2-step run (the tiny SD pipeline: 32 px latents, 64 px images)."""
+    events = list(model.stream("x", steps=2, seed=0, preview=preview, preview_format="png", preview_max_side=None))
+    assert events[-1].finish_reason == "stop", getattr(events[-1], "error", None)
+    return {ev.width for ev in events[:-1]}
+
+
+def test_x0_uses_a_fitted_decoder_where_one_is_at_hand_else_the_linear_map(monkeypatch) -> None:
+    from multistream.image import _random_pipelines as rp
+
+    monkeypatch.setattr(pd, "_DEFAULTS", {**pd._DEFAULTS, **TINY_FIT})
+    monkeypatch.setattr(pd.fit_preview_decoder, "__kwdefaults__", {**pd.fit_preview_decoder.__kwdefaults__, **TINY_FIT})
+    pipe = rp.tiny_sd_pipeline(scheduler="ddim")
+    plain = ms.load_image_model(pipe)
+    # Nothing fitted for this VAE: "x0" is the linear map (latent-sized) and fits nothing.
+    assert _preview_sides(plain, "x0") == {32} and plain._preview_net is None
+    assert not list((pd.preview_decoder_cache_path("x").parent).glob("*.safetensors"))
+    assert _preview_sides(plain, "latent") == {32}
+
+    # A decoder given with preview_decoder=: "x0" uses it (image-sized).
+    torch.manual_seed(0)
+    given = ms.load_image_model(rp.tiny_sd_pipeline(scheduler="ddim"), preview_decoder=pd.PreviewDecoderNet(4, 2, width=8, blocks=1))
+    assert _preview_sides(given, "x0") == {64}
+
+    # Fitted after the model was made (in memory): "x0" picks it up; "latent" stays the map.
+    net = ms.fit_preview_decoder(pipe.vae)
+    assert _preview_sides(plain, "x0") == {64} and plain._preview_net is net
+    assert _preview_sides(plain, "latent") == {32}
+
+    # In a new process, the disk cache: a fresh model of the same VAE finds the fit there.
+    pd._memory.clear()
+    fresh = ms.load_image_model(rp.tiny_sd_pipeline(scheduler="ddim"))
+    assert _preview_sides(fresh, "x0") == {64}
+    assert fresh._preview_net is not None and fresh._preview_net.vae_hash == pd.vae_fingerprint(fresh.pipeline.vae)
+
+
 @pytest.mark.model
 def test_fit_preview_command_writes_a_decoder(tmp_path, capsys) -> None:
     from multistream import cli

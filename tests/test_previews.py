@@ -374,3 +374,84 @@ def test_tiny_decoder_maps_to_unit_range() -> None:
     rgb = TinyDecoder(PreviewDecoderNet(4, 8, width=8, blocks=1))(torch.randn(2, 4, 3, 3) * 5)
     assert rgb.shape == (2, 3, 24, 24) and rgb.dtype == torch.float32
     assert float(rgb.min()) >= 0.0 and float(rgb.max()) <= 1.0
+
+
+# --- the decoder table ------------------------------------------------------------------------------
+
+
+def _parts(vae=None, taesd=None, tiny_ready: bool = False, tiny_net=None):
+    from multistream.image._preview_decoder import PreviewDecoderNet
+    from multistream.image._previews import DecoderParts
+
+    torch.manual_seed(0)
+    net = tiny_net or PreviewDecoderNet(4, 2, width=8, blocks=1)
+    lrgb = LatentRGB(((0.5, 0.0, 0.0), (0.0, 0.5, 0.0), (0.0, 0.0, 0.5), (0.1, 0.1, 0.1)), (0.0, 0.0, 0.0))
+    return DecoderParts(latent_rgb=lambda: lrgb, tiny_net=lambda: net, vae=lambda: vae, tiny_ready=lambda: tiny_ready, taesd=taesd)
+
+
+def _random_taesd():
+    from diffusers import AutoencoderTiny
+
+    torch.manual_seed(0)
+    return AutoencoderTiny(
+        encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8), num_encoder_blocks=(1, 1),
+        num_decoder_blocks=(1, 1), latent_channels=4,
+    ).eval()  # fmt: skip
+
+
+def test_every_decoder_of_the_table_builds_and_decodes_to_unit_rgb(tiny_vae) -> None:
+    from multistream.image._previews import DECODERS, PreviewDecoder, make_decoder
+
+    # Every decoder a preview mode names is in the table, and the table has nothing else.
+    named = {parse_preview(m).decoder for m in PREVIEW_MODES} | {d for m in PREVIEW_MODES for d in parse_preview(m).prefer}
+    assert named - {None} == set(DECODERS) == {"linear", "tiny", "taesd", "vae"}
+    parts = _parts(vae=tiny_vae, taesd=_random_taesd())
+    latents = torch.randn(2, 4, 4, 4)
+    sizes = {}
+    for name, cls in DECODERS.items():
+        decoder = make_decoder(name, parts)
+        assert type(decoder) is cls and isinstance(decoder, PreviewDecoder) and decoder.name == name
+        with torch.inference_mode():  # as in a run: the pipeline calls back without autograd
+            rgb = decoder.decode(latents)
+            assert torch.equal(decoder(latents), rgb)  # calling it is decode()
+        assert rgb.dtype == torch.float32 and rgb.shape[:2] == (2, 3), name
+        assert float(rgb.min()) >= 0.0 and float(rgb.max()) <= 1.0, name
+        sizes[name] = rgb.shape[-1]
+    assert sizes["linear"] == 4 and sizes["tiny"] == sizes["vae"] == 8  # the map is latent-sized; decoders upscale
+
+
+def test_unknown_or_unbuildable_decoders_are_refused_clearly() -> None:
+    from multistream.image._previews import build_decoder, make_decoder
+
+    parts = _parts()
+    with pytest.raises(ms.InvalidArgumentError, match=r"unknown preview decoder 'blurry'; use one of \['linear', 'taesd', 'tiny', 'vae'\]"):
+        make_decoder("blurry", parts)
+    with pytest.raises(ms.InvalidArgumentError, match="unknown preview decoder None"):
+        make_decoder(None, parts)  # type: ignore[arg-type]
+    with pytest.raises(ms.InvalidArgumentError, match="TAESD previews need TAESD weights: pass taesd="):
+        make_decoder("taesd", parts)
+    with pytest.raises(ms.InvalidArgumentError, match="no VAE"):
+        make_decoder("vae", parts)
+    assert build_decoder(parse_preview("none"), parts) is None
+
+
+def test_x0_prefers_the_fitted_decoder_only_where_one_is_at_hand() -> None:
+    from multistream.image._options import PreviewPlan
+    from multistream.image._previews import DecoderParts, build_decoder, settle_plan
+
+    def no_fit():
+        raise AssertionError("settling a plan must not build (or fit) a decoder")
+
+    ready, not_ready = _parts(tiny_ready=True), _parts(tiny_ready=False)
+    assert parse_preview("x0") == PreviewPlan("x0", "x0", "linear", ("tiny",))
+    assert settle_plan(parse_preview("x0"), ready) == PreviewPlan("x0", "x0", "tiny")
+    assert settle_plan(parse_preview("x0"), not_ready) == PreviewPlan("x0", "x0", "linear")
+    # Without x0 the noisy latent is shown, which a fitted decoder would draw as noise.
+    assert settle_plan(parse_preview("x0"), ready, has_x0=False).decoder == "linear"
+    # The other modes prefer nothing: what they name is what they get.
+    for mode in ("latent", "tiny", "x0+tiny", "taesd", "vae", "x0+vae", "x0+taesd", "none"):
+        assert settle_plan(parse_preview(mode), ready) == parse_preview(mode)
+    lazy = DecoderParts(latent_rgb=no_fit, tiny_net=no_fit, vae=no_fit, tiny_ready=lambda: True)
+    assert settle_plan(parse_preview("x0"), lazy).decoder == "tiny"
+    assert build_decoder(parse_preview("x0"), ready).name == "tiny"
+    assert build_decoder(parse_preview("x0"), not_ready).name == "linear"

@@ -61,7 +61,7 @@ from ..stream import Stream, StreamWriter
 from ._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from ._latent_rgb import LatentRGB, detect_family, latent_rgb_for
 from ._options import PreviewPlan, PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
-from ._previews import LinearDecoder, TinyDecoder, VaeDecoder, x0_strategy
+from ._previews import DecoderParts, settle_plan, x0_strategy
 from ._run import ImageRun, ImageSteering
 from ._stepper import ImageRequest, ImageStepper
 from ._taesd import load_taesd
@@ -91,6 +91,7 @@ class ImageJob:
     taesd: Any
     user_callback: Callable[..., Any] | None
     tensor_inputs: list[str]
+    decoders: DecoderParts  # what `build_decoder` makes ``plan.decoder`` from
     priority: int = 0
 
 
@@ -106,10 +107,13 @@ class ImageModel:
 
     ``taesd`` (a folder or an ``AutoencoderTiny``) enables ``preview="taesd"``. ``latent_rgb``
     (a `LatentRGB`, a ``{"matrix", "bias"}`` dict or a ``latent_rgb.json`` path) overrides the
-    latent->RGB map that ``preview="latent"``/``"x0"`` use; see `multistream.image._latent_rgb`.
+    latent->RGB map that ``preview="latent"`` uses (and ``"x0"`` where no fitted decoder is at
+    hand); see `multistream.image._latent_rgb`.
     ``preview_decoder`` (a `PreviewDecoderNet` or its ``.safetensors`` path) is the decoder of
-    ``preview="tiny"``; by default the model folder's ``preview_decoder.safetensors``, else one
-    fitted to the VAE on first use (`multistream.fit_preview_decoder`, cached per VAE).
+    ``preview="tiny"`` and ``"x0"``; by default the model folder's
+    ``preview_decoder.safetensors``, else one fitted to this VAE before (in memory or the cache);
+    ``"tiny"`` fits one on first use where there is none (`multistream.fit_preview_decoder`,
+    cached per VAE), ``"x0"`` uses the linear map instead.
     ``max_batch`` (default 4): up to this many concurrent requests of one priority take each
     denoising step together, their UNet calls batched where shapes match
     (`multistream.image._denoiser_batch`: about 1.6x the throughput for 2 requests of the
@@ -162,6 +166,7 @@ class ImageModel:
         self._resolve_lock = threading.Lock()
         self._warned: set[str] = set()
         self._vae_for_previews: Any = None
+        self._looked_for_cached_fit = False  # the disk look-up hashes the VAE: once per model
         try:
             signature = inspect.signature(pipeline.__call__)
         except (TypeError, ValueError):
@@ -332,13 +337,29 @@ class ImageModel:
 
         ``steps`` and ``guidance_scale`` default to the pipeline's own defaults; ``seed`` makes the
         run reproducible (None picks one, reported in the final event's ``metrics["seed"]``).
-        ``preview`` is one of ``"latent"`` (a linear map of the noisy latent: about free), ``"x0"``
-        (the model's current estimate of the clean image through the same map: as cheap, far more
-        telling early on), ``"tiny"`` (x0 through a tiny decoder fitted to this VAE: the image's
-        own colours, about 2 ms a frame on a small CPU; fitted once per VAE if the model ships none),
-        ``"taesd"`` (needs ``taesd=`` weights), ``"vae"`` (full decode each preview: slow),
-        ``"none"``; ``"x0+taesd"``/``"x0+vae"`` decode x0 with those. None (the default) is the
-        model's `default_preview`: ``"tiny"`` for the embedded model, ``"latent"`` for others.
+        ``preview`` picks which picture a preview shows (the noisy latent, or x0: the model's
+        current estimate of the clean image) and which decoder draws it:
+
+        ==================  =======  ==========================================================
+        ``preview=``        picture  decoder
+        ==================  =======  ==========================================================
+        ``"latent"``        latent   linear latent->RGB map: about free, latent-sized
+        ``"x0"``            x0       the best cheap one the model has: its fitted tiny decoder
+                                     where one is at hand (shipped, as with the embedded
+                                     model; ``preview_decoder=``; or fitted before for this
+                                     VAE), else the linear map. Far more telling early on
+        ``"tiny"``          x0       the fitted tiny decoder (about 2 ms a frame on a small
+                                     CPU; fitted once per VAE where none is at hand)
+        ``"taesd"``         latent   TAESD (needs ``taesd=`` weights)
+        ``"vae"``           latent   the full VAE each preview: slow
+        ``"x0+taesd"``,     x0       TAESD, the full VAE, the fitted decoder
+        ``"x0+vae"``,
+        ``"x0+tiny"``
+        ``"none"``          -        no previews
+        ==================  =======  ==========================================================
+
+        None (the default) is the model's `default_preview`: ``"tiny"`` for the embedded model,
+        ``"latent"`` for others.
         ``preview_every=k`` previews steps 1, 1+k, 1+2k, ... (``ceil(steps / k)`` previews).
         Previews are ``preview_format`` (jpeg | webp | png) at ``preview_quality``, scaled down to
         ``preview_max_side`` (None: never scaled; a linear-map preview is latent-sized, e.g. 64 px for
@@ -412,6 +433,10 @@ class ImageModel:
                 )
         elif taesd is not None:
             self._taesd_for(taesd)  # still check it, so a typo does not pass silently
+        decoders = self._decoder_parts(taesd_model)
+        # What the plan prefers ("x0": the fitted decoder) is settled here, on the caller's thread,
+        # so the job names the decoder its run builds and nothing is fitted for a preference.
+        plan = settle_plan(plan, decoders, has_x0=x0_strategy(self._pipe.scheduler) is not None)
         if plan.decoder in ("vae", "tiny") and getattr(self._pipe, "vae", None) is None and self._preview_net is None:
             raise InvalidArgumentError(f"{type(self._pipe).__name__} has no VAE; preview={plan.mode!r} cannot work")
         if plan.source == "x0":
@@ -483,6 +508,7 @@ class ImageModel:
             taesd=taesd_model,
             user_callback=user_callback,
             tensor_inputs=tensor_inputs,
+            decoders=decoders,
         )
 
     def _check_size(self, height: int | None, width: int | None) -> tuple[int | None, int | None]:
@@ -553,7 +579,10 @@ class ImageModel:
         return self.dtype
 
     def _preview_vae(self) -> Any:
-        vae = self._pipe.vae
+        """The VAE that ``"vae"`` previews and ``finish_early()`` decode with (None: the pipeline has none)."""
+        vae = getattr(self._pipe, "vae", None)
+        if vae is None:
+            return None
         upcasts = hasattr(self._pipe, "upcast_vae") and getattr(vae.config, "force_upcast", False)
         if self._vae_dtype == torch.float16 and upcasts:
             # Where the pipeline upcasts its VAE for the final decode (SDXL's overflows in float16),
@@ -565,16 +594,16 @@ class ImageModel:
             return self._vae_for_previews
         return vae
 
-    def _decoder(self, job: ImageJob) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        if job.plan.decoder == "linear":
-            return LinearDecoder(self.latent_rgb)
-        if job.plan.decoder == "vae":
-            return VaeDecoder(self._preview_vae(), "vae")
-        if job.plan.decoder == "taesd":
-            return VaeDecoder(job.taesd, "taesd")
-        if job.plan.decoder == "tiny":
-            return TinyDecoder(self._tiny_net())
-        return None
+    def _decoder_parts(self, taesd: Any) -> DecoderParts:
+        """What this model lends the preview decoders (`multistream.image._previews.DECODERS`);
+        ``taesd``: the request's TAESD model, or None."""
+        return DecoderParts(
+            latent_rgb=lambda: self.latent_rgb,
+            tiny_net=self._tiny_net,
+            vae=self._preview_vae,
+            tiny_ready=self._tiny_ready,
+            taesd=taesd,
+        )
 
     def _tiny_net(self) -> Any:
         """The fitted preview decoder: given, shipped in the model folder, or fitted (once per VAE)."""
@@ -589,6 +618,24 @@ class ImageModel:
                     raise InvalidArgumentError(f"{type(self._pipe).__name__} has no VAE; preview='tiny' cannot work")
                 self._preview_net = net.to(self.device)
             return self._preview_net
+
+    def _tiny_ready(self) -> bool:
+        """True when a fitted preview decoder is at hand without fitting: given, shipped, or fitted
+        before for this VAE (in memory; on disk, looked up once per model since that hashes the
+        VAE's weights). A decoder found is kept, as `_tiny_net` would keep it."""
+        with self._resolve_lock:
+            if self._preview_net is not None:
+                return True
+            from ._preview_decoder import cached_preview_decoder, preview_decoder_for
+
+            net = preview_decoder_for(self._pipe, self._model_dir, fit=False)
+            if net is None:
+                net = cached_preview_decoder(getattr(self._pipe, "vae", None), disk=not self._looked_for_cached_fit)
+                self._looked_for_cached_fit = True
+            if net is None:
+                return False
+            self._preview_net = net.to(self.device)
+            return True
 
     def _latent_rgb_if_ready(self) -> LatentRGB | None:
         """The map if it is known without fitting (nothing may be decoded after a cancel)."""

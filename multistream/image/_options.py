@@ -59,11 +59,23 @@ _RESERVED = {
 @dataclass(frozen=True)
 class PreviewPlan:
     """What ``preview=`` asks for: ``source`` ("latent" | "x0" | None) and ``decoder``
-    ("linear" | "taesd" | "tiny" | "vae" | None)."""
+    ("linear" | "taesd" | "tiny" | "vae" | None, a name of `multistream.image._previews.DECODERS`).
+
+    ``prefer`` names decoders to use instead of ``decoder`` where the model has one at hand
+    without fitting or downloading anything: ``"x0"`` prefers ``"tiny"`` (a fitted decoder
+    shows the model's estimate in the image's own colours, the linear map only roughly), so
+    ``decoder`` is what every model can do and ``prefer`` what a model may do better. The model
+    settles it (`multistream.image._previews.settle_plan`) before the run starts.
+
+    Example:
+        >>> parse_preview("x0").prefer, parse_preview("latent").prefer
+        (('tiny',), ())
+    """
 
     mode: str
     source: str | None
     decoder: str | None
+    prefer: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -75,7 +87,9 @@ def parse_preview(mode: str) -> PreviewPlan:
 
     Example:
         >>> parse_preview("x0")
-        PreviewPlan(mode='x0', source='x0', decoder='linear')
+        PreviewPlan(mode='x0', source='x0', decoder='linear', prefer=('tiny',))
+        >>> parse_preview("tiny")
+        PreviewPlan(mode='tiny', source='x0', decoder='tiny', prefer=())
     """
     if not isinstance(mode, str) or mode.lower() not in PREVIEW_MODES:
         raise InvalidArgumentError(f"unknown preview={mode!r}; use one of {list(PREVIEW_MODES)}")
@@ -85,7 +99,8 @@ def parse_preview(mode: str) -> PreviewPlan:
     if mode == "latent":
         return PreviewPlan(mode, "latent", "linear")
     if mode == "x0":
-        return PreviewPlan(mode, "x0", "linear")
+        # The best cheap decoder the model has: its fitted one if it has one ready, else the map.
+        return PreviewPlan(mode, "x0", "linear", ("tiny",))
     if mode == "tiny":
         return PreviewPlan(mode, "x0", "tiny")
     if mode.startswith("x0+"):

@@ -69,6 +69,7 @@ __all__ = [
     "PREVIEW_DECODER_FILE",
     "FitProgress",
     "PreviewDecoderNet",
+    "cached_preview_decoder",
     "collect_x0_latents",
     "fit_preview_decoder",
     "load_preview_decoder",
@@ -547,6 +548,47 @@ def preview_decoder_for(
     if vae is None or not fit:
         return None
     return fit_preview_decoder(vae, progress=progress)
+
+
+def cached_preview_decoder(vae: Any, *, disk: bool = True) -> PreviewDecoderNet | None:
+    """A decoder fitted before for this VAE, without fitting one: from memory (any options, the
+    defaults first), else (``disk``) from the cache a default `fit_preview_decoder` writes.
+    None when there is none. The disk look-up hashes the VAE's weights (`vae_fingerprint`), so
+    callers that ask often look on disk once.
+
+    Example:
+        >>> cached_preview_decoder(sd.pipeline.vae) is None             # doctest: +SKIP
+        True
+    """
+    if vae is None or not hasattr(vae, "parameters") or getattr(vae, "config", None) is None:
+        return None
+    default_key = json.dumps(_DEFAULTS, sort_keys=True)
+    with _memory_lock:
+        try:
+            fits = dict(_memory.get(vae, {}))
+        except TypeError:
+            fits = {}
+    if fits:
+        return fits.get(default_key) or next(iter(fits.values()))
+    if not disk:
+        return None
+    try:
+        device, _ = _vae_device_dtype(vae)
+    except StopIteration:
+        return None
+    fingerprint = vae_fingerprint(vae)
+    path = preview_decoder_cache_path(fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        net = load_preview_decoder(path)
+    except ModelLoadError:
+        return None  # a damaged file: fit_preview_decoder would fit again, nothing is at hand
+    if net.vae_hash != fingerprint:
+        return None
+    net = net.to(device)
+    _remember(vae, default_key, net)
+    return net
 
 
 GENERIC_PROMPTS = (

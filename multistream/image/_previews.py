@@ -3,21 +3,28 @@
 The pieces, each small and testable without a real model:
 
 * `PreviewThrottle` decides at which steps a preview is made (``preview_every``).
-* `parse_preview` reads ``preview=`` into a *source* (the noisy latent, or the model's current
-  prediction of the clean image, x0) and a *decoder* (a linear latent->RGB map, TAESD, the VAE).
+* `parse_preview` reads ``preview=`` into a `PreviewPlan`: a *source* (the noisy latent, or the
+  model's current prediction of the clean image, x0) and a *decoder* (a name of `DECODERS`).
   Both live in the torch-free `multistream.image._options` (the fake image model checks its
   arguments with them too) and are re-exported here:
 
   ============  =====================  ======================================================
   ``preview=``  source                 decoder
   ============  =====================  ======================================================
-  ``"latent"``  noisy latent           linear map (`multistream.image._latent_rgb`): about free
-  ``"x0"``      predicted clean image  linear map: as cheap, far more informative early on
-  ``"taesd"``   noisy latent           ``diffusers.AutoencoderTiny`` (weights from the user)
-  ``"tiny"``    predicted clean image  a tiny decoder fitted to this VAE
+  ``"latent"``  noisy latent           ``linear``: a linear map (`multistream.image._latent_rgb`),
+                                       about free, latent-sized
+  ``"x0"``      predicted clean image  the best cheap decoder the model has: ``tiny`` where a
+                                       fitted one is at hand (shipped with the model, as the
+                                       embedded one is; given with ``preview_decoder=``; or
+                                       fitted before for this VAE), else ``linear``
+  ``"tiny"``    predicted clean image  ``tiny``: a tiny decoder fitted to this VAE
                                        (`multistream.image._preview_decoder`): the image's own
-                                       colours and shapes for about 2 ms a frame (CPU)
-  ``"vae"``     noisy latent           the pipeline's full VAE: best looking, most expensive
+                                       colours and shapes for about 2 ms a frame (CPU); fitted
+                                       once per VAE (a minute or two) where none is at hand
+  ``"taesd"``   noisy latent           ``taesd``: ``diffusers.AutoencoderTiny`` (weights from
+                                       the user)
+  ``"vae"``     noisy latent           ``vae``: the pipeline's full VAE: best looking, most
+                                       expensive
   ``"none"``    -                      no previews, only the final image
   ============  =====================  ======================================================
 
@@ -26,6 +33,12 @@ The pieces, each small and testable without a real model:
   noise, so it always gets x0). TAESD weights are a published ``AutoencoderTiny`` per family;
   fitted decoders are made for any VAE (shipped with the embedded model, else fitted once per
   VAE and cached), and are what the embedded model previews with by default.
+* The decoders are a table, `DECODERS` (name -> class), in the manner of httpx's content
+  decoders: `LinearDecoder`, `TinyDecoder`, `TaesdDecoder` and `VaeDecoder` share one interface
+  (`PreviewDecoder`: ``decode(latents) -> RGB in [0, 1]``, built ``from_parts`` of a model:
+  `DecoderParts`). `settle_plan` turns what a plan *prefers* (``"x0"``: ``tiny``) into the
+  decoder this model can do without fitting anything, and `build_decoder` is the one place a
+  run's decoder is made.
 * `X0Tracker` wraps ``scheduler.step`` for the duration of a run to get x0: the scheduler's own
   ``pred_original_sample`` (or ``denoised``) where its output has one, else x0 computed from
   the model output: ``x0 = x_t - sigma * v`` for flow matching (SD3, Flux),
@@ -57,7 +70,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -67,19 +80,26 @@ from ._latent_rgb import LatentRGB, latents_to_rgb, latents_to_vae_space
 from ._options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 
 __all__ = [
+    "DECODERS",
     "PREVIEW_MODES",
+    "DecoderParts",
     "FrameWorker",
     "HostFrames",
     "LinearDecoder",
     "PendingFrame",
+    "PreviewDecoder",
     "PreviewPlan",
     "PreviewThrottle",
+    "TaesdDecoder",
     "TinyDecoder",
     "VaeDecoder",
     "X0Tracker",
+    "build_decoder",
     "compute_x0",
     "false_color",
+    "make_decoder",
     "parse_preview",
+    "settle_plan",
     "to_uint8_frames",
     "unpack_latents",
     "x0_strategy",
@@ -298,40 +318,86 @@ def unpack_latents(pipeline: Any, latents: torch.Tensor, height: int | None, wid
     )
 
 
-class LinearDecoder:
-    """Scaled latents -> RGB in [0, 1] with a `LatentRGB` map: one small matrix product."""
+@dataclass(frozen=True)
+class DecoderParts:
+    """What a model lends its preview decoders, each part behind a callable: only the decoder
+    that is built asks for its part, so building the linear map never fits a tiny decoder, and
+    building the tiny decoder never fits a linear map.
+
+    ``latent_rgb()``: the `LatentRGB` map (may fit one on first use); ``tiny_net()``: the fitted
+    `PreviewDecoderNet` (may fit one, once per VAE); ``tiny_ready()``: True when one is at hand
+    without fitting; ``vae()``: the VAE previews decode with (None where the pipeline has none);
+    ``taesd``: this request's TAESD model (an ``AutoencoderTiny``), or None.
+
+    Example:
+        >>> parts = DecoderParts(latent_rgb=lambda: LatentRGB(((1.0, 0.0, 0.0),) * 4, (0.0, 0.0, 0.0)),
+        ...                      tiny_net=lambda: None, vae=lambda: None)
+        >>> make_decoder("linear", parts).name
+        'linear'
+    """
+
+    latent_rgb: Callable[[], LatentRGB]
+    tiny_net: Callable[[], Any]
+    vae: Callable[[], Any]
+    tiny_ready: Callable[[], bool] = lambda: False
+    taesd: Any = None
+
+
+class PreviewDecoder:
+    """One way from scaled latents to pixels: the interface of every entry of `DECODERS`.
+
+    ``decode(latents)`` takes the spatial latents the denoiser sees, ``(B, C, h, w)`` (after
+    ``scaling_factor``/``shift_factor``), and returns RGB ``(B, 3, H, W)`` float32 in [0, 1] on
+    the model's device; calling the decoder does the same. ``from_parts`` builds one from a
+    model's `DecoderParts`; ``ready`` says whether that works without fitting or downloading
+    anything (what ``PreviewPlan.prefer`` asks).
+
+    Example:
+        >>> sorted(DECODERS), all(issubclass(c, PreviewDecoder) for c in DECODERS.values())
+        (['linear', 'taesd', 'tiny', 'vae'], True)
+    """
+
+    name: ClassVar[str] = ""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover - every entry of DECODERS has its own
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.decode(latents)
+
+    @classmethod
+    def from_parts(cls, parts: DecoderParts) -> PreviewDecoder:
+        raise NotImplementedError  # pragma: no cover
+
+    @classmethod
+    def ready(cls, parts: DecoderParts) -> bool:
+        return True
+
+
+class LinearDecoder(PreviewDecoder):
+    """Scaled latents -> RGB in [0, 1] with a `LatentRGB` map: one small matrix product, at the
+    latent's own size (e.g. 64 px for a 512 px image).
+
+    Example:
+        >>> lrgb = LatentRGB(((1.0, 0.0, 0.0),) * 4, (0.0, 0.0, 0.0))
+        >>> LinearDecoder(lrgb)(torch.zeros(1, 4, 2, 2)).shape
+        torch.Size([1, 3, 2, 2])
+    """
 
     name = "linear"
 
     def __init__(self, latent_rgb: LatentRGB) -> None:
         self.latent_rgb = latent_rgb
 
-    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return latents_to_rgb(latents, self.latent_rgb)
 
-
-class VaeDecoder:
-    """Scaled latents -> RGB in [0, 1] with a VAE (``AutoencoderKL``, ``AutoencoderTiny``, ...).
-
-    The latents are unscaled with the *decoder's* config (``scaling_factor``, ``shift_factor``),
-    as a pipeline would if that VAE were its own, so TAESD models decode pipeline latents directly.
-    """
-
-    def __init__(self, vae: Any, name: str = "vae") -> None:
-        self.vae = vae
-        self.name = name
-        param = next(vae.parameters())
-        self.dtype = param.dtype
-        self.device = param.device
-
-    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
-        raw = latents_to_vae_space(latents.to(device=self.device, dtype=self.dtype), self.vae.config)
-        out = self.vae.decode(raw)
-        image = out.sample if hasattr(out, "sample") else out[0]
-        return image.float().add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
+    @classmethod
+    def from_parts(cls, parts: DecoderParts) -> LinearDecoder:
+        return cls(parts.latent_rgb())
 
 
-class TinyDecoder:
+class TinyDecoder(PreviewDecoder):
     """Scaled latents -> RGB in [0, 1] with a fitted `PreviewDecoderNet` (float32, on its device).
 
     Example:
@@ -346,10 +412,146 @@ class TinyDecoder:
         self.net = net
         self.device = next(net.parameters()).device
 
-    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             out = self.net(latents.to(device=self.device, dtype=torch.float32))
             return out.add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
+
+    @classmethod
+    def from_parts(cls, parts: DecoderParts) -> TinyDecoder:
+        return cls(parts.tiny_net())
+
+    @classmethod
+    def ready(cls, parts: DecoderParts) -> bool:
+        return parts.tiny_ready()
+
+
+class VaeDecoder(PreviewDecoder):
+    """Scaled latents -> RGB in [0, 1] with a VAE (``AutoencoderKL``, ``AutoencoderTiny``, ...).
+
+    The latents are unscaled with the *decoder's* config (``scaling_factor``, ``shift_factor``),
+    as a pipeline would if that VAE were its own, so TAESD models decode pipeline latents directly.
+
+    Example:
+        >>> rgb = VaeDecoder(sd.pipeline.vae)(latents)                  # doctest: +SKIP
+    """
+
+    name = "vae"
+
+    def __init__(self, vae: Any) -> None:
+        self.vae = vae
+        param = next(vae.parameters())
+        self.dtype = param.dtype
+        self.device = param.device
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        raw = latents_to_vae_space(latents.to(device=self.device, dtype=self.dtype), self.vae.config)
+        out = self.vae.decode(raw)
+        image = out.sample if hasattr(out, "sample") else out[0]
+        return image.float().add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
+
+    @classmethod
+    def from_parts(cls, parts: DecoderParts) -> VaeDecoder:
+        vae = parts.vae()
+        if vae is None:
+            raise InvalidArgumentError("this pipeline has no VAE, so previews cannot use one; use preview='latent'")
+        return cls(vae)
+
+    @classmethod
+    def ready(cls, parts: DecoderParts) -> bool:
+        return parts.vae() is not None
+
+
+class TaesdDecoder(VaeDecoder):
+    """Scaled latents -> RGB in [0, 1] with TAESD (a diffusers ``AutoencoderTiny``), which
+    decodes the pipeline's latents like its VAE would, at a fraction of the cost.
+
+    Example:
+        >>> rgb = TaesdDecoder(load_taesd("./taesd", device, dtype))(latents)   # doctest: +SKIP
+    """
+
+    name = "taesd"
+
+    @classmethod
+    def from_parts(cls, parts: DecoderParts) -> TaesdDecoder:
+        if parts.taesd is None:
+            raise InvalidArgumentError(
+                "TAESD previews need TAESD weights: pass taesd= (a folder with a diffusers AutoencoderTiny, or the "
+                "object) to load_image_model(...) or stream(...)"
+            )
+        return cls(parts.taesd)
+
+    @classmethod
+    def ready(cls, parts: DecoderParts) -> bool:
+        return parts.taesd is not None
+
+
+#: The preview decoders by name: ``PreviewPlan.decoder`` and ``PreviewPlan.prefer`` name them.
+DECODERS: dict[str, type[PreviewDecoder]] = {
+    "linear": LinearDecoder,
+    "tiny": TinyDecoder,
+    "taesd": TaesdDecoder,
+    "vae": VaeDecoder,
+}
+
+
+def make_decoder(name: str, parts: DecoderParts) -> PreviewDecoder:
+    """The decoder ``name`` (a key of `DECODERS`) built from ``parts``; an unknown name raises
+    `InvalidArgumentError` naming the known ones.
+
+    Example:
+        >>> make_decoder("blurry", None)
+        Traceback (most recent call last):
+        ...
+        multistream.errors.InvalidArgumentError: unknown preview decoder 'blurry'; use one of ['linear', 'taesd', 'tiny', 'vae']
+    """
+    cls = DECODERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise InvalidArgumentError(f"unknown preview decoder {name!r}; use one of {sorted(DECODERS)}")
+    return cls.from_parts(parts)
+
+
+def settle_plan(plan: PreviewPlan, parts: DecoderParts, *, has_x0: bool = True) -> PreviewPlan:
+    """``plan`` with its decoder chosen: the first of ``plan.prefer`` this model has `ready`, else
+    ``plan.decoder``; the result prefers nothing. ``has_x0=False`` (the scheduler gives no x0, so
+    the noisy latent is shown instead) keeps ``plan.decoder``: a fitted decoder, trained on clean
+    latents, would draw the noisy latent as noise.
+
+    Example:
+        >>> parts = DecoderParts(latent_rgb=lambda: None, tiny_net=lambda: None, vae=lambda: None,
+        ...                      tiny_ready=lambda: True)
+        >>> settle_plan(parse_preview("x0"), parts).decoder
+        'tiny'
+        >>> settle_plan(parse_preview("x0"), parts, has_x0=False).decoder
+        'linear'
+    """
+    if not plan.prefer:
+        return plan
+    decoder = plan.decoder
+    if has_x0 or plan.source != "x0":
+        for name in plan.prefer:
+            cls = DECODERS.get(name)
+            if cls is not None and cls.ready(parts):
+                decoder = name
+                break
+    return dataclasses.replace(plan, decoder=decoder, prefer=())
+
+
+def build_decoder(plan: PreviewPlan, parts: DecoderParts, *, has_x0: bool = True) -> PreviewDecoder | None:
+    """The one place a preview decoder is made: the decoder ``plan`` asks for (settled with
+    `settle_plan` if it still prefers one), built from the model's ``parts``; None for
+    ``preview="none"``.
+
+    Example:
+        >>> lrgb = LatentRGB(((1.0, 0.0, 0.0),) * 4, (0.0, 0.0, 0.0))
+        >>> parts = DecoderParts(latent_rgb=lambda: lrgb, tiny_net=lambda: None, vae=lambda: None)
+        >>> build_decoder(parse_preview("x0"), parts).name, build_decoder(parse_preview("none"), parts)
+        ('linear', None)
+    """
+    plan = settle_plan(plan, parts, has_x0=has_x0)
+    if plan.decoder is None:
+        return None
+    return make_decoder(plan.decoder, parts)
 
 
 def false_color(latents: torch.Tensor) -> torch.Tensor:

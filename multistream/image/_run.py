@@ -48,18 +48,20 @@ from ..events import ImageEvent
 from ..stream import StreamWriter
 from ._denoiser_batch import DenoiserGate
 from ._frames import EncodedFrame, encode_frame
-from ._latent_rgb import latents_to_rgb
 from ._previews import (
     FrameWorker,
     HostFrames,
+    LinearDecoder,
     PendingFrame,
-    VaeDecoder,
+    PreviewDecoder,
     X0Tracker,
+    build_decoder,
     false_color,
+    make_decoder,
     to_uint8_frames,
     unpack_latents,
     x0_strategy,
-)
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from ._checkpoint import RunCheckpoints
@@ -380,9 +382,10 @@ class ImageRun:
         if writer.cancelled:
             self._emit_cancelled()
             return
-        decoder = self.model._decoder(job)
         # x0 is tracked whenever the scheduler allows it: x0 previews and finish_early() need it.
-        tracker = X0Tracker(pipe.scheduler) if x0_strategy(pipe.scheduler) is not None else None
+        has_x0 = x0_strategy(pipe.scheduler) is not None
+        decoder = build_decoder(job.plan, job.decoders, has_x0=has_x0)
+        tracker = X0Tracker(pipe.scheduler) if has_x0 else None
         # Encoding off the engine thread pays where the denoiser runs elsewhere (a GPU); on a CPU it
         # only competes with the denoiser's own threads, so frames are encoded inline there.
         inline = self.model.device.type == "cpu"
@@ -446,9 +449,7 @@ class ImageRun:
             reason = "content_filter" if nsfw is not None and i < len(nsfw) and nsfw[i] else "stop"
             self._emit_done(frame, i, total, total, reason, metrics, last=i == count - 1)
 
-    def _make_callback(
-        self, decoder: Callable[[torch.Tensor], torch.Tensor] | None, tracker: X0Tracker | None
-    ) -> Callable[..., dict[str, Any]]:
+    def _make_callback(self, decoder: PreviewDecoder | None, tracker: X0Tracker | None) -> Callable[..., dict[str, Any]]:
         writer, job, run, checkpoints = self.writer, self.job, self.stats, self.checkpoints
 
         def callback(pipeline: Any, i: int, t: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -496,9 +497,7 @@ class ImageRun:
 
         return callback
 
-    def _make_preview(
-        self, decoder: Callable[[torch.Tensor], torch.Tensor], tracker: X0Tracker | None, step: int, latents: torch.Tensor
-    ) -> None:
+    def _make_preview(self, decoder: PreviewDecoder, tracker: X0Tracker | None, step: int, latents: torch.Tensor) -> None:
         job, run = self.job, self.stats
         started = time.perf_counter()
         source = latents
@@ -507,7 +506,7 @@ class ImageRun:
             if x0 is not None:
                 source = x0
         spatial = unpack_latents(self.pipe, source, job.height, job.width)
-        frames = HostFrames(to_uint8_frames(decoder(spatial), job.preview_max_side))
+        frames = HostFrames(to_uint8_frames(decoder.decode(spatial), job.preview_max_side))
         total = run.total or step
         assert self.worker is not None
         for index in range(frames.shape[0]):
@@ -561,7 +560,10 @@ class ImageRun:
         elif run.stop_latents is not None:
             spatial = unpack_latents(self.pipe, run.stop_latents, job.height, job.width)
             lrgb = self.model._latent_rgb_if_ready()
-            rgb = latents_to_rgb(spatial, lrgb) if lrgb is not None and lrgb.channels == spatial.shape[1] else false_color(spatial)
+            if lrgb is not None and lrgb.channels == spatial.shape[1]:
+                rgb = LinearDecoder(lrgb).decode(spatial)
+            else:
+                rgb = false_color(spatial)
             host = HostFrames(to_uint8_frames(rgb, job.preview_max_side))
             for index in range(host.shape[0]):
                 frames.append((run.stop_step, encode_frame(host.array(index), job.preview_format, job.preview_quality)))
@@ -585,7 +587,7 @@ class ImageRun:
             return
         started = time.perf_counter()
         spatial = unpack_latents(self.pipe, run.stop_latents, job.height, job.width)
-        rgb = VaeDecoder(self.model._preview_vae(), "vae")(spatial)
+        rgb = make_decoder("vae", job.decoders).decode(spatial)
         host = HostFrames(to_uint8_frames(rgb, None))
         frames = [encode_frame(host.array(i), job.final_format, job.final_quality) for i in range(host.shape[0])]
         extra = {"decode_ms": (time.perf_counter() - started) * 1e3}
