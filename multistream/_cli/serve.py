@@ -62,19 +62,67 @@ def add_parser(subparsers: Any) -> None:
     scale.add_argument("--autoscale", action="store_true",
                        help="--ray: autoscale model replicas between 1 and the --*-replicas counts")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_setting_flags(p)
     p.set_defaults(func=run)
 
 
+# The flags above that name a ServerSettings field in their own words; every other field gets a
+# flag of its own name (`_add_setting_flags`), so every setting is reachable from the command line.
+NAMED_FLAGS = {
+    "api_key": "api_key", "grace_period_s": "grace_period", "shutdown_deadline_s": "shutdown_deadline",
+    "text_concurrency": "text_concurrency", "image_concurrency": "image_concurrency", "queue_size": "queue_size",
+    "heartbeat_s": "heartbeat", "keys_file": "keys", "blocklist_file": "blocklist",
+    "allowed_origins": "allowed_origins", "allowed_hosts": "allowed_hosts", "max_connections": "max_connections",
+    "event_log": "event_log",
+}
+
+
+def _setting_help(name: str) -> str:
+    """The sentence of `ServerSettings`' docstring that describes ``name`` (written once, there)."""
+    from ..server import ServerSettings
+
+    doc = " ".join((ServerSettings.__doc__ or "").split())
+    at = doc.find(name)
+    if at < 0:
+        return f"ServerSettings.{name}"
+    end = min((i for i in (doc.find(";", at), doc.find(". ", at)) if i > 0), default=len(doc))
+    return doc[at:end].strip(" .;") + f" (ServerSettings.{name})"
+
+
+def _add_setting_flags(parser: Any) -> None:
+    import dataclasses
+
+    from ..server import ServerSettings
+
+    group = parser.add_argument_group(
+        "server settings", "every other ServerSettings field; each also reads MULTISTREAM_<FIELD> from the environment")
+    for field in dataclasses.fields(ServerSettings):
+        if field.name in NAMED_FLAGS:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = str(field.type)
+        default = field.default
+        help_text = f"{_setting_help(field.name)}; default {default!r}"
+        if "bool" in kind:
+            group.add_argument(flag, dest=field.name, action="store_true", default=None, help=help_text)
+        elif "tuple" in kind:
+            group.add_argument(flag, dest=field.name, default=None, metavar="LIST", help=help_text + " (comma-separated)")
+        else:
+            number = float if ("float" in kind or field.name.endswith("_s")) else int if "int" in kind else str
+            group.add_argument(flag, dest=field.name, type=number, default=None, help=help_text)
+
+
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from ..server import ServerSettings, create_app, serve
 
-    settings = ServerSettings.from_env(
-        api_key=args.api_key or None, grace_period_s=args.grace_period, shutdown_deadline_s=args.shutdown_deadline,
-        text_concurrency=args.text_concurrency, image_concurrency=args.image_concurrency,
-        queue_size=args.queue_size, heartbeat_s=args.heartbeat, keys_file=args.keys, blocklist_file=args.blocklist,
-        allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts, max_connections=args.max_connections,
-        event_log=args.event_log or None,
-    )
+    given = {name: getattr(args, flag, None) for name, flag in NAMED_FLAGS.items()}
+    given.update({f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)
+                  if f.name not in NAMED_FLAGS})
+    given["api_key"] = given["api_key"] or None
+    given["event_log"] = given["event_log"] or None
+    settings = ServerSettings.from_env(**given)
 
     def spec(value: str) -> str | None:
         return None if value.lower() in ("none", "off", "") else value

@@ -1,0 +1,59 @@
+"""Every ServerSettings field is reachable from ``multistream serve`` (flags generated from the
+settings, help written once in their docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+import multistream.server as server_pkg
+from multistream import cli
+from multistream.server import ServerSettings
+
+
+def _settings_from(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> ServerSettings:
+    seen: dict[str, Any] = {}
+
+    def fake_create_app(**kwargs: Any) -> str:
+        seen["settings"] = kwargs["settings"]
+        return "app"
+
+    monkeypatch.setattr(server_pkg, "create_app", fake_create_app)
+    monkeypatch.setattr(server_pkg, "serve", lambda app, **kw: None)
+    assert cli.main(["serve", "--text-model", "none", "--image-model", "none", *argv]) == 0
+    return seen["settings"]
+
+
+def test_client_concurrency_has_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An app backend calling from one address for all its users needs more than 16 streams.
+    assert _settings_from(["--client-concurrency", "200"], monkeypatch).client_concurrency == 200
+
+
+def test_every_setting_is_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multistream._cli.serve import NAMED_FLAGS
+
+    for field in dataclasses.fields(ServerSettings):
+        flag = "--" + NAMED_FLAGS.get(field.name, field.name).replace("_", "-")
+        kind = str(field.type)
+        if "bool" in kind:
+            argv, expected = [flag], True
+        elif "tuple" in kind:
+            argv, expected = [flag, "a.example,b.example"], ("a.example", "b.example")
+        elif field.name in ("api_key",):
+            argv, expected = [flag, "secret"], "secret"
+        elif field.name in ("keys_file", "blocklist_file", "event_log"):
+            continue  # these open files or connect; their flags are covered by their own tests
+        elif "float" in kind or field.name.endswith("_s"):
+            argv, expected = [flag, "7.5"], 7.5
+        else:
+            argv, expected = [flag, "7"], 7
+        assert getattr(_settings_from(argv, monkeypatch), field.name) == expected, flag
+
+
+def test_help_comes_from_the_settings_docstring(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--client-concurrency" in out and "(ServerSettings.client_concurrency)" in out
