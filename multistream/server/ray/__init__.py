@@ -95,7 +95,7 @@ def build_app(settings: ServerSettings, *, text_model: Any = "default", image_mo
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """For Serve config files and KubeRay's RayService (``import_path: multistream.server.ray_app:app_builder``).
+    """For Serve config files and KubeRay's RayService (``import_path: multistream.server.ray:app_builder``).
 
     ``args``: ``text_model``, ``image_model`` (``"none"`` to skip), ``text_replicas``,
     ``image_replicas``, ``ingress_replicas``, ``text_actor_options``, ``image_actor_options``,
