@@ -19,10 +19,10 @@ Example:
     ...     n: int = option(1, "how many", positive, wire=int)
     >>> parse_options(Demo, "demo()", {"n": 3}).n
     3
-    >>> parse_options(Demo, "demo()", {"m": 3})
+    >>> parse_options(Demo, "demo()", {"nn": 3})
     Traceback (most recent call last):
     ...
-    multistream.errors.InvalidArgumentError: unknown argument 'm' for demo(). Did you mean 'n'? Known arguments: n.
+    multistream.errors.InvalidArgumentError: unknown argument 'nn' for demo(). Did you mean 'n'? Known arguments: n.
 """
 
 from __future__ import annotations

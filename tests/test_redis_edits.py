@@ -162,7 +162,7 @@ def test_websocket_steer_on_another_server(servers: Any) -> None:
 
 def test_owner_that_does_not_answer_gives_202_and_a_gone_one_409(servers: Any) -> None:
     """The verdict wait is bounded: a silent owner -> 202 pending with a note; no owner -> 409."""
-    from multistream.server.routes_native import apply_parsed_edit
+    from multistream.server.edits import apply_parsed_edit
 
     _, _, url = servers
 
@@ -170,11 +170,10 @@ def test_owner_that_does_not_answer_gives_202_and_a_gone_one_409(servers: Any) -
         log = RedisEventLog(url, ServerSettings())
         silent = log.redis.pubsub()
         await silent.subscribe("ms:ctl:silent")  # receives, never answers
-        state = type("S", (), {"registry": type("R", (), {"log": log})(), "settings": ServerSettings()})()
         meta = {"token": "t", "proc": "silent", "kind": "text"}
-        pending = await apply_parsed_edit(RemoteRecord(log, "s1", meta, []), "steer", ["x"], {}, state)
+        pending = await apply_parsed_edit(RemoteRecord(log, "s1", meta, []), "steer", ["x"], {}, log)
         try:
-            await apply_parsed_edit(RemoteRecord(log, "s2", {**meta, "proc": "nobody"}, []), "steer", ["x"], {}, state)
+            await apply_parsed_edit(RemoteRecord(log, "s2", {**meta, "proc": "nobody"}, []), "steer", ["x"], {}, log)
             gone = None
         except Exception as exc:  # noqa: BLE001
             gone = exc

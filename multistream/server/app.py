@@ -42,14 +42,13 @@ from starlette.staticfiles import StaticFiles
 from ..errors import InvalidArgumentError
 from . import openai_routes, routes_health, routes_native, websocket
 from .bodies import (
-    ChatCompletionRequest,
     ErrorResponse,
-    ImageGenerationRequest,
     ImageRequest,
     OpenAIErrorResponse,
     TextRequest,
 )
 from .filtering import ContentFilter, chain, load_blocklist
+from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
 from .problems import Problem
 from .routes_health import STATIC_DIR
 from .security import KeyRing, SecurityMiddleware, install_log_redaction

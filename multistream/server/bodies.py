@@ -33,14 +33,14 @@ from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "EditResult", "ErrorBody", "ErrorResponse", "ImageGenerationRequest",
+    "ChatMessage", "EditResult", "ErrorBody", "ErrorResponse",
     "ImageRequest", "OpenAIErrorBody", "OpenAIErrorResponse", "RewindRequest", "SteerRequest", "TextRequest",
     "parse_image_body", "parse_json_object", "parse_rewind_body", "parse_steer_body", "parse_text_body", "read_json",
     "validate_body",
 ]
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-_LAX = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+LAX_BODY = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _MAX_DEPTH = 32
 
 
@@ -50,14 +50,14 @@ _MAX_DEPTH = 32
 class ChatMessage(BaseModel):
     """One chat turn: ``{"role": "user", "content": "hi"}``."""
 
-    model_config = _STRICT
+    model_config = STRICT_BODY
     role: str = Field(description="who speaks: 'system', 'user' or 'assistant'")
     content: str = Field(description="the text of the turn")
     name: Optional[str] = Field(default=None, description="optional speaker name (ignored by most templates)")
 
 
 class _StrictBody(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT_BODY
 
 
 # The native bodies are built from the families' one definition of their options (`TextOptions`,
@@ -78,72 +78,6 @@ ImageRequest = create_model(
     prompt=(str, Field(description="a string describing the image")),
     **body_fields(ImageOptions),
 )
-
-
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-    include_usage: Optional[bool] = Field(default=None, description="true: a last chunk carries the usage")
-    include_obfuscation: Optional[bool] = Field(default=None, description="accepted and ignored")
-
-
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` (OpenAI). Fields that would change the answer and that this
-    server does not support (``n > 1``, non-empty ``tools``, ``logprobs``) are refused; harmless
-    ones (``user``, ``metadata``, empty ``tools`` / ``logit_bias``) are accepted and ignored."""
-
-    model_config = _LAX  # SDKs add fields over time; unknown ones are logged and ignored
-    model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
-    messages: list[dict[str, Any]] = Field(description="a non-empty list of chat messages", min_length=1)
-    max_tokens: Optional[int] = Field(default=None, description="an integer >= 1")
-    max_completion_tokens: Optional[int] = Field(default=None, description="an integer >= 1 (wins over max_tokens)")
-    temperature: Optional[float] = Field(default=None, description="a number >= 0")
-    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
-    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings")
-    seed: Optional[int] = Field(default=None, description="an integer")
-    stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
-    stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
-    n: Optional[int] = Field(default=None, description="only 1 is supported")
-    user: Optional[str] = Field(default=None, description="accepted and ignored")
-    frequency_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
-    presence_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
-    logprobs: Optional[bool] = Field(default=None, description="only false is supported")
-    top_logprobs: Optional[int] = Field(default=None, description="only 0 is supported")
-    logit_bias: Optional[dict[str, float]] = Field(default=None, description="only an empty object is supported")
-    tools: Optional[list[dict[str, Any]]] = Field(default=None, description="only an empty list is supported")
-    tool_choice: Union[str, dict[str, Any], None] = Field(default=None, description="only 'none'/'auto' without tools")
-    metadata: Optional[dict[str, Any]] = Field(default=None, description="accepted and ignored")
-    store: Optional[bool] = Field(default=None, description="accepted and ignored")
-    service_tier: Optional[str] = Field(default=None, description="accepted and ignored")
-    parallel_tool_calls: Optional[bool] = Field(default=None, description="accepted and ignored")
-    response_format: Optional[dict[str, Any]] = Field(default=None, description="only {'type': 'text'}")
-    top_k: Optional[int] = Field(default=None, description="extension: an integer >= 0")
-    repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
-    priority: int = Field(default=0, description="extension: an integer; higher runs first")
-
-
-class ImageGenerationRequest(BaseModel):
-    """``POST /v1/images/generations`` (OpenAI)."""
-
-    model_config = _LAX
-    prompt: str = Field(description="a string describing the image")
-    model: Optional[str] = Field(default=None, description="any name")
-    n: Optional[int] = Field(default=None, description="an integer >= 1: images")
-    size: Optional[str] = Field(default=None, description="'WIDTHxHEIGHT' (e.g. '64x64') or 'auto'")
-    stream: Optional[bool] = Field(default=None, description="true: server-sent events")
-    partial_images: Optional[int] = Field(default=None, description="0..3 previews when streaming")
-    response_format: Optional[str] = Field(default=None, description="only 'b64_json'")
-    output_format: Optional[str] = Field(default=None, description="'png', 'jpeg' or 'webp'")
-    quality: Optional[str] = Field(default=None, description="accepted and ignored")
-    background: Optional[str] = Field(default=None, description="accepted and ignored")
-    output_compression: Optional[int] = Field(default=None, description="accepted and ignored")
-    moderation: Optional[str] = Field(default=None, description="accepted and ignored")
-    user: Optional[str] = Field(default=None, description="accepted and ignored")
-    style: Optional[str] = Field(default=None, description="accepted and ignored")
-    steps: Optional[int] = Field(default=None, description="extension: denoising steps")
-    seed: Optional[int] = Field(default=None, description="extension: an integer")
-    guidance_scale: Optional[float] = Field(default=None, description="extension: a finite number")
-    negative_prompt: Optional[str] = Field(default=None, description="extension: a string")
-    priority: int = Field(default=0, description="extension: an integer; higher runs first")
 
 
 # -- response bodies -----------------------------------------------------------------------------
@@ -443,7 +377,7 @@ class SteerRequest(BaseModel):
     take is a 400 naming it.
     """
 
-    model_config = _STRICT
+    model_config = STRICT_BODY
     instruction: Optional[str] = Field(default=None, description="text streams: the new instruction")
     prompt: Optional[str] = Field(default=None, description="image streams: the new prompt")
     negative_prompt: Optional[str] = Field(default=None, description="image streams: the new negative prompt")
@@ -455,7 +389,7 @@ class RewindRequest(BaseModel):
     streams only. The answer from character ``offset`` on (a code point index, as Python counts)
     is dropped and regenerated, optionally under a new instruction and sampling options."""
 
-    model_config = _STRICT
+    model_config = STRICT_BODY
     offset: int = Field(description="an integer >= 0: the character where regeneration starts")
     instruction: Optional[str] = Field(default=None, description="a new instruction for the rest, or null")
     temperature: Optional[float] = Field(default=None, description="a number >= 0, or null (unchanged)")

@@ -51,14 +51,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, ImageEvent, TextEvent
-from .bodies import (
-    ChatCompletionRequest,
-    ImageGenerationRequest,
-    OpenAIErrorResponse,
-    check_image_limits,
-    check_prompt_limit,
-    validate_body,
-)
+from .bodies import OpenAIErrorResponse
+from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_kwargs, image_kwargs
 from .problems import Problem
 from .registry import StreamRecord
 from .routes_native import read_body
@@ -72,7 +66,6 @@ logger = logging.getLogger("multistream.server")
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
            "cancelled": "stop"}
-_IGNORED_CHAT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "model")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": OpenAIErrorResponse, "description": text} for status, text in (
         (400, "bad request"), (401, "missing or wrong API key"), (404, "no such model"),
@@ -83,111 +76,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 def _body(model: type) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-def _unsupported(name: str, message: str) -> Problem:
-    return Problem(400, "unsupported", message, param=name)
-
-
-def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m.get("role"), str):
-            raise Problem(400, "invalid_type", f"messages[{i}] must be an object with a string 'role'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise Problem(400, "invalid_type", f"messages[{i}].content parts must be text parts "
-                              '({"type": "text", "text": ...}); this server has a text-only model', param="messages")
-            content = "".join(p["text"] for p in content)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise Problem(400, "invalid_type", f"messages[{i}].content must be a string or text parts", param="messages")
-        if m.get("tool_calls"):
-            raise _unsupported("messages", f"messages[{i}] has tool_calls; this server does not run tools")
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, bool]:
-    """OpenAI chat body -> (TextModel.stream kwargs, priority, stream?, include_usage?).
-
-    Refuses what would change the answer (``n > 1``, tools, logprobs, penalties, JSON mode);
-    accepts and ignores (with a log line) what does not (``user``, ``metadata``, empty ``tools``)."""
-    req = validate_body(ChatCompletionRequest, body, "POST /v1/chat/completions")
-    assert isinstance(req, ChatCompletionRequest)
-    if req.n not in (None, 1):
-        raise _unsupported("n", f"only n=1 is supported (got n={req.n}); send n separate requests")
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs", "logprobs are not supported; leave logprobs unset or false")
-    if req.tools:
-        raise _unsupported("tools", "tools are not supported by this server; send no tools (an empty list is fine)")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise _unsupported("tool_choice", "tool_choice must be unset, 'none' or 'auto' (this server runs no tools)")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported; send none (an empty object is fine)")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise _unsupported(name, f"{name} is not supported (use repetition_penalty)")
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
-    extra = sorted(set(body) - set(ChatCompletionRequest.model_fields))
-    ignored = [n for n in _IGNORED_CHAT if body.get(n) not in (None, "", {}, [])] + extra
-    if ignored or req.tools == [] or req.logit_bias == {}:
-        logger.info("chat completion: ignoring field(s) %s", ignored or ["tools/logit_bias (empty)"])
-    messages = _messages(req.messages)
-    check_prompt_limit(messages, settings)
-    kwargs: dict[str, Any] = {"prompt": messages}
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is None:
-        max_tokens = settings.default_max_new_tokens
-    if max_tokens > settings.max_new_tokens:
-        raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
-                      f"{settings.max_new_tokens}", param="max_tokens")
-    kwargs["max_new_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty"):
-        if getattr(req, name) is not None:
-            kwargs[name] = getattr(req, name)
-    include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
-    return kwargs, req.priority, bool(req.stream), include_usage
-
-
-def image_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, int, str]:
-    """OpenAI images body -> (ImageModel.stream kwargs, priority, stream?, partial_images, output_format)."""
-    req = validate_body(ImageGenerationRequest, body, "POST /v1/images/generations")
-    assert isinstance(req, ImageGenerationRequest)
-    if req.response_format not in (None, "b64_json"):
-        raise _unsupported("response_format", "only response_format 'b64_json' is supported (this server keeps no "
-                           "files)")
-    fmt = req.output_format or "png"
-    if fmt not in ("png", "jpeg", "webp"):
-        raise Problem(400, "invalid_argument", f"output_format must be png, jpeg or webp, got {fmt[:20]!r}",
-                      param="output_format")
-    partial = req.partial_images or 0
-    if not 0 <= partial <= 3:
-        raise Problem(400, "invalid_argument", f"partial_images must be 0..3, got {partial}", param="partial_images")
-    n = req.n if req.n is not None else 1
-    kwargs: dict[str, Any] = {"prompt": req.prompt, "num_images": n, "final_format": fmt}
-    if req.size not in (None, "auto"):
-        w, sep, h = req.size.partition("x")
-        ok = sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))
-        if not ok:
-            raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
-                          f"'auto', got {req.size[:20]!r}", param="size")
-        kwargs["width"], kwargs["height"] = int(w), int(h)
-    for name in ("steps", "seed", "guidance_scale", "negative_prompt"):
-        if getattr(req, name) is not None:
-            kwargs[name] = getattr(req, name)
-    stream = bool(req.stream)
-    if stream and partial:
-        kwargs["preview_format"] = fmt
-        if "width" in kwargs:
-            kwargs["preview_max_side"] = max(kwargs["width"], kwargs["height"])
-    else:
-        kwargs["preview"] = "none"
-    check_image_limits(kwargs, settings)
-    return kwargs, req.priority, stream, partial, fmt
 
 
 def _sse(record: StreamRecord, settings: ServerSettings, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:

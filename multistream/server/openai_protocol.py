@@ -1,0 +1,212 @@
+"""The OpenAI request bodies (pydantic models ``/openapi.json`` publishes) and their conversion into
+the families' options, as vLLM's ``ChatCompletionRequest.to_sampling_params()`` does: the routes
+stay thin, and every option the Python API has is spelled once, in `TextOptions` / `ImageOptions`.
+
+What would change the answer and is not built is refused in OpenAI's error shape; what does not
+(``user``, ``metadata``, empty ``tools``) is accepted and ignored with a log line.
+
+Example:
+    >>> from multistream.server import ServerSettings
+    >>> kwargs, priority, stream, usage = chat_kwargs({"messages": [{"role": "user", "content": "hi"}],
+    ...                                               "max_tokens": 8, "top_k": 5}, ServerSettings())
+    >>> kwargs["max_new_tokens"], kwargs["top_k"], stream
+    (8, 5, False)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from ..text import TEXT_STREAM_ARGS
+from .bodies import LAX_BODY, STRICT_BODY, check_image_limits, check_prompt_limit, validate_body
+from .problems import Problem
+from .settings import ServerSettings
+
+__all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "chat_kwargs", "image_kwargs"]
+
+logger = logging.getLogger("multistream.server")
+
+_IGNORED_CHAT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "model")
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT_BODY
+    include_usage: Optional[bool] = Field(default=None, description="true: a last chunk carries the usage")
+    include_obfuscation: Optional[bool] = Field(default=None, description="accepted and ignored")
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` (OpenAI). Fields that would change the answer and that this
+    server does not support (``n > 1``, non-empty ``tools``, ``logprobs``) are refused; harmless
+    ones (``user``, ``metadata``, empty ``tools`` / ``logit_bias``) are accepted and ignored."""
+
+    model_config = LAX_BODY  # SDKs add fields over time; unknown ones are logged and ignored
+    model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
+    messages: list[dict[str, Any]] = Field(description="a non-empty list of chat messages", min_length=1)
+    max_tokens: Optional[int] = Field(default=None, description="an integer >= 1")
+    max_completion_tokens: Optional[int] = Field(default=None, description="an integer >= 1 (wins over max_tokens)")
+    temperature: Optional[float] = Field(default=None, description="a number >= 0")
+    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
+    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings")
+    seed: Optional[int] = Field(default=None, description="an integer")
+    stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
+    stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
+    n: Optional[int] = Field(default=None, description="only 1 is supported")
+    user: Optional[str] = Field(default=None, description="accepted and ignored")
+    frequency_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
+    presence_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
+    logprobs: Optional[bool] = Field(default=None, description="only false is supported")
+    top_logprobs: Optional[int] = Field(default=None, description="only 0 is supported")
+    logit_bias: Optional[dict[str, float]] = Field(default=None, description="only an empty object is supported")
+    tools: Optional[list[dict[str, Any]]] = Field(default=None, description="only an empty list is supported")
+    tool_choice: Union[str, dict[str, Any], None] = Field(default=None, description="only 'none'/'auto' without tools")
+    metadata: Optional[dict[str, Any]] = Field(default=None, description="accepted and ignored")
+    store: Optional[bool] = Field(default=None, description="accepted and ignored")
+    service_tier: Optional[str] = Field(default=None, description="accepted and ignored")
+    parallel_tool_calls: Optional[bool] = Field(default=None, description="accepted and ignored")
+    response_format: Optional[dict[str, Any]] = Field(default=None, description="only {'type': 'text'}")
+    top_k: Optional[int] = Field(default=None, description="extension: an integer >= 0")
+    repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
+    priority: int = Field(default=0, description="extension: an integer; higher runs first")
+
+    def to_text_options(self, settings: ServerSettings) -> dict[str, Any]:
+        """``TextModel.stream`` keyword arguments (the prompt and `TextOptions`): OpenAI's names
+        mapped onto ours, and every field that has a `TextOptions` namesake passed as it is, so an
+        option added there is one field here. The model checks the values."""
+        messages = _messages(self.messages)
+        check_prompt_limit(messages, settings)
+        kwargs: dict[str, Any] = {"prompt": messages}
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:
+            max_tokens = settings.default_max_new_tokens
+        if max_tokens > settings.max_new_tokens:
+            raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
+                          f"{settings.max_new_tokens}", param="max_tokens")
+        kwargs["max_new_tokens"] = max_tokens
+        for name in TEXT_STREAM_ARGS:
+            if name in type(self).model_fields and name not in ("max_new_tokens", "priority"):
+                value = getattr(self, name)
+                if value is not None:
+                    kwargs[name] = value
+        return kwargs
+
+
+class ImageGenerationRequest(BaseModel):
+    """``POST /v1/images/generations`` (OpenAI)."""
+
+    model_config = LAX_BODY
+    prompt: str = Field(description="a string describing the image")
+    model: Optional[str] = Field(default=None, description="any name")
+    n: Optional[int] = Field(default=None, description="an integer >= 1: images")
+    size: Optional[str] = Field(default=None, description="'WIDTHxHEIGHT' (e.g. '64x64') or 'auto'")
+    stream: Optional[bool] = Field(default=None, description="true: server-sent events")
+    partial_images: Optional[int] = Field(default=None, description="0..3 previews when streaming")
+    response_format: Optional[str] = Field(default=None, description="only 'b64_json'")
+    output_format: Optional[str] = Field(default=None, description="'png', 'jpeg' or 'webp'")
+    quality: Optional[str] = Field(default=None, description="accepted and ignored")
+    background: Optional[str] = Field(default=None, description="accepted and ignored")
+    output_compression: Optional[int] = Field(default=None, description="accepted and ignored")
+    moderation: Optional[str] = Field(default=None, description="accepted and ignored")
+    user: Optional[str] = Field(default=None, description="accepted and ignored")
+    style: Optional[str] = Field(default=None, description="accepted and ignored")
+    steps: Optional[int] = Field(default=None, description="extension: denoising steps")
+    seed: Optional[int] = Field(default=None, description="extension: an integer")
+    guidance_scale: Optional[float] = Field(default=None, description="extension: a finite number")
+    negative_prompt: Optional[str] = Field(default=None, description="extension: a string")
+    priority: int = Field(default=0, description="extension: an integer; higher runs first")
+
+
+def _unsupported(name: str, message: str) -> Problem:
+    return Problem(400, "unsupported", message, param=name)
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m.get("role"), str):
+            raise Problem(400, "invalid_type", f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise Problem(400, "invalid_type", f"messages[{i}].content parts must be text parts "
+                              '({"type": "text", "text": ...}); this server has a text-only model', param="messages")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise Problem(400, "invalid_type", f"messages[{i}].content must be a string or text parts", param="messages")
+        if m.get("tool_calls"):
+            raise _unsupported("messages", f"messages[{i}] has tool_calls; this server does not run tools")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, bool]:
+    """OpenAI chat body -> (TextModel.stream kwargs, priority, stream?, include_usage?).
+
+    Refuses what would change the answer (``n > 1``, tools, logprobs, penalties, JSON mode);
+    accepts and ignores (with a log line) what does not (``user``, ``metadata``, empty ``tools``)."""
+    req = validate_body(ChatCompletionRequest, body, "POST /v1/chat/completions")
+    assert isinstance(req, ChatCompletionRequest)
+    if req.n not in (None, 1):
+        raise _unsupported("n", f"only n=1 is supported (got n={req.n}); send n separate requests")
+    if req.logprobs or req.top_logprobs:
+        raise _unsupported("logprobs", "logprobs are not supported; leave logprobs unset or false")
+    if req.tools:
+        raise _unsupported("tools", "tools are not supported by this server; send no tools (an empty list is fine)")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise _unsupported("tool_choice", "tool_choice must be unset, 'none' or 'auto' (this server runs no tools)")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias is not supported; send none (an empty object is fine)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise _unsupported(name, f"{name} is not supported (use repetition_penalty)")
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
+    extra = sorted(set(body) - set(ChatCompletionRequest.model_fields))
+    ignored = [n for n in _IGNORED_CHAT if body.get(n) not in (None, "", {}, [])] + extra
+    if ignored or req.tools == [] or req.logit_bias == {}:
+        logger.info("chat completion: ignoring field(s) %s", ignored or ["tools/logit_bias (empty)"])
+    kwargs = req.to_text_options(settings)
+    include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
+    return kwargs, req.priority, bool(req.stream), include_usage
+
+
+def image_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, int, str]:
+    """OpenAI images body -> (ImageModel.stream kwargs, priority, stream?, partial_images, output_format)."""
+    req = validate_body(ImageGenerationRequest, body, "POST /v1/images/generations")
+    assert isinstance(req, ImageGenerationRequest)
+    if req.response_format not in (None, "b64_json"):
+        raise _unsupported("response_format", "only response_format 'b64_json' is supported (this server keeps no "
+                           "files)")
+    fmt = req.output_format or "png"
+    if fmt not in ("png", "jpeg", "webp"):
+        raise Problem(400, "invalid_argument", f"output_format must be png, jpeg or webp, got {fmt[:20]!r}",
+                      param="output_format")
+    partial = req.partial_images or 0
+    if not 0 <= partial <= 3:
+        raise Problem(400, "invalid_argument", f"partial_images must be 0..3, got {partial}", param="partial_images")
+    n = req.n if req.n is not None else 1
+    kwargs: dict[str, Any] = {"prompt": req.prompt, "num_images": n, "final_format": fmt}
+    if req.size not in (None, "auto"):
+        w, sep, h = req.size.partition("x")
+        ok = sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))
+        if not ok:
+            raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
+                          f"'auto', got {req.size[:20]!r}", param="size")
+        kwargs["width"], kwargs["height"] = int(w), int(h)
+    for name in ("steps", "seed", "guidance_scale", "negative_prompt"):
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    stream = bool(req.stream)
+    if stream and partial:
+        kwargs["preview_format"] = fmt
+        if "width" in kwargs:
+            kwargs["preview_max_side"] = max(kwargs["width"], kwargs["height"])
+    else:
+        kwargs["preview"] = "none"
+    check_image_limits(kwargs, settings)
+    return kwargs, req.priority, stream, partial, fmt
