@@ -26,6 +26,7 @@ import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
+from ._checks import is_int
 from .errors import EventFormatError
 
 if TYPE_CHECKING:
@@ -172,10 +173,6 @@ def _check(condition: bool, message: str) -> None:
         raise EventFormatError(message)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def event_from_dict(wire: dict[str, Any]) -> Event:
     """Read an event back from its wire form (the inverse of ``to_dict``; the round trip is exact).
 
@@ -207,7 +204,7 @@ def event_from_dict(wire: dict[str, Any]) -> Event:
                 raise EventFormatError(f"'data' is not valid base64: {exc}") from exc
         kwargs[name] = value
     _check(isinstance(kwargs.get("stream_id"), str), "'stream_id' must be a string")
-    _check(_is_int(kwargs.get("seq")) and kwargs["seq"] >= 0, "'seq' must be an integer >= 0")
+    _check(is_int(kwargs.get("seq")) and kwargs["seq"] >= 0, "'seq' must be an integer >= 0")
     _check(isinstance(kwargs.get("t"), (int, float)) and not isinstance(kwargs.get("t"), bool), "'t' must be a number")
     kwargs["t"] = float(kwargs["t"])
     _check(isinstance(kwargs.get("is_final", False), bool), "'is_final' must be a boolean")

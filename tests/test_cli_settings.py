@@ -32,10 +32,8 @@ def test_client_concurrency_has_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_setting_is_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from multistream._cli.serve import NAMED_FLAGS
-
     for field in dataclasses.fields(ServerSettings):
-        flag = "--" + NAMED_FLAGS.get(field.name, field.name).replace("_", "-")
+        flag = "--" + field.name.replace("_", "-")
         kind = str(field.type)
         if "bool" in kind:
             argv, expected = [flag], True
@@ -50,6 +48,11 @@ def test_every_setting_is_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
         else:
             argv, expected = [flag, "7"], 7
         assert getattr(_settings_from(argv, monkeypatch), field.name) == expected, flag
+
+
+def test_older_flag_names_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = _settings_from(["--grace-period", "5", "--heartbeat", "2", "--shutdown-deadline", "3"], monkeypatch)
+    assert (settings.grace_period_s, settings.heartbeat_s, settings.shutdown_deadline_s) == (5.0, 2.0, 3.0)
 
 
 def test_help_comes_from_the_settings_docstring(capsys: pytest.CaptureFixture[str]) -> None:

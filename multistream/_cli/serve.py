@@ -9,7 +9,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -22,30 +21,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--text-model", default="default",
                    help="'default' (embedded), a hub id or path, 'module:factory', or 'none' (default: default)")
     p.add_argument("--image-model", default="default", help="like --text-model, for the image model")
-    p.add_argument("--api-key", default=os.environ.get("MULTISTREAM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $MULTISTREAM_API_KEY; unset = open)")
-    p.add_argument("--grace-period", type=float, default=None, metavar="S",
-                   help="seconds a disconnected stream keeps running for a resume (default 30)")
-    p.add_argument("--shutdown-deadline", type=float, default=None, metavar="S",
-                   help="seconds running streams get to finish on SIGTERM (default 20)")
-    p.add_argument("--text-concurrency", type=int, default=None, help="text generations at once (default: the engine's max_batch)")
-    p.add_argument("--image-concurrency", type=int, default=None, help="image generations at once (default: the engine's capacity, 4)")
-    p.add_argument("--queue-size", type=int, default=None, help="queued requests per model before 429 (default 64)")
-    p.add_argument("--heartbeat", type=float, default=None, metavar="S", help="SSE heartbeat interval (default 15)")
-    p.add_argument("--keys", default=None, metavar="FILE",
-                   help="API keys, one a line: KEY [name=N] [max_priority=P] [concurrency=C] (see multistream.server.security)")
-    p.add_argument("--blocklist", default=None, metavar="FILE",
-                   help="words or phrases (one a line, case-insensitive) redacted from prompts and outputs")
-    p.add_argument("--allowed-origins", default=None, metavar="LIST",
-                   help="comma-separated extra browser origins allowed on the WebSocket")
-    p.add_argument("--allowed-hosts", default=None, metavar="LIST",
-                   help="comma-separated Host names to answer (default: any), against DNS rebinding")
-    p.add_argument("--max-connections", type=int, default=None, help="open requests and sockets at once (default 512)")
     p.add_argument("--no-demo", action="store_true", help="do not serve the Gradio demo page at /demo")
     scale = p.add_argument_group("scale-out (pip install 'multistream[scale]'; see docs/scaling.md)")
-    scale.add_argument("--event-log", default=os.environ.get("MULTISTREAM_EVENT_LOG"), metavar="URL",
-                       help="redis://HOST:PORT/DB: log every event to Redis, so a resume works from any process "
-                       "and across restarts (default: 'memory', this process only)")
     scale.add_argument("--ray", action="store_true",
                        help="serve as a Ray Serve application: an ingress and one deployment per model kind")
     scale.add_argument("--ray-address", default=None, metavar="ADDR",
@@ -66,14 +43,11 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-# The flags above that name a ServerSettings field in their own words; every other field gets a
-# flag of its own name (`_add_setting_flags`), so every setting is reachable from the command line.
-NAMED_FLAGS = {
-    "api_key": "api_key", "grace_period_s": "grace_period", "shutdown_deadline_s": "shutdown_deadline",
-    "text_concurrency": "text_concurrency", "image_concurrency": "image_concurrency", "queue_size": "queue_size",
-    "heartbeat_s": "heartbeat", "keys_file": "keys", "blocklist_file": "blocklist",
-    "allowed_origins": "allowed_origins", "allowed_hosts": "allowed_hosts", "max_connections": "max_connections",
-    "event_log": "event_log",
+# Every ServerSettings field is a flag of its own name (``--client-concurrency``), generated from
+# the settings with their help from its docstring; these older, shorter names stay as aliases.
+ALIASES = {
+    "grace_period_s": ["--grace-period"], "shutdown_deadline_s": ["--shutdown-deadline"], "heartbeat_s": ["--heartbeat"],
+    "keys_file": ["--keys"], "blocklist_file": ["--blocklist"],
 }
 
 
@@ -95,21 +69,19 @@ def _add_setting_flags(parser: Any) -> None:
     from ..server import ServerSettings
 
     group = parser.add_argument_group(
-        "server settings", "every other ServerSettings field; each also reads MULTISTREAM_<FIELD> from the environment")
+        "server settings", "one flag per ServerSettings field; each also reads MULTISTREAM_<FIELD> from the environment "
+        "(e.g. MULTISTREAM_API_KEY, MULTISTREAM_EVENT_LOG)")
     for field in dataclasses.fields(ServerSettings):
-        if field.name in NAMED_FLAGS:
-            continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *ALIASES.get(field.name, [])]
         kind = str(field.type)
-        default = field.default
-        help_text = f"{_setting_help(field.name)}; default {default!r}"
+        help_text = f"{_setting_help(field.name)}; default {field.default!r}"
         if "bool" in kind:
-            group.add_argument(flag, dest=field.name, action="store_true", default=None, help=help_text)
+            group.add_argument(*flags, dest=field.name, action="store_true", default=None, help=help_text)
         elif "tuple" in kind:
-            group.add_argument(flag, dest=field.name, default=None, metavar="LIST", help=help_text + " (comma-separated)")
+            group.add_argument(*flags, dest=field.name, default=None, metavar="LIST", help=help_text + " (comma-separated)")
         else:
             number = float if ("float" in kind or field.name.endswith("_s")) else int if "int" in kind else str
-            group.add_argument(flag, dest=field.name, type=number, default=None, help=help_text)
+            group.add_argument(*flags, dest=field.name, type=number, default=None, help=help_text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,10 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..server import ServerSettings, create_app, serve
 
-    given = {name: getattr(args, flag, None) for name, flag in NAMED_FLAGS.items()}
-    given.update({f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)
-                  if f.name not in NAMED_FLAGS})
-    given["api_key"] = given["api_key"] or None
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
+    given["api_key"] = given["api_key"] or None  # an empty --api-key "" means open, as unset does
     given["event_log"] = given["event_log"] or None
     settings = ServerSettings.from_env(**given)
 
