@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from ..image import IMAGE_STREAM_ARGS
 from ..text import TEXT_STREAM_ARGS
 from .bodies import LAX_BODY, STRICT_BODY, check_image_limits, check_prompt_limit, validate_body
 from .problems import Problem
@@ -118,6 +119,31 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: Optional[str] = Field(default=None, description="extension: a string")
     priority: int = Field(default=0, description="extension: an integer; higher runs first")
 
+    def to_image_options(self, fmt: str, previews: bool) -> dict[str, Any]:
+        """``ImageModel.stream`` keyword arguments (the prompt and `ImageOptions`): OpenAI's names
+        (``n``, ``size``, ``output_format``) mapped onto ours, and every field with an
+        `ImageOptions` namesake passed as it is. ``previews``: stream partial images (as
+        ``fmt``, full size) or none. The model checks the values."""
+        kwargs: dict[str, Any] = {"prompt": self.prompt, "num_images": self.n if self.n is not None else 1,
+                                  "final_format": fmt}
+        if self.size not in (None, "auto"):
+            w, sep, h = self.size.partition("x")
+            ok = sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))
+            if not ok:
+                raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
+                              f"'auto', got {self.size[:20]!r}", param="size")
+            kwargs["width"], kwargs["height"] = int(w), int(h)
+        for name in IMAGE_STREAM_ARGS:
+            if name in type(self).model_fields and name != "priority" and getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if previews:
+            kwargs["preview_format"] = fmt
+            if "width" in kwargs:
+                kwargs["preview_max_side"] = max(kwargs["width"], kwargs["height"])
+        else:
+            kwargs["preview"] = "none"
+        return kwargs
+
 
 def _unsupported(name: str, message: str) -> Problem:
     return Problem(400, "unsupported", message, param=name)
@@ -189,24 +215,7 @@ def image_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], i
     partial = req.partial_images or 0
     if not 0 <= partial <= 3:
         raise Problem(400, "invalid_argument", f"partial_images must be 0..3, got {partial}", param="partial_images")
-    n = req.n if req.n is not None else 1
-    kwargs: dict[str, Any] = {"prompt": req.prompt, "num_images": n, "final_format": fmt}
-    if req.size not in (None, "auto"):
-        w, sep, h = req.size.partition("x")
-        ok = sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))
-        if not ok:
-            raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
-                          f"'auto', got {req.size[:20]!r}", param="size")
-        kwargs["width"], kwargs["height"] = int(w), int(h)
-    for name in ("steps", "seed", "guidance_scale", "negative_prompt"):
-        if getattr(req, name) is not None:
-            kwargs[name] = getattr(req, name)
     stream = bool(req.stream)
-    if stream and partial:
-        kwargs["preview_format"] = fmt
-        if "width" in kwargs:
-            kwargs["preview_max_side"] = max(kwargs["width"], kwargs["height"])
-    else:
-        kwargs["preview"] = "none"
+    kwargs = req.to_image_options(fmt, stream and partial > 0)
     check_image_limits(kwargs, settings)
     return kwargs, req.priority, stream, partial, fmt
