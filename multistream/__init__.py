@@ -9,8 +9,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ._lazy import lazy_attributes
 from .errors import (
     EngineClosedError,
     EventFormatError,
@@ -29,17 +30,17 @@ __version__ = "0.1.0"
 # Heavy modules (torch, transformers, diffusers) load only when their names are first used, so
 # `import multistream` stays light enough for thin clients of the protocol.
 _LAZY = {
-    "TextModel": "text",
-    "load_text_model": "text",
-    "ImageModel": "image",
-    "ImageCheckpoint": "image",
-    "load_image_model": "image",
-    "fit_latent_rgb": "image",
-    "fit_preview_decoder": "image",
-    "encode_frame": "image",
-    "chain": "compose",
-    "merge": "compose",
-    "show": "ui",
+    "TextModel": ".text",
+    "load_text_model": ".text",
+    "ImageModel": ".image",
+    "ImageCheckpoint": ".image",
+    "load_image_model": ".image",
+    "fit_latent_rgb": ".image",
+    "fit_preview_decoder": ".image",
+    "encode_frame": ".image",
+    "chain": ".compose",
+    "merge": ".compose",
+    "show": ".ui",
 }
 
 if TYPE_CHECKING:
@@ -56,15 +57,7 @@ if TYPE_CHECKING:
     from .ui import show
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'multistream' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [

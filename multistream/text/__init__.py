@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_attributes
 from ._options import TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
 from ._stop_strings import StopMatcher
 
@@ -32,15 +33,7 @@ if TYPE_CHECKING:
     from ._model import TextModel
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'multistream.text' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module_name, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [
