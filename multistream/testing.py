@@ -194,6 +194,7 @@ class ScriptedTextModel:
         self.tokenizer: Any = None
         self.calls: list[dict[str, Any]] = []
         self._counters = _Counters()
+        self._tops: dict[str, int] = {}  # stream id -> its top_logprobs (-1: none), for revise
 
     @property
     def active(self) -> int:
@@ -224,12 +225,15 @@ class ScriptedTextModel:
         self.calls.append({"prompt": prompt, **{name: getattr(checked, name) for name in TEXT_STREAM_ARGS}, **options})
         self._counters.enter()
         edits = _TextEdits()
-        return _start(
+        top = checked.top_logprobs if checked.wants_logprobs else -1
+        stream = _start(
             "text",
             lambda w: self._produce(w, prompt_tokens, checked.max_new_tokens, list(checked.stop), checked.chunk_tokens or 1, edits,
-                                    top=checked.top_logprobs if checked.wants_logprobs else -1),
+                                    top=top),
             edits.handle,
         )
+        self._tops[stream.stream_id] = top
+        return stream
 
     def revise(self, final: Event, offset: int, instruction: str | None = None, *, token_id: int | None = None,
                **options: Any) -> Stream:
@@ -260,11 +264,14 @@ class ScriptedTextModel:
         if token_id is not None:
             edits.branches[-1] = int(token_id)
         prefix = text[:offset]
-        return _start(
+        top = self._tops.get(final.stream_id, -1)  # as the real model, a revision keeps the options
+        stream = _start(
             "text",
-            lambda w: self._produce(w, 1, max_new_tokens, [], 1, edits, prefix=prefix, instruction=instruction),
+            lambda w: self._produce(w, 1, max_new_tokens, [], 1, edits, prefix=prefix, instruction=instruction, top=top),
             edits.handle,
         )
+        self._tops[stream.stream_id] = top
+        return stream
 
     def generate(self, prompt: str | list[dict[str, str]], on_event: Callable[[Event], Any] | None = None,
                  **kwargs: Any) -> Event:
@@ -305,7 +312,8 @@ class ScriptedTextModel:
         cursor = 0  # the script position of the next token (a branch moves it)
         if -1 in edits.branches:  # revise(..., token_id=)
             cursor = edits.branches.pop(-1) % len(self.tokens)
-        first_index = 0
+        first_index = 0   # the answer position (in tokens) of the next event's first token
+        ends: list[int] = []  # where each sent token's text ends in the answer (a rewind cuts by them)
         completion = 0
         stamps: list[float] = []
         reason: str | None = None
@@ -338,7 +346,9 @@ class ScriptedTextModel:
                         cursor = branch % len(self.tokens)
                     matcher = StopMatcher(stops)
                     cut = offset
-                    first_index = completion
+                    keep = sum(1 for e in ends if e <= offset)
+                    del ends[keep:]
+                    first_index = keep
                 else:
                     offset = len(emitted)
                 revisions.append({"kind": kind, "step": n, "offset": offset, "instruction": text})
@@ -363,8 +373,10 @@ class ScriptedTextModel:
                 w.text(held, held_ids, first_index, offset=cut, logprobs=held_lps if top >= 0 else None)
                 cut = None
                 stamps.append(w.elapsed())
+                for i in held_ids:
+                    ends.append((ends[-1] if ends else len(prefix)) + len(self.tokens[i]))
                 emitted += held
-                first_index = completion
+                first_index += len(held_ids)
                 held, held_ids, held_lps = "", [], []
         held += matcher.flush()
         emitted += held
