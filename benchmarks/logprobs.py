@@ -73,7 +73,8 @@ def main() -> None:
         "8 streams: penalties + logit_bias")}
     raw: dict[str, list[tuple[float, float]]] = {k: [] for k in rows}
     bias = {"13": -100.0, "30": 2.0, "28": -5.0}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         for n, name in ((1, "1 stream: top_logprobs=5"), (8, "8 streams: top_logprobs=5")):
             base = tok_per_s(llm, n, args.tokens)
             with_lp = tok_per_s(llm, n, args.tokens, logprobs=True, top_logprobs=5)

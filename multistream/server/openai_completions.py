@@ -40,7 +40,7 @@ from ..events import ErrorEvent, TextEvent
 from ..text import TEXT_STREAM_ARGS
 from .bodies import LAX_BODY, OpenAIErrorResponse, check_prompt_limit, validate_body
 from .openai_choices import MAX_CHOICES, collect_choices, interleave, legacy_logprobs, open_choices, usage_of
-from .openai_protocol import StreamOptions
+from .openai_protocol import StreamOptions, check_options
 from .problems import Problem
 from .registry import StreamRecord
 from .routes_native import read_body
@@ -203,6 +203,7 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
     prompts = req.prompts()
     n = req.n if req.n is not None else 1
     kwargs_list = [req.to_text_options(p, settings) for p in prompts]
+    check_options(kwargs_list[0])
     echoes = [await _echo(state, p, req) for p in prompts] if req.echo else None
     generate = (req.max_tokens if req.max_tokens is not None else 16) > 0
     records: list[StreamRecord] = []

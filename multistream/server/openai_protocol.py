@@ -20,12 +20,14 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from ..text import TEXT_STREAM_ARGS
+from ..errors import InvalidArgumentError
+from ..text import TEXT_STREAM_ARGS, parse_text_options
 from .bodies import LAX_BODY, STRICT_BODY, check_image_limits, check_prompt_limit, validate_body
 from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "chat_choices", "chat_kwargs",
+           "check_options",
            "image_kwargs"]
 
 logger = logging.getLogger("multistream.server")
@@ -152,6 +154,17 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def check_options(kwargs: dict[str, Any]) -> None:
+    """Each `TextOptions` value checked here, so a bad one is a 400 naming its ``param`` (OpenAI's
+    error shape) with the message ``TextModel.stream()`` gives."""
+    for name, value in kwargs.items():
+        if name in TEXT_STREAM_ARGS:
+            try:
+                parse_text_options(**{name: value})
+            except InvalidArgumentError as exc:
+                raise Problem(400, "invalid_argument", str(exc), param=name) from None
+
+
 def chat_choices(body: Any) -> tuple[int, bool]:
     """``(n, continuous_usage_stats)`` of a chat body that `chat_kwargs` accepted."""
     n = body.get("n") if isinstance(body, dict) else None
@@ -182,6 +195,7 @@ def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], in
     if ignored or req.tools == []:
         logger.info("chat completion: ignoring field(s) %s", ignored or ["tools (empty)"])
     kwargs = req.to_text_options(settings)
+    check_options(kwargs)
     include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
     return kwargs, req.priority, bool(req.stream), include_usage
 
