@@ -94,6 +94,13 @@ class TextEvent(_BaseEvent):
     ``metrics`` and, if the stream was edited, ``revisions`` (one dict per edit: ``kind``,
     ``step``, ``offset``, ``instruction``).
 
+    ``logprobs`` (when the stream asked, ``logprobs=True`` / ``top_logprobs=k``): one entry per
+    token of ``token_ids``, in order, ``{"token_id", "token", "bytes", "logprob",
+    "top_logprobs": [k entries of the same shape without "top_logprobs", most likely first]}``:
+    the log-softmax of the model's raw logits in fp32, before temperature, penalties and masks.
+    ``bytes`` are the token's UTF-8 bytes (joined over an answer they spell its text, also where
+    a token holds part of a character).
+
     Example:
         >>> TextEvent(stream_id="s", seq=3, t=0.2, delta=" world", token_ids=[1917], index=1).delta
         ' world'
@@ -110,6 +117,7 @@ class TextEvent(_BaseEvent):
     usage: dict[str, int] | None = None
     metrics: dict[str, float] | None = None
     revisions: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,13 +235,29 @@ def event_from_json(line: str | bytes) -> Event:
     return event_from_dict(wire)
 
 
+def _logprob_schema() -> dict[str, Any]:
+    alternative = {
+        "type": "object",
+        "properties": {
+            "token_id": {"type": "integer", "minimum": 0},
+            "token": {"type": "string"},
+            "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},
+            "logprob": {"type": "number"},
+        },
+        "required": ["token_id", "token", "bytes", "logprob"],
+    }
+    return {**alternative, "properties": {**alternative["properties"],
+                                          "top_logprobs": {"type": "array", "items": alternative}},
+            "required": [*alternative["required"], "top_logprobs"]}
+
+
 def event_json_schema() -> dict[str, Any]:
     """A JSON Schema (draft 2020-12) of the wire form, for clients in other languages.
 
     Example:
         >>> schema = event_json_schema()
         >>> sorted(schema["$defs"])
-        ['error', 'image', 'text']
+        ['error', 'image', 'logprob', 'text']
     """
     common = {
         "stream_id": {"type": "string"},
@@ -276,6 +300,7 @@ def event_json_schema() -> dict[str, Any]:
                 "required": ["prompt_tokens", "completion_tokens"],
             },
             "metrics": metrics,
+            "logprobs": {"type": "array", "items": {"$ref": "#/$defs/logprob"}},
         },
         "required": ["type", "stream_id", "seq", "t", "is_final", "delta"],
         "additionalProperties": False,
@@ -321,5 +346,5 @@ def event_json_schema() -> dict[str, Any]:
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "multistream event",
         "oneOf": [{"$ref": "#/$defs/text"}, {"$ref": "#/$defs/image"}, {"$ref": "#/$defs/error"}],
-        "$defs": {"text": text, "image": image, "error": error},
+        "$defs": {"text": text, "image": image, "error": error, "logprob": _logprob_schema()},
     }

@@ -198,14 +198,25 @@ def _merge_into(last: _Pending, new: dict[str, Any]) -> None:
     if new["offset"] == end:
         old["delta"] += new["delta"]
         old["token_ids"] = list(old["token_ids"]) + list(new["token_ids"])
+        if "logprobs" in old or "logprobs" in new:  # one entry per token id, so they merge alike
+            old["logprobs"] = list(old.get("logprobs") or []) + list(new.get("logprobs") or [])
     elif new["offset"] >= old["offset"]:
         old["delta"] = old["delta"][: new["offset"] - old["offset"]] + new["delta"]
         old["token_ids"] = list(new["token_ids"])  # ids no longer line up with a cut delta
         old["index"] = new["index"]
+        _replace_logprobs(old, new)
     else:
         old.update(delta=new["delta"], token_ids=list(new["token_ids"]), offset=new["offset"], index=new["index"])
+        _replace_logprobs(old, new)
     old["revision"] = new["revision"]
     old["t"] = new["t"]
+
+
+def _replace_logprobs(old: dict[str, Any], new: dict[str, Any]) -> None:
+    if "logprobs" in new:
+        old["logprobs"] = list(new["logprobs"])
+    else:
+        old.pop("logprobs", None)
 
 
 class StreamWriter:
@@ -253,13 +264,16 @@ class StreamWriter:
         """Seconds since the stream started (the clock of every event's ``t``)."""
         return time.perf_counter() - self._channel.started_at
 
-    def text(self, delta: str, token_ids: list[int], index: int, *, offset: int | None = None) -> None:
+    def text(self, delta: str, token_ids: list[int], index: int, *, offset: int | None = None,
+             logprobs: list[dict[str, Any]] | None = None) -> None:
         """Emit new text. Merges with an undelivered delta if the consumer is behind.
 
         ``offset`` (default: the end of the text so far) says where ``delta`` begins; a smaller
-        one replaces the text from there (after a rewind).
+        one replaces the text from there (after a rewind). ``logprobs``: one entry per token id.
         """
         fields: dict[str, Any] = {"delta": delta, "token_ids": list(token_ids), "index": index}
+        if logprobs is not None:
+            fields["logprobs"] = list(logprobs)
         if offset is not None:
             fields["offset"] = offset
         elif not delta:
@@ -299,6 +313,7 @@ class StreamWriter:
         metrics: dict[str, float],
         revisions: list[dict[str, Any]] | None = None,
         offset: int | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> None:
         """Emit the final text event (once; it is never dropped or merged)."""
         fields: dict[str, Any] = {
@@ -315,6 +330,8 @@ class StreamWriter:
             fields["revisions"] = [dict(r) for r in revisions]
         if offset is not None:
             fields["offset"] = offset
+        if logprobs is not None:
+            fields["logprobs"] = list(logprobs)
         self._channel.put(TextEvent, fields)
 
     def image(
@@ -482,13 +499,19 @@ class Stream:
         """
         self._command("steer", (instruction,) if instruction is not None else (), changes)
 
-    def rewind(self, offset: int, instruction: str | None = None, **options: Any) -> None:
+    def rewind(self, offset: int, instruction: str | None = None, *, token_id: int | None = None,
+               **options: Any) -> None:
         """Text: drop the answer from character ``offset`` on (snapped back to a token boundary)
         and regenerate from there, optionally under a new ``instruction`` and sampling options.
+        ``token_id``: the first regenerated token, e.g. an alternative from an event's
+        ``logprobs`` (a branch; greedy, the rest equals greedy decoding after it).
 
         Example:
             >>> s.rewind(120, instruction="less formal")   # doctest: +SKIP
+            >>> s.rewind(ev.offset, token_id=ev.logprobs[0]["top_logprobs"][1]["token_id"])  # doctest: +SKIP
         """
+        if token_id is not None:
+            options["token_id"] = token_id
         self._command("rewind", (offset,), {"instruction": instruction, **options})
 
     def _command(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -87,6 +87,8 @@ class _TextEdits:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queue: list[tuple[str, int | None, str | None]] = []
+        self.branches: dict[int, int] = {}  # queue position -> token_id of a rewind that branches
+        self.taken_branches: dict[int, int] = {}
         self.writer: StreamWriter | None = None
 
     def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -98,6 +100,9 @@ class _TextEdits:
         elif name == "rewind":
             (offset,) = args
             instruction = kwargs.pop("instruction", None)
+            token_id = kwargs.pop("token_id", None)
+            _require(token_id is None or (is_int(token_id) and token_id >= 0),
+                     f"token_id must be a token id (an integer >= 0), got {token_id!r}")
             unknown = sorted(set(kwargs) - set(_REWIND_OPTIONS))
             _require(not unknown, f"rewind() got unknown option(s) {unknown}; known ones are {list(_REWIND_OPTIONS)}")
             parse_text_options(**kwargs)
@@ -110,11 +115,14 @@ class _TextEdits:
         else:
             raise InvalidArgumentError(f"text streams do not support {name}()")
         with self._lock:
+            if name == "rewind" and token_id is not None:
+                self.branches[len(self._queue)] = int(token_id)
             self._queue.append(item)
 
     def take(self) -> list[tuple[str, int | None, str | None]]:
         with self._lock:
             taken, self._queue = self._queue, []
+            self.taken_branches, self.branches = self.branches, {}
             return taken
 
 
@@ -186,6 +194,7 @@ class ScriptedTextModel:
         self.tokenizer: Any = None
         self.calls: list[dict[str, Any]] = []
         self._counters = _Counters()
+        self._tops: dict[str, int] = {}  # stream id -> its top_logprobs (-1: none), for revise
 
     @property
     def active(self) -> int:
@@ -216,13 +225,18 @@ class ScriptedTextModel:
         self.calls.append({"prompt": prompt, **{name: getattr(checked, name) for name in TEXT_STREAM_ARGS}, **options})
         self._counters.enter()
         edits = _TextEdits()
-        return _start(
+        top = checked.top_logprobs if checked.wants_logprobs else -1
+        stream = _start(
             "text",
-            lambda w: self._produce(w, prompt_tokens, checked.max_new_tokens, list(checked.stop), checked.chunk_tokens or 1, edits),
+            lambda w: self._produce(w, prompt_tokens, checked.max_new_tokens, list(checked.stop), checked.chunk_tokens or 1, edits,
+                                    top=top),
             edits.handle,
         )
+        self._tops[stream.stream_id] = top
+        return stream
 
-    def revise(self, final: Event, offset: int, instruction: str | None = None, **options: Any) -> Stream:
+    def revise(self, final: Event, offset: int, instruction: str | None = None, *, token_id: int | None = None,
+               **options: Any) -> Stream:
         """Regenerate a finished answer from character ``offset``: a new stream whose first event
         is the kept prefix (``offset`` 0, revision 0), then (revision 1) the script from its start.
 
@@ -238,6 +252,8 @@ class ScriptedTextModel:
                  f"offset must be an integer from 0 to {len(text)} (the answer's length), got {offset!r}")
         _require(instruction is None or (isinstance(instruction, str) and instruction.strip() != ""),
                  "instruction must be a non-empty string or None")
+        _require(token_id is None or (is_int(token_id) and token_id >= 0),
+                 f"token_id must be a token id (an integer >= 0), got {token_id!r}")
         unknown = sorted(set(options) - set(_REWIND_OPTIONS) - {"max_new_tokens"})
         _require(not unknown, f"revise() got unknown option(s) {unknown}")
         parse_text_options(**options)
@@ -245,33 +261,59 @@ class ScriptedTextModel:
         self.calls.append({"revise": True, "offset": offset, "instruction": instruction, **options})
         self._counters.enter()
         edits = _TextEdits()
+        if token_id is not None:
+            edits.branches[-1] = int(token_id)
         prefix = text[:offset]
-        return _start(
+        top = self._tops.get(final.stream_id, -1)  # as the real model, a revision keeps the options
+        stream = _start(
             "text",
-            lambda w: self._produce(w, 1, max_new_tokens, [], 1, edits, prefix=prefix, instruction=instruction),
+            lambda w: self._produce(w, 1, max_new_tokens, [], 1, edits, prefix=prefix, instruction=instruction, top=top),
             edits.handle,
         )
+        self._tops[stream.stream_id] = top
+        return stream
 
     def generate(self, prompt: str | list[dict[str, str]], on_event: Callable[[Event], Any] | None = None,
                  **kwargs: Any) -> Event:
         """Stream to the end, calling ``on_event`` for each event; return the final event."""
         return self.stream(prompt, **kwargs).wait(on_event)
 
+    def logprob_entry(self, token_id: int, top: int) -> dict[str, Any]:
+        """The scripted logprobs of script token ``token_id``: made-up numbers, most likely first,
+        with the next script tokens as its ``top`` alternatives (their ids are script positions, so
+        a branch to one continues the script from there)."""
+
+        def one(i: int, logprob: float) -> dict[str, Any]:
+            raw = list(self.tokens[i].encode("utf-8"))
+            return {"token_id": i, "token": self.tokens[i], "bytes": raw, "logprob": logprob}
+
+        chosen = -0.05 - 0.9 * (token_id % 4)
+        alts = [one(token_id, chosen)] + [one((token_id + r) % len(self.tokens), chosen - 0.6 * r)
+                                          for r in range(1, max(top, 0))]
+        return {**one(token_id, chosen), "top_logprobs": alts[: max(top, 0)]}
+
     def _produce(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
-                 chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None) -> None:
+                 chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None,
+                 top: int = -1) -> None:
         reason = "error"
         edits.writer = w
         try:
-            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens, edits, prefix, instruction)
+            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens, edits, prefix, instruction, top)
         finally:
             self._counters.leave(reason)
 
     def _run(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
-             chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None) -> str:
+             chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None,
+             top: int = -1) -> str:
         emitted = ""      # text already sent
         held = ""         # text not sent yet (chunking, or a possible start of a stop string)
         held_ids: list[int] = []
-        first_index = 0
+        held_lps: list[dict[str, Any]] = []
+        cursor = 0  # the script position of the next token (a branch moves it)
+        if -1 in edits.branches:  # revise(..., token_id=)
+            cursor = edits.branches.pop(-1) % len(self.tokens)
+        first_index = 0   # the answer position (in tokens) of the next event's first token
+        ends: list[int] = []  # where each sent token's text ends in the answer (a rewind cuts by them)
         completion = 0
         stamps: list[float] = []
         reason: str | None = None
@@ -293,39 +335,49 @@ class ScriptedTextModel:
             if w.finish_early_requested:
                 reason = "finished_early"
                 break
-            for kind, offset, text in edits.take():
+            for position, (kind, offset, text) in enumerate(edits.take()):
                 w.new_revision()
                 if kind == "rewind":
                     assert offset is not None
                     offset = min(offset, len(emitted))
-                    emitted, held, held_ids = emitted[:offset], "", []
+                    emitted, held, held_ids, held_lps = emitted[:offset], "", [], []
+                    branch = edits.taken_branches.get(position)
+                    if branch is not None:
+                        cursor = branch % len(self.tokens)
                     matcher = StopMatcher(stops)
                     cut = offset
-                    first_index = completion
+                    keep = sum(1 for e in ends if e <= offset)
+                    del ends[keep:]
+                    first_index = keep
                 else:
                     offset = len(emitted)
                 revisions.append({"kind": kind, "step": n, "offset": offset, "instruction": text})
             if self.fail_after is not None and n >= self.fail_after:
                 raise RuntimeError(f"scripted failure after {n} tokens")
-            if n >= len(self.tokens):
+            if cursor >= len(self.tokens):
                 reason = "stop"
                 break
             completion += 1
-            safe, stopped = matcher.feed(self.tokens[n])
+            safe, stopped = matcher.feed(self.tokens[cursor])
             held += safe
-            held_ids.append(n)
+            held_ids.append(cursor)
+            if top >= 0:
+                held_lps.append(self.logprob_entry(cursor, top))
+            cursor += 1
             if stopped:
                 reason = "stop_sequence"
                 break
             if completion % chunk_tokens and completion < max_new_tokens:
                 continue
             if held:
-                w.text(held, held_ids, first_index, offset=cut)
+                w.text(held, held_ids, first_index, offset=cut, logprobs=held_lps if top >= 0 else None)
                 cut = None
                 stamps.append(w.elapsed())
+                for i in held_ids:
+                    ends.append((ends[-1] if ends else len(prefix)) + len(self.tokens[i]))
                 emitted += held
-                first_index = completion
-                held, held_ids = "", []
+                first_index += len(held_ids)
+                held, held_ids, held_lps = "", [], []
         held += matcher.flush()
         emitted += held
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -340,7 +392,8 @@ class ScriptedTextModel:
         reason = reason or "length"
         w.finish_text(held, held_ids if held else [], first_index, finish_reason=reason, text=emitted,
                       usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion},
-                      metrics=metrics, revisions=revisions or None, offset=cut)  # type: ignore[arg-type]
+                      metrics=metrics, revisions=revisions or None, offset=cut,  # type: ignore[arg-type]
+                      logprobs=(held_lps if held else []) if top >= 0 else None)
         return reason
 
 

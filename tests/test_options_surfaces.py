@@ -33,6 +33,12 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
     "chat": (False, "yes"),
     "allowed": (["yes", "no"], "("),
     "priority": (3, 1.5),
+    "logprobs": (True, "yes"),
+    "top_logprobs": (3, 21),
+    "presence_penalty": (0.5, 3),
+    "frequency_penalty": (-0.5, -2.5),
+    "logit_bias": ({"5": -100}, {"x": 1}),
+    "min_p": (0.1, 1.5),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),

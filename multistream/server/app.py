@@ -8,7 +8,8 @@ Routes (every native payload is the event wire form, ``ev.to_dict()``), one `API
   ``GET /v1/streams/{id}/events``: resume with ``Last-Event-ID`` (or ``?after=SEQ``); replays what
   came after, then follows live; 204 when nothing is left. ``GET`` / ``DELETE /v1/streams/{id}``.
 - WebSocket (`websocket`): ``WS /v1/ws``.
-- OpenAI (`openai_routes`): ``POST /v1/chat/completions``, ``POST /v1/images/generations``, ``GET /v1/models``.
+- OpenAI (`openai_routes`, `openai_completions`): ``POST /v1/chat/completions``, ``POST /v1/completions``,
+  ``POST /v1/images/generations``, ``GET /v1/models``.
 - health (`routes_health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
   (Prometheus), ``GET /`` (a small web client).
 - ``GET /openapi.json`` and ``GET /docs`` describe every body.
@@ -40,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import openai_routes, routes_health, routes_native, websocket
+from . import openai_completions, openai_routes, routes_health, routes_native, websocket
 from .bodies import (
     ErrorResponse,
     ImageRequest,
@@ -169,6 +170,7 @@ def create_app(
 
     app.include_router(routes_native.router)
     app.include_router(openai_routes.router)
+    app.include_router(openai_completions.router)
     app.include_router(websocket.router)
     app.include_router(routes_health.router)
     if settings.enable_test_hooks:

@@ -387,7 +387,8 @@ class SteerRequest(BaseModel):
 class RewindRequest(BaseModel):
     """``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{"type": "rewind", ...}`` message): text
     streams only. The answer from character ``offset`` on (a code point index, as Python counts)
-    is dropped and regenerated, optionally under a new instruction and sampling options."""
+    is dropped and regenerated, optionally under a new instruction and sampling options, and
+    optionally starting with ``token_id`` (branch from an alternative token)."""
 
     model_config = STRICT_BODY
     offset: int = Field(description="an integer >= 0: the character where regeneration starts")
@@ -397,6 +398,8 @@ class RewindRequest(BaseModel):
     top_k: Optional[int] = Field(default=None, description="an integer >= 0, or null")
     repetition_penalty: Optional[float] = Field(default=None, description="a number > 0, or null")
     seed: Optional[int] = Field(default=None, description="an integer, or null")
+    token_id: Optional[int] = Field(default=None, description="the first regenerated token (a branch from an "
+                                    "alternative in the events' logprobs), or null")
 
 
 class EditResult(BaseModel):

@@ -20,13 +20,16 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from ..errors import InvalidArgumentError
 from ..image import IMAGE_STREAM_ARGS
-from ..text import TEXT_STREAM_ARGS
+from ..text import TEXT_STREAM_ARGS, parse_text_options
 from .bodies import LAX_BODY, STRICT_BODY, check_image_limits, check_prompt_limit, validate_body
 from .problems import Problem
 from .settings import ServerSettings
 
-__all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "chat_kwargs", "image_kwargs"]
+__all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "chat_choices", "chat_kwargs",
+           "check_options",
+           "image_kwargs"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -37,12 +40,14 @@ class StreamOptions(BaseModel):
     model_config = STRICT_BODY
     include_usage: Optional[bool] = Field(default=None, description="true: a last chunk carries the usage")
     include_obfuscation: Optional[bool] = Field(default=None, description="accepted and ignored")
+    continuous_usage_stats: Optional[bool] = Field(default=None, description="vLLM's: every chunk carries the "
+                                                   "usage so far")
 
 
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` (OpenAI). Fields that would change the answer and that this
-    server does not support (``n > 1``, non-empty ``tools``, ``logprobs``) are refused; harmless
-    ones (``user``, ``metadata``, empty ``tools`` / ``logit_bias``) are accepted and ignored."""
+    server does not support (``n > 8``, non-empty ``tools``, JSON mode) are refused; harmless
+    ones (``user``, ``metadata``, empty ``tools``) are accepted and ignored."""
 
     model_config = LAX_BODY  # SDKs add fields over time; unknown ones are logged and ignored
     model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
@@ -55,13 +60,14 @@ class ChatCompletionRequest(BaseModel):
     seed: Optional[int] = Field(default=None, description="an integer")
     stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
     stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
-    n: Optional[int] = Field(default=None, description="only 1 is supported")
+    n: Optional[int] = Field(default=None, description="1..8 answers (choices), the prompt prefilled once")
     user: Optional[str] = Field(default=None, description="accepted and ignored")
-    frequency_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
-    presence_penalty: Optional[float] = Field(default=None, description="only 0 is supported")
-    logprobs: Optional[bool] = Field(default=None, description="only false is supported")
-    top_logprobs: Optional[int] = Field(default=None, description="only 0 is supported")
-    logit_bias: Optional[dict[str, float]] = Field(default=None, description="only an empty object is supported")
+    frequency_penalty: Optional[float] = Field(default=None, description="a number -2..2 (OpenAI's)")
+    presence_penalty: Optional[float] = Field(default=None, description="a number -2..2 (OpenAI's)")
+    logprobs: Optional[bool] = Field(default=None, description="true: choices[].logprobs.content per token")
+    top_logprobs: Optional[int] = Field(default=None, description="0..20 alternatives per token (with logprobs)")
+    logit_bias: Optional[dict[str, float]] = Field(default=None, description="token id (a string) -> bias "
+                                                   "-100..100")
     tools: Optional[list[dict[str, Any]]] = Field(default=None, description="only an empty list is supported")
     tool_choice: Union[str, dict[str, Any], None] = Field(default=None, description="only 'none'/'auto' without tools")
     metadata: Optional[dict[str, Any]] = Field(default=None, description="accepted and ignored")
@@ -72,6 +78,7 @@ class ChatCompletionRequest(BaseModel):
     top_k: Optional[int] = Field(default=None, description="extension: an integer >= 0")
     repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
     priority: int = Field(default=0, description="extension: an integer; higher runs first")
+    min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
 
     def to_text_options(self, settings: ServerSettings) -> dict[str, Any]:
         """``TextModel.stream`` keyword arguments (the prompt and `TextOptions`): OpenAI's names
@@ -92,6 +99,9 @@ class ChatCompletionRequest(BaseModel):
                 value = getattr(self, name)
                 if value is not None:
                     kwargs[name] = value
+        if not self.logprobs:  # OpenAI: top_logprobs only counts with logprobs true
+            kwargs.pop("logprobs", None)
+            kwargs.pop("top_logprobs", None)
         return kwargs
 
 
@@ -170,33 +180,48 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def check_options(kwargs: dict[str, Any]) -> None:
+    """Each `TextOptions` value checked here, so a bad one is a 400 naming its ``param`` (OpenAI's
+    error shape) with the message ``TextModel.stream()`` gives."""
+    for name, value in kwargs.items():
+        if name in TEXT_STREAM_ARGS:
+            try:
+                parse_text_options(**{name: value})
+            except InvalidArgumentError as exc:
+                raise Problem(400, "invalid_argument", str(exc), param=name) from None
+
+
+def chat_choices(body: Any) -> tuple[int, bool]:
+    """``(n, continuous_usage_stats)`` of a chat body that `chat_kwargs` accepted."""
+    n = body.get("n") if isinstance(body, dict) else None
+    options = body.get("stream_options") if isinstance(body, dict) else None
+    continuous = bool(isinstance(options, dict) and options.get("continuous_usage_stats"))
+    return (n if isinstance(n, int) and not isinstance(n, bool) else 1), continuous
+
+
 def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, bool]:
     """OpenAI chat body -> (TextModel.stream kwargs, priority, stream?, include_usage?).
 
-    Refuses what would change the answer (``n > 1``, tools, logprobs, penalties, JSON mode);
+    Refuses what would change the answer and is not built (``n > 8``, tools, JSON mode);
     accepts and ignores (with a log line) what does not (``user``, ``metadata``, empty ``tools``)."""
     req = validate_body(ChatCompletionRequest, body, "POST /v1/chat/completions")
     assert isinstance(req, ChatCompletionRequest)
-    if req.n not in (None, 1):
-        raise _unsupported("n", f"only n=1 is supported (got n={req.n}); send n separate requests")
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs", "logprobs are not supported; leave logprobs unset or false")
+    if req.n is not None and not 1 <= req.n <= 8:
+        raise Problem(400, "invalid_argument", f"n must be from 1 to 8 (answers to generate), got {req.n}", param="n")
+    if req.top_logprobs and not req.logprobs:
+        raise Problem(400, "invalid_argument", "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.tools:
         raise _unsupported("tools", "tools are not supported by this server; send no tools (an empty list is fine)")
     if req.tool_choice not in (None, "none", "auto"):
         raise _unsupported("tool_choice", "tool_choice must be unset, 'none' or 'auto' (this server runs no tools)")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported; send none (an empty object is fine)")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise _unsupported(name, f"{name} is not supported (use repetition_penalty)")
     if req.response_format is not None and req.response_format != {"type": "text"}:
         raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
     extra = sorted(set(body) - set(ChatCompletionRequest.model_fields))
     ignored = [n for n in _IGNORED_CHAT if body.get(n) not in (None, "", {}, [])] + extra
-    if ignored or req.tools == [] or req.logit_bias == {}:
-        logger.info("chat completion: ignoring field(s) %s", ignored or ["tools/logit_bias (empty)"])
+    if ignored or req.tools == []:
+        logger.info("chat completion: ignoring field(s) %s", ignored or ["tools (empty)"])
     kwargs = req.to_text_options(settings)
+    check_options(kwargs)
     include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
     return kwargs, req.priority, bool(req.stream), include_usage
 

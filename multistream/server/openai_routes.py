@@ -1,8 +1,13 @@
 """OpenAI-compatible routes, so the official ``openai`` SDK works unchanged against this server.
 
 - ``POST /v1/chat/completions``: messages, max_tokens / max_completion_tokens, temperature, top_p,
-  stop, seed, ``stream`` and ``stream_options.include_usage`` (plus the extensions top_k,
-  repetition_penalty, priority). Streaming sends ``chat.completion.chunk`` objects, then ``[DONE]``.
+  stop, seed, presence_penalty, frequency_penalty, logit_bias, ``logprobs`` / ``top_logprobs``
+  (``choices[].logprobs.content[]``: raw model log-softmax, before temperature and penalties),
+  ``n`` up to 8 (the prompt prefilled once; streamed choices interleave, each chunk with its
+  ``index``; choice i seeded from (seed, i)), ``stream`` and ``stream_options.include_usage`` /
+  vLLM's ``continuous_usage_stats`` (plus the extensions top_k, min_p, repetition_penalty,
+  priority). Streaming sends ``chat.completion.chunk`` objects, then ``[DONE]``.
+- ``POST /v1/completions``: see `multistream.server.openai_completions`.
   A cancelled generation reports ``finish_reason="stop"`` (OpenAI has no "cancelled").
 - ``POST /v1/images/generations``: prompt, n, size ("64x64"), output_format, ``response_format``
   "b64_json", ``stream`` with ``partial_images`` 0-3 (SSE events ``image_generation.partial_image``
@@ -52,7 +57,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, ImageEvent, TextEvent
 from .bodies import OpenAIErrorResponse
-from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_kwargs, image_kwargs
+from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
+from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
 from .problems import Problem
 from .registry import StreamRecord
 from .routes_native import read_body
@@ -108,49 +114,74 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
                principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
     settings = state.settings
-    kwargs, priority, stream, include_usage = chat_kwargs(await read_body(request, state), settings)
-    record = await state.open_stream("text", kwargs, priority=priority, request=request, resumable=False,
-                                     arrived_at=arrived, principal=principal)
+    body = await read_body(request, state)
+    kwargs, priority, stream, include_usage = chat_kwargs(body, settings)
+    n, continuous_usage = chat_choices(body)
+    want_logprobs = bool(kwargs.get("logprobs"))
+    records = await open_choices(state, kwargs, n, priority=priority, request=request, arrived_at=arrived,
+                                 principal=principal)
+    record = records[0]
     cid, created, model = f"chatcmpl-{record.stream_id}", int(time.time()), record.model_name
+    headers = {"X-Stream-Id": ",".join(r.stream_id for r in records)}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0,
+              logprobs: Any = None) -> dict[str, Any]:
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     if not stream:
-        collected = await _collect_until_disconnected(record, request)
-        final = collected[-1] if collected else None
-        if isinstance(final, ErrorEvent) or not isinstance(final, TextEvent):
-            return JSONResponse(_error_body(final) if isinstance(final, ErrorEvent) else
+        states = await collect_choices(records, request)
+        failed = next((c.error for c in states if c.error is not None), None)
+        if failed is not None or any(c.final is None for c in states):
+            return JSONResponse(_error_body(failed) if failed is not None else
                                 {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
-        usage = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, c in enumerate(states):
+            final = c.final
+            assert final is not None
+            u = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
+            prompt_tokens, completion_tokens = u["prompt_tokens"], completion_tokens + u["completion_tokens"]
+            choices.append({"index": i, "message": {"role": "assistant", "content": final.text or ""},
+                            "logprobs": chat_logprobs(c.entries) if want_logprobs else None,
+                            "finish_reason": _FINISH.get(final.finish_reason or "stop", "stop")})
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": final.text or ""},
-                         "logprobs": None, "finish_reason": _FINISH.get(final.finish_reason or "stop", "stop")}],
-            "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
-        }, headers={"X-Stream-Id": record.stream_id})
+            "system_fingerprint": None, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens),
+        }, headers=headers)
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        yield _data(chunk({"role": "assistant", "content": ""}))
-        async for ev in record.subscribe():
+        prompt_tokens = 0
+        done: dict[int, int] = {}  # completion tokens of each choice, as they go
+        for i in range(n):
+            yield _data(chunk({"role": "assistant", "content": ""}, index=i))
+        async for i, ev in interleave(records):
             if isinstance(ev, ErrorEvent):
                 yield _data(_error_body(ev))
                 return
             assert isinstance(ev, TextEvent)
-            if ev.delta:
-                yield _data(chunk({"content": ev.delta}))
+            if ev.token_ids:
+                done[i] = max(done.get(i, 0), ev.index + len(ev.token_ids))
+            if ev.is_final and ev.usage:
+                prompt_tokens, done[i] = ev.usage["prompt_tokens"], ev.usage["completion_tokens"]
+            extra = {"usage": usage_of(prompt_tokens, sum(done.values()))} if continuous_usage else {}
+            logprobs = chat_logprobs(ev.logprobs) if want_logprobs and ev.logprobs else None
+            if ev.delta or logprobs is not None:
+                yield _data({**chunk({"content": ev.delta}, index=i, logprobs=logprobs), **extra})
             if ev.is_final:
-                yield _data(chunk({}, _FINISH.get(ev.finish_reason or "stop", "stop")))
-                if include_usage:
-                    u = ev.usage or {"prompt_tokens": 0, "completion_tokens": 0}
-                    yield _data({**chunk({}), "choices": [],
-                                 "usage": {**u, "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}})
+                yield _data({**chunk({}, _FINISH.get(ev.finish_reason or "stop", "stop"), index=i), **extra})
+        if include_usage:
+            yield _data({**chunk({}), "choices": [], "usage": usage_of(prompt_tokens, sum(done.values()))})
         yield ServerSentEvent(data="[DONE]")
 
-    return _sse(record, settings, events())
+    return _sse_many(records, settings, events())
+
+
+def _sse_many(records: list[StreamRecord], settings: ServerSettings,
+              events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
+    response = _sse(records[0], settings, events)
+    response.headers["X-Stream-Id"] = ",".join(r.stream_id for r in records)
+    return response
 
 @router.post("/v1/images/generations", responses=_ERRORS, openapi_extra=_body(ImageGenerationRequest))
 async def images(request: Request, state: ServerState = Depends(get_state),

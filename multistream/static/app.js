@@ -6,18 +6,22 @@
 // token its creation returned.
 // Text events carry `offset` (where `delta` begins, in code points: Python's len) and `revision`
 // (+1 per steer/rewind): the text is text[:offset] + delta, so a rewind replaces the tail.
+// "show confidence" asks for logprobs (top 5): each token is coloured by its probability, hovering
+// shows its alternatives, and clicking one rewinds the answer to that token with the alternative
+// (POST /v1/streams/{id}/rewind {"offset", "token_id"}) while it streams.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const ui = { go: $("go"), stop: $("stop"), finish: $("finish"), prompt: $("prompt"), amount: $("amount"), key: $("apikey"),
-             output: $("output"), preview: $("preview"), status: $("status") };
+             output: $("output"), preview: $("preview"), status: $("status"), confidence: $("confidence") };
 ui.key.value = sessionStorage.getItem("multistream.apikey") || "";
 ui.key.addEventListener("change", () => sessionStorage.setItem("multistream.apikey", ui.key.value));
 try { localStorage.removeItem("multistream.apikey"); } catch (e) { /* older versions kept it there */ }
 
 // Test and debug hook: what the page has seen.
 const state = window.__ms = { streamId: null, token: null, lastSeq: -1, text: "", length: 0, revision: 0, frames: 0,
-                              finalEvent: null, reconnects: 0, error: null, running: false, seqs: [], kind: null };
+                              finalEvent: null, reconnects: 0, error: null, running: false, seqs: [], kind: null,
+                              tokens: [], confidence: false, branches: 0 };
 let pending = { text: "", redraw: false, image: null, status: null };
 let frameRequested = false;
 let controller = null;
@@ -34,6 +38,7 @@ function schedule() {
   frameRequested = true;
   requestAnimationFrame(() => {
     frameRequested = false;
+    if (state.confidence && state.tokens.length) { renderTokens(); pending.redraw = false; pending.text = ""; }
     if (pending.redraw) { ui.output.textContent = state.text; pending.redraw = false; pending.text = ""; }
     if (pending.text) { ui.output.append(document.createTextNode(pending.text)); pending.text = ""; }
     if (pending.image) { ui.preview.src = pending.image; pending.image = null; }
@@ -54,6 +59,80 @@ function renderStatus(parts) {
     return span;
   }));
 }
+
+// Each token's share of a delta, from its UTF-8 bytes (a token that only starts a character gets
+// "", the one that completes it the whole character); the pieces join to the delta.
+function splitDelta(delta, entries) {
+  const chars = Array.from(delta), pieces = [];
+  let bytes = [], done = 0;
+  for (const e of entries) {
+    bytes = bytes.concat(e.bytes || []);
+    const now = Math.min(Array.from(new TextDecoder().decode(new Uint8Array(bytes)).replace(/\uFFFD+$/, "")).length,
+                         chars.length);
+    pieces.push(chars.slice(done, now).join(""));
+    done = Math.max(done, now);
+  }
+  if (pieces.length && done < chars.length) pieces[pieces.length - 1] += chars.slice(done).join("");
+  return pieces;
+}
+
+function applyTokens(ev) {
+  if (!ev.logprobs && !(typeof ev.offset === "number" && ev.offset < state.length)) return;
+  state.tokens = state.tokens.slice(0, ev.index || 0);     // a rewind cuts at its token index
+  let at = typeof ev.offset === "number" ? ev.offset : state.length;
+  const entries = ev.logprobs || [];
+  splitDelta(ev.delta || "", entries).forEach((piece, i) => {
+    state.tokens.push({ start: at, text: piece, entry: entries[i] });
+    at += Array.from(piece).length;
+  });
+  pending.redraw = true;
+}
+
+function color(p) { return `hsla(${Math.round(120 * Math.max(0, Math.min(1, p)))}, 75%, 62%, 0.45)`; }
+
+// The answer as one span per token (textContent only), with its alternatives in a hover box.
+function renderTokens() {
+  const nodes = state.tokens.map((t) => {
+    const span = document.createElement("span");
+    const p = Math.exp(t.entry.logprob);
+    span.className = "ms-tok";
+    span.style.background = color(p);
+    span.dataset.offset = t.start;
+    span.dataset.p = p.toFixed(4);
+    span.append(document.createTextNode(t.text));
+    const tip = document.createElement("span");
+    tip.className = "ms-tip";
+    tip.append(document.createTextNode(`${JSON.stringify(t.entry.token)} ${(100 * p).toFixed(1)}%`));
+    for (const alt of t.entry.top_logprobs || []) {
+      const b = document.createElement("button");
+      b.className = "ms-alt" + (alt.token_id === t.entry.token_id ? " ms-chosen" : "");
+      b.dataset.offset = t.start;
+      b.dataset.token = alt.token_id;
+      b.textContent = `${JSON.stringify(alt.token)} ${(100 * Math.exp(alt.logprob)).toFixed(1)}%`;
+      tip.append(b);
+    }
+    span.append(tip);
+    return span;
+  });
+  // Text after the last token (held back at the end) is shown plainly.
+  const covered = state.tokens.length ? state.tokens[state.tokens.length - 1].start +
+                  Array.from(state.tokens[state.tokens.length - 1].text).length : 0;
+  const rest = Array.from(state.text).slice(covered).join("");
+  ui.output.replaceChildren(...nodes, document.createTextNode(rest));
+}
+
+// Clicking an alternative: regenerate from that token's place, starting with the alternative.
+ui.output.addEventListener("click", async (e) => {
+  const alt = e.target.closest && e.target.closest(".ms-alt");
+  if (!alt || !state.streamId) return;
+  if (!state.running) { setStatus(["the answer has ended; branch while it streams (or generate again)", "err"]); return; }
+  const response = await fetch(`/v1/streams/${encodeURIComponent(state.streamId)}/rewind`, {
+    method: "POST", headers: headers({ "Content-Type": "application/json" }),
+    body: JSON.stringify({ offset: parseInt(alt.dataset.offset, 10), token_id: parseInt(alt.dataset.token, 10) }) })
+    .catch(() => null);
+  if (response && !response.ok) setStatus([await errorText(response), "err"]);
+  else state.branches += 1;
+});
 
 // text = text[:offset] + delta, with offsets in code points (Array.from splits surrogate pairs
 // correctly; String.prototype.slice would count UTF-16 units and cut an emoji in half).
@@ -77,6 +156,7 @@ function handle(ev) {
   state.streamId = ev.stream_id;
   state.seqs.push(ev.seq);
   if (ev.type === "text") {
+    if (state.confidence) applyTokens(ev);
     applyText(ev);
   } else if (ev.type === "image") {
     state.frames += 1;
@@ -124,7 +204,8 @@ async function errorText(response) {
 
 async function run(kind, body) {
   Object.assign(state, { streamId: null, token: null, lastSeq: -1, text: "", length: 0, revision: 0, frames: 0,
-                         finalEvent: null, reconnects: 0, error: null, running: true, seqs: [], kind });
+                         finalEvent: null, reconnects: 0, error: null, running: true, seqs: [], kind,
+                         tokens: [], confidence: kind === "text" && !!body.logprobs, branches: 0 });
   pending.text = ""; pending.redraw = false;
   if (kind === "text") ui.output.textContent = "";   // an image run keeps the last text on screen
   ui.go.disabled = true; ui.stop.disabled = false; ui.finish.disabled = kind !== "image";
@@ -165,6 +246,7 @@ ui.go.addEventListener("click", () => {
   const amount = parseInt(ui.amount.value, 10) || undefined;
   const body = kind === "text" ? { prompt: ui.prompt.value, max_new_tokens: amount }
                                : { prompt: ui.prompt.value, steps: amount };
+  if (kind === "text" && ui.confidence.checked) Object.assign(body, { logprobs: true, top_logprobs: 5 });
   run(kind, body);
 });
 

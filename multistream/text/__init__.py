@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
 from ._options import TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
+from ._seeds import choice_seed
 from ._stop_strings import StopMatcher
 
 # The model modules import torch and transformers; they load when first asked for, so the options
@@ -43,6 +44,7 @@ __all__ = [
     "TextModel",
     "TextOptions",
     "check_messages",
+    "choice_seed",
     "check_prompt",
     "load_text_model",
     "parse_text_options",

@@ -41,9 +41,11 @@ from typing import Any, Callable
 import torch
 
 from ._kv_rows import RowCache, supports_row_cache
+from ._logprobs import TokenTable, entries
 from ._request import TextRequest
+from ._sampling import Penalties, adjust_rows
 
-__all__ = ["TextBatcher"]
+__all__ = ["SharedPrompt", "TextBatcher"]
 
 logger = logging.getLogger("multistream")
 
@@ -74,6 +76,57 @@ def _returned_cache(out: Any, name: str, given: Any) -> Any:
 def _rank(req: TextRequest) -> tuple[int, int]:
     """Sort key: higher priority first, then first come first served."""
     return (-req.priority, req.order)
+
+
+# JSON has no -inf; vLLM reports impossible tokens as -9999.0 too.
+_LOGPROB_FLOOR = -9999.0
+
+
+class SharedPrompt:
+    """``n`` requests of one prompt (an ``n``-choice request) prefilled once.
+
+    The first of them to be prefilled (the leader) leaves a copy of its prompt's KV row and the
+    prompt's last logits here; every other member copies that row into its own instead of running
+    the prompt again (its first token is drawn from the same logits by its own sampler). The copy is
+    dropped once every member has taken it; a member that arrives late still finds it.
+
+    Example (what `TextModel.choices` does):
+        >>> share = SharedPrompt(members=4)
+        >>> share.remaining
+        4
+    """
+
+    def __init__(self, members: int) -> None:
+        self.remaining = members
+        self.leader: TextRequest | None = None
+        self.rows: RowCache | None = None
+        self.logits: torch.Tensor | None = None
+        self.context: list[int] | None = None
+
+    def ready_for(self, req: TextRequest) -> bool:
+        return (self.rows is not None and req.prefilled == 0 and req.own_cache is None
+                and req.context == self.context)
+
+    def waits(self, req: TextRequest) -> bool:
+        """True while another member's prefill, which will serve ``req`` too, is under way."""
+        leader = self.leader
+        return self.rows is None and leader is not None and leader is not req and not leader.done
+
+    def keep(self, req: TextRequest, rows: RowCache, index: int, logits: torch.Tensor) -> None:
+        """The leader's prefill is done: keep a copy of its row (before its first token is added)."""
+        req.share = None
+        self.remaining -= 1
+        if self.remaining > 0:
+            self.rows, self.logits, self.context = rows.select([index]), logits.detach().clone(), list(req.context)
+
+    def take(self, req: TextRequest) -> tuple[RowCache, torch.Tensor]:
+        assert self.rows is not None and self.logits is not None
+        req.share = None
+        rows, logits = self.rows.select([0]), self.logits  # a copy each: a row's cache grows in place
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.rows = self.logits = self.context = None
+        return rows, logits
 
 
 class TextBatcher:
@@ -195,6 +248,10 @@ class TextBatcher:
         for req in sorted(self.waiting, key=_rank):
             if req.done or not req.needs_prefill or req in self._prefilling or req.check_flags():
                 continue
+            if req.share is not None:
+                if req.share.rows is not None or req.share.waits(req):
+                    continue  # served by a copy of another member's prefill, at the boundary
+                req.share.leader = req
             fresh = req.prefilled == 0 and req.own_cache is None and len(req.context) <= self._budget_left
             if not fresh or _rank(req) >= open_for or (group and req.priority != group[0].priority):
                 break
@@ -283,6 +340,7 @@ class TextBatcher:
         left-padded forward (one pass over the weights for all of them); a prompt longer than the
         budget goes alone, one chunk per step.
         """
+        self._copy_shared()
         budget = self._budget_left
         free_rows = self.capacity - len(self.batch)
         group: list[TextRequest] = []
@@ -292,6 +350,10 @@ class TextBatcher:
             if not req.needs_prefill:
                 free_rows -= 1  # paused earlier, its cache is ready: it takes a row first
                 continue
+            if req.share is not None:
+                if req.share.waits(req):
+                    continue  # another member's prefill serves it (copied just after)
+                req.share.leader = req
             remaining = len(req.context) - req.prefilled
             if group and req.priority != group[0].priority:
                 break  # a higher priority is prefilled on its own, so its first token is not held up
@@ -305,7 +367,24 @@ class TextBatcher:
         self._budget_left = budget
         if group:
             self._guarded(self._prefill_group, group)
+        self._copy_shared()
         self.waiting = [r for r in self.waiting if not r.done]
+
+    def _copy_shared(self) -> None:
+        """Members of an n-choice request whose prompt another member prefilled: each copies that
+        row (no forward) and draws its first token, while rows are free."""
+        free_rows = self.capacity - len(self.batch) - sum(1 for r in self.waiting if not r.needs_prefill and not r.done)
+        for req in sorted(self.waiting, key=_rank):
+            if free_rows <= 0:
+                return
+            share = req.share
+            if req.done or not req.needs_prefill or share is None or not share.ready_for(req) or req.check_flags():
+                continue
+            rows, logits = share.take(req)
+            req.own_cache = (rows, 0)
+            req.prefilled = len(req.context)
+            self._first_token(req, logits)
+            free_rows -= 1
 
     def _guarded(self, fn: Any, reqs: list[TextRequest], *args: Any) -> None:
         try:
@@ -357,6 +436,8 @@ class TextBatcher:
         for i, req in enumerate(group):
             req.prefilled = len(req.context)
             req.own_cache = (rows, i)
+            if req.share is not None:
+                req.share.keep(req, rows, i, out.logits[i, -1])
             self._first_token(req, out.logits[i, -1])
 
     def _prefill_chunk(self, reqs: list[TextRequest], n: int) -> None:
@@ -374,13 +455,22 @@ class TextBatcher:
         req.own_cache = (RowCache(_returned_cache(out, self._cache_arg, cache), mask), 0)
         req.prefilled += n
         if req.prefilled >= len(req.context):
+            if req.share is not None:
+                req.share.keep(req, req.own_cache[0], 0, out.logits[0, -1])
             self._first_token(req, out.logits[0, -1])
 
     def _first_token(self, req: TextRequest, logits: torch.Tensor) -> None:
         # The first token goes out now: time to first token is queueing plus prefill.
         req.needs_prefill = False
         try:
-            req.accept(self._pick(req, logits))
+            if req.forced_token is not None:  # a branch: the caller chose this token
+                token, req.forced_token = req.forced_token, None
+            else:
+                token = self._pick(req, logits)
+            entry = None
+            if req.wants_logprobs:
+                entry = self._logprob_entries([req], logits.unsqueeze(0), [token])[0]
+            req.accept(token, entry)
         except Exception as exc:  # noqa: BLE001
             logger.exception("stream %s failed", req.writer.stream_id)
             req.fail(exc)
@@ -430,20 +520,109 @@ class TextBatcher:
             req.prefilled += 1
         logits = out.logits[:, -1, :]
         greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
+        adjusted = self._adjusted(batch, logits)
         ended: list[int] = []
+        tokens: list[int | None] = [None] * size
         for i, req in enumerate(batch):
             try:
-                token = greedy[i] if greedy is not None and req.sampler.plain_greedy else self._pick(req, logits[i])
-                if req.accept(token):
+                if greedy is not None and req.sampler.plain_greedy:
+                    tokens[i] = greedy[i]
+                else:
+                    tokens[i] = self._pick(req, adjusted.get(i, logits[i]), adjusted=i in adjusted)
+            except Exception as exc:  # noqa: BLE001 - a fault in one row's sampling
+                logger.exception("stream %s failed", req.writer.stream_id)
+                req.fail(exc)
+                ended.append(i)
+        want = [i for i, req in enumerate(batch) if req.wants_logprobs and tokens[i] is not None]
+        found: dict[int, dict[str, Any]] = {}
+        if want:
+            rows = logits if len(want) == size else logits[torch.tensor(want, device=logits.device)]
+            found = dict(zip(want, self._logprob_entries([batch[i] for i in want], rows,
+                                                         [tokens[i] for i in want])))  # type: ignore[misc]
+        for i, req in enumerate(batch):
+            token = tokens[i]
+            if token is None:
+                continue
+            try:
+                if req.accept(token, found.get(i)):
                     ended.append(i)
-            except Exception as exc:  # noqa: BLE001 - a fault in one row's sampling or output
+            except Exception as exc:  # noqa: BLE001 - a fault in one row's output
                 logger.exception("stream %s failed", req.writer.stream_id)
                 req.fail(exc)
                 ended.append(i)
         if ended:
-            self._remove_rows(ended)
+            self._remove_rows(sorted(set(ended)))
 
-    def _pick(self, req: TextRequest, logits: torch.Tensor) -> int:
+    # -- choosing tokens ------------------------------------------------------------------------
+
+    def _penalties(self, req: TextRequest, logits: torch.Tensor) -> Penalties:
+        sampler = req.sampler
+        if sampler.penalties is None:
+            sampler.penalties = Penalties(sampler.plan, int(logits.shape[-1]), logits.device)
+        sampler.penalties.sync(req.answer_ids, req.rewinds)
+        return sampler.penalties
+
+    def _adjusted(self, batch: list[TextRequest], logits: torch.Tensor) -> dict[int, torch.Tensor]:
+        """OpenAI's penalties and logit biases for every row that has them, in one expression."""
+        rows = [i for i, req in enumerate(batch) if req.sampler.plan.adjusts]
+        if not rows:
+            return {}
+        index = torch.tensor(rows, device=logits.device)
+        out = adjust_rows(logits.index_select(0, index), [self._penalties(batch[i], logits) for i in rows])
+        return {i: out[j] for j, i in enumerate(rows)}
+
+    def _pick(self, req: TextRequest, logits: torch.Tensor, *, adjusted: bool = False) -> int:
         if req.sampler.plain_greedy:
             return int(torch.argmax(logits))
+        if req.sampler.plan.adjusts and not adjusted:
+            logits = adjust_rows(logits.unsqueeze(0), [self._penalties(req, logits)])[0]
+        if req.sampler.plan.greedy and req.sampler.allowed is None and req.sampler.plan.repetition_penalty == 1.0:
+            return int(torch.argmax(logits))
         return req.sampler.pick(logits, req.context, req.output_position, req.answer_ids)
+
+    def _logprob_entries(self, reqs: list[TextRequest], logits: torch.Tensor, tokens: list[int]) -> list[dict[str, Any]]:
+        """Logprob entries of each row's chosen token: one log-softmax over the rows' raw logits in
+        fp32, one top-k at the largest k asked, one move to the CPU."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+        k = max(req.top_logprobs for req in reqs)
+        if k > 0:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            numbers = torch.cat([chosen, top_values], 1).clamp_min(_LOGPROB_FLOOR).tolist()
+            ids = top_ids.tolist()
+        else:
+            numbers = chosen.clamp_min(_LOGPROB_FLOOR).tolist()
+            ids = [[] for _ in reqs]
+        out = []
+        for req, token, row, row_ids in zip(reqs, tokens, numbers, ids):
+            kk = req.top_logprobs
+            out.append(entries(req.token_table, token, row[0], row_ids[:kk], row[1 : 1 + kk]))
+        return out
+
+    def score(self, ids: list[int], table: TokenTable, top_logprobs: int) -> list[dict[str, Any] | None]:
+        """Logprob entries of a prompt's own tokens (the first is None: nothing predicts it), from
+        one forward of the whole prompt. Call on the engine thread (`Engine.run_on_engine`)."""
+        from transformers import DynamicCache
+
+        out: list[dict[str, Any] | None] = [None]
+        if len(ids) < 2:
+            return out
+        cache = DynamicCache()
+        result = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
+                            **{self._cache_arg: cache})
+        logits = result.logits[0, :-1]
+        # Bounded memory: log-softmax a few hundred positions at a time.
+        for start in range(0, logits.shape[0], 256):
+            part = logits[start : start + 256]
+            tokens = ids[start + 1 : start + 1 + part.shape[0]]
+            logprobs = torch.log_softmax(part.float(), dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+            if top_logprobs:
+                values, top = logprobs.topk(top_logprobs, dim=-1)
+                numbers = torch.cat([chosen, values], 1).clamp_min(_LOGPROB_FLOOR).tolist()
+                top_ids = top.tolist()
+            else:
+                numbers, top_ids = chosen.clamp_min(_LOGPROB_FLOOR).tolist(), [[] for _ in tokens]
+            for token, row, row_ids in zip(tokens, numbers, top_ids):
+                out.append(entries(table, token, row[0], row_ids, row[1:]))
+        return out

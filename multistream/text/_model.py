@@ -32,10 +32,11 @@ from ..engine.settings import engine_thread_setup
 from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
-from ._batcher import TextBatcher
+from ._batcher import SharedPrompt, TextBatcher
+from ._logprobs import TokenTable
 from ._options import TextOptions, check_prompt, parse_text_options
 from ._request import Edit, TextRequest
-from ._sampling import RowSampler, SamplingPlan
+from ._sampling import RowSampler, SamplingPlan, choice_seed
 
 __all__ = ["TextModel"]
 
@@ -119,6 +120,8 @@ class TextModel:
             elif isinstance(value, (list, tuple)):
                 eos.update(int(v) for v in value)
         self.eos_token_ids = frozenset(eos)
+        self.vocab_size = int(getattr(config, "vocab_size", None) or len(tokenizer))
+        self._token_table: TokenTable | None = None
         self.max_batch = max_batch
         self._finished: OrderedDict[str, TextRequest] = OrderedDict()
         self._finished_lock = threading.Lock()
@@ -199,8 +202,9 @@ class TextModel:
 
         ``options`` are those of `TextOptions` (each declared and described there once):
         ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
-        ``seed``, ``stop``, ``chunk_tokens``, ``chunk_ms``, ``chat``, ``allowed`` and
-        ``priority``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
+        ``seed``, ``stop``, ``chunk_tokens``, ``chunk_ms``, ``chat``, ``allowed``,
+        ``priority``, ``logprobs``, ``top_logprobs``, ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias`` and ``min_p``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
         not later inside the stream. ``temperature=0`` is greedy decoding (the default, unless the
         model's ``generation_config`` says ``do_sample``); sampling options left as None take the
         ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
@@ -209,7 +213,10 @@ class TextModel:
         decoding). ``priority``: higher runs first at every engine step (default 0).
 
         The stream can be edited while it runs: ``stream.steer(instruction)`` and
-        ``stream.rewind(offset, instruction=None, **sampling)`` (see `revise` for a finished one).
+        ``stream.rewind(offset, instruction=None, token_id=None, **sampling)`` (``token_id``: branch from
+        an alternative token; see `revise` for a finished one). ``logprobs=True`` /
+        ``top_logprobs=k`` put ``logprobs`` on each event: the log-softmax of the raw logits in fp32,
+        before temperature, penalties and masks (vLLM's default).
 
         Example:
             >>> for ev in llm.stream("Count to 5", max_new_tokens=20, stop=["5"]):   # doctest: +SKIP
@@ -224,6 +231,7 @@ class TextModel:
         resume_tokens: list[int] | None = None,
         resume_inserted: list[tuple[int, list[int]]] | None = None,
         on_edit: Callable[[dict[str, Any]], Any] | None = None,
+        share: SharedPrompt | None = None,
         **options: Any,
     ) -> Stream:
         """Internal entry point of the server's failover (a Ray replica): `stream` plus the plumbing
@@ -237,12 +245,17 @@ class TextModel:
         before answer token ``k``), so the model sees the same context: prompt, answer and
         instructions in order. ``on_edit(revision)`` is called on the engine thread as each steer
         or rewind takes effect, with the final event's revision dict plus ``revision`` (its
-        number) and ``at`` (``k``), which is what ``resume_inserted`` takes.
+        number) and ``at`` (``k``), which is what ``resume_inserted`` takes. ``share``: a
+        `SharedPrompt` from `share_prompt` that the other choices of an ``n``-choice request hold
+        too (their prompt is prefilled once).
 
         Example:
             >>> s = llm.replica_stream("Tell a story", resume_tokens=[504, 3237])   # doctest: +SKIP
         """
         checked = parse_text_options(**options)
+        self._check_token_ids(checked)
+        if share is not None and not isinstance(share, SharedPrompt):
+            raise InvalidArgumentError(f"share must come from share_prompt(n), got {type(share).__name__}")
         prompt_ids = self.encode_prompt(prompt, chat=checked.chat)
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLongError(
@@ -273,24 +286,91 @@ class TextModel:
                     f"a context of {self.context_length} tokens")
             history = (context, ids, positions)
         return self._start(prompt_ids, checked, plan, max_new, checked.priority, is_chat, history=history,
-                           on_edit=on_edit)
+                           on_edit=on_edit, share=share if history is None else None)
+
+    def share_prompt(self, n: int) -> SharedPrompt:
+        """A handle that ``n`` streams of the same prompt pass as ``replica_stream(..., share=)``, so
+        the prompt is prefilled once and its cache copied into each of their rows (what `choices`
+        does; a server opening ``n`` streams one by one uses it).
+
+        Example:
+            >>> share = llm.share_prompt(2)                                             # doctest: +SKIP
+            >>> a, b = (llm.replica_stream("hi", seed=i, share=share) for i in range(2))  # doctest: +SKIP
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgumentError(f"n must be an integer >= 1, got {n!r}")
+        return SharedPrompt(n)
+
+    def choices(self, prompt: str | list[dict[str, str]], n: int, **options: Any) -> list[Stream]:
+        """``n`` answers to one prompt (OpenAI's ``n``), as ``n`` streams: the prompt is prefilled once
+        and its KV cache copied into the ``n`` rows of the batch; choice ``i`` is seeded from
+        ``(seed, i)`` (`choice_seed`: choice 0 keeps ``seed``, so it equals the plain stream).
+
+        Example:
+            >>> streams = llm.choices("Name a colour", 3, temperature=1.0, seed=7)   # doctest: +SKIP
+            >>> [s.wait().text for s in streams]                                     # doctest: +SKIP
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
+            raise InvalidArgumentError(f"n must be an integer from 1 to 64 (answers to the prompt), got {n!r}")
+        seed = parse_text_options(**options).seed
+        if seed is None:
+            import secrets
+
+            seed = secrets.randbits(63)
+        share = self.share_prompt(n)
+        return [self.replica_stream(prompt, share=share, **{**options, "seed": choice_seed(seed, i)}) for i in range(n)]
+
+    def score(self, prompt: str | list[dict[str, str]], *, top_logprobs: int = 0,
+              chat: bool | None = None) -> list[dict[str, Any] | None]:
+        """The logprob entries of the prompt's own tokens, one per token (the first is None: nothing
+        predicts it), e.g. for loglikelihood scoring (``/v1/completions`` with ``echo``). Runs one
+        forward of the prompt on the engine thread, between two steps of the running streams.
+
+        Example:
+            >>> entries = llm.score("The capital of France is Paris", chat=False)   # doctest: +SKIP
+            >>> sum(e["logprob"] for e in entries[1:])                             # doctest: +SKIP
+            -24.1
+        """
+        k = parse_text_options(top_logprobs=top_logprobs).top_logprobs
+        ids = self.encode_prompt(prompt, chat=chat)
+        if len(ids) > self.context_length:
+            raise PromptTooLongError(f"the prompt is {len(ids)} tokens but {self.name} has a context of "
+                                     f"{self.context_length} tokens; shorten it")
+        table = self.token_table()
+        return self._engine.run_on_engine(lambda: self._batcher.score(ids, table, k))  # type: ignore[no-any-return]
+
+    def token_table(self) -> TokenTable:
+        """Each token's text and UTF-8 bytes (what logprob entries carry), cached per token."""
+        if self._token_table is None:
+            self._token_table = TokenTable(self.tokenizer)
+        return self._token_table
+
+    def _check_token_ids(self, options: TextOptions) -> None:
+        bad = [t for t in (options.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"logit_bias names token {bad[0]}, but {self.name} has {self.vocab_size} "
+                                       f"tokens (ids 0..{self.vocab_size - 1})")
 
     def _start(
         self, prompt_ids: list[int], options: TextOptions, plan: SamplingPlan, max_new: int, priority: int,
         is_chat: bool, *, history: tuple[list[int], list[int], list[int]] | None = None, echo: bool = False,
         edit: Edit | None = None, on_edit: Callable[[dict[str, Any]], Any] | None = None,
+        share: SharedPrompt | None = None, history_logprobs: list[Any] | None = None,
     ) -> Stream:
         model_ref = weakref.ref(self)
+        table = self.token_table() if options.wants_logprobs else None
 
         def submit(writer: StreamWriter) -> None:
             request = TextRequest(
                 writer=writer, prompt_ids=prompt_ids, options=options, sampler=self._sampler(plan, options),
                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
                 context_length=self.context_length, priority=priority, is_chat=is_chat, history=history,
-                echo_history=echo, on_edit=on_edit,
+                echo_history=echo, on_edit=on_edit, share=share, history_logprobs=history_logprobs,
+                token_table=table,
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
             )
             if edit is not None:
+                request.forced_token = edit.token_id
                 request.context.extend(edit.inserted)
                 request.revisions.append({"kind": "rewind", "step": 0, "offset": len(request._text),
                                           "instruction": edit.instruction, "token_ids": list(edit.inserted)})
@@ -365,6 +445,7 @@ class TextModel:
                     f"offset {offset!r} is outside the text, which has {length} characters so far; use 0..{length}"
                 )
             instruction = kwargs.pop("instruction", None)
+            token_id = self._check_branch_token(kwargs.pop("token_id", None))
             inserted = [] if instruction is None else self._instruction_tokens(instruction, is_chat)
             self._check_room(request, inserted)
             sampler = None
@@ -379,10 +460,23 @@ class TextModel:
                 current.update(kwargs)
                 options = parse_text_options(**current)
                 sampler = self._sampler(SamplingPlan.resolve(options, getattr(self.model, "generation_config", None)), options)
-            request.queue_edit(Edit("rewind", inserted, instruction=instruction, offset=offset, sampler=sampler))
+            request.queue_edit(Edit("rewind", inserted, instruction=instruction, offset=offset, sampler=sampler,
+                                    token_id=token_id))
         else:
             raise InvalidArgumentError(f"text streams support steer() and rewind(), not {name}()")
         self._engine.wake()
+
+    def _check_branch_token(self, token_id: Any) -> int | None:
+        if token_id is None:
+            return None
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
+            raise InvalidArgumentError(
+                f"token_id must be a token id from 0 to {self.vocab_size - 1} (e.g. an alternative from an event's "
+                f"logprobs), got {token_id!r}")
+        if token_id in self.eos_token_ids:
+            raise InvalidArgumentError(f"token_id {token_id} ends the answer (end of sequence); pick another "
+                                       "alternative, or cut the answer with rewind(offset) and finish()")
+        return token_id
 
     def _check_room(self, request: TextRequest, inserted: list[int]) -> None:
         if len(request.context) + len(inserted) + 1 >= self.context_length:
@@ -398,10 +492,13 @@ class TextModel:
             while len(self._finished) > 64:
                 self._finished.popitem(last=False)
 
-    def revise(self, final_event: TextEvent, offset: int, instruction: str | None = None, **options: Any) -> Stream:
+    def revise(self, final_event: TextEvent, offset: int, instruction: str | None = None, *,
+               token_id: int | None = None, **options: Any) -> Stream:
         """Regenerate part of a finished answer: a new stream that keeps ``text[:offset]`` (snapped
         back to a token boundary) and generates the rest, optionally under a new ``instruction``
-        and new sampling options. Its first event is the kept text.
+        and new sampling options. Its first event is the kept text. ``token_id``: the first
+        regenerated token (a branch from an alternative in the answer's logprobs); greedy, the
+        rest equals greedy decoding from (prompt, kept tokens, ``token_id``).
 
         The answer must come from a stream of this model (the newest 64 finished ones are kept).
 
@@ -421,6 +518,7 @@ class TextModel:
         if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= len(text):
             raise InvalidArgumentError(f"offset {offset!r} is outside the text, which has {len(text)} characters; use 0..{len(text)}")
         inserted = [] if instruction is None else self._instruction_tokens(instruction, old.is_chat)
+        branch = self._check_branch_token(token_id)
         k = old.snap(offset)
         cut = old.answer_pos[k] if k < len(old.answer_pos) else len(old.context)
         history = (old.context[:cut], old.answer_ids[:k], old.answer_pos[:k])
@@ -431,9 +529,11 @@ class TextModel:
         if cut + len(inserted) + 1 >= self.context_length:
             raise PromptTooLongError("the kept text and the instruction fill the context; revise from an earlier offset")
         max_new = min(new_options.max_new_tokens, self.context_length - cut - len(inserted))
+        self._check_token_ids(new_options)
         return self._start(
             old.prompt_ids, new_options, plan, max_new, new_options.priority, old.is_chat, history=history, echo=True,
-            edit=Edit("rewind", inserted, instruction=instruction, offset=offset),
+            edit=Edit("rewind", inserted, instruction=instruction, offset=offset, token_id=branch),
+            history_logprobs=old.answer_logprobs[:k],
         )
 
     def generate(

@@ -97,6 +97,44 @@ def _allowed(v: Any) -> str | None:
     return compile_allowed(v)
 
 
+def _logprobs(v: Any) -> bool:
+    _require(isinstance(v, bool), f"logprobs must be True or False, got {v!r}")
+    return bool(v)
+
+
+def _top_logprobs(v: Any) -> int:
+    _require(is_int(v) and 0 <= v <= 20, f"top_logprobs must be an integer from 0 to 20 (alternatives per token), got {v!r}")
+    return int(v)
+
+
+def _penalty(name: str) -> Any:
+    def check(v: Any) -> float:
+        _require(is_number(v) and -2 <= v <= 2, f"{name} must be a number from -2 to 2 (0 disables it), got {v!r}")
+        return float(v)
+
+    return check
+
+
+def _logit_bias(v: Any) -> dict[int, float] | None:
+    if v is None:
+        return None
+    _require(isinstance(v, dict), f"logit_bias must map token ids to biases, e.g. {{123: -100}}, got {v!r}")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        _require(is_int(token) and token >= 0,
+                 f"logit_bias keys must be token ids (integers >= 0, or their digit strings), got {key!r}")
+        _require(is_number(bias) and -100 <= bias <= 100,
+                 f"logit_bias[{key!r}] must be a number from -100 to 100 (-100 bans the token), got {bias!r}")
+        out[int(token)] = float(bias)
+    return out or None
+
+
+def _min_p(v: Any) -> float | None:
+    _require(v is None or (is_number(v) and 0 <= v <= 1), f"min_p must be a number in [0, 1] (0 disables it), got {v!r}")
+    return None if v is None else float(v)
+
+
 def _priority(v: Any) -> int:
     _require(is_int(v), f"priority must be an integer (higher runs first), got {v!r}")
     return int(v)
@@ -135,6 +173,24 @@ class TextOptions:
         _allowed, wire=Union[str, list[str], None])
     priority: int = option(0, "an integer; higher runs first at every engine step (a server caps it per key)",
                            _priority, wire=int)
+    # v1.2 "confidence": logprobs and OpenAI's sampling options.
+    logprobs: bool = option(False, "true: each text event carries the log-probability of its tokens (raw model "
+                            "log-softmax in fp32, before temperature, penalties and masks)", _logprobs, wire=bool)
+    top_logprobs: int = option(0, "an integer 0..20: the most likely alternatives per token (implies logprobs)",
+                               _top_logprobs, wire=int)
+    presence_penalty: float = option(0.0, "a number -2..2: subtracted from the logit of every token already "
+                                     "generated (OpenAI's)", _penalty("presence_penalty"), wire=float)
+    frequency_penalty: float = option(0.0, "a number -2..2: subtracted once per earlier occurrence of a token in "
+                                      "the answer (OpenAI's)", _penalty("frequency_penalty"), wire=float)
+    logit_bias: Optional[dict[int, float]] = option(
+        None, "token id -> a bias -100..100 added to its logit (-100 bans it)", _logit_bias,
+        wire=Optional[dict[str, float]], default_factory=lambda: None)
+    min_p: Optional[float] = option(None, "a number in [0, 1]: drop tokens less likely than min_p times the most "
+                                    "likely one (0 = off); null: the model's default", _min_p, wire=Optional[float])
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
 TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)

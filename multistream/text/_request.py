@@ -43,12 +43,15 @@ class _Chunker:
         self.seconds = None if ms is None else ms / 1000.0
         self.text = ""
         self.ids: list[int] = []
+        self.logprobs: list[dict[str, Any]] = []  # one entry per id, when the stream asked for them
         self.index = 0  # output position of the first pending token
         self.last_emit = time.perf_counter()
 
-    def add(self, delta: str, token_id: int | None) -> None:
+    def add(self, delta: str, token_id: int | None, logprob: dict[str, Any] | None = None) -> None:
         if token_id is not None:
             self.ids.append(token_id)
+            if logprob is not None:
+                self.logprobs.append(logprob)
         self.text += delta
 
     def ready(self) -> bool:
@@ -65,6 +68,11 @@ class _Chunker:
         self.last_emit = time.perf_counter()
         return taken
 
+    def take_logprobs(self) -> list[dict[str, Any]]:
+        """The entries of the ids `take` just returned (call right after it)."""
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
 
 @dataclass
 class Edit:
@@ -75,6 +83,7 @@ class Edit:
     instruction: str | None = None
     offset: int | None = None  # rewind: character of the answer to cut at (snapped to a token)
     sampler: RowSampler | None = None  # rewind with new sampling options
+    token_id: int | None = None  # rewind: the first regenerated token, chosen by the caller (a branch)
 
 
 @dataclass(eq=False)
@@ -114,6 +123,13 @@ class TextRequest:
     needs_prefill: bool = True
     generated: int = 0  # tokens the model generated, EOS and rewound ones included (usage)
     finish_reason: str | None = None
+    # The next token, chosen by the caller instead of sampled (a branch: rewind(offset, token_id=)).
+    forced_token: int | None = None
+    # Requests of one prompt that share its prefill (n choices; see `SharedPrompt`).
+    share: Any = None
+    # Logprob entries of answer tokens from before this run (revise), parallel to the history's answer.
+    history_logprobs: list[dict[str, Any]] | None = None
+    token_table: Any = None  # a `TokenTable`, when the stream asked for logprobs
 
     def __post_init__(self) -> None:
         self.context: list[int] = list(self.prompt_ids)
@@ -128,15 +144,23 @@ class TextRequest:
         self._edits: deque[Edit] = deque()
         self._edits_lock = threading.Lock()
         self.revisions: list[dict[str, Any]] = []
+        self.rewinds = 0  # the penalties' counts are redone after a rewind
+        self.top_logprobs = self.options.top_logprobs if self.options.wants_logprobs else -1
+        # One logprob entry per answer token (None where unknown), when the stream asked for them.
+        self.answer_logprobs: list[dict[str, Any] | None] = []
         if self.history is not None:
             context, answer_ids, answer_pos = self.history
             self.context, self.answer_ids, self.answer_pos = list(context), list(answer_ids), list(answer_pos)
             kept = self._detok.prime(self.answer_ids)
             self._chunker.index = len(self.answer_ids)
             self.generated = len(self.answer_ids)
+            known = self.history_logprobs
+            self.answer_logprobs = list(known) if known is not None and len(known) == len(self.answer_ids) \
+                else [None] * len(self.answer_ids)
             if self.echo_history:
                 if kept:
-                    self.writer.text(kept, list(self.answer_ids), 0)
+                    lps = self.answer_logprobs if self.top_logprobs >= 0 and all(self.answer_logprobs) else None
+                    self.writer.text(kept, list(self.answer_ids), 0, logprobs=lps)  # type: ignore[arg-type]
                     self._first_text_at = self.writer.elapsed()
             else:
                 self.writer.continue_text(len(kept))
@@ -217,6 +241,9 @@ class TextRequest:
             del self.context[cut:]
             del self.answer_ids[k:]
             del self.answer_pos[k:]
+            del self.answer_logprobs[k:]
+            self.rewinds += 1
+            self.forced_token = edit.token_id
             self._detok = IncrementalDetokenizer(self.tokenizer)
             kept = self._detok.prime(self.answer_ids)
             self._stops = StopMatcher(list(self.options.stop))
@@ -247,8 +274,13 @@ class TextRequest:
 
     # -- tokens in, events out ------------------------------------------------------------------
 
-    def accept(self, token: int) -> bool:
-        """Take the next generated token; emit what is ready. True if the request has ended."""
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs >= 0
+
+    def accept(self, token: int, logprob: dict[str, Any] | None = None) -> bool:
+        """Take the next generated token (and its logprob entry, when the stream asked for them);
+        emit what is ready. True if the request has ended."""
         self.generated += 1
         self._token_times.append(self.writer.elapsed())
         if token in self.eos_token_ids:
@@ -257,8 +289,9 @@ class TextRequest:
         self.answer_pos.append(len(self.context))
         self.context.append(token)
         self.answer_ids.append(token)
+        self.answer_logprobs.append(logprob)
         safe, stopped = self._stops.feed(self._detok.feed(token))
-        self._chunker.add(safe, token)
+        self._chunker.add(safe, token, logprob)
         if stopped:
             self.finish("stop_sequence")
             return True
@@ -271,10 +304,11 @@ class TextRequest:
 
     def _send(self) -> None:
         delta, ids, index = self._chunker.take()
+        lps = self._chunker.take_logprobs()
         self._text += delta
         if self._first_text_at is None:
             self._first_text_at = self.writer.elapsed()
-        self.writer.text(delta, ids, index)
+        self.writer.text(delta, ids, index, logprobs=lps if self.wants_logprobs else None)
 
     def _flush_held_back(self) -> None:
         tail, _ = self._stops.feed(self._detok.flush())
@@ -289,12 +323,14 @@ class TextRequest:
             return
         self.finish_reason = reason
         self.own_cache = None
+        self.share = None
         if reason != "stop_sequence":
             tail, stopped = self._stops.feed(self._detok.flush())
             self._chunker.add(tail + self._stops.flush(), None)
             if stopped:
                 self.finish_reason = reason = "stop_sequence"
         delta, ids, index = self._chunker.take()
+        lps = self._chunker.take_logprobs()
         self._text += delta
         if self._first_text_at is None and delta:
             self._first_text_at = self.writer.elapsed()
@@ -320,6 +356,7 @@ class TextRequest:
             usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.generated},
             metrics=metrics,
             revisions=self.revisions or None,
+            logprobs=lps if self.wants_logprobs else None,
         )
         if self.on_finish is not None:
             self.on_finish(self)
@@ -329,4 +366,5 @@ class TextRequest:
         if not self.done:
             self.finish_reason = "error"
             self.own_cache = None
+            self.share = None
             self.writer.fail(exc)

@@ -25,19 +25,9 @@ from typing import Any
 import torch
 
 from ._options import TextOptions
+from ._seeds import choice_seed, position_seed
 
-__all__ = ["RowSampler", "SamplingPlan", "position_seed"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 63-bit seed for the draw at ``position`` of a stream seeded with ``seed`` (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
-
+__all__ = ["Penalties", "RowSampler", "SamplingPlan", "adjust_rows", "choice_seed", "position_seed"]
 
 @dataclass(frozen=True)
 class SamplingPlan:
@@ -49,6 +39,10 @@ class SamplingPlan:
     top_p: float
     repetition_penalty: float
     seed: int  # drawn at random when the caller gave none, so any run can be replayed
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     @classmethod
     def resolve(cls, options: TextOptions, generation_config: Any) -> SamplingPlan:
@@ -72,12 +66,81 @@ class SamplingPlan:
                 else config("repetition_penalty", 1.0)
             ),
             seed=options.seed if options.seed is not None else secrets.randbits(63),
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            logit_bias=tuple(sorted((options.logit_bias or {}).items())),
+            min_p=float(options.min_p if options.min_p is not None else config("min_p", 0.0)),
         )
+
+    @property
+    def adjusts(self) -> bool:
+        """OpenAI's penalties or a logit bias apply (vectorised over the batch by `adjust_rows`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing to apply first: the batch's argmax serves such rows at once."""
-        return self.greedy and self.repetition_penalty == 1.0
+        return self.greedy and self.repetition_penalty == 1.0 and not self.adjusts
+
+
+class Penalties:
+    """One request's state for OpenAI's penalties and ``logit_bias``: how often each token occurs in
+    the answer (a dense float32 row on the logits' device, updated in place) and the dense bias.
+
+    `adjust_rows` stacks these rows for every request of a step that has them and applies
+    ``logits - frequency * count - presence * (count > 0) + bias`` in one vectorised expression,
+    as OpenAI and vLLM document it.
+    """
+
+    def __init__(self, plan: SamplingPlan, vocab: int, device: Any) -> None:
+        self.frequency = plan.frequency_penalty
+        self.presence = plan.presence_penalty
+        self.vocab = vocab
+        self.device = device
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.bias: torch.Tensor | None = None
+        if plan.logit_bias:
+            self.bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+            ids = torch.tensor([t for t, _ in plan.logit_bias], device=device)
+            self.bias[ids] = torch.tensor([b for _, b in plan.logit_bias], dtype=torch.float32, device=device)
+        self._counted = 0  # answer tokens `counts` holds
+        self._version = 0  # the request's rewind count when they were counted
+
+    def sync(self, answer_ids: list[int], version: int = 0) -> None:
+        """Bring the counts up to the answer as it is now: appended to, or (``version`` changed: a
+        rewind cut it) counted again."""
+        if version != self._version or len(answer_ids) < self._counted:
+            self.counts.zero_()
+            self._counted, self._version = 0, version
+        new = answer_ids[self._counted:]
+        if len(new) == 1:
+            self.counts[new[0]] += 1
+        elif new:
+            self.counts.index_add_(0, torch.tensor(new, device=self.device),
+                                   torch.ones(len(new), dtype=torch.float32, device=self.device))
+        self._counted = len(answer_ids)
+
+
+def adjust_rows(logits: torch.Tensor, penalties: list[Penalties]) -> torch.Tensor:
+    """``logits`` (``[rows, vocab]``, one row per entry of ``penalties``) with OpenAI's penalties and
+    the logit biases applied, in float32, all rows at once.
+
+    Example:
+        >>> plan = SamplingPlan(greedy=True, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=0,
+        ...                     frequency_penalty=1.0, logit_bias=((0, -100.0),))
+        >>> p = Penalties(plan, 3, "cpu"); p.sync([1, 1])
+        >>> adjust_rows(torch.zeros(1, 3), [p]).tolist()
+        [[-100.0, -2.0, 0.0]]
+    """
+    counts = torch.stack([p.counts for p in penalties])
+    dev = counts.device
+    freq = torch.tensor([[p.frequency] for p in penalties], dtype=torch.float32, device=dev)
+    pres = torch.tensor([[p.presence] for p in penalties], dtype=torch.float32, device=dev)
+    out = logits.float().to(dev) - freq * counts - pres * (counts > 0).float()
+    if any(p.bias is not None for p in penalties):
+        zero = torch.zeros(penalties[0].vocab, dtype=torch.float32, device=dev)
+        out = out + torch.stack([p.bias if p.bias is not None else zero for p in penalties])
+    return out
 
 
 class RowSampler:
@@ -90,6 +153,7 @@ class RowSampler:
     def __init__(self, plan: SamplingPlan, allowed: Any = None) -> None:
         from transformers.generation.logits_process import (
             LogitsProcessorList,
+            MinPLogitsWarper,
             RepetitionPenaltyLogitsProcessor,
             TemperatureLogitsWarper,
             TopKLogitsWarper,
@@ -108,8 +172,11 @@ class RowSampler:
                 processors.append(TopKLogitsWarper(plan.top_k))
             if plan.top_p < 1.0:
                 processors.append(TopPLogitsWarper(plan.top_p))
+            if plan.min_p > 0:
+                processors.append(MinPLogitsWarper(plan.min_p))
         self._processors = processors
         self._generator: torch.Generator | None = None
+        self.penalties: Penalties | None = None  # made by the batcher on the logits' device (see `adjust_rows`)
 
     @property
     def plain_greedy(self) -> bool:

@@ -18,6 +18,8 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import html
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,7 +28,8 @@ from typing import Any
 from ..events import ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
 
-__all__ = ["Frame", "LiveView", "Throttle", "throttled_views"]
+__all__ = ["CONFIDENCE_CSS", "Frame", "LiveView", "Throttle", "TokenSpan", "confidence_color", "confidence_html",
+           "split_delta", "throttled_views"]
 
 
 class Throttle:
@@ -56,6 +59,94 @@ class Throttle:
     def remaining(self, now: float) -> float:
         """Seconds from ``now`` until the next update is due (0.0 when it already is)."""
         return max(0.0, self.interval - (now - self._last))
+
+
+@dataclass
+class TokenSpan:
+    """One answer token as shown: where its text starts (a character offset of the answer), its
+    text, and its logprob entry (``token_id``, ``logprob``, ``top_logprobs``...)."""
+
+    start: int
+    text: str
+    entry: dict[str, Any]
+
+    @property
+    def probability(self) -> float:
+        return math.exp(float(self.entry.get("logprob", 0.0)))
+
+
+def split_delta(delta: str, entries: list[dict[str, Any]]) -> list[str]:
+    """``delta`` cut into one piece per logprob entry by the tokens' UTF-8 bytes (a token that only
+    starts a character gets "", the one that completes it the character); the pieces join to ``delta``.
+
+    Example:
+        >>> split_delta("Hi there", [{"bytes": [72, 105]}, {"bytes": [32, 116, 104, 101, 114, 101]}])
+        ['Hi', ' there']
+        >>> split_delta("😀", [{"bytes": [240, 159]}, {"bytes": [152, 128]}])
+        ['', '😀']
+    """
+    pieces: list[str] = []
+    raw, done = b"", 0
+    for e in entries:
+        raw += bytes(e.get("bytes") or [])
+        now = min(len(raw.decode("utf-8", errors="ignore")), len(delta))
+        pieces.append(delta[done:now])
+        done = max(done, now)
+    if pieces and done < len(delta):
+        pieces[-1] += delta[done:]  # text the bytes did not account for (held back earlier) goes last
+    return pieces
+
+
+def confidence_color(p: float) -> str:
+    """A background for a token of probability ``p``: red (unsure) through amber to green (sure).
+
+    Example:
+        >>> confidence_color(1.0), confidence_color(0.0)
+        ('hsla(120, 75%, 62%, 0.45)', 'hsla(0, 75%, 62%, 0.45)')
+    """
+    return f"hsla({round(120 * max(0.0, min(1.0, p)))}, 75%, 62%, 0.45)"
+
+
+CONFIDENCE_CSS = """
+.ms-conf { white-space: pre-wrap; line-height: 1.7; }
+.ms-tok { position: relative; border-radius: 3px; cursor: default; }
+.ms-tok .ms-tip { display: none; position: absolute; left: 0; top: 1.6em; z-index: 50; background: #fff;
+  color: #222; border: 1px solid #bbb; border-radius: 6px; padding: 4px; min-width: 12em; white-space: nowrap;
+  box-shadow: 0 2px 8px rgba(0,0,0,.2); font-size: 0.85em; line-height: 1.4; }
+.ms-tok:hover .ms-tip, .ms-tok.ms-open .ms-tip { display: block; }
+.ms-alt { display: block; width: 100%; text-align: left; border: 0; background: none; padding: 2px 4px;
+  cursor: pointer; font: inherit; color: inherit; }
+.ms-alt:hover { background: #e8f0fe; }
+.ms-alt.ms-chosen { font-weight: 600; }
+"""
+
+
+def confidence_html(view: LiveView) -> str:
+    """The answer's tokens as HTML: each coloured by its probability, hovering shows its top
+    alternatives as buttons (``data-offset``: where the token starts, ``data-token``: the
+    alternative's id) that a page turns into ``rewind(offset, token_id=...)``. Everything is escaped.
+
+    Example:
+        >>> v = LiveView()
+        >>> v.tokens = [TokenSpan(0, "Hi", {"token_id": 5, "logprob": 0.0, "top_logprobs": []})]
+        >>> "Hi" in confidence_html(v) and "hsla(120" in confidence_html(v)
+        True
+    """
+    out = ['<div class="ms-conf">']
+    for span in view.tokens:
+        e = span.entry
+        alts = []
+        for alt in e.get("top_logprobs") or []:
+            chosen = " ms-chosen" if alt.get("token_id") == e.get("token_id") else ""
+            alts.append(
+                f'<button class="ms-alt{chosen}" data-offset="{span.start}" data-token="{int(alt["token_id"])}">'
+                f'{html.escape(repr(alt.get("token", "")))} {100 * math.exp(float(alt["logprob"])):.1f}%</button>')
+        tip = (f'<span class="ms-tip">{html.escape(repr(e.get("token", "")))} {100 * span.probability:.1f}%'
+               + "".join(alts) + "</span>")
+        out.append(f'<span class="ms-tok" style="background:{confidence_color(span.probability)}" '
+                   f'data-offset="{span.start}" data-p="{span.probability:.4f}">{html.escape(span.text)}{tip}</span>')
+    out.append("</div>")
+    return "".join(out)
 
 
 @dataclass
@@ -100,6 +191,8 @@ class LiveView:
     # Where each text part starts in the stream's text (offsets count over the whole stream).
     starts: list[int] = field(default_factory=list)
     length: int = 0  # characters of text in the stream so far (after edits)
+    # With logprobs: each answer token's place in the text, its text and its entry (by token index).
+    tokens: list[TokenSpan] = field(default_factory=list)
 
     @classmethod
     def starting_with(cls, text: str) -> LiveView:
@@ -121,6 +214,13 @@ class LiveView:
                 self.starts.append(self.length)
             self.revision = max(self.revision, ev.revision)
             offset = ev.offset
+            if ev.logprobs is not None or offset < self.length:
+                # Token spans follow the token index: a rewind (or a revised answer's echo) cuts there.
+                self.tokens = self.tokens[: ev.index]
+                at = offset
+                for piece, entry in zip(split_delta(ev.delta, ev.logprobs or []), ev.logprobs or []):
+                    self.tokens.append(TokenSpan(at, piece, entry))
+                    at += len(piece)
             if offset < self.length:
                 # A rewind: keep the part's text up to the offset, then the new delta.
                 start = self.starts[-1]

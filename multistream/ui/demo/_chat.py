@@ -2,7 +2,10 @@
 
 "Steer" sends the typed text as a new instruction (``stream.steer``); "Regenerate from here"
 rewinds the answer to where the selected words begin, or to a character offset (``rewind``, or
-``llm.revise`` once the answer ended).
+``llm.revise`` once the answer ended). "Show confidence" streams with ``top_logprobs=5`` and
+shows the answer's tokens coloured by probability; hovering one lists its top alternatives, and
+clicking one branches the answer from that token (``rewind(offset, token_id=alt)``, or
+``llm.revise(final, offset, token_id=alt)`` once it ended).
 
 Example:
     >>> content_text([{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}])
@@ -19,10 +22,12 @@ import gradio as gr
 from ...errors import MultistreamError
 from ...events import TextEvent
 from ...stream import Stream
-from ..view import LiveView, throttled_views
+from ..view import CONFIDENCE_CSS, LiveView, confidence_html, throttled_views
 from ._shared import ActiveRuns, ModelSlot, run_key, ui_error
 
-__all__ = ["SELECTION_JS", "ChatTab", "chat_stats", "clear_chat", "content_text"]
+__all__ = ["SELECTION_JS", "ChatTab", "chat_stats", "clear_chat", "confidence_panel", "content_text"]
+
+_TOP_ALTERNATIVES = 5
 
 # Selecting text in the chat answer fills "Selected in the answer" (Regenerate from here starts
 # where it begins); the server finds it in the raw answer, so markdown rendering cannot shift the offset.
@@ -35,7 +40,30 @@ SELECTION_JS = """() => {
     box.value = sel.toString();
     box.dispatchEvent(new Event("input", { bubbles: true }));
   });
+  // "Show confidence": clicking an alternative token branches the answer from it.
+  document.addEventListener("click", (e) => {
+    const alt = e.target.closest && e.target.closest("#ms-chat-confidence .ms-alt");
+    if (!alt) return;
+    const box = document.querySelector("#ms-chat-branch textarea");
+    const go = document.getElementById("ms-chat-branch-go");
+    if (!box || !go) return;
+    box.value = alt.dataset.offset + ":" + alt.dataset.token;
+    box.dispatchEvent(new Event("input", { bubbles: true }));
+    setTimeout(() => go.click(), 50);
+  });
 }"""
+
+
+def confidence_panel(view: LiveView | None, shown: bool) -> str:
+    """The "Show confidence" panel's HTML (empty when it is off or nothing has logprobs yet).
+
+    Example:
+        >>> confidence_panel(LiveView(), False)
+        ''
+    """
+    if not shown or view is None or not view.tokens:
+        return ""
+    return f"<style>{CONFIDENCE_CSS}</style>" + confidence_html(view)
 
 
 def content_text(content: Any) -> str:
@@ -110,7 +138,8 @@ class ChatTab:
     # -- handlers ------------------------------------------------------------------------------
 
     async def send(self, message: str, history: list[dict[str, Any]], max_tokens: float, temperature: float,
-                   top_p: float, seed: float, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
+                   top_p: float, seed: float, confidence: bool = False,
+                   request: gr.Request = None) -> AsyncIterator[tuple[Any, ...]]:  # type: ignore[assignment]
         """"Send": stream the answer to ``message`` after the ``history`` shown so far."""
         model = self.model.get()
         message = (message or "").strip()
@@ -125,21 +154,24 @@ class ChatTab:
                 temperature=float(temperature),
                 top_p=float(top_p),
                 seed=None if seed is None or int(seed) < 0 else int(seed),
+                **({"logprobs": True, "top_logprobs": _TOP_ALTERNATIVES} if confidence else {}),
             )
         except MultistreamError as exc:
             raise ui_error(exc) from exc
         shown: list[dict[str, Any]] = [*prompt, {"role": "assistant", "content": ""}]
         async for out in self._stream_answer(run_key(request, "chat"), stream, shown, None,
-                                             "waiting for the first token…"):
+                                             "waiting for the first token…", bool(confidence)):
             yield out
 
     async def _stream_answer(self, key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]],
-                             view: LiveView | None, first_note: str) -> AsyncIterator[tuple[Any, ...]]:
-        """(chat, input box, stats) updates while ``stream`` writes the last message of ``shown``."""
+                             view: LiveView | None, first_note: str,
+                             confidence: bool = False) -> AsyncIterator[tuple[Any, ...]]:
+        """(chat, input box, stats, confidence panel) updates while ``stream`` writes the last
+        message of ``shown``."""
         self.runs.start(key, stream)
         self.answers.pop(key, None)
         try:
-            yield shown, "", first_note
+            yield shown, "", first_note, confidence_panel(view, confidence)
             # `start` is the view to continue (a revision keeps the text before its offset).
             start = view
             async for view in throttled_views(stream, self.max_fps, start):
@@ -151,7 +183,7 @@ class ChatTab:
                     self.answers[key] = view.final  # "Regenerate from here" revises it once it ended
                 # The box was cleared once above; now it is left alone, so the user can type an
                 # instruction for "Steer" while the answer streams.
-                yield shown, gr.skip(), chat_stats(view)
+                yield shown, gr.skip(), chat_stats(view), confidence_panel(view, confidence)
         finally:
             self.runs.end(key, stream)
             self.live_text.pop(key, None)
@@ -189,7 +221,7 @@ class ChatTab:
                 stream.rewind(at, instruction=note)
             except MultistreamError as exc:
                 raise ui_error(exc) from exc
-            yield gr.skip(), "", gr.skip(), ""  # the running send handler shows the new text
+            yield gr.skip(), "", gr.skip(), "", gr.skip()  # the running send handler shows the new text
             return
         if final is None or not history:
             raise gr.Error("no answer to regenerate yet; Send a message first")
@@ -206,7 +238,42 @@ class ChatTab:
         shown[-1] = {"role": "assistant", "content": kept}
         async for out in self._stream_answer(key, stream, shown, LiveView.starting_with(kept),
                                              f"regenerating from character {at}…"):
-            yield (*out, "")
+            yield (*out[:3], "", out[3])
+
+    async def branch(self, spec: str, history: list[dict[str, Any]],
+                     request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
+        """A click on an alternative in the confidence panel (``spec`` is ``"offset:token_id"``):
+        the answer is regenerated from that token's place, starting with the alternative."""
+        try:
+            offset_text, token_text = (spec or "").split(":")
+            offset, token_id = int(offset_text), int(token_text)
+        except ValueError:
+            raise gr.Error("click one of the alternatives shown when hovering a token") from None
+        key = run_key(request, "chat")
+        stream = self.runs.get(key)
+        if stream is not None:
+            try:
+                stream.rewind(offset, token_id=token_id)
+            except MultistreamError as exc:
+                raise ui_error(exc) from exc
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()  # the running send handler shows the new text
+            return
+        final = self.answers.get(key)
+        if final is None or not history:
+            raise gr.Error("no answer to branch yet; Send a message with Show confidence first")
+        revise = getattr(self.model.get(), "revise", None)
+        if revise is None:
+            raise gr.Error("this model cannot revise a finished answer")
+        try:
+            stream = revise(final, offset, token_id=token_id)
+        except MultistreamError as exc:
+            raise ui_error(exc) from exc
+        shown: list[dict[str, Any]] = list(_history(history))
+        kept = (final.text or "")[:offset]
+        shown[-1] = {"role": "assistant", "content": kept}
+        async for out in self._stream_answer(key, stream, shown, LiveView.starting_with(kept),
+                                             f"branching at character {offset}…", True):
+            yield out
 
     def _rewind_point(self, key: tuple[str, str], offset: float | None, selection: str, running: bool) -> int:
         """Where "Regenerate from here" starts: the selection's place in the answer, else ``offset``."""
@@ -251,14 +318,22 @@ class ChatTab:
                                             elem_id="ms-chat-temperature")
                     top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
                     seed = gr.Number(value=-1, precision=0, label="Seed (-1 = random)")
-            clear = gr.Button("Clear", size="sm")
-            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed]
-            outputs = [chatbot, msg, stats]
+            with gr.Row():
+                confidence = gr.Checkbox(value=False, label="Show confidence (colour tokens by probability; hover "
+                                         "for alternatives, click one to branch from it)", elem_id="ms-chat-confidence-on")
+                clear = gr.Button("Clear", size="sm")
+            panel = gr.HTML("", elem_id="ms-chat-confidence")
+            branch_spec = gr.Textbox(elem_id="ms-chat-branch", elem_classes=["ms-hidden"], show_label=False)
+            branch_go = gr.Button("branch", elem_id="ms-chat-branch-go", elem_classes=["ms-hidden"])
+            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, confidence]
+            outputs = [chatbot, msg, stats, panel]
             send.click(self.send, inputs, outputs, api_name="chat", show_progress="hidden")
             msg.submit(self.send, inputs, outputs, api_name=False, show_progress="hidden")
             stop.click(self.stop, None, None, api_name="stop_chat", queue=False)
             # Typing while the answer streams, then Steer: a new instruction from the next token on.
             steer.click(self.steer, [msg], [msg], api_name="steer_chat", queue=False)
-            regenerate.click(self.regenerate, [rewind_at, selection, msg, chatbot], [*outputs, selection],
-                             api_name="regenerate_chat", show_progress="hidden")
+            regenerate.click(self.regenerate, [rewind_at, selection, msg, chatbot],
+                             [chatbot, msg, stats, selection, panel], api_name="regenerate_chat", show_progress="hidden")
+            branch_go.click(self.branch, [branch_spec, chatbot], outputs, api_name="branch_chat",
+                            show_progress="hidden")
             clear.click(clear_chat, None, [chatbot, stats], api_name=False, queue=False)

@@ -23,7 +23,7 @@ __all__ = ["create_demo", "launch", "mount_demo"]
 
 _PAGE_STYLE = (
     "<style>#ms-image-final img, #ms-picture-final img {width:100%;height:100%;object-fit:contain}"
-    "#ms-style {display:none}</style>"
+    "#ms-style {display:none} .ms-hidden {display:none !important}</style>"
 )
 
 

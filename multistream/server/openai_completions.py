@@ -1,0 +1,305 @@
+"""``POST /v1/completions``: OpenAI's legacy text completions, which lm-evaluation-harness,
+LangChain's ``OpenAI`` class and many tools send.
+
+- ``prompt``: a string or a list of strings (a raw completion: no chat template); token-id prompts
+  are refused (send the text).
+- ``max_tokens`` (OpenAI's default 16), ``temperature``, ``top_p``, ``stop``, ``seed``, ``n`` (up
+  to 8 per prompt; choice ``index`` = prompt number * n + choice), ``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, ``stream`` with ``stream_options.include_usage``, and
+  vLLM's ``top_k``, ``min_p``, ``repetition_penalty``.
+- ``logprobs``: an integer 0..20: the legacy ``{"tokens", "token_logprobs", "top_logprobs",
+  "text_offset"}`` per choice (raw model log-softmax, before temperature and penalties).
+- ``echo``: the prompt comes first in each choice's text and, with ``logprobs``, the prompt's own
+  logprobs come first (the first one null: nothing predicts it), so loglikelihood scoring works,
+  also with ``max_tokens=0`` (no generation, only the prompt scored).
+- ``suffix`` (insertion) and ``best_of`` other than ``n`` are refused in OpenAI's error shape.
+
+Example:
+    >>> from openai import OpenAI                                              # doctest: +SKIP
+    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")  # doctest: +SKIP
+    >>> r = client.completions.create(model="default", prompt="The capital of France is",  # doctest: +SKIP
+    ...                               max_tokens=0, echo=True, logprobs=1)
+    >>> sum(r.choices[0].logprobs.token_logprobs[1:])                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Optional, Union
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..events import ErrorEvent, TextEvent
+from ..text import TEXT_STREAM_ARGS
+from .bodies import LAX_BODY, OpenAIErrorResponse, check_prompt_limit, validate_body
+from .openai_choices import MAX_CHOICES, collect_choices, interleave, legacy_logprobs, open_choices, usage_of
+from .openai_protocol import StreamOptions, check_options
+from .problems import Problem
+from .registry import StreamRecord
+from .routes_native import read_body
+from .security import Principal
+from .settings import ServerSettings
+from .state import ServerState, get_principal, get_state
+
+__all__ = ["CompletionRequest", "router"]
+
+_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
+           "cancelled": "stop", "finished_early": "stop"}
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions`` (OpenAI's legacy completions; see the module docstring)."""
+
+    model_config = LAX_BODY
+    model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(description="a string or a list of strings")
+    suffix: Optional[str] = Field(default=None, description="not supported (insertion)")
+    max_tokens: Optional[int] = Field(default=16, description="an integer >= 0 (0: only score the prompt, with echo)")
+    temperature: Optional[float] = Field(default=None, description="a number >= 0")
+    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
+    n: Optional[int] = Field(default=None, description="1..8 completions per prompt")
+    best_of: Optional[int] = Field(default=None, description="only equal to n")
+    stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
+    stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
+    logprobs: Optional[int] = Field(default=None, description="0..20: logprobs of each token and that many "
+                                    "alternatives")
+    echo: Optional[bool] = Field(default=None, description="true: the prompt (and its logprobs) first")
+    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings")
+    presence_penalty: Optional[float] = Field(default=None, description="a number -2..2")
+    frequency_penalty: Optional[float] = Field(default=None, description="a number -2..2")
+    logit_bias: Optional[dict[str, float]] = Field(default=None, description="token id (a string) -> bias -100..100")
+    seed: Optional[int] = Field(default=None, description="an integer")
+    user: Optional[str] = Field(default=None, description="accepted and ignored")
+    top_k: Optional[int] = Field(default=None, description="extension (vLLM): an integer >= 0")
+    min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
+    repetition_penalty: Optional[float] = Field(default=None, description="extension (vLLM): a number > 0")
+    priority: int = Field(default=0, description="extension: an integer; higher runs first")
+
+    def prompts(self) -> list[str]:
+        raw = self.prompt
+        if isinstance(raw, str):
+            return [raw]
+        if raw and all(isinstance(p, str) for p in raw):
+            return list(raw)  # type: ignore[arg-type]
+        if not raw:
+            raise Problem(400, "invalid_argument", "prompt is empty; send a string or a list of strings",
+                          param="prompt")
+        raise Problem(400, "unsupported", "token-id prompts are not supported; send the prompt as text (a string "
+                      "or a list of strings)", param="prompt")
+
+    def to_text_options(self, prompt: str, settings: ServerSettings) -> dict[str, Any]:
+        """``TextModel.stream`` keyword arguments for one prompt (a raw completion: ``chat=False``)."""
+        check_prompt_limit(prompt, settings)
+        kwargs: dict[str, Any] = {"prompt": prompt, "chat": False}
+        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        if max_tokens > settings.max_new_tokens:
+            raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
+                          f"{settings.max_new_tokens}", param="max_tokens")
+        kwargs["max_new_tokens"] = max_tokens
+        for name in TEXT_STREAM_ARGS:
+            if name in type(self).model_fields and name not in ("max_new_tokens", "priority", "logprobs"):
+                value = getattr(self, name)
+                if value is not None:
+                    kwargs[name] = value
+        if self.logprobs is not None:
+            kwargs["logprobs"], kwargs["top_logprobs"] = True, self.logprobs
+        return kwargs
+
+
+def parse_completion(body: Any, settings: ServerSettings) -> CompletionRequest:
+    req = validate_body(CompletionRequest, body, "POST /v1/completions")
+    assert isinstance(req, CompletionRequest)
+    if req.suffix:
+        raise Problem(400, "unsupported", "suffix (inserting text before a suffix) is not supported; send only a "
+                      "prompt", param="suffix")
+    n = req.n if req.n is not None else 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise Problem(400, "invalid_argument", f"n must be from 1 to {MAX_CHOICES}, got {n}", param="n")
+    if req.best_of not in (None, n):
+        raise Problem(400, "unsupported", f"best_of must equal n ({n}); ranking extra completions is not supported",
+                      param="best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise Problem(400, "invalid_argument", f"logprobs must be an integer from 0 to 20, got {req.logprobs}",
+                      param="logprobs")
+    if req.max_tokens is not None and req.max_tokens < 0:
+        raise Problem(400, "invalid_argument", f"max_tokens must be >= 0, got {req.max_tokens}", param="max_tokens")
+    if req.max_tokens == 0 and not req.echo:
+        raise Problem(400, "invalid_argument", "max_tokens=0 generates nothing; use it with echo: true to score the "
+                      "prompt, or ask for at least 1 token", param="max_tokens")
+    req.prompts()
+    return req
+
+
+router = APIRouter(tags=["openai"])
+
+
+def _data(obj: Any) -> ServerSentEvent:
+    return ServerSentEvent(data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+
+
+def _error_body(ev: ErrorEvent) -> dict[str, Any]:
+    return {"error": {"message": ev.error.get("message", "generation failed"), "type": "server_error",
+                      "param": None, "code": ev.error.get("type")}}
+
+
+class _Echo:
+    """One prompt's own text, token count and (with logprobs) its logprob entries."""
+
+    def __init__(self, text: str, tokens: int, entries: list[dict[str, Any] | None] | None) -> None:
+        self.text, self.tokens, self.entries = text, tokens, entries
+
+
+async def _echo(state: ServerState, prompt: str, req: CompletionRequest) -> _Echo:
+    model = state.models["text"].get()
+    if req.logprobs is None:
+        count = getattr(model, "count_tokens", None)
+        return _Echo(prompt, count(prompt) if count else 0, None)
+    score = getattr(model, "score", None)
+    if not callable(score):
+        raise Problem(400, "unsupported", "this model cannot score prompts, so echo with logprobs is not available",
+                      param="echo")
+    try:
+        entries = await asyncio.to_thread(score, prompt, top_logprobs=req.logprobs, chat=False)
+    except Exception as exc:  # noqa: BLE001 - bad input is the client's 400, as for a stream
+        raise Problem(400, "invalid_argument", str(exc), param="prompt") from None
+    return _Echo(prompt, len(entries), entries)
+
+
+def _echo_texts(echo: _Echo) -> list[str]:
+    """Each prompt token's text, so ``text_offset`` counts characters of the prompt: the tokens after
+    the first from their bytes (a character split over tokens goes with the token that completes
+    it), the first one (no entry: nothing predicts it) is what precedes them."""
+    assert echo.entries is not None
+    rest = [e for e in echo.entries[1:] if e is not None]
+    lengths, raw = [], b""
+    for e in rest:
+        raw += bytes(e["bytes"])
+        lengths.append(len(raw.decode("utf-8", errors="ignore")))
+    first = max(0, len(echo.text) - (lengths[-1] if lengths else 0))
+    out, before = [echo.text[:first]], 0
+    for now in lengths:
+        out.append(echo.text[first + before : first + now])
+        before = now
+    return out
+
+
+@router.post("/v1/completions", responses={status: {"model": OpenAIErrorResponse, "description": text}
+                                           for status, text in ((400, "bad request"), (401, "missing or wrong API key"),
+                                                                (429, "queue or quota full"), (500, "server failure"))},
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}})
+async def completions(request: Request, state: ServerState = Depends(get_state),
+                      principal: Principal = Depends(get_principal)) -> Response:
+    arrived = time.perf_counter()
+    settings = state.settings
+    req = parse_completion(await read_body(request, state), settings)
+    prompts = req.prompts()
+    n = req.n if req.n is not None else 1
+    kwargs_list = [req.to_text_options(p, settings) for p in prompts]
+    check_options(kwargs_list[0])
+    echoes = [await _echo(state, p, req) for p in prompts] if req.echo else None
+    generate = (req.max_tokens if req.max_tokens is not None else 16) > 0
+    records: list[StreamRecord] = []
+    try:
+        if generate:
+            for kwargs in kwargs_list:
+                records += await open_choices(state, kwargs, n, priority=req.priority, request=request,
+                                              arrived_at=arrived, principal=principal)
+    except BaseException:
+        for record in records:
+            record.cancel()
+        raise
+    cid = f"cmpl-{records[0].stream_id}" if records else f"cmpl-{int(time.time() * 1000)}"
+    created, model = int(time.time()), (records[0].model_name if records else state.models["text"].name)
+    total = len(prompts) * n
+    want = req.logprobs is not None
+
+    def echo_of(i: int) -> _Echo | None:
+        return echoes[i // n] if echoes is not None else None
+
+    def choice_logprobs(i: int, entries: list[dict[str, Any]], start: int, with_echo: bool) -> Any:
+        if not want:
+            return None
+        echo = echo_of(i) if with_echo else None
+        if echo is not None and echo.entries is not None:
+            prompt_part = legacy_logprobs(echo.entries, _echo_texts(echo))
+            rest = legacy_logprobs(entries, start=len(echo.text))
+            return {k: prompt_part[k] + rest[k] for k in prompt_part}
+        return legacy_logprobs(entries, start=start)
+
+    if not req.stream:
+        states = await collect_choices(records, request) if records else []
+        failed = next((c.error for c in states if c.error is not None), None)
+        if failed is not None:
+            return JSONResponse(_error_body(failed), status_code=500)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i in range(total):
+            echo = echo_of(i)
+            c = states[i] if states else None
+            final = c.final if c is not None else None
+            text = (echo.text if echo is not None else "") + (final.text or "" if final is not None else "")
+            if final is not None and final.usage:
+                completion_tokens += final.usage["completion_tokens"]
+                if i % n == 0:
+                    prompt_tokens += final.usage["prompt_tokens"]
+            elif echo is not None and i % n == 0:
+                prompt_tokens += echo.tokens
+            reason = _FINISH.get(final.finish_reason or "stop", "stop") if final is not None else "length"
+            choices.append({"index": i, "text": text, "finish_reason": reason,
+                            "logprobs": choice_logprobs(i, c.entries if c is not None else [], 0, True)})
+        return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                             "system_fingerprint": None, "choices": choices,
+                             "usage": usage_of(prompt_tokens, completion_tokens)},
+                            headers={"X-Stream-Id": ",".join(r.stream_id for r in records)})
+
+    include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
+
+    def chunk(i: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "system_fingerprint": None,
+                "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        prompt_tokens, completion_tokens = 0, 0
+        sent = [0] * total  # characters of each choice's completion sent so far (text_offset)
+        for i in range(total):
+            echo = echo_of(i)
+            if echo is not None:
+                yield _data(chunk(i, echo.text, choice_logprobs(i, [], 0, True), None if generate else "length"))
+                if not generate and i % n == 0:
+                    prompt_tokens += echo.tokens
+        async for i, ev in interleave(records) if records else _nothing():
+            if isinstance(ev, ErrorEvent):
+                yield _data(_error_body(ev))
+                return
+            assert isinstance(ev, TextEvent)
+            echo = echo_of(i)
+            base = len(echo.text) if echo is not None else 0
+            finish = _FINISH.get(ev.finish_reason or "stop", "stop") if ev.is_final else None
+            if ev.delta or ev.is_final:
+                lp = legacy_logprobs(ev.logprobs or [], start=base + sent[i]) if want else None
+                yield _data(chunk(i, ev.delta, lp, finish))
+                sent[i] += len(ev.delta)
+            if ev.is_final and ev.usage:
+                completion_tokens += ev.usage["completion_tokens"]
+                if i % n == 0:
+                    prompt_tokens += ev.usage["prompt_tokens"]
+        if include_usage:
+            yield _data({"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [], "usage": usage_of(prompt_tokens, completion_tokens)})
+        yield ServerSentEvent(data="[DONE]")
+
+    return EventSourceResponse(events(), headers={"X-Stream-Id": ",".join(r.stream_id for r in records)},
+                               ping=settings.heartbeat_s, send_timeout=settings.send_timeout_s or None)
+
+
+async def _nothing() -> AsyncIterator[tuple[int, Any]]:
+    return
+    yield  # an empty async generator
