@@ -91,7 +91,9 @@ class TextEvent(_BaseEvent):
     ``revision`` is 0 until the first steer or rewind, then +1 per edit. The final event also
     carries ``finish_reason``, ``text`` (the whole output, after all edits), ``usage``,
     ``metrics`` and, if the stream was edited, ``revisions`` (one dict per edit: ``kind``,
-    ``step``, ``offset``, ``instruction``).
+    ``step``, ``offset``, ``instruction``); a stream given ``tools`` has ``tool_calls`` on its
+    final event (``[{"id", "name", "arguments"}]``, ``arguments`` the call's JSON text; empty
+    when the model answered without a call).
 
     Example:
         >>> TextEvent(stream_id="s", seq=3, t=0.2, delta=" world", token_ids=[1917], index=1).delta
@@ -109,6 +111,7 @@ class TextEvent(_BaseEvent):
     usage: dict[str, int] | None = None
     metrics: dict[str, float] | None = None
     revisions: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +282,19 @@ def event_json_schema() -> dict[str, Any]:
                 "required": ["prompt_tokens", "completion_tokens"],
             },
             "metrics": metrics,
+            "tool_calls": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "name": {"type": "string"},
+                        "arguments": {"type": "string"},
+                    },
+                    "required": ["id", "name", "arguments"],
+                    "additionalProperties": False,
+                },
+            },
         },
         "required": ["type", "stream_id", "seq", "t", "is_final", "delta"],
         "additionalProperties": False,

@@ -299,6 +299,7 @@ class StreamWriter:
         metrics: dict[str, float],
         revisions: list[dict[str, Any]] | None = None,
         offset: int | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> None:
         """Emit the final text event (once; it is never dropped or merged)."""
         fields: dict[str, Any] = {
@@ -315,6 +316,8 @@ class StreamWriter:
             fields["revisions"] = [dict(r) for r in revisions]
         if offset is not None:
             fields["offset"] = offset
+        if tool_calls is not None:
+            fields["tool_calls"] = [dict(c) for c in tool_calls]
         self._channel.put(TextEvent, fields)
 
     def image(

@@ -2,7 +2,10 @@
 
 - ``POST /v1/chat/completions``: messages, max_tokens / max_completion_tokens, temperature, top_p,
   stop, seed, ``stream`` and ``stream_options.include_usage`` (plus the extensions top_k,
-  repetition_penalty, priority). Streaming sends ``chat.completion.chunk`` objects, then ``[DONE]``.
+  repetition_penalty, priority), ``response_format`` (``json_object``, ``json_schema``) and
+  ``tools`` / ``tool_choice`` / ``parallel_tool_calls``. Streaming sends ``chat.completion.chunk``
+  objects, then ``[DONE]``; a call streams as ``tool_calls`` deltas (id, type and name first, then
+  the ``arguments`` JSON in fragments as it is generated), ending with ``finish_reason="tool_calls"``.
   A cancelled generation reports ``finish_reason="stop"`` (OpenAI has no "cancelled").
 - ``POST /v1/images/generations``: prompt, n, size ("64x64"), output_format, ``response_format``
   "b64_json", ``stream`` with ``partial_images`` 0-3 (SSE events ``image_generation.partial_image``
@@ -51,6 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, ImageEvent, TextEvent
+from ..text import ToolCallParser, parse_tool_calls
 from .bodies import OpenAIErrorResponse
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_kwargs, image_kwargs
 from .problems import Problem
@@ -112,6 +116,10 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
     record = await state.open_stream("text", kwargs, priority=priority, request=request, resumable=False,
                                      arrived_at=arrived, principal=principal)
     cid, created, model = f"chatcmpl-{record.stream_id}", int(time.time()), record.model_name
+    with_tools = bool(kwargs.get("tools")) and kwargs.get("tool_choice") != "none"
+
+    def finish_reason(ev: TextEvent, called: bool) -> str:
+        return "tool_calls" if called else _FINISH.get(ev.finish_reason or "stop", "stop")
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -125,25 +133,52 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
             return JSONResponse(_error_body(final) if isinstance(final, ErrorEvent) else
                                 {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
         usage = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
+        message: dict[str, Any] = {"role": "assistant", "content": final.text or ""}
+        calls = final.tool_calls or []
+        if with_tools:
+            content, _ = parse_tool_calls(final.text or "", record.stream_id)
+            message["content"] = content or (None if calls else "")
+            if calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                          "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": final.text or ""},
-                         "logprobs": None, "finish_reason": _FINISH.get(final.finish_reason or "stop", "stop")}],
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": None, "finish_reason": finish_reason(final, bool(calls))}],
             "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
         }, headers={"X-Stream-Id": record.stream_id})
 
+    def tool_deltas(items: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+        """Chunk deltas for what the parser read: content, a call's head, its argument fragments."""
+        out: list[dict[str, Any]] = []
+        for item in items:
+            if item[0] == "content":
+                out.append({"content": item[1]})
+            elif item[0] == "call":
+                _, index, call_id, name = item
+                out.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            else:
+                out.append({"tool_calls": [{"index": item[1], "function": {"arguments": item[2]}}]})
+        return out
+
     async def events() -> AsyncIterator[ServerSentEvent]:
         yield _data(chunk({"role": "assistant", "content": ""}))
+        parser = ToolCallParser(record.stream_id) if with_tools else None
         async for ev in record.subscribe():
             if isinstance(ev, ErrorEvent):
                 yield _data(_error_body(ev))
                 return
             assert isinstance(ev, TextEvent)
-            if ev.delta:
+            if parser is not None:
+                items = parser.feed(ev.delta) + (parser.finish() if ev.is_final else [])
+                for delta in tool_deltas(items):
+                    yield _data(chunk(delta))
+            elif ev.delta:
                 yield _data(chunk({"content": ev.delta}))
             if ev.is_final:
-                yield _data(chunk({}, _FINISH.get(ev.finish_reason or "stop", "stop")))
+                yield _data(chunk({}, finish_reason(ev, bool(parser is not None and parser.calls))))
                 if include_usage:
                     u = ev.usage or {"prompt_tokens": 0, "completion_tokens": 0}
                     yield _data({**chunk({}), "choices": [],

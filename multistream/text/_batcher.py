@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._constraints import apply_masks
 from ._kv_rows import RowCache, supports_row_cache
 from ._request import TextRequest
 
@@ -380,6 +381,8 @@ class TextBatcher:
         # The first token goes out now: time to first token is queueing plus prefill.
         req.needs_prefill = False
         try:
+            if req.constraint is not None:
+                logits = apply_masks(logits.unsqueeze(0), [req.constraint])[0]
             req.accept(self._pick(req, logits))
         except Exception as exc:  # noqa: BLE001
             logger.exception("stream %s failed", req.writer.stream_id)
@@ -429,6 +432,9 @@ class TextBatcher:
         for req in batch:
             req.prefilled += 1
         logits = out.logits[:, -1, :]
+        if any(req.constraint is not None for req in batch):
+            # Constrained rows: one mask over the batch's logits; the other rows are untouched.
+            logits = apply_masks(logits, [req.constraint for req in batch])
         greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
         ended: list[int] = []
         for i, req in enumerate(batch):

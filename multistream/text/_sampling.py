@@ -81,13 +81,10 @@ class SamplingPlan:
 
 
 class RowSampler:
-    """Picks the tokens of one request from its row of the batch's logits.
+    """Picks the tokens of one request from its row of the batch's logits (already masked by the
+    request's grammar, if it has one: `multistream.text._constraints.apply_masks`)."""
 
-    ``allowed`` (a `TokenConstraint`-like object with ``mask(generated_ids)``) limits the
-    candidates, e.g. to a grammar.
-    """
-
-    def __init__(self, plan: SamplingPlan, allowed: Any = None) -> None:
+    def __init__(self, plan: SamplingPlan) -> None:
         from transformers.generation.logits_process import (
             LogitsProcessorList,
             RepetitionPenaltyLogitsProcessor,
@@ -97,7 +94,6 @@ class RowSampler:
         )
 
         self.plan = plan
-        self.allowed = allowed
         processors = LogitsProcessorList()
         if plan.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(plan.repetition_penalty))
@@ -113,7 +109,7 @@ class RowSampler:
 
     @property
     def plain_greedy(self) -> bool:
-        return self.plan.plain_greedy and self.allowed is None
+        return self.plan.plain_greedy
 
     def pick(self, logits: torch.Tensor, sequence: list[int], position: int, generated: list[int]) -> int:
         """The token at output ``position`` from last-position ``logits`` (shape ``[vocab]``).
@@ -122,8 +118,6 @@ class RowSampler:
         processors.
         """
         scores = logits.float().unsqueeze(0)
-        if self.allowed is not None:
-            scores = self.allowed.apply(scores, generated)
         if len(self._processors):
             ids = torch.tensor([sequence], device=scores.device)
             scores = self._processors(ids, scores)
