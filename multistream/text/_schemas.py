@@ -82,10 +82,22 @@ def _find_key(node: Any, key: str, path: tuple[Any, ...] = ()) -> tuple[Any, ...
     return None
 
 
+def _closed(node: Any) -> Any:
+    """Objects with declared properties take no others unless the schema says so (as the openai
+    SDK's strict mode does for pydantic classes): the answer holds the class's fields only."""
+    if isinstance(node, dict):
+        node = {k: _closed(v) for k, v in node.items()}
+        if "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    elif isinstance(node, list):
+        node = [_closed(v) for v in node]
+    return node
+
+
 def _schema_dict(v: Any, what: str) -> dict[str, Any]:
     model_json_schema = getattr(v, "model_json_schema", None)
     if isinstance(v, type) and callable(model_json_schema):  # a pydantic model class
-        v = model_json_schema()
+        v = _closed(model_json_schema())
     elif isinstance(v, str):  # JSON text (the canonical form TextOptions stores)
         try:
             v = json.loads(v)

@@ -273,6 +273,12 @@ class ToolCallParser:
         self._depth = 0
         self._in_string = False
         self._escape = False
+        self._complete: list[bool] = []
+
+    @property
+    def complete_calls(self) -> list[dict[str, Any]]:
+        """The calls whose ``</tool_call>`` has been read (an answer cut short may end inside one)."""
+        return [c for c, done in zip(self.calls, self._complete) if done]
 
     def feed(self, delta: str) -> list[tuple[Any, ...]]:
         self._buf += delta
@@ -306,6 +312,8 @@ class ToolCallParser:
 
     def _head(self, items: list[tuple[Any, ...]]) -> None:
         m = _HEAD.match(self._buf)
+        if m is not None and m.end() == len(self._buf):
+            return  # more whitespace may follow before the arguments begin
         if m is None:
             if len(self._buf) > 400 or CALL_CLOSE in self._buf:  # not our format: keep it as text
                 items.append(("content", CALL_OPEN + self._buf))
@@ -318,6 +326,7 @@ class ToolCallParser:
         index = len(self.calls)
         call_id = f"call_{self.stream_id}_{index}"
         self.calls.append({"id": call_id, "name": name, "arguments": ""})
+        self._complete.append(False)
         items.append(("call", index, call_id, name))
         self._buf = self._buf[m.end():]
         self._state, self._depth, self._in_string, self._escape = "args", 0, False, False
@@ -355,10 +364,11 @@ class ToolCallParser:
         if m is not None:
             self._buf = self._buf[m.end():]
             self._state = "text"
+            self._complete[-1] = True
 
 
 def parse_tool_calls(text: str, stream_id: str) -> tuple[str, list[dict[str, Any]]]:
-    """``(content, calls)`` of a whole answer: the text outside calls, and the calls.
+    """``(content, calls)`` of a whole answer: the text outside calls, and the complete calls.
 
     Example:
         >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>', "s")
@@ -367,4 +377,4 @@ def parse_tool_calls(text: str, stream_id: str) -> tuple[str, list[dict[str, Any
     parser = ToolCallParser(stream_id)
     items = parser.feed(text) + parser.finish()
     content = "".join(i[1] for i in items if i[0] == "content")
-    return content, parser.calls
+    return content, parser.complete_calls
