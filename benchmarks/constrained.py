@@ -187,7 +187,7 @@ def per_token(llm: Any, rounds: int, tokens: int) -> dict[str, float]:
         # Eight rows: four under the schema and four free, all started together.
         finals: dict[int, Any] = {}
 
-        def run(i: int) -> None:
+        def run(i: int, finals: dict[int, Any] = finals) -> None:
             kw: dict[str, Any] = {"json_schema": SCHEMA} if i % 2 else {}
             finals[i] = llm.generate(prompt, max_new_tokens=tokens, temperature=0.7, seed=i, **kw)
 

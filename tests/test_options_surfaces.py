@@ -33,6 +33,11 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
     "chat": (False, "yes"),
     "allowed": (["yes", "no"], "("),
     "priority": (3, 1.5),
+    "json_schema": ({"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "strin"}),
+    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+              [{"type": "function", "function": {"name": "bad name"}}]),
+    "tool_choice": ("auto", "always"),
+    "parallel_tool_calls": (False, "yes"),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),
