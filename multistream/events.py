@@ -92,7 +92,9 @@ class TextEvent(_BaseEvent):
     ``revision`` is 0 until the first steer or rewind, then +1 per edit. The final event also
     carries ``finish_reason``, ``text`` (the whole output, after all edits), ``usage``,
     ``metrics`` and, if the stream was edited, ``revisions`` (one dict per edit: ``kind``,
-    ``step``, ``offset``, ``instruction``).
+    ``step``, ``offset``, ``instruction``); a stream given ``tools`` has ``tool_calls`` on its
+    final event (``[{"id", "name", "arguments"}]``, ``arguments`` the call's JSON text; empty
+    when the model answered without a call).
 
     ``logprobs`` (when the stream asked, ``logprobs=True`` / ``top_logprobs=k``): one entry per
     token of ``token_ids``, in order, ``{"token_id", "token", "bytes", "logprob",
@@ -118,6 +120,7 @@ class TextEvent(_BaseEvent):
     metrics: dict[str, float] | None = None
     revisions: list[dict[str, Any]] | None = None
     logprobs: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,6 +304,19 @@ def event_json_schema() -> dict[str, Any]:
             },
             "metrics": metrics,
             "logprobs": {"type": "array", "items": {"$ref": "#/$defs/logprob"}},
+            "tool_calls": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "name": {"type": "string"},
+                        "arguments": {"type": "string"},
+                    },
+                    "required": ["id", "name", "arguments"],
+                    "additionalProperties": False,
+                },
+            },
         },
         "required": ["type", "stream_id", "seq", "t", "is_final", "delta"],
         "additionalProperties": False,

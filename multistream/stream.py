@@ -314,6 +314,7 @@ class StreamWriter:
         revisions: list[dict[str, Any]] | None = None,
         offset: int | None = None,
         logprobs: list[dict[str, Any]] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> None:
         """Emit the final text event (once; it is never dropped or merged)."""
         fields: dict[str, Any] = {
@@ -332,6 +333,8 @@ class StreamWriter:
             fields["offset"] = offset
         if logprobs is not None:
             fields["logprobs"] = list(logprobs)
+        if tool_calls is not None:
+            fields["tool_calls"] = [dict(c) for c in tool_calls]
         self._channel.put(TextEvent, fields)
 
     def image(

@@ -39,6 +39,11 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
     "frequency_penalty": (-0.5, -2.5),
     "logit_bias": ({"5": -100}, {"x": 1}),
     "min_p": (0.1, 1.5),
+    "json_schema": ({"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "strin"}),
+    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+              [{"type": "function", "function": {"name": "bad name"}}]),
+    "tool_choice": ("auto", "always"),
+    "parallel_tool_calls": (False, "yes"),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),

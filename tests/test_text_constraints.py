@@ -1,4 +1,4 @@
-"""Constrained decoding with ``allowed=``: what is written is exactly what the pattern admits."""
+"""Constrained decoding with ``allowed=`` (on llguidance): what is written is exactly what the pattern admits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import regex
 import pytest
 
 import multistream as ms
-from multistream.text._constraints import AllowedText, compile_allowed
+from multistream.text._constraints import compile_allowed, constraint_for, grammar_of
 
 
 def test_bad_allowed_values_are_clear_errors() -> None:
@@ -19,7 +19,7 @@ def test_bad_allowed_values_are_clear_errors() -> None:
 
 def test_the_mask_keeps_only_tokens_that_extend_a_match(text_tokenizer) -> None:
     eos = frozenset({text_tokenizer.eos_token_id})
-    allowed = AllowedText("yes|no", text_tokenizer, eos)
+    allowed = constraint_for(grammar_of(compile_allowed("yes|no"), None), text_tokenizer, eos)
     first = allowed.allowed_ids([])
     texts = [text_tokenizer.decode([t]) for t in first]
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)

@@ -20,10 +20,9 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from ..errors import InvalidArgumentError
 from ..image import IMAGE_STREAM_ARGS
-from ..text import TEXT_STREAM_ARGS, parse_text_options
-from .bodies import LAX_BODY, STRICT_BODY, check_image_limits, check_prompt_limit, validate_body
+from ..text import TEXT_STREAM_ARGS
+from .bodies import LAX_BODY, STRICT_BODY, check_family_options, check_image_limits, check_prompt_limit, validate_body
 from .problems import Problem
 from .settings import ServerSettings
 
@@ -33,7 +32,7 @@ __all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "
 
 logger = logging.getLogger("multistream.server")
 
-_IGNORED_CHAT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "model")
+_IGNORED_CHAT = ("user", "metadata", "store", "service_tier", "model")
 
 
 class StreamOptions(BaseModel):
@@ -46,8 +45,9 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` (OpenAI). Fields that would change the answer and that this
-    server does not support (``n > 8``, non-empty ``tools``, JSON mode) are refused; harmless
-    ones (``user``, ``metadata``, empty ``tools``) are accepted and ignored."""
+    server does not support (``n > 8``) are refused; harmless ones (``user``, ``metadata``, empty
+    ``tools``) are accepted and ignored. ``response_format`` (``json_object``, ``json_schema``) and
+    ``tools`` run under the grammar engine (docs/constrained.md)."""
 
     model_config = LAX_BODY  # SDKs add fields over time; unknown ones are logged and ignored
     model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
@@ -68,13 +68,18 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Optional[int] = Field(default=None, description="0..20 alternatives per token (with logprobs)")
     logit_bias: Optional[dict[str, float]] = Field(default=None, description="token id (a string) -> bias "
                                                    "-100..100")
-    tools: Optional[list[dict[str, Any]]] = Field(default=None, description="only an empty list is supported")
-    tool_choice: Union[str, dict[str, Any], None] = Field(default=None, description="only 'none'/'auto' without tools")
+    tools: Optional[list[dict[str, Any]]] = Field(
+        default=None, description='function tools: [{"type": "function", "function": {"name", "description", '
+        '"parameters"}}]; calls come back as tool_calls')
+    tool_choice: Union[str, dict[str, Any], None] = Field(
+        default=None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     metadata: Optional[dict[str, Any]] = Field(default=None, description="accepted and ignored")
     store: Optional[bool] = Field(default=None, description="accepted and ignored")
     service_tier: Optional[str] = Field(default=None, description="accepted and ignored")
-    parallel_tool_calls: Optional[bool] = Field(default=None, description="accepted and ignored")
-    response_format: Optional[dict[str, Any]] = Field(default=None, description="only {'type': 'text'}")
+    parallel_tool_calls: Optional[bool] = Field(default=None, description="true (default): several calls may follow")
+    response_format: Optional[dict[str, Any]] = Field(
+        default=None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema", "strict"}}')
     top_k: Optional[int] = Field(default=None, description="extension: an integer >= 0")
     repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
     priority: int = Field(default=0, description="extension: an integer; higher runs first")
@@ -94,6 +99,9 @@ class ChatCompletionRequest(BaseModel):
             raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
                           f"{settings.max_new_tokens}", param="max_tokens")
         kwargs["max_new_tokens"] = max_tokens
+        schema = _response_schema(self.response_format)
+        if schema is not None:
+            kwargs["json_schema"] = schema
         for name in TEXT_STREAM_ARGS:
             if name in type(self).model_fields and name not in ("max_new_tokens", "priority"):
                 value = getattr(self, name)
@@ -155,11 +163,31 @@ class ImageGenerationRequest(BaseModel):
         return kwargs
 
 
+def _response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON Schema a ``response_format`` asks for (None: free text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise Problem(400, "invalid_argument", 'response_format json_schema needs {"json_schema": {"name": ..., '
+                          '"schema": {...}}}', param="response_format")
+        return schema
+    raise Problem(400, "invalid_argument", f"response_format type must be 'text', 'json_object' or 'json_schema', "
+                  f"got {str(kind)[:40]!r}", param="response_format")
+
+
 def _unsupported(name: str, message: str) -> Problem:
     return Problem(400, "unsupported", message, param=name)
 
 
-def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m.get("role"), str):
@@ -174,21 +202,21 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise Problem(400, "invalid_type", f"messages[{i}].content must be a string or text parts", param="messages")
+        entry: dict[str, Any] = {"role": m["role"], "content": content}
+        # An assistant turn's calls and a tool turn's answer to one: the model renders them.
         if m.get("tool_calls"):
-            raise _unsupported("messages", f"messages[{i}] has tool_calls; this server does not run tools")
-        out.append({"role": m["role"], "content": content})
+            entry["tool_calls"] = m["tool_calls"]
+        if m.get("tool_call_id") is not None:
+            entry["tool_call_id"] = m["tool_call_id"]
+        out.append(entry)
     return out
 
 
 def check_options(kwargs: dict[str, Any]) -> None:
-    """Each `TextOptions` value checked here, so a bad one is a 400 naming its ``param`` (OpenAI's
-    error shape) with the message ``TextModel.stream()`` gives."""
-    for name, value in kwargs.items():
-        if name in TEXT_STREAM_ARGS:
-            try:
-                parse_text_options(**{name: value})
-            except InvalidArgumentError as exc:
-                raise Problem(400, "invalid_argument", str(exc), param=name) from None
+    """The `TextOptions` values checked here, together (some depend on each other, e.g.
+    ``tool_choice`` on ``tools``), so a bad one is a 400 naming its ``param`` (OpenAI's error
+    shape) with the message ``TextModel.stream()`` gives."""
+    check_family_options("text", kwargs)
 
 
 def chat_choices(body: Any) -> tuple[int, bool]:
@@ -202,7 +230,7 @@ def chat_choices(body: Any) -> tuple[int, bool]:
 def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, bool]:
     """OpenAI chat body -> (TextModel.stream kwargs, priority, stream?, include_usage?).
 
-    Refuses what would change the answer and is not built (``n > 8``, tools, JSON mode);
+    Refuses what would change the answer and is not built (``n > 8``);
     accepts and ignores (with a log line) what does not (``user``, ``metadata``, empty ``tools``)."""
     req = validate_body(ChatCompletionRequest, body, "POST /v1/chat/completions")
     assert isinstance(req, ChatCompletionRequest)
@@ -210,12 +238,6 @@ def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], in
         raise Problem(400, "invalid_argument", f"n must be from 1 to 8 (answers to generate), got {req.n}", param="n")
     if req.top_logprobs and not req.logprobs:
         raise Problem(400, "invalid_argument", "top_logprobs needs logprobs: true", param="top_logprobs")
-    if req.tools:
-        raise _unsupported("tools", "tools are not supported by this server; send no tools (an empty list is fine)")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise _unsupported("tool_choice", "tool_choice must be unset, 'none' or 'auto' (this server runs no tools)")
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
     extra = sorted(set(body) - set(ChatCompletionRequest.model_fields))
     ignored = [n for n in _IGNORED_CHAT if body.get(n) not in (None, "", {}, [])] + extra
     if ignored or req.tools == []:

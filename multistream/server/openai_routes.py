@@ -6,7 +6,10 @@
   ``n`` up to 8 (the prompt prefilled once; streamed choices interleave, each chunk with its
   ``index``; choice i seeded from (seed, i)), ``stream`` and ``stream_options.include_usage`` /
   vLLM's ``continuous_usage_stats`` (plus the extensions top_k, min_p, repetition_penalty,
-  priority). Streaming sends ``chat.completion.chunk`` objects, then ``[DONE]``.
+  priority), ``response_format`` (``json_object``, ``json_schema``) and ``tools`` /
+  ``tool_choice`` / ``parallel_tool_calls``. Streaming sends ``chat.completion.chunk`` objects, then
+  ``[DONE]``; a call streams as ``tool_calls`` deltas (id, type and name first, then the
+  ``arguments`` JSON in fragments as it is generated), ending with ``finish_reason="tool_calls"``.
 - ``POST /v1/completions``: see `multistream.server.openai_completions`.
   A cancelled generation reports ``finish_reason="stop"`` (OpenAI has no "cancelled").
 - ``POST /v1/images/generations``: prompt, n, size ("64x64"), output_format, ``response_format``
@@ -56,6 +59,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, ImageEvent, TextEvent
+from ..text import ToolCallParser, parse_tool_calls
 from .bodies import OpenAIErrorResponse
 from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
@@ -124,6 +128,11 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
     cid, created, model = f"chatcmpl-{record.stream_id}", int(time.time()), record.model_name
     headers = {"X-Stream-Id": ",".join(r.stream_id for r in records)}
 
+    with_tools = bool(kwargs.get("tools")) and kwargs.get("tool_choice") != "none"
+
+    def finish_reason(ev: TextEvent, called: bool) -> str:
+        return "tool_calls" if called else _FINISH.get(ev.finish_reason or "stop", "stop")
+
     def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0,
               logprobs: Any = None) -> dict[str, Any]:
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -142,17 +151,41 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
             assert final is not None
             u = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
             prompt_tokens, completion_tokens = u["prompt_tokens"], completion_tokens + u["completion_tokens"]
-            choices.append({"index": i, "message": {"role": "assistant", "content": final.text or ""},
+            message: dict[str, Any] = {"role": "assistant", "content": final.text or ""}
+            calls = final.tool_calls or []
+            if with_tools:
+                content, _ = parse_tool_calls(final.text or "", records[i].stream_id)
+                message["content"] = content or (None if calls else "")
+                if calls:
+                    message["tool_calls"] = [{"id": call["id"], "type": "function",
+                                              "function": {"name": call["name"], "arguments": call["arguments"]}}
+                                             for call in calls]
+            choices.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(c.entries) if want_logprobs else None,
-                            "finish_reason": _FINISH.get(final.finish_reason or "stop", "stop")})
+                            "finish_reason": finish_reason(final, bool(calls))})
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": None, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens),
         }, headers=headers)
 
+    def tool_deltas(items: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+        """Chunk deltas for what the parser read: content, a call's head, its argument fragments."""
+        out: list[dict[str, Any]] = []
+        for item in items:
+            if item[0] == "content":
+                out.append({"content": item[1]})
+            elif item[0] == "call":
+                _, index, call_id, name = item
+                out.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            else:
+                out.append({"tool_calls": [{"index": item[1], "function": {"arguments": item[2]}}]})
+        return out
+
     async def events() -> AsyncIterator[ServerSentEvent]:
         prompt_tokens = 0
         done: dict[int, int] = {}  # completion tokens of each choice, as they go
+        parsers = {i: ToolCallParser(r.stream_id) for i, r in enumerate(records)} if with_tools else {}
         for i in range(n):
             yield _data(chunk({"role": "assistant", "content": ""}, index=i))
         async for i, ev in interleave(records):
@@ -166,10 +199,16 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
                 prompt_tokens, done[i] = ev.usage["prompt_tokens"], ev.usage["completion_tokens"]
             extra = {"usage": usage_of(prompt_tokens, sum(done.values()))} if continuous_usage else {}
             logprobs = chat_logprobs(ev.logprobs) if want_logprobs and ev.logprobs else None
-            if ev.delta or logprobs is not None:
+            parser = parsers.get(i)
+            if parser is not None:
+                items = parser.feed(ev.delta) + (parser.finish() if ev.is_final else [])
+                for delta in tool_deltas(items):
+                    yield _data({**chunk(delta, index=i), **extra})
+            elif ev.delta or logprobs is not None:
                 yield _data({**chunk({"content": ev.delta}, index=i, logprobs=logprobs), **extra})
             if ev.is_final:
-                yield _data({**chunk({}, _FINISH.get(ev.finish_reason or "stop", "stop"), index=i), **extra})
+                called = bool(parser is not None and parser.calls)
+                yield _data({**chunk({}, finish_reason(ev, called), index=i), **extra})
         if include_usage:
             yield _data({**chunk({}), "choices": [], "usage": usage_of(prompt_tokens, sum(done.values()))})
         yield ServerSentEvent(data="[DONE]")

@@ -20,6 +20,7 @@ from .._lazy import lazy_attributes
 from ._options import TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
 from ._seeds import choice_seed
 from ._stop_strings import StopMatcher
+from ._tools import TOOLS_SYSTEM_PROMPT, ToolCallParser, parse_tool_calls
 
 # The model modules import torch and transformers; they load when first asked for, so the options
 # (used by the server and the fakes) stay torch-free.
@@ -42,10 +43,13 @@ __all__ = [
     "StopMatcher",
     "TEXT_STREAM_ARGS",
     "TextModel",
+    "TOOLS_SYSTEM_PROMPT",
     "TextOptions",
+    "ToolCallParser",
     "check_messages",
     "choice_seed",
     "check_prompt",
     "load_text_model",
     "parse_text_options",
+    "parse_tool_calls",
 ]

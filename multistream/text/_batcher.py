@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._constraints import apply_masks
 from ._kv_rows import RowCache, supports_row_cache
 from ._logprobs import TokenTable, entries
 from ._request import TextRequest
@@ -463,13 +464,16 @@ class TextBatcher:
         # The first token goes out now: time to first token is queueing plus prefill.
         req.needs_prefill = False
         try:
+            raw_logits = logits  # logprobs are the model's own, before any mask
             if req.forced_token is not None:  # a branch: the caller chose this token
                 token, req.forced_token = req.forced_token, None
             else:
+                if req.constraint is not None:
+                    logits = apply_masks(logits.unsqueeze(0), [req.constraint])[0]
                 token = self._pick(req, logits)
             entry = None
             if req.wants_logprobs:
-                entry = self._logprob_entries([req], logits.unsqueeze(0), [token])[0]
+                entry = self._logprob_entries([req], raw_logits.unsqueeze(0), [token])[0]
             req.accept(token, entry)
         except Exception as exc:  # noqa: BLE001
             logger.exception("stream %s failed", req.writer.stream_id)
@@ -519,6 +523,9 @@ class TextBatcher:
         for req in batch:
             req.prefilled += 1
         logits = out.logits[:, -1, :]
+        if any(req.constraint is not None for req in batch):
+            # Constrained rows: one mask over the batch's logits; the other rows are untouched.
+            logits = apply_masks(logits, [req.constraint for req in batch])
         greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
         adjusted = self._adjusted(batch, logits)
         ended: list[int] = []

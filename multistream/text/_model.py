@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import weakref
@@ -33,10 +34,12 @@ from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
 from ._batcher import SharedPrompt, TextBatcher
+from ._constraints import TokenConstraint, constraint_for, grammar_of
 from ._logprobs import TokenTable
 from ._options import TextOptions, check_prompt, parse_text_options
 from ._request import Edit, TextRequest
 from ._sampling import RowSampler, SamplingPlan, choice_seed
+from ._tools import render_tool_messages, tools_active
 
 __all__ = ["TextModel"]
 
@@ -162,13 +165,17 @@ class TextModel:
 
     # -- input ----------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool | None = None) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict[str, Any]], chat: bool | None = None,
+                      tools: str | None = None, tool_choice: Any = None) -> list[int]:
         """Token ids for a prompt string or chat messages (through the tokenizer's chat template).
 
         A string is wrapped as one user message when the tokenizer has a chat template, unless
-        ``chat=False`` (raw completion).
+        ``chat=False`` (raw completion). ``tools`` (`TextOptions.tools`, unless ``tool_choice`` is
+        "none") are rendered by the chat template where it takes them, else by a system prompt
+        (`multistream.text._tools.render_tool_messages`); so are earlier turns' tool calls and results.
         """
-        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        template = getattr(self.tokenizer, "chat_template", None)
+        has_template = bool(template)
         prompt = check_prompt(prompt)
         if isinstance(prompt, str):
             if chat is None:
@@ -177,7 +184,7 @@ class TextModel:
                 if not prompt:
                     raise InvalidArgumentError("prompt is empty; a raw completion needs some text to continue")
                 return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-            messages = [{"role": "user", "content": prompt}]
+            messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
         else:
             if chat is False:
                 raise InvalidArgumentError("chat=False needs a prompt string, not a list of messages")
@@ -186,7 +193,15 @@ class TextModel:
             raise InvalidArgumentError(
                 f"{self.name} has no chat template; pass a prompt string with chat=False instead of messages"
             )
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra: dict[str, Any] = {}
+        offered = tools_active(tools, tool_choice)
+        if offered or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            # A template that names `tools` renders them (and tool turns) itself.
+            template_has_tools = isinstance(template, str) and "tools" in template
+            messages = render_tool_messages(messages, tools, template_has_tools, offered)
+            if offered and template_has_tools:
+                extra["tools"] = json.loads(tools or "[]")
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(encoded, dict) or hasattr(encoded, "keys"):
             encoded = encoded["input_ids"]
         return [int(i) for i in encoded]
@@ -204,13 +219,17 @@ class TextModel:
         ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
         ``seed``, ``stop``, ``chunk_tokens``, ``chunk_ms``, ``chat``, ``allowed``,
         ``priority``, ``logprobs``, ``top_logprobs``, ``presence_penalty``, ``frequency_penalty``,
-        ``logit_bias`` and ``min_p``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
+        ``logit_bias``, ``min_p``, ``json_schema``, ``tools``, ``tool_choice`` and
+        ``parallel_tool_calls``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
         not later inside the stream. ``temperature=0`` is greedy decoding (the default, unless the
         model's ``generation_config`` says ``do_sample``); sampling options left as None take the
         ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
         emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events. ``allowed``: a
         regular expression the whole answer must match, or a list of choices (constrained
         decoding). ``priority``: higher runs first at every engine step (default 0).
+        ``json_schema``: a JSON Schema dict or a pydantic model class; the answer is JSON valid
+        for it. ``tools``: OpenAI-style function tools; calls are generated under each tool's
+        parameters schema and the final event carries ``tool_calls`` (docs/constrained.md).
 
         The stream can be edited while it runs: ``stream.steer(instruction)`` and
         ``stream.rewind(offset, instruction=None, token_id=None, **sampling)`` (``token_id``: branch from
@@ -256,7 +275,7 @@ class TextModel:
         self._check_token_ids(checked)
         if share is not None and not isinstance(share, SharedPrompt):
             raise InvalidArgumentError(f"share must come from share_prompt(n), got {type(share).__name__}")
-        prompt_ids = self.encode_prompt(prompt, chat=checked.chat)
+        prompt_ids = self.encode_prompt(prompt, chat=checked.chat, tools=checked.tools, tool_choice=checked.tool_choice)
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLongError(
                 f"the prompt is {len(prompt_ids)} tokens but {self.name} has a context of "
@@ -286,7 +305,8 @@ class TextModel:
                     f"a context of {self.context_length} tokens")
             history = (context, ids, positions)
         return self._start(prompt_ids, checked, plan, max_new, checked.priority, is_chat, history=history,
-                           on_edit=on_edit, share=share if history is None else None)
+                           on_edit=on_edit, share=share if history is None else None,
+                           constraint=self._constraint(checked))
 
     def share_prompt(self, n: int) -> SharedPrompt:
         """A handle that ``n`` streams of the same prompt pass as ``replica_stream(..., share=)``, so
@@ -356,6 +376,7 @@ class TextModel:
         is_chat: bool, *, history: tuple[list[int], list[int], list[int]] | None = None, echo: bool = False,
         edit: Edit | None = None, on_edit: Callable[[dict[str, Any]], Any] | None = None,
         share: SharedPrompt | None = None, history_logprobs: list[Any] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Stream:
         model_ref = weakref.ref(self)
         table = self.token_table() if options.wants_logprobs else None
@@ -366,7 +387,7 @@ class TextModel:
                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
                 context_length=self.context_length, priority=priority, is_chat=is_chat, history=history,
                 echo_history=echo, on_edit=on_edit, share=share, history_logprobs=history_logprobs,
-                token_table=table,
+                token_table=table, constraint=constraint,
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
             )
             if edit is not None:
@@ -387,12 +408,19 @@ class TextModel:
         return Stream(submit=submit, kind="text")
 
     def _sampler(self, plan: SamplingPlan, options: TextOptions) -> RowSampler:
-        allowed = None
-        if options.allowed is not None:
-            from ._constraints import AllowedText
+        return RowSampler(plan)
 
-            allowed = AllowedText(options.allowed, self.tokenizer, self.eos_token_ids)
-        return RowSampler(plan, allowed)
+    def _constraint(self, options: TextOptions) -> TokenConstraint | None:
+        """The grammar of ``allowed=``, ``json_schema=`` or ``tools=``, compiled for this tokenizer
+        (on the caller's thread, with a time limit, so a rejected grammar raises here)."""
+        grammar = grammar_of(options.allowed, options.json_schema, options.tools, options.tool_choice,
+                             options.parallel_tool_calls)
+        if grammar is None:
+            return None
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        vocab = int(weight.shape[0]) if weight is not None else len(self.tokenizer)
+        return constraint_for(grammar, self.tokenizer, self.eos_token_ids, vocab_size=vocab)
 
     # -- edits ----------------------------------------------------------------------------------
 
@@ -534,6 +562,7 @@ class TextModel:
             old.prompt_ids, new_options, plan, max_new, new_options.priority, old.is_chat, history=history, echo=True,
             edit=Edit("rewind", inserted, instruction=instruction, offset=offset, token_id=branch),
             history_logprobs=old.answer_logprobs[:k],
+            constraint=self._constraint(new_options),
         )
 
     def generate(

@@ -133,6 +133,27 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
 def _min_p(v: Any) -> float | None:
     _require(v is None or (is_number(v) and 0 <= v <= 1), f"min_p must be a number in [0, 1] (0 disables it), got {v!r}")
     return None if v is None else float(v)
+def _json_schema(v: Any) -> str | None:
+    from ._schemas import check_json_schema  # the grammar engine, only when a schema is given
+
+    return check_json_schema(v)
+
+
+def _tools(v: Any) -> str | None:
+    from ._tools import check_tools
+
+    return check_tools(v)
+
+
+def _tool_choice(v: Any) -> str | dict[str, Any] | None:
+    from ._tools import check_tool_choice
+
+    return check_tool_choice(v)
+
+
+def _parallel_tool_calls(v: Any) -> bool | None:
+    _require(v is None or isinstance(v, bool), f"parallel_tool_calls must be true, false or null (true), got {v!r}")
+    return v  # type: ignore[no-any-return]
 
 
 def _priority(v: Any) -> int:
@@ -191,6 +212,28 @@ class TextOptions:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+    # Structured outputs and tools (docs/constrained.md); stored as canonical JSON text.
+    json_schema: Optional[str] = option(
+        None, "a JSON Schema (or, in Python, a pydantic model class): the answer is JSON valid for it",
+        _json_schema, wire=Optional[dict[str, Any]])
+    tools: Optional[str] = option(
+        None, 'a list of {"type": "function", "function": {"name", "description", "parameters"}}: the model may '
+        "call them; the final event carries tool_calls", _tools, wire=Optional[list[dict[str, Any]]])
+    tool_choice: Union[str, dict[str, Any], None] = option(
+        None, '"none", "auto" (default), "required" or {"type": "function", "function": {"name": ...}}',
+        _tool_choice, wire=Union[str, dict[str, Any], None])
+    parallel_tool_calls: Optional[bool] = option(
+        None, "true (default): several calls may follow each other; false: at most one", _parallel_tool_calls,
+        wire=Optional[bool])
+
+    def __post_init__(self) -> None:
+        # Checks that span options (each option alone was checked by its own check).
+        if self.allowed is not None and self.json_schema is not None:
+            raise InvalidArgumentError("allowed= and json_schema= cannot constrain one answer together; give one")
+        if self.tools is not None or self.tool_choice is not None:
+            from ._tools import check_tool_options
+
+            check_tool_options(self.tools, self.tool_choice, self.allowed)
 
 
 TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)
@@ -201,8 +244,23 @@ def parse_text_options(**options: Any) -> TextOptions:
     return parse_options(TextOptions, "TextModel.stream()", options)
 
 
-def check_messages(messages: list[Any]) -> list[dict[str, str]]:
-    """Chat messages as plain ``{"role", "content"}`` dicts, or a clear error."""
+def _check_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    ok = isinstance(calls, (list, tuple)) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)
+    _require(ok, f"messages[{i}]['tool_calls'] must be a list of "
+             '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON>"}}')
+    return [{"id": c.get("id"), "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", "")}}
+            for c in calls]
+
+
+def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Chat messages as plain ``{"role", "content"}`` dicts, or a clear error.
+
+    An assistant turn may carry ``tool_calls`` (its ``content`` may then be None) and a ``tool``
+    turn its ``tool_call_id``, as OpenAI's messages do.
+    """
     if not messages:
         raise InvalidArgumentError("messages is empty; pass at least one {'role': 'user', 'content': '...'}")
     checked = []
@@ -211,13 +269,25 @@ def check_messages(messages: list[Any]) -> list[dict[str, str]]:
             raise InvalidArgumentError(
                 f"messages[{i}] must be a dict with 'role' and 'content' strings, got {message!r}"
             )
-        if not isinstance(message.get("content"), str):
+        calls = message.get("tool_calls")
+        content = message.get("content")
+        if calls and content is None:
+            content = ""
+        if not isinstance(content, str):
             raise InvalidArgumentError(f"messages[{i}]['content'] must be a string, got {message.get('content')!r}")
-        checked.append({"role": message["role"], "content": message["content"]})
+        entry: dict[str, Any] = {"role": message["role"], "content": content}
+        if calls:
+            entry["tool_calls"] = _check_tool_calls(i, calls)
+        for key in ("tool_call_id", "name"):
+            value = message.get(key)
+            if value is not None:
+                _require(isinstance(value, str), f"messages[{i}]['{key}'] must be a string, got {value!r}")
+                entry[key] = value
+        checked.append(entry)
     return checked
 
 
-def check_prompt(prompt: Any) -> str | list[dict[str, str]]:
+def check_prompt(prompt: Any) -> str | list[dict[str, Any]]:
     """A prompt string, or a checked list of chat messages."""
     if isinstance(prompt, str):
         return prompt

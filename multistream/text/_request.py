@@ -20,6 +20,7 @@ from ._detokenizer import IncrementalDetokenizer
 from ._options import TextOptions
 from ._sampling import RowSampler
 from ._stop_strings import StopMatcher
+from ._tools import parse_tool_calls, tools_active
 
 __all__ = ["Edit", "TextRequest"]
 
@@ -116,6 +117,8 @@ class TextRequest:
     # Called on the engine thread with each edit as it takes effect: its revision dict plus
     # ``revision`` (its number) and ``at`` (answer tokens before its instruction tokens).
     on_edit: Any = None
+    # The stream's grammar (`TokenConstraint`: allowed=, json_schema=, tools=), or None.
+    constraint: Any = None
     # Engine bookkeeping: how much of the context is in the row's cache, the row's own cache while
     # it is not part of the batch (prefill, or paused by a higher priority or an edit).
     prefilled: int = 0
@@ -165,6 +168,8 @@ class TextRequest:
             else:
                 self.writer.continue_text(len(kept))
             self._text = kept
+        if self.constraint is not None and self.answer_ids:
+            self.constraint.reset(self.answer_ids)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -255,6 +260,8 @@ class TextRequest:
             keep_cached = min(self.prefilled, cut)
             if edit.sampler is not None:
                 self.sampler = edit.sampler
+            if self.constraint is not None:
+                self.constraint.reset(self.answer_ids)
         self.context.extend(edit.inserted)
         # At least the last context token must go through the model again, for its logits.
         keep_cached = min(keep_cached, len(self.context) - 1)
@@ -290,6 +297,8 @@ class TextRequest:
         self.context.append(token)
         self.answer_ids.append(token)
         self.answer_logprobs.append(logprob)
+        if self.constraint is not None:
+            self.constraint.consume(token)
         safe, stopped = self._stops.feed(self._detok.feed(token))
         self._chunker.add(safe, token, logprob)
         if stopped:
@@ -297,6 +306,9 @@ class TextRequest:
             return True
         if self._chunker.ready():
             self._send()
+        if self.constraint is not None and self.constraint.done:
+            self.finish("stop")  # the grammar is complete: only EOS could follow, so end now
+            return True
         if len(self.answer_ids) >= self.max_new_tokens or len(self.context) >= self.context_length:
             self.finish("length")
             return True
@@ -357,9 +369,16 @@ class TextRequest:
             metrics=metrics,
             revisions=self.revisions or None,
             logprobs=lps if self.wants_logprobs else None,
+            tool_calls=self._tool_calls(),
         )
         if self.on_finish is not None:
             self.on_finish(self)
+
+    def _tool_calls(self) -> list[dict[str, Any]] | None:
+        """The calls in the answer, when tools were offered (else None: no ``tool_calls`` field)."""
+        if not tools_active(self.options.tools, self.options.tool_choice):
+            return None
+        return parse_tool_calls(self._text, self.writer.stream_id)[1]
 
     def fail(self, exc: BaseException) -> None:
         """End with an error event (a fault of the model on this request)."""

@@ -144,13 +144,10 @@ def adjust_rows(logits: torch.Tensor, penalties: list[Penalties]) -> torch.Tenso
 
 
 class RowSampler:
-    """Picks the tokens of one request from its row of the batch's logits.
+    """Picks the tokens of one request from its row of the batch's logits (already masked by the
+    request's grammar, if it has one: `multistream.text._constraints.apply_masks`)."""
 
-    ``allowed`` (a `TokenConstraint`-like object with ``mask(generated_ids)``) limits the
-    candidates, e.g. to a grammar.
-    """
-
-    def __init__(self, plan: SamplingPlan, allowed: Any = None) -> None:
+    def __init__(self, plan: SamplingPlan) -> None:
         from transformers.generation.logits_process import (
             LogitsProcessorList,
             MinPLogitsWarper,
@@ -161,7 +158,6 @@ class RowSampler:
         )
 
         self.plan = plan
-        self.allowed = allowed
         processors = LogitsProcessorList()
         if plan.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(plan.repetition_penalty))
@@ -180,7 +176,7 @@ class RowSampler:
 
     @property
     def plain_greedy(self) -> bool:
-        return self.plan.plain_greedy and self.allowed is None
+        return self.plan.plain_greedy
 
     def pick(self, logits: torch.Tensor, sequence: list[int], position: int, generated: list[int]) -> int:
         """The token at output ``position`` from last-position ``logits`` (shape ``[vocab]``).
@@ -189,8 +185,6 @@ class RowSampler:
         processors.
         """
         scores = logits.float().unsqueeze(0)
-        if self.allowed is not None:
-            scores = self.allowed.apply(scores, generated)
         if len(self._processors):
             ids = torch.tensor([sequence], device=scores.device)
             scores = self._processors(ids, scores)

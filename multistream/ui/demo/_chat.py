@@ -1,5 +1,8 @@
 """The Chat tab: the answer streams token by token; Steer and Regenerate edit it while it streams.
 
+"JSON": with "Answer as JSON" ticked, the answer is generated under the pasted JSON Schema
+(``json_schema=``; empty: any JSON object). It streams in as it is written, then is shown formatted.
+
 "Steer" sends the typed text as a new instruction (``stream.steer``); "Regenerate from here"
 rewinds the answer to where the selected words begin, or to a character offset (``rewind``, or
 ``llm.revise`` once the answer ended). "Show confidence" streams with ``top_logprobs=5`` and
@@ -14,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +29,8 @@ from ...stream import Stream
 from ..view import CONFIDENCE_CSS, LiveView, confidence_html, throttled_views
 from ._shared import ActiveRuns, ModelSlot, run_key, ui_error
 
-__all__ = ["SELECTION_JS", "ChatTab", "chat_stats", "clear_chat", "confidence_panel", "content_text"]
+__all__ = ["SELECTION_JS", "ChatTab", "chat_stats", "clear_chat", "confidence_panel", "content_text", "formatted_json",
+           "json_schema_option"]
 
 _TOP_ALTERNATIVES = 5
 
@@ -114,6 +119,45 @@ def _chat_line(view: LiveView) -> str:
     return f"streaming · TTFT {view.first_text_t * 1000:.0f} ms · {rate} tokens/s · {view.text_tokens} tokens"
 
 
+def json_schema_option(as_json: bool | None, schema_text: str | None) -> dict[str, Any]:
+    """The stream option of the JSON box: none, or ``json_schema`` (empty text: any JSON object).
+
+    Example:
+        >>> json_schema_option(True, "")
+        {'json_schema': {'type': 'object'}}
+        >>> json_schema_option(False, "{}")
+        {}
+    """
+    if not as_json:
+        return {}
+    text = (schema_text or "").strip()
+    if not text:
+        return {"json_schema": {"type": "object"}}
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise gr.Error(f"the JSON Schema is not JSON: {exc}") from exc
+    return {"json_schema": schema}
+
+
+def formatted_json(text: str) -> str:
+    """A finished JSON answer as an indented code block (the text as it is if it does not parse).
+
+    Example:
+        >>> print(formatted_json('{"a": 1}'))
+        ```json
+        {
+          "a": 1
+        }
+        ```
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return "```json\n" + json.dumps(value, indent=2, ensure_ascii=False) + "\n```"
+
+
 def clear_chat() -> tuple[list[dict[str, Any]], str]:
     """"Clear": an empty chat and no stats line."""
     return [], ""
@@ -138,15 +182,18 @@ class ChatTab:
     # -- handlers ------------------------------------------------------------------------------
 
     async def send(self, message: str, history: list[dict[str, Any]], max_tokens: float, temperature: float,
-                   top_p: float, seed: float, confidence: bool = False,
+                   top_p: float, seed: float, confidence: bool = False, as_json: bool | None = False,
+                   schema_text: str | None = "",
                    request: gr.Request = None) -> AsyncIterator[tuple[Any, ...]]:  # type: ignore[assignment]
-        """"Send": stream the answer to ``message`` after the ``history`` shown so far."""
+        """"Send": stream the answer to ``message`` after the ``history`` shown so far (as JSON
+        for the pasted schema when "Answer as JSON" is ticked)."""
         model = self.model.get()
         message = (message or "").strip()
         if not message:
             raise gr.Error("type a message first")
         turns = [t for t in _history(history) if t["role"] in ("user", "assistant", "system") and t["content"]]
         prompt = [*turns, {"role": "user", "content": message}]
+        structured = json_schema_option(as_json, schema_text)
         try:
             stream = model.stream(
                 prompt,
@@ -155,17 +202,19 @@ class ChatTab:
                 top_p=float(top_p),
                 seed=None if seed is None or int(seed) < 0 else int(seed),
                 **({"logprobs": True, "top_logprobs": _TOP_ALTERNATIVES} if confidence else {}),
+                **structured,
             )
         except MultistreamError as exc:
             raise ui_error(exc) from exc
         shown: list[dict[str, Any]] = [*prompt, {"role": "assistant", "content": ""}]
         async for out in self._stream_answer(run_key(request, "chat"), stream, shown, None,
-                                             "waiting for the first token…", bool(confidence)):
+                                             "waiting for the first token…", bool(confidence),
+                                             as_json=bool(structured)):
             yield out
 
     async def _stream_answer(self, key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]],
                              view: LiveView | None, first_note: str,
-                             confidence: bool = False) -> AsyncIterator[tuple[Any, ...]]:
+                             confidence: bool = False, as_json: bool = False) -> AsyncIterator[tuple[Any, ...]]:
         """(chat, input box, stats, confidence panel) updates while ``stream`` writes the last
         message of ``shown``."""
         self.runs.start(key, stream)
@@ -181,6 +230,8 @@ class ChatTab:
                     shown[-1]["content"] += f"\n\n⚠️ {view.error.get('message')}"
                 elif isinstance(view.final, TextEvent):
                     self.answers[key] = view.final  # "Regenerate from here" revises it once it ended
+                    if as_json:  # streamed raw as it was written; shown formatted once complete
+                        shown[-1]["content"] = formatted_json(view.final.text or "")
                 # The box was cleared once above; now it is left alone, so the user can type an
                 # instruction for "Steer" while the answer streams.
                 yield shown, gr.skip(), chat_stats(view), confidence_panel(view, confidence)
@@ -318,6 +369,11 @@ class ChatTab:
                                             elem_id="ms-chat-temperature")
                     top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
                     seed = gr.Number(value=-1, precision=0, label="Seed (-1 = random)")
+            with gr.Accordion("JSON", open=False, elem_id="ms-chat-json-box"):
+                as_json = gr.Checkbox(value=False, label="Answer as JSON (constrained to the schema)",
+                                      elem_id="ms-chat-json")
+                schema_text = gr.Code(value="", language="json", lines=6, interactive=True,
+                                      label="JSON Schema (empty: any JSON object)", elem_id="ms-chat-schema")
             with gr.Row():
                 confidence = gr.Checkbox(value=False, label="Show confidence (colour tokens by probability; hover "
                                          "for alternatives, click one to branch from it)", elem_id="ms-chat-confidence-on")
@@ -325,7 +381,7 @@ class ChatTab:
             panel = gr.HTML("", elem_id="ms-chat-confidence")
             branch_spec = gr.Textbox(elem_id="ms-chat-branch", elem_classes=["ms-hidden"], show_label=False)
             branch_go = gr.Button("branch", elem_id="ms-chat-branch-go", elem_classes=["ms-hidden"])
-            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, confidence]
+            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, confidence, as_json, schema_text]
             outputs = [chatbot, msg, stats, panel]
             send.click(self.send, inputs, outputs, api_name="chat", show_progress="hidden")
             msg.submit(self.send, inputs, outputs, api_name=False, show_progress="hidden")
