@@ -10,7 +10,7 @@ Edits of a running stream (all answer `EditResult`; the effect shows in the stre
   "finished_early"``; an image's final is its current estimate through the full VAE).
 - ``POST /v1/streams/{id}/steer``: text ``{"instruction": "..."}``; image ``{"prompt": ...,
   "negative_prompt": ..., "guidance_scale": ...}``. From the model's next step on.
-- ``POST /v1/streams/{id}/rewind``: text only, ``{"offset": 120, "instruction": null, ...}``:
+- ``POST /v1/streams/{id}/rewind``: text only, ``{"offset": 120, "instruction": null, "token_id": null, ...}``:
   regenerate from character ``offset``; later events carry a smaller ``offset`` and a new
   ``revision`` (clients keep ``text = text[:offset] + delta``).
 

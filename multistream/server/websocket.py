@@ -14,8 +14,8 @@ Client -> server (JSON text messages):
 - ``{"type": "steer", "stream_id": "...", "instruction": "..."}`` (text) or ``{"type": "steer",
   "stream_id": "...", "prompt": "...", "negative_prompt": ..., "guidance_scale": ...}`` (image):
   change the generation from the model's next step.
-- ``{"type": "rewind", "stream_id": "...", "offset": 120, "instruction": null}`` (text):
-  regenerate from character ``offset``.
+- ``{"type": "rewind", "stream_id": "...", "offset": 120, "instruction": null, "token_id": null}`` (text):
+  regenerate from character ``offset`` (starting with token ``token_id``, when given: a branch).
 - ``{"type": "auth", "api_key": "..."}``: on a keyed server, the first message when the key did
   not come in the ``Authorization`` header or as a ``bearer.KEY`` subprotocol.
 

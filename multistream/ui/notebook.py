@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from ..errors import InvalidArgumentError
 from ..events import Event, ImageEvent, TextEvent
 from ..stream import Stream
-from .view import LiveView, Throttle
+from .view import CONFIDENCE_CSS, LiveView, Throttle, confidence_html
 
 __all__ = ["show"]
 
@@ -62,6 +62,9 @@ def _render_html(view: LiveView, width: int) -> str:
         parts.append('<div style="flex:1 1 320px;min-width:240px">')
         for i, done in enumerate(view.text_done):
             body = html.escape(view.text(i)) or "&#8203;"
+            if view.tokens and len(view.texts) == 1:
+                # logprobs=True: each token coloured by its probability, its alternatives on hover.
+                body = f"<style>{CONFIDENCE_CSS}</style>{confidence_html(view)}"
             cursor = "" if done is not None else '<span style="opacity:.5">▍</span>'
             if done is None and view.revision:
                 cursor += f'<span style="font-size:11px;opacity:.6"> revision {view.revision}</span>'
