@@ -92,7 +92,11 @@ class TextEvent(_BaseEvent):
     ``revision`` is 0 until the first steer or rewind, then +1 per edit. The final event also
     carries ``finish_reason``, ``text`` (the whole output, after all edits), ``usage``,
     ``metrics`` and, if the stream was edited, ``revisions`` (one dict per edit: ``kind``,
-    ``step``, ``offset``, ``instruction``).
+    ``step``, ``offset``, ``instruction``). ``committed`` is how many characters of the answer can
+    no longer change: with beam search (``num_beams``), the text every live hypothesis shares (the
+    rest, after it, shows the best hypothesis now and may be replaced by a later event's
+    ``offset``, never below ``committed``); without beams, the text's length after the event; on
+    the final event, the whole text. It never decreases (an explicit steer or rewind aside).
 
     Example:
         >>> TextEvent(stream_id="s", seq=3, t=0.2, delta=" world", token_ids=[1917], index=1).delta
@@ -110,6 +114,7 @@ class TextEvent(_BaseEvent):
     usage: dict[str, int] | None = None
     metrics: dict[str, float] | None = None
     revisions: list[dict[str, Any]] | None = None
+    committed: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +257,7 @@ def event_json_schema() -> dict[str, Any]:
             "index": {"type": "integer", "minimum": 0},
             "offset": {"type": "integer", "minimum": 0},
             "revision": {"type": "integer", "minimum": 0},
+            "committed": {"type": "integer", "minimum": 0},
             "revisions": {
                 "type": "array",
                 "items": {

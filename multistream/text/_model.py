@@ -33,6 +33,7 @@ from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
 from ._batcher import TextBatcher
+from ._beams import new_beam_search
 from ._options import TextOptions, check_prompt, parse_text_options
 from ._request import Edit, TextRequest
 from ._sampling import RowSampler, SamplingPlan
@@ -199,14 +200,18 @@ class TextModel:
 
         ``options`` are those of `TextOptions` (each declared and described there once):
         ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
-        ``seed``, ``stop``, ``chunk_tokens``, ``chunk_ms``, ``chat``, ``allowed`` and
-        ``priority``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
+        ``seed``, ``stop``, ``chunk_tokens``, ``chunk_ms``, ``chat``, ``allowed``, ``priority``,
+        ``num_beams``, ``length_penalty`` and ``early_stopping``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
         not later inside the stream. ``temperature=0`` is greedy decoding (the default, unless the
         model's ``generation_config`` says ``do_sample``); sampling options left as None take the
         ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
         emitted; ``chunk_tokens``/``chunk_ms`` group tokens into fewer events. ``allowed``: a
         regular expression the whole answer must match, or a list of choices (constrained
         decoding). ``priority``: higher runs first at every engine step (default 0).
+        ``num_beams=k`` (2..8): greedy beam search scored as transformers' ``generate(num_beams=k)``
+        (same final text), taking ``k`` rows of the batch; each event shows the best hypothesis
+        now, and ``ev.committed`` characters of it can no longer change (a later event may replace
+        the rest, from its ``offset``).
 
         The stream can be edited while it runs: ``stream.steer(instruction)`` and
         ``stream.rewind(offset, instruction=None, **sampling)`` (see `revise` for a finished one).
@@ -281,6 +286,11 @@ class TextModel:
         edit: Edit | None = None, on_edit: Callable[[dict[str, Any]], Any] | None = None,
     ) -> Stream:
         model_ref = weakref.ref(self)
+        if history is not None and options.num_beams > 1:
+            raise InvalidArgumentError(
+                f"num_beams={options.num_beams} starts from the prompt; continuing an answer (revise, resume) "
+                "goes token by token: pass num_beams=1"
+            )
 
         def submit(writer: StreamWriter) -> None:
             request = TextRequest(
@@ -289,6 +299,7 @@ class TextModel:
                 context_length=self.context_length, priority=priority, is_chat=is_chat, history=history,
                 echo_history=echo, on_edit=on_edit,
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
+                beams=new_beam_search(options, max_new, self.eos_token_ids),
             )
             if edit is not None:
                 request.context.extend(edit.inserted)
@@ -345,6 +356,11 @@ class TextModel:
 
     def _edit(self, request: TextRequest, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check a steer/rewind on the caller's thread and queue it for the engine's next step."""
+        if request.beams is not None:
+            raise InvalidArgumentError(
+                f"a beam search (num_beams={request.options.num_beams}) cannot be steered or rewound while it runs; "
+                "cancel it and start again, or revise the finished answer (llm.revise(final, offset))"
+            )
         is_chat = request.is_chat
         if name == "steer":
             if kwargs:
@@ -425,6 +441,7 @@ class TextModel:
         cut = old.answer_pos[k] if k < len(old.answer_pos) else len(old.context)
         history = (old.context[:cut], old.answer_ids[:k], old.answer_pos[:k])
         merged = dataclasses.asdict(old.options)
+        merged["num_beams"] = 1  # a revision continues the kept text token by token
         merged.update(options)
         new_options = parse_text_options(**merged)
         plan = SamplingPlan.resolve(new_options, getattr(self.model, "generation_config", None))

@@ -97,6 +97,22 @@ def _allowed(v: Any) -> str | None:
     return compile_allowed(v)
 
 
+def _num_beams(v: Any) -> int:
+    _require(is_int(v) and 1 <= v <= 8, f"num_beams must be an integer from 1 (no beams) to 8, got {v!r}")
+    return int(v)
+
+
+def _length_penalty(v: Any) -> float:
+    _require(is_number(v) and abs(v) < 1e6, f"length_penalty must be a number (1.0: scores divided by length), got {v!r}")
+    return float(v)
+
+
+def _early_stopping(v: Any) -> bool | str:
+    _require(isinstance(v, bool) or v == "never",
+             f"early_stopping must be true, false or \"never\" (as transformers' generate takes it), got {v!r}")
+    return v  # type: ignore[no-any-return]
+
+
 def _priority(v: Any) -> int:
     _require(is_int(v), f"priority must be an integer (higher runs first), got {v!r}")
     return int(v)
@@ -135,6 +151,15 @@ class TextOptions:
         _allowed, wire=Union[str, list[str], None])
     priority: int = option(0, "an integer; higher runs first at every engine step (a server caps it per key)",
                            _priority, wire=int)
+    num_beams: int = option(
+        1, "an integer from 1 to 8: beam search over this many hypotheses (greedy; events show the best one, "
+        "`committed` says how much of it can no longer change); 1 = off", _num_beams, wire=int)
+    length_penalty: float = option(
+        1.0, "a number: beam scores are divided by length ** length_penalty (as in transformers)", _length_penalty,
+        wire=float)
+    early_stopping: Union[bool, str] = option(
+        False, "true, false or \"never\": when beam search stops (as in transformers' generate)", _early_stopping,
+        wire=Union[bool, str])
 
 
 TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)
@@ -142,7 +167,36 @@ TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)
 
 def parse_text_options(**options: Any) -> TextOptions:
     """Check every option; raise `InvalidArgumentError` naming the first bad one and the fix."""
-    return parse_options(TextOptions, "TextModel.stream()", options)
+    checked = parse_options(TextOptions, "TextModel.stream()", options)
+    _check_beams(checked)
+    return checked
+
+
+def _check_beams(options: TextOptions) -> None:
+    """Beam search is greedy here: refuse sampling and per-token features that do not combine."""
+    if options.num_beams == 1:
+        return
+    sampling = []
+    if options.temperature is not None and options.temperature > 0:
+        sampling.append(f"temperature={options.temperature}")
+    if options.top_p is not None and options.top_p < 1:
+        sampling.append(f"top_p={options.top_p}")
+    if options.top_k is not None and options.top_k > 0:
+        sampling.append(f"top_k={options.top_k}")
+    if sampling:
+        raise InvalidArgumentError(
+            f"num_beams={options.num_beams} is greedy beam search; sampling ({', '.join(sampling)}) cannot be "
+            "combined with it: drop the sampling options (or set temperature=0), or use num_beams=1 to sample"
+        )
+    others = [name for name, on in (
+        ("stop", bool(options.stop)), ("allowed", options.allowed is not None),
+        ("repetition_penalty", options.repetition_penalty not in (None, 1.0)),
+    ) if on]
+    if others:
+        raise InvalidArgumentError(
+            f"num_beams={options.num_beams} does not combine with {', '.join(others)} yet; drop "
+            f"{'it' if len(others) == 1 else 'them'} or use num_beams=1"
+        )
 
 
 def check_messages(messages: list[Any]) -> list[dict[str, str]]:
