@@ -33,6 +33,9 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
     "chat": (False, "yes"),
     "allowed": (["yes", "no"], "("),
     "priority": (3, 1.5),
+    "num_beams": (2, 9),
+    "length_penalty": (0.5, 1000),
+    "early_stopping": (True, "soon"),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),

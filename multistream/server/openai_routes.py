@@ -25,6 +25,9 @@ What an OpenAI client then sees:
   follows (it differs from the stream's real final text). A non-streaming response
   (``stream: false``) carries the final text after all edits, which is right. Clients that edit
   should use the native routes, whose events carry ``offset`` and ``revision``.
+- ``num_beams`` (an extension, as vLLM's): a beam search's best hypothesis may change, so a
+  streaming response sends only committed text (``committed``), which never changes: OpenAI
+  clients get a correct, monotonic stream whose concatenation is the final text.
 
 Example:
     >>> from openai import OpenAI                                             # doctest: +SKIP
@@ -133,14 +136,24 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
             "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
         }, headers={"X-Stream-Id": record.stream_id})
 
+    beams = (kwargs.get("num_beams") or 1) > 1
+
     async def events() -> AsyncIterator[ServerSentEvent]:
+        text, sent = "", 0  # with beams: the text so far, and how much of it went out
         yield _data(chunk({"role": "assistant", "content": ""}))
         async for ev in record.subscribe():
             if isinstance(ev, ErrorEvent):
                 yield _data(_error_body(ev))
                 return
             assert isinstance(ev, TextEvent)
-            if ev.delta:
+            if beams:
+                # OpenAI chunks can only append: send the text that can no longer change.
+                text = text[: ev.offset] + ev.delta
+                end = len(text) if ev.is_final else min(ev.committed, len(text))
+                if end > sent:
+                    yield _data(chunk({"content": text[sent:end]}))
+                    sent = end
+            elif ev.delta:
                 yield _data(chunk({"content": ev.delta}))
             if ev.is_final:
                 yield _data(chunk({}, _FINISH.get(ev.finish_reason or "stop", "stop")))

@@ -103,7 +103,8 @@ def _num_beams(v: Any) -> int:
 
 
 def _length_penalty(v: Any) -> float:
-    _require(is_number(v) and abs(v) < 1e6, f"length_penalty must be a number (1.0: scores divided by length), got {v!r}")
+    _require(is_number(v) and -100 <= v <= 100,
+             f"length_penalty must be a number from -100 to 100 (beam scores are divided by length ** it), got {v!r}")
     return float(v)
 
 
