@@ -61,7 +61,11 @@ def _render_html(view: LiveView, width: int) -> str:
     if view.texts:
         parts.append('<div style="flex:1 1 320px;min-width:240px">')
         for i, done in enumerate(view.text_done):
-            body = html.escape(view.text(i)) or "&#8203;"
+            settled, provisional = view.settled(i)
+            # A beam search's provisional tail (it may still change) is shown faded.
+            body = html.escape(settled) + (
+                f'<span class="ms-provisional" style="opacity:.45">{html.escape(provisional)}</span>'
+                if provisional else "") or "&#8203;"
             cursor = "" if done is not None else '<span style="opacity:.5">▍</span>'
             if done is None and view.revision:
                 cursor += f'<span style="font-size:11px;opacity:.6"> revision {view.revision}</span>'

@@ -100,6 +100,9 @@ class LiveView:
     # Where each text part starts in the stream's text (offsets count over the whole stream).
     starts: list[int] = field(default_factory=list)
     length: int = 0  # characters of text in the stream so far (after edits)
+    # Characters of the stream's text that can no longer change (a beam search's settled prefix;
+    # everything sent, otherwise). Renderers show the rest faded.
+    committed: int = 0
 
     @classmethod
     def starting_with(cls, text: str) -> LiveView:
@@ -133,6 +136,8 @@ class LiveView:
                 if self.first_text_t is None:
                     self.first_text_t = ev.t
             self.text_tokens += len(ev.token_ids)
+            # Each event says how much is settled (after a rewind, possibly less than before).
+            self.committed = min(ev.committed, self.length)
             if ev.finish_reason is not None:
                 self.text_done[-1] = ev
         elif isinstance(ev, ImageEvent):
@@ -147,6 +152,23 @@ class LiveView:
     def text(self, part: int) -> str:
         """The text of one text part so far."""
         return "".join(self.texts[part])
+
+    def settled(self, part: int) -> tuple[str, str]:
+        """One text part as ``(committed, provisional)``: the text that can no longer change, and
+        the rest (a beam search's best hypothesis now, which a later event may replace).
+
+        Example:
+            >>> view = LiveView()
+            >>> view.apply(TextEvent(stream_id="s", seq=0, t=0.1, delta="The cat", committed=3))
+            >>> view.settled(0)
+            ('The', ' cat')
+        """
+        text = self.text(part)
+        start = self.starts[part] if part < len(self.starts) else 0
+        cut = max(0, min(len(text), self.committed - start))
+        if part < len(self.text_done) and self.text_done[part] is not None:
+            cut = len(text)
+        return text[:cut], text[cut:]
 
 
 async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None = None) -> AsyncIterator[LiveView]:

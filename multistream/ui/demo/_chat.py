@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import html
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -64,6 +65,25 @@ def chat_stats(view: LiveView) -> str:
     return f"{line} · revision {view.revision}" if view.revision and view.error is None else line
 
 
+def _answer_markup(view: LiveView) -> str:
+    """The answer as the chat shows it: settled text as it is, a beam search's provisional tail
+    (which may still be replaced) faded.
+
+    Example:
+        >>> from multistream.events import TextEvent
+        >>> view = LiveView()
+        >>> view.apply(TextEvent(stream_id="s", seq=0, t=0.1, delta="The cat", committed=3))
+        >>> _answer_markup(view)
+        'The<span class="ms-provisional" style="opacity:0.45"> cat</span>'
+    """
+    if not view.texts:
+        return ""
+    settled, provisional = view.settled(0)
+    if not provisional:
+        return settled
+    return f'{settled}<span class="ms-provisional" style="opacity:0.45">{html.escape(provisional)}</span>'
+
+
 def _chat_line(view: LiveView) -> str:
     final = view.final
     if isinstance(final, TextEvent) and final.metrics is not None:
@@ -110,22 +130,22 @@ class ChatTab:
     # -- handlers ------------------------------------------------------------------------------
 
     async def send(self, message: str, history: list[dict[str, Any]], max_tokens: float, temperature: float,
-                   top_p: float, seed: float, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
-        """"Send": stream the answer to ``message`` after the ``history`` shown so far."""
+                   top_p: float, seed: float, beams: float, request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
+        """"Send": stream the answer to ``message`` after the ``history`` shown so far (``beams`` > 1:
+        beam search, its settled text plain and the provisional rest faded)."""
         model = self.model.get()
         message = (message or "").strip()
         if not message:
             raise gr.Error("type a message first")
         turns = [t for t in _history(history) if t["role"] in ("user", "assistant", "system") and t["content"]]
         prompt = [*turns, {"role": "user", "content": message}]
+        k = int(beams or 1)
+        # Beam search is greedy: the sampling sliders do not apply to it.
+        sampling: dict[str, Any] = {"num_beams": k, "temperature": 0.0} if k > 1 else {
+            "temperature": float(temperature), "top_p": float(top_p),
+            "seed": None if seed is None or int(seed) < 0 else int(seed)}
         try:
-            stream = model.stream(
-                prompt,
-                max_new_tokens=int(max_tokens),
-                temperature=float(temperature),
-                top_p=float(top_p),
-                seed=None if seed is None or int(seed) < 0 else int(seed),
-            )
+            stream = model.stream(prompt, max_new_tokens=int(max_tokens), **sampling)
         except MultistreamError as exc:
             raise ui_error(exc) from exc
         shown: list[dict[str, Any]] = [*prompt, {"role": "assistant", "content": ""}]
@@ -143,8 +163,8 @@ class ChatTab:
             # `start` is the view to continue (a revision keeps the text before its offset).
             start = view
             async for view in throttled_views(stream, self.max_fps, start):
-                shown[-1] = {"role": "assistant", "content": view.text(0) if view.texts else ""}
-                self.live_text[key] = shown[-1]["content"]
+                shown[-1] = {"role": "assistant", "content": _answer_markup(view)}
+                self.live_text[key] = view.text(0) if view.texts else ""
                 if view.error is not None:
                     shown[-1]["content"] += f"\n\n⚠️ {view.error.get('message')}"
                 elif isinstance(view.final, TextEvent):
@@ -251,8 +271,10 @@ class ChatTab:
                                             elem_id="ms-chat-temperature")
                     top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
                     seed = gr.Number(value=-1, precision=0, label="Seed (-1 = random)")
+                    beams = gr.Slider(1, 8, value=1, step=1, label="Beams (1 = off; >1: greedy beam search)",
+                                      elem_id="ms-chat-beams")
             clear = gr.Button("Clear", size="sm")
-            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed]
+            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, beams]
             outputs = [chatbot, msg, stats]
             send.click(self.send, inputs, outputs, api_name="chat", show_progress="hidden")
             msg.submit(self.send, inputs, outputs, api_name=False, show_progress="hidden")
