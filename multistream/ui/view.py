@@ -103,6 +103,7 @@ class LiveView:
     # Characters of the stream's text that can no longer change (a beam search's settled prefix;
     # everything sent, otherwise). Renderers show the rest faded.
     committed: int = 0
+    _part_tokens_from: int = 0  # text_tokens when the current text part began
 
     @classmethod
     def starting_with(cls, text: str) -> LiveView:
@@ -122,6 +123,9 @@ class LiveView:
                 self.texts.append([])
                 self.text_done.append(None)
                 self.starts.append(self.length)
+                self._part_tokens_from = self.text_tokens
+            # A beam search's better hypothesis replaces the tail within the same revision.
+            replaces = ev.offset < self.length and ev.revision == self.revision
             self.revision = max(self.revision, ev.revision)
             offset = ev.offset
             if offset < self.length:
@@ -135,7 +139,11 @@ class LiveView:
                 self.length += len(ev.delta)
                 if self.first_text_t is None:
                     self.first_text_t = ev.t
-            self.text_tokens += len(ev.token_ids)
+            if replaces:
+                # Its tokens are the hypothesis's from `index` on: count the hypothesis, not resends.
+                self.text_tokens = self._part_tokens_from + ev.index + len(ev.token_ids)
+            else:
+                self.text_tokens += len(ev.token_ids)
             # Each event says how much is settled (after a rewind, possibly less than before).
             self.committed = min(ev.committed, self.length)
             if ev.finish_reason is not None:
