@@ -10,7 +10,8 @@ Prints, per prompt and overall:
 - ``first committed``: seconds until the stream's first committed character (text that can no
   longer change), beside the seconds ``generate(num_beams=k)`` takes to return anything;
 - ``committed before end``: the share of the final text committed before the final event;
-- tok/s of the stream (answer tokens over its wall time) against ``generate``'s, and their ratio;
+- tok/s of the stream (answer tokens over its wall time) against ``generate``'s, and the median of
+  their per-run ratios;
 - whether the final texts are equal (they must be).
 """
 
@@ -91,8 +92,9 @@ def _print_row(label: str, runs: list[tuple[float, float | None, float, float, f
     firsts = [r[1] for r in runs if r[1] is not None]
     first = f"{med(firsts):.2f}" if firsts else "none"
     g_tps, s_tps = med([r[3] for r in runs]), med([r[4] for r in runs])
+    ratio = med([r[4] / r[3] for r in runs])  # per run (same round, same prompt), then the median
     print(f"| {label} | {med([r[0] for r in runs]):.2f} | {first} | {med([r[2] for r in runs]):.0%} | "
-          f"{g_tps:.1f} | {s_tps:.1f} | {s_tps / g_tps:.2f} | {all(r[5] for r in runs)} |")
+          f"{g_tps:.1f} | {s_tps:.1f} | {ratio:.2f} | {all(r[5] for r in runs)} |")
 
 
 if __name__ == "__main__":

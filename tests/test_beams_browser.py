@@ -17,7 +17,6 @@ from server_fixtures import make_server
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-import multistream as ms  # noqa: E402
 from multistream.testing import ScriptedImageModel  # noqa: E402
 from multistream.ui.demo import create_demo  # noqa: E402
 

@@ -4,6 +4,7 @@ SSE and OpenAI routes give the same final text (OpenAI: committed text only, so 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from typing import Any
@@ -13,9 +14,11 @@ import jsonschema
 import openai
 import pytest
 import torch
+import websockets
 from server_fixtures import iter_sse, make_server
 
 import multistream as ms
+from multistream.server import decode_message
 from multistream.stream import Stream, StreamWriter
 from multistream.text._beams import BeamSearch
 
@@ -226,8 +229,29 @@ def test_sse_and_openai_routes_give_the_same_final_text(text_model: Any) -> None
             with client.stream("POST", srv.url + "/v1/text",
                                json={"prompt": prompt, "num_beams": 4, "max_new_tokens": MAX_NEW}) as r:
                 assert r.status_code == 200
+                stream_id, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
                 events = [ms.event_from_dict(json.loads(e["data"])) for e in iter_sse(r) if "comment" not in e]
+            # Resuming replays the same events, `committed` included.
+            with client.stream("GET", f"{srv.url}/v1/streams/{stream_id}/events?after=-1",
+                               headers={"X-Resume-Token": token}) as r:
+                replay = [ms.event_from_dict(json.loads(e["data"])) for e in iter_sse(r) if "comment" not in e]
+            assert replay == events
         sse_text = check_committed(events)
+        assert any(e.committed < e.offset + len(e.delta) for e in events[:-1])  # some text was provisional
+
+        async def over_websocket() -> list[Any]:
+            async with websockets.connect(srv.ws_url + "/v1/ws", open_timeout=30) as ws:
+                await ws.send(json.dumps({"type": "text", "id": "b", "prompt": prompt, "num_beams": 4,
+                                          "max_new_tokens": MAX_NEW}))
+                got: list[Any] = []
+                while not (got and got[-1].is_final):
+                    msg = decode_message(await asyncio.wait_for(ws.recv(), 120))
+                    if not isinstance(msg, dict):
+                        got.append(msg)
+                return got
+
+        ws_events = asyncio.run(over_websocket())
+        assert check_committed(ws_events) == sse_text
         sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         chunks = list(sdk.chat.completions.create(model="m", messages=prompt, stream=True, max_tokens=MAX_NEW,
                                                   extra_body={"num_beams": 4}))
@@ -238,3 +262,16 @@ def test_sse_and_openai_routes_give_the_same_final_text(text_model: Any) -> None
             sdk.chat.completions.create(model="m", messages=prompt, max_tokens=4, temperature=0.9,
                                         extra_body={"num_beams": 4})
     assert sse_text == "".join(pieces) == whole.choices[0].message.content == reference(text_model, PROMPTS[1], 4)
+
+
+@pytest.mark.model
+def test_more_beams_than_rows_is_refused(text_model: Any) -> None:
+    from multistream.text import TextModel
+
+    small = TextModel(text_model.model, text_model.tokenizer, max_batch=2)
+    try:
+        with pytest.raises(ms.InvalidArgumentError, match="max_batch=2"):
+            small.stream("hi", num_beams=4)
+        assert small.generate("hi", num_beams=2, max_new_tokens=6).text == reference(text_model, "hi", 2, 6)
+    finally:
+        small.close()

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ._kv_rows import RowCache, supports_row_cache
 from ._request import TextRequest
 
@@ -296,6 +297,13 @@ class TextBatcher:
         budget goes alone, one chunk per step.
         """
         budget = self._budget_left
+        for req in self.waiting:
+            if req.width > self.capacity and not req.done:
+                # Never fits (a cache that cannot be split runs one row per step): say so, do not hang.
+                req.fail(InvalidArgumentError(
+                    f"num_beams={req.width} needs {req.width} rows of a batch but this model runs {self.capacity} "
+                    "(its cache cannot be split by row); use num_beams=1"))
+        self.waiting = [r for r in self.waiting if not r.done]
         free_rows = self.capacity - self._rows_used()
         group: list[TextRequest] = []
         for req in sorted(self.waiting, key=_rank):

@@ -256,6 +256,10 @@ class TextModel:
             )
         plan = SamplingPlan.resolve(checked, getattr(self.model, "generation_config", None))
         max_new = min(checked.max_new_tokens, self.context_length - len(prompt_ids))
+        if checked.num_beams > self.max_batch:
+            raise InvalidArgumentError(
+                f"num_beams={checked.num_beams} takes {checked.num_beams} rows of a batch but this model has "
+                f"max_batch={self.max_batch}; use num_beams <= {self.max_batch} or load_text_model(max_batch=...)")
 
         is_chat = not isinstance(prompt, str) or (
             checked.chat if checked.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
