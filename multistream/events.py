@@ -103,6 +103,12 @@ class TextEvent(_BaseEvent):
     ``bytes`` are the token's UTF-8 bytes (joined over an answer they spell its text, also where
     a token holds part of a character).
 
+    ``step``, ``offset``, ``instruction``). ``committed`` is how many characters of the answer can
+    no longer change: with beam search (``num_beams``), the text every live hypothesis shares (the
+    rest, after it, shows the best hypothesis now and may be replaced by a later event's
+    ``offset``, never below ``committed``); without beams, the text's length after the event; on
+    the final event, the whole text. It never decreases (an explicit steer or rewind aside).
+
     Example:
         >>> TextEvent(stream_id="s", seq=3, t=0.2, delta=" world", token_ids=[1917], index=1).delta
         ' world'
@@ -121,6 +127,7 @@ class TextEvent(_BaseEvent):
     revisions: list[dict[str, Any]] | None = None
     logprobs: list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    committed: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +286,7 @@ def event_json_schema() -> dict[str, Any]:
             "index": {"type": "integer", "minimum": 0},
             "offset": {"type": "integer", "minimum": 0},
             "revision": {"type": "integer", "minimum": 0},
+            "committed": {"type": "integer", "minimum": 0},
             "revisions": {
                 "type": "array",
                 "items": {

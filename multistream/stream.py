@@ -115,6 +115,8 @@ class _Channel:
                 fields.setdefault("offset", self.text_length)
                 fields.setdefault("revision", self.revision)
                 self.text_length = fields["offset"] + len(fields["delta"])
+                # Without beams everything sent is settled; a beam search says how much is.
+                fields.setdefault("committed", self.text_length)
             text_target = self._undelivered_text() if merge_key == ("text",) else None
             if text_target is not None:
                 _merge_into(text_target, fields)
@@ -209,6 +211,7 @@ def _merge_into(last: _Pending, new: dict[str, Any]) -> None:
         old.update(delta=new["delta"], token_ids=list(new["token_ids"]), offset=new["offset"], index=new["index"])
         _replace_logprobs(old, new)
     old["revision"] = new["revision"]
+    old["committed"] = max(old.get("committed", 0), new.get("committed", 0))
     old["t"] = new["t"]
 
 
@@ -265,15 +268,19 @@ class StreamWriter:
         return time.perf_counter() - self._channel.started_at
 
     def text(self, delta: str, token_ids: list[int], index: int, *, offset: int | None = None,
-             logprobs: list[dict[str, Any]] | None = None) -> None:
+             logprobs: list[dict[str, Any]] | None = None, committed: int | None = None) -> None:
         """Emit new text. Merges with an undelivered delta if the consumer is behind.
 
         ``offset`` (default: the end of the text so far) says where ``delta`` begins; a smaller
-        one replaces the text from there (after a rewind). ``logprobs``: one entry per token id.
+        one replaces the text from there (after a rewind, or a beam search's better hypothesis).
+        ``logprobs``: one entry per token id. ``committed`` (default: the text's length after this
+        event) is how many characters can no longer change.
         """
         fields: dict[str, Any] = {"delta": delta, "token_ids": list(token_ids), "index": index}
         if logprobs is not None:
             fields["logprobs"] = list(logprobs)
+        if committed is not None:
+            fields["committed"] = committed
         if offset is not None:
             fields["offset"] = offset
         elif not delta:
@@ -382,6 +389,7 @@ class StreamWriter:
             # Offsets and revisions are this stream's own: a forwarded delta appends here.
             fields.pop("offset", None)
             fields.pop("revision", None)
+            fields.pop("committed", None)
         if is_final is not None:
             fields["is_final"] = is_final
         merge_key: Any = None

@@ -93,7 +93,7 @@ def test_openai_bodies_refuse_what_is_not_built_in_openai_shape(fake_srv: Any) -
         for body, param in (({**base, "n": 9}, "n"), ({**base, "top_logprobs": 3}, "top_logprobs"),
                             ({**base, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                             ({**base, "logit_bias": {"x": 1}}, "logit_bias"),
-                            ({**base, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+                            ({**base, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools")):
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 400, (body, r.text)
             assert set(r.json()["error"]) >= {"message", "type", "param", "code"}

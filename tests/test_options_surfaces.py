@@ -44,6 +44,9 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
               [{"type": "function", "function": {"name": "bad name"}}]),
     "tool_choice": ("auto", "always"),
     "parallel_tool_calls": (False, "yes"),
+    "num_beams": (2, 9),
+    "length_penalty": (0.5, 1000),
+    "early_stopping": (True, "soon"),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),

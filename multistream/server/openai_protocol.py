@@ -84,6 +84,11 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
     priority: int = Field(default=0, description="extension: an integer; higher runs first")
     min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
+    num_beams: Optional[int] = Field(default=None, description="extension (as vLLM's): beam search over 2..8 "
+                                     "hypotheses; a stream then sends committed text only")
+    length_penalty: Optional[float] = Field(default=None, description="extension: with num_beams, as transformers'")
+    early_stopping: Union[bool, str, None] = Field(default=None, description="extension: with num_beams, "
+                                                   "true, false or 'never'")
 
     def to_text_options(self, settings: ServerSettings) -> dict[str, Any]:
         """``TextModel.stream`` keyword arguments (the prompt and `TextOptions`): OpenAI's names

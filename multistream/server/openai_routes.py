@@ -33,6 +33,9 @@ What an OpenAI client then sees:
   follows (it differs from the stream's real final text). A non-streaming response
   (``stream: false``) carries the final text after all edits, which is right. Clients that edit
   should use the native routes, whose events carry ``offset`` and ``revision``.
+- ``num_beams`` (an extension, as vLLM's): a beam search's best hypothesis may change, so a
+  streaming response sends only committed text (``committed``), which never changes: OpenAI
+  clients get a correct, monotonic stream whose concatenation is the final text.
 
 Example:
     >>> from openai import OpenAI                                             # doctest: +SKIP
@@ -129,6 +132,7 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
     headers = {"X-Stream-Id": ",".join(r.stream_id for r in records)}
 
     with_tools = bool(kwargs.get("tools")) and kwargs.get("tool_choice") != "none"
+    beams = (kwargs.get("num_beams") or 1) > 1
 
     def finish_reason(ev: TextEvent, called: bool) -> str:
         return "tool_calls" if called else _FINISH.get(ev.finish_reason or "stop", "stop")
@@ -182,10 +186,13 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
                 out.append({"tool_calls": [{"index": item[1], "function": {"arguments": item[2]}}]})
         return out
 
+
     async def events() -> AsyncIterator[ServerSentEvent]:
         prompt_tokens = 0
         done: dict[int, int] = {}  # completion tokens of each choice, as they go
         parsers = {i: ToolCallParser(r.stream_id) for i, r in enumerate(records)} if with_tools else {}
+        texts: dict[int, str] = {}  # with beams: each choice's text so far,
+        sent: dict[int, int] = {}  # and how much of it went out
         for i in range(n):
             yield _data(chunk({"role": "assistant", "content": ""}, index=i))
         async for i, ev in interleave(records):
@@ -200,7 +207,14 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
             extra = {"usage": usage_of(prompt_tokens, sum(done.values()))} if continuous_usage else {}
             logprobs = chat_logprobs(ev.logprobs) if want_logprobs and ev.logprobs else None
             parser = parsers.get(i)
-            if parser is not None:
+            if beams:
+                # OpenAI chunks can only append: send the text that can no longer change.
+                text = texts[i] = texts.get(i, "")[: ev.offset] + ev.delta
+                end = len(text) if ev.is_final else min(ev.committed, len(text))
+                if end > sent.get(i, 0):
+                    yield _data({**chunk({"content": text[sent.get(i, 0):end]}, index=i), **extra})
+                    sent[i] = end
+            elif parser is not None:
                 items = parser.feed(ev.delta) + (parser.finish() if ev.is_final else [])
                 for delta in tool_deltas(items):
                     yield _data({**chunk(delta, index=i), **extra})

@@ -9,17 +9,20 @@
 // "show confidence" asks for logprobs (top 5): each token is coloured by its probability, hovering
 // shows its alternatives, and clicking one rewinds the answer to that token with the alternative
 // (POST /v1/streams/{id}/rewind {"offset", "token_id"}) while it streams.
+// `committed` says how much of it can no longer change: a beam search (num_beams > 1) shows its
+// best hypothesis, whose provisional tail after `committed` is drawn faded (span.provisional).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const ui = { go: $("go"), stop: $("stop"), finish: $("finish"), prompt: $("prompt"), amount: $("amount"), key: $("apikey"),
+             beams: $("beams"),
              output: $("output"), preview: $("preview"), status: $("status"), confidence: $("confidence") };
 ui.key.value = sessionStorage.getItem("multistream.apikey") || "";
 ui.key.addEventListener("change", () => sessionStorage.setItem("multistream.apikey", ui.key.value));
 try { localStorage.removeItem("multistream.apikey"); } catch (e) { /* older versions kept it there */ }
 
 // Test and debug hook: what the page has seen.
-const state = window.__ms = { streamId: null, token: null, lastSeq: -1, text: "", length: 0, revision: 0, frames: 0,
+const state = window.__ms = { streamId: null, token: null, lastSeq: -1, text: "", length: 0, committed: 0, revision: 0, frames: 0,
                               finalEvent: null, reconnects: 0, error: null, running: false, seqs: [], kind: null,
                               tokens: [], confidence: false, branches: 0 };
 let pending = { text: "", redraw: false, image: null, status: null };
@@ -39,11 +42,21 @@ function schedule() {
   requestAnimationFrame(() => {
     frameRequested = false;
     if (state.confidence && state.tokens.length) { renderTokens(); pending.redraw = false; pending.text = ""; }
-    if (pending.redraw) { ui.output.textContent = state.text; pending.redraw = false; pending.text = ""; }
+    if (pending.redraw) { drawText(); pending.redraw = false; pending.text = ""; }
     if (pending.text) { ui.output.append(document.createTextNode(pending.text)); pending.text = ""; }
     if (pending.image) { ui.preview.src = pending.image; pending.image = null; }
     if (pending.status) { renderStatus(pending.status); pending.status = null; }
   });
+}
+
+// The text as committed part (plain) and provisional part (faded), both as text nodes.
+function drawText() {
+  const chars = Array.from(state.text);
+  const cut = Math.min(state.committed, chars.length);
+  const provisional = document.createElement("span");
+  provisional.className = "provisional";
+  provisional.textContent = chars.slice(cut).join("");
+  ui.output.replaceChildren(document.createTextNode(chars.slice(0, cut).join("")), provisional);
 }
 
 // A status is a list of parts: plain strings, or [text, className, id] for a styled span.
@@ -148,6 +161,11 @@ function applyText(ev) {
     pending.redraw = true;
   }
   state.length = offset + Array.from(delta).length;
+  const committed = typeof ev.committed === "number" ? ev.committed : state.length;
+  // Anything provisional (now or before) is drawn in two parts; plain streams keep appending.
+  if (committed < state.length || state.committed < state.prevLength) pending.redraw = true;
+  state.committed = committed;
+  state.prevLength = state.length;
 }
 
 function handle(ev) {
@@ -203,7 +221,8 @@ async function errorText(response) {
 }
 
 async function run(kind, body) {
-  Object.assign(state, { streamId: null, token: null, lastSeq: -1, text: "", length: 0, revision: 0, frames: 0,
+  Object.assign(state, { streamId: null, token: null, lastSeq: -1, text: "", length: 0, committed: 0, prevLength: 0,
+                         revision: 0, frames: 0,
                          finalEvent: null, reconnects: 0, error: null, running: true, seqs: [], kind,
                          tokens: [], confidence: kind === "text" && !!body.logprobs, branches: 0 });
   pending.text = ""; pending.redraw = false;
@@ -244,7 +263,9 @@ async function run(kind, body) {
 ui.go.addEventListener("click", () => {
   const kind = document.querySelector("input[name=kind]:checked").value;
   const amount = parseInt(ui.amount.value, 10) || undefined;
-  const body = kind === "text" ? { prompt: ui.prompt.value, max_new_tokens: amount }
+  const beams = parseInt(ui.beams.value, 10) || 1;
+  const body = kind === "text" ? Object.assign({ prompt: ui.prompt.value, max_new_tokens: amount },
+                                               beams > 1 ? { num_beams: beams } : {})
                                : { prompt: ui.prompt.value, steps: amount };
   if (kind === "text" && ui.confidence.checked) Object.assign(body, { logprobs: true, top_logprobs: 5 });
   run(kind, body);

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ._constraints import apply_masks
 from ._kv_rows import RowCache, supports_row_cache
 from ._logprobs import TokenTable, entries
@@ -240,11 +241,11 @@ class TextBatcher:
         """Fresh whole prompts (one priority, within what is left of this step's prefill budget,
         ranked before ``open_for``) that will get a row at the next step boundary: a free one, or
         one that `_make_room_for_priority` takes from a lower-ranked running request (one each)."""
-        ready = sum(1 for r in self.waiting if not r.needs_prefill and not r.done)
-        free_rows = self.capacity - len(self.batch) - ready - len(self._prefilling)
+        ready = sum(r.width for r in self.waiting if not r.needs_prefill and not r.done)
+        free_rows = self.capacity - self._rows_used() - ready - sum(r.width for r in self._prefilling)
         # Rows a newcomer can take by pausing a running request, worst first (a cache that cannot
-        # be split gives none).
-        victims = sorted((_rank(r) for r in self.batch), reverse=True) if self._mergeable else []
+        # be split gives none; beam searches are not paused).
+        victims = sorted((_rank(r) for r in self.batch if r.beams is None), reverse=True) if self._mergeable else []
         group: list[TextRequest] = []
         for req in sorted(self.waiting, key=_rank):
             if req.done or not req.needs_prefill or req in self._prefilling or req.check_flags():
@@ -254,7 +255,7 @@ class TextBatcher:
                     continue  # served by a copy of another member's prefill, at the boundary
                 req.share.leader = req
             fresh = req.prefilled == 0 and req.own_cache is None and len(req.context) <= self._budget_left
-            if not fresh or _rank(req) >= open_for or (group and req.priority != group[0].priority):
+            if not fresh or req.width > 1 or _rank(req) >= open_for or (group and req.priority != group[0].priority):
                 break
             if free_rows > 0:
                 free_rows -= 1
@@ -273,6 +274,13 @@ class TextBatcher:
         """Rows per step: ``max_batch``, or 1 for caches that cannot be split (sliding windows)."""
         return self.max_batch if self._mergeable is not False else 1
 
+    def _rows_used(self) -> int:
+        return sum(req.width for req in self.batch)
+
+    def _first_row(self, i: int) -> int:
+        """Row of the cache where request ``i`` of the batch begins (a beam search takes several)."""
+        return sum(req.width for req in self.batch[:i])
+
     def _drop_ended(self) -> None:
         for req in self.waiting:
             req.check_flags()
@@ -282,13 +290,15 @@ class TextBatcher:
             self._remove_rows(ended)
 
     def _remove_rows(self, indices: list[int]) -> None:
+        """Drop requests ``indices`` of the batch, and their rows."""
         gone = set(indices)
         keep = [i for i in range(len(self.batch)) if i not in gone]
+        rows = [self._first_row(i) + j for i in keep for j in range(self.batch[i].width)]
         self.batch = [self.batch[i] for i in keep]
         if not keep or self.rows is None:
             self.rows = None
         elif self._mergeable:
-            self.rows = self.rows.select(keep)
+            self.rows = self.rows.select(rows)
 
     def _apply_edits(self) -> None:
         """Steers and rewinds: the row leaves the batch with its cache, cut back as the edit says,
@@ -297,7 +307,7 @@ class TextBatcher:
         if edited:
             assert self.rows is not None
             for i in edited:
-                self.batch[i].own_cache = (self.rows.select([i]), 0) if self._mergeable else (self.rows, 0)
+                self.batch[i].own_cache = (self.rows.select([self._first_row(i)]), 0) if self._mergeable else (self.rows, 0)
             moved = [self.batch[i] for i in edited]
             self._remove_rows(edited)
             self.waiting.extend(moved)
@@ -321,13 +331,16 @@ class TextBatcher:
         if not self._mergeable or not self.waiting:
             return
         waiting = sorted(self.waiting, key=_rank)
-        while len(self.batch) >= self.capacity and waiting:
-            worst = max(range(len(self.batch)), key=lambda i: _rank(self.batch[i]))
+        while waiting and self._rows_used() + waiting[0].width > self.capacity:
+            pausable = [i for i in range(len(self.batch)) if self.batch[i].beams is None]
+            if not pausable:
+                return
+            worst = max(pausable, key=lambda i: _rank(self.batch[i]))
             if _rank(waiting[0]) >= _rank(self.batch[worst]):
                 return
             paused = self.batch[worst]
             assert self.rows is not None
-            paused.own_cache = (self.rows.select([worst]), 0)
+            paused.own_cache = (self.rows.select([self._first_row(worst)]), 0)
             self._remove_rows([worst])
             self.waiting.append(paused)
             waiting.pop(0)
@@ -343,13 +356,20 @@ class TextBatcher:
         """
         self._copy_shared()
         budget = self._budget_left
-        free_rows = self.capacity - len(self.batch)
+        for req in self.waiting:
+            if req.width > self.capacity and not req.done:
+                # Never fits (a cache that cannot be split runs one row per step): say so, do not hang.
+                req.fail(InvalidArgumentError(
+                    f"num_beams={req.width} needs {req.width} rows of a batch but this model runs {self.capacity} "
+                    "(its cache cannot be split by row); use num_beams=1"))
+        self.waiting = [r for r in self.waiting if not r.done]
+        free_rows = self.capacity - self._rows_used()
         group: list[TextRequest] = []
         for req in sorted(self.waiting, key=_rank):
-            if free_rows <= 0 or budget <= 0:
+            if free_rows < req.width or budget <= 0:
                 break
             if not req.needs_prefill:
-                free_rows -= 1  # paused earlier, its cache is ready: it takes a row first
+                free_rows -= req.width  # paused earlier, its cache is ready: it takes a row first
                 continue
             if req.share is not None:
                 if req.share.waits(req):
@@ -361,7 +381,7 @@ class TextBatcher:
             if req.prefilled == 0 and req.own_cache is None and remaining <= budget:
                 group.append(req)
                 budget -= remaining
-                free_rows -= 1
+                free_rows -= req.width
             elif not group:
                 self._guarded(self._prefill_chunk, [req], min(budget, remaining))
                 budget = 0
@@ -464,6 +484,14 @@ class TextBatcher:
         # The first token goes out now: time to first token is queueing plus prefill.
         req.needs_prefill = False
         try:
+            if req.beams is not None:
+                # The beams start from the prompt's one row; the first step picks k distinct tokens
+                # and the row is copied k times (the join selects it once per beam).
+                req.accept_beams(logits.unsqueeze(0))
+                rows, index = req.own_cache if req.own_cache is not None else (None, 0)
+                if rows is not None:
+                    req.own_cache = (rows, [index] * req.width)
+                return
             raw_logits = logits  # logprobs are the model's own, before any mask
             if req.forced_token is not None:  # a branch: the caller chose this token
                 token, req.forced_token = req.forced_token, None
@@ -483,16 +511,22 @@ class TextBatcher:
 
     def _join(self) -> None:
         """Ready requests join the batch, best first; rows prefilled together join together."""
-        ready = sorted((r for r in self.waiting if not r.needs_prefill and not r.done), key=_rank)
-        ready = ready[: max(0, self.capacity - len(self.batch))]
-        by_cache: dict[int, tuple[RowCache, list[tuple[int, TextRequest]]]] = {}
+        ready = []
+        free_rows = self.capacity - self._rows_used()
+        for req in sorted((r for r in self.waiting if not r.needs_prefill and not r.done), key=_rank):
+            if req.width > free_rows:
+                break
+            ready.append(req)
+            free_rows -= req.width
+        by_cache: dict[int, tuple[RowCache, list[tuple[Any, TextRequest]]]] = {}
         for req in ready:
             rows, index = req.own_cache
             by_cache.setdefault(id(rows), (rows, []))[1].append((index, req))
             req.own_cache = None
             self.waiting.remove(req)
         for rows, members in by_cache.values():
-            indices = [i for i, _ in members]
+            # A beam search's index is a list: its prompt row, once per beam.
+            indices = [j for i, _ in members for j in (i if isinstance(i, list) else [i])]
             if indices != list(range(rows.rows)):
                 rows = rows.select(indices)
             self.rows = rows if self.rows is None else RowCache.concat(self.rows, rows)
@@ -502,9 +536,10 @@ class TextBatcher:
         rows = self.rows
         assert rows is not None
         batch = self.batch
-        size = len(batch)
-        input_ids = torch.tensor([[req.context[req.prefilled]] for req in batch], device=self.device)
-        positions = torch.tensor([[req.prefilled] for req in batch], device=self.device)
+        size = self._rows_used()
+        next_ids = [[b[-1]] for req in batch for b in (req.beams.running if req.beams is not None else [[req.context[req.prefilled]]])]
+        input_ids = torch.tensor(next_ids, device=self.device)
+        positions = torch.tensor([[req.prefilled] for req in batch for _ in range(req.width)], device=self.device)
         mask = torch.cat([rows.mask, torch.ones(size, 1, dtype=rows.mask.dtype, device=rows.mask.device)], 1)
         self._engine_thread = threading.get_ident()
         self._open_for = _ANY if self._poll_arrivals is not None else None
@@ -522,20 +557,34 @@ class TextBatcher:
         rows.mask = mask
         for req in batch:
             req.prefilled += 1
-        logits = out.logits[:, -1, :]
+        logits = raw_logits = out.logits[:, -1, :]
+        # Each request takes ``width`` rows of the batch (a beam search one per beam); its first row:
+        row_of = [self._first_row(i) for i in range(len(batch))]
         if any(req.constraint is not None for req in batch):
             # Constrained rows: one mask over the batch's logits; the other rows are untouched.
-            logits = apply_masks(logits, [req.constraint for req in batch])
+            logits = apply_masks(logits, [req.constraint if j == 0 else None for req in batch for j in range(req.width)])
         greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
-        adjusted = self._adjusted(batch, logits)
+        adjusted = self._adjusted(batch, logits, row_of)
         ended: list[int] = []
-        tokens: list[int | None] = [None] * size
+        tokens: list[int | None] = [None] * len(batch)
+        # The beams' KV rows, reordered after the step: destination rows and their sources.
+        moved_to: list[int] = []
+        moved_from: list[int] = []
         for i, req in enumerate(batch):
+            first = row_of[i]
             try:
+                if req.beams is not None:
+                    source = req.accept_beams(logits[first:first + req.width])
+                    if req.done:
+                        ended.append(i)
+                    elif source != list(range(req.width)):
+                        moved_to.extend(range(first, first + req.width))
+                        moved_from.extend(first + s for s in source)
+                    continue
                 if greedy is not None and req.sampler.plain_greedy:
-                    tokens[i] = greedy[i]
+                    tokens[i] = greedy[first]
                 else:
-                    tokens[i] = self._pick(req, adjusted.get(i, logits[i]), adjusted=i in adjusted)
+                    tokens[i] = self._pick(req, adjusted.get(i, logits[first]), adjusted=i in adjusted)
             except Exception as exc:  # noqa: BLE001 - a fault in one row's sampling
                 logger.exception("stream %s failed", req.writer.stream_id)
                 req.fail(exc)
@@ -543,8 +592,9 @@ class TextBatcher:
         want = [i for i, req in enumerate(batch) if req.wants_logprobs and tokens[i] is not None]
         found: dict[int, dict[str, Any]] = {}
         if want:
-            rows = logits if len(want) == size else logits[torch.tensor(want, device=logits.device)]
-            found = dict(zip(want, self._logprob_entries([batch[i] for i in want], rows,
+            # Logprobs are the model's own (raw logits, before masks and penalties), one pass for all.
+            picked = torch.tensor([row_of[i] for i in want], device=raw_logits.device)
+            found = dict(zip(want, self._logprob_entries([batch[i] for i in want], raw_logits.index_select(0, picked),
                                                          [tokens[i] for i in want])))  # type: ignore[misc]
         for i, req in enumerate(batch):
             token = tokens[i]
@@ -557,6 +607,8 @@ class TextBatcher:
                 logger.exception("stream %s failed", req.writer.stream_id)
                 req.fail(exc)
                 ended.append(i)
+        if moved_to:
+            rows.reorder(moved_to, moved_from)
         if ended:
             self._remove_rows(sorted(set(ended)))
 
@@ -569,12 +621,13 @@ class TextBatcher:
         sampler.penalties.sync(req.answer_ids, req.rewinds)
         return sampler.penalties
 
-    def _adjusted(self, batch: list[TextRequest], logits: torch.Tensor) -> dict[int, torch.Tensor]:
-        """OpenAI's penalties and logit biases for every row that has them, in one expression."""
+    def _adjusted(self, batch: list[TextRequest], logits: torch.Tensor, row_of: list[int]) -> dict[int, torch.Tensor]:
+        """OpenAI's penalties and logit biases for every request that has them, in one expression
+        (``row_of[i]``: request ``i``'s row of ``logits``)."""
         rows = [i for i, req in enumerate(batch) if req.sampler.plan.adjusts]
         if not rows:
             return {}
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor([row_of[i] for i in rows], device=logits.device)
         out = adjust_rows(logits.index_select(0, index), [self._penalties(batch[i], logits) for i in rows])
         return {i: out[j] for j, i in enumerate(rows)}
 

@@ -76,6 +76,22 @@ class RowCache:
         ]
         return RowCache.from_layers(layers, mask[:, start:])
 
+    def reorder(self, rows: list[int], sources: list[int]) -> None:
+        """In place: row ``rows[j]`` becomes a copy of row ``sources[j]`` (as it was before), in
+        every layer; one index-select per tensor. The mask is unchanged (a beam search's rows share
+        their padding), and rows not named keep their keys and values untouched.
+
+        Example:
+            >>> c = RowCache.from_layers([(torch.arange(3.).view(3, 1, 1, 1), torch.zeros(3, 1, 1, 1))], torch.ones(3, 1))
+            >>> c.reorder([1, 2], [2, 2]); c.kv()[0][0].flatten().tolist()
+            [0.0, 2.0, 2.0]
+        """
+        for k, v in self.kv():
+            dst = torch.tensor(rows, device=k.device)
+            src = torch.tensor(sources, device=k.device)
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     def crop(self, length: int) -> RowCache:
         """The first ``length`` columns (a single unpadded row: its first ``length`` tokens)."""
         layers = [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv()]

@@ -34,6 +34,7 @@ from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
 from ._batcher import SharedPrompt, TextBatcher
+from ._beams import new_beam_search
 from ._constraints import TokenConstraint, constraint_for, grammar_of
 from ._logprobs import TokenTable
 from ._options import TextOptions, check_prompt, parse_text_options
@@ -219,8 +220,9 @@ class TextModel:
         ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
         ``seed``, ``stop``, ``chunk_tokens``, ``chunk_ms``, ``chat``, ``allowed``,
         ``priority``, ``logprobs``, ``top_logprobs``, ``presence_penalty``, ``frequency_penalty``,
-        ``logit_bias``, ``min_p``, ``json_schema``, ``tools``, ``tool_choice`` and
-        ``parallel_tool_calls``. They are checked now, so mistakes raise here (an `InvalidArgumentError`),
+        ``logit_bias``, ``min_p``, ``json_schema``, ``tools``, ``tool_choice``,
+        ``parallel_tool_calls``, ``num_beams``, ``length_penalty`` and ``early_stopping``. They are
+        checked now, so mistakes raise here (an `InvalidArgumentError`),
         not later inside the stream. ``temperature=0`` is greedy decoding (the default, unless the
         model's ``generation_config`` says ``do_sample``); sampling options left as None take the
         ``generation_config`` values, as ``model.generate`` does. ``stop`` strings are never
@@ -230,6 +232,10 @@ class TextModel:
         ``json_schema``: a JSON Schema dict or a pydantic model class; the answer is JSON valid
         for it. ``tools``: OpenAI-style function tools; calls are generated under each tool's
         parameters schema and the final event carries ``tool_calls`` (docs/constrained.md).
+        ``num_beams=k`` (2..8): greedy beam search scored as transformers' ``generate(num_beams=k)``
+        (same final text), taking ``k`` rows of the batch; each event shows the best hypothesis
+        now, and ``ev.committed`` characters of it can no longer change (a later event may replace
+        the rest, from its ``offset``).
 
         The stream can be edited while it runs: ``stream.steer(instruction)`` and
         ``stream.rewind(offset, instruction=None, token_id=None, **sampling)`` (``token_id``: branch from
@@ -283,6 +289,10 @@ class TextModel:
             )
         plan = SamplingPlan.resolve(checked, getattr(self.model, "generation_config", None))
         max_new = min(checked.max_new_tokens, self.context_length - len(prompt_ids))
+        if checked.num_beams > self.max_batch:
+            raise InvalidArgumentError(
+                f"num_beams={checked.num_beams} takes {checked.num_beams} rows of a batch but this model has "
+                f"max_batch={self.max_batch}; use num_beams <= {self.max_batch} or load_text_model(max_batch=...)")
 
         is_chat = not isinstance(prompt, str) or (
             checked.chat if checked.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
@@ -380,6 +390,11 @@ class TextModel:
     ) -> Stream:
         model_ref = weakref.ref(self)
         table = self.token_table() if options.wants_logprobs else None
+        if history is not None and options.num_beams > 1:
+            raise InvalidArgumentError(
+                f"num_beams={options.num_beams} starts from the prompt; continuing an answer (revise, resume) "
+                "goes token by token: pass num_beams=1"
+            )
 
         def submit(writer: StreamWriter) -> None:
             request = TextRequest(
@@ -389,6 +404,7 @@ class TextModel:
                 echo_history=echo, on_edit=on_edit, share=share, history_logprobs=history_logprobs,
                 token_table=table, constraint=constraint,
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
+                beams=new_beam_search(options, max_new, self.eos_token_ids),
             )
             if edit is not None:
                 request.forced_token = edit.token_id
@@ -453,6 +469,11 @@ class TextModel:
 
     def _edit(self, request: TextRequest, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check a steer/rewind on the caller's thread and queue it for the engine's next step."""
+        if request.beams is not None:
+            raise InvalidArgumentError(
+                f"a beam search (num_beams={request.options.num_beams}) cannot be steered or rewound while it runs; "
+                "cancel it and start again, or revise the finished answer (llm.revise(final, offset))"
+            )
         is_chat = request.is_chat
         if name == "steer":
             if kwargs:
@@ -551,6 +572,7 @@ class TextModel:
         cut = old.answer_pos[k] if k < len(old.answer_pos) else len(old.context)
         history = (old.context[:cut], old.answer_ids[:k], old.answer_pos[:k])
         merged = dataclasses.asdict(old.options)
+        merged["num_beams"] = 1  # a revision continues the kept text token by token
         merged.update(options)
         new_options = parse_text_options(**merged)
         plan = SamplingPlan.resolve(new_options, getattr(self.model, "generation_config", None))

@@ -133,6 +133,8 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
 def _min_p(v: Any) -> float | None:
     _require(v is None or (is_number(v) and 0 <= v <= 1), f"min_p must be a number in [0, 1] (0 disables it), got {v!r}")
     return None if v is None else float(v)
+
+
 def _json_schema(v: Any) -> str | None:
     from ._schemas import check_json_schema  # the grammar engine, only when a schema is given
 
@@ -153,6 +155,23 @@ def _tool_choice(v: Any) -> str | dict[str, Any] | None:
 
 def _parallel_tool_calls(v: Any) -> bool | None:
     _require(v is None or isinstance(v, bool), f"parallel_tool_calls must be true, false or null (true), got {v!r}")
+    return v  # type: ignore[no-any-return]
+
+
+def _num_beams(v: Any) -> int:
+    _require(is_int(v) and 1 <= v <= 8, f"num_beams must be an integer from 1 (no beams) to 8, got {v!r}")
+    return int(v)
+
+
+def _length_penalty(v: Any) -> float:
+    _require(is_number(v) and -100 <= v <= 100,
+             f"length_penalty must be a number from -100 to 100 (beam scores are divided by length ** it), got {v!r}")
+    return float(v)
+
+
+def _early_stopping(v: Any) -> bool | str:
+    _require(isinstance(v, bool) or v == "never",
+             f"early_stopping must be true, false or \"never\" (as transformers' generate takes it), got {v!r}")
     return v  # type: ignore[no-any-return]
 
 
@@ -209,9 +228,6 @@ class TextOptions:
     min_p: Optional[float] = option(None, "a number in [0, 1]: drop tokens less likely than min_p times the most "
                                     "likely one (0 = off); null: the model's default", _min_p, wire=Optional[float])
 
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.logprobs or self.top_logprobs > 0
     # Structured outputs and tools (docs/constrained.md); stored as canonical JSON text.
     json_schema: Optional[str] = option(
         None, "a JSON Schema (or, in Python, a pydantic model class): the answer is JSON valid for it",
@@ -226,6 +242,15 @@ class TextOptions:
         None, "true (default): several calls may follow each other; false: at most one", _parallel_tool_calls,
         wire=Optional[bool])
 
+    num_beams: int = option(
+        1, "an integer from 1 to 8: beam search over this many hypotheses (greedy; events show the best one, "
+        "`committed` says how much of it can no longer change); 1 = off", _num_beams, wire=int)
+    length_penalty: float = option(
+        1.0, "a number: beam scores are divided by length ** length_penalty (as in transformers)", _length_penalty,
+        wire=float)
+    early_stopping: Union[bool, str] = option(
+        False, "true, false or \"never\": when beam search stops (as in transformers' generate)", _early_stopping,
+        wire=Union[bool, str])
     def __post_init__(self) -> None:
         # Checks that span options (each option alone was checked by its own check).
         if self.allowed is not None and self.json_schema is not None:
@@ -234,6 +259,22 @@ class TextOptions:
             from ._tools import check_tool_options
 
             check_tool_options(self.tools, self.tool_choice, self.allowed)
+        if self.num_beams > 1:
+            # Beam search scores the model's own log-probabilities, greedy (as generate does): what
+            # would change the scores or the choice of a row is not built for beams.
+            clash = [name for name, on in (
+                ("allowed", self.allowed is not None), ("json_schema", self.json_schema is not None),
+                ("tools", self.tools is not None), ("logprobs", self.wants_logprobs),
+                ("presence_penalty", self.presence_penalty != 0), ("frequency_penalty", self.frequency_penalty != 0),
+                ("logit_bias", bool(self.logit_bias)), ("min_p", bool(self.min_p))) if on]
+            if clash:
+                raise InvalidArgumentError(
+                    f"num_beams={self.num_beams} does not combine with {', '.join(clash)}; use num_beams=1 for "
+                    "those, or drop them for beam search")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
 TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)
@@ -241,7 +282,36 @@ TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)
 
 def parse_text_options(**options: Any) -> TextOptions:
     """Check every option; raise `InvalidArgumentError` naming the first bad one and the fix."""
-    return parse_options(TextOptions, "TextModel.stream()", options)
+    checked = parse_options(TextOptions, "TextModel.stream()", options)
+    _check_beams(checked)
+    return checked
+
+
+def _check_beams(options: TextOptions) -> None:
+    """Beam search is greedy here: refuse sampling and per-token features that do not combine."""
+    if options.num_beams == 1:
+        return
+    sampling = []
+    if options.temperature is not None and options.temperature > 0:
+        sampling.append(f"temperature={options.temperature}")
+    if options.top_p is not None and options.top_p < 1:
+        sampling.append(f"top_p={options.top_p}")
+    if options.top_k is not None and options.top_k > 0:
+        sampling.append(f"top_k={options.top_k}")
+    if sampling:
+        raise InvalidArgumentError(
+            f"num_beams={options.num_beams} is greedy beam search; sampling ({', '.join(sampling)}) cannot be "
+            "combined with it: drop the sampling options (or set temperature=0), or use num_beams=1 to sample"
+        )
+    others = [name for name, on in (
+        ("stop", bool(options.stop)), ("allowed", options.allowed is not None),
+        ("repetition_penalty", options.repetition_penalty not in (None, 1.0)),
+    ) if on]
+    if others:
+        raise InvalidArgumentError(
+            f"num_beams={options.num_beams} does not combine with {', '.join(others)} yet; drop "
+            f"{'it' if len(others) == 1 else 'them'} or use num_beams=1"
+        )
 
 
 def _check_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:

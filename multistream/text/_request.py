@@ -133,6 +133,9 @@ class TextRequest:
     # Logprob entries of answer tokens from before this run (revise), parallel to the history's answer.
     history_logprobs: list[dict[str, Any]] | None = None
     token_table: Any = None  # a `TokenTable`, when the stream asked for logprobs
+    # A beam search (`_beams.BeamSearch`) when ``num_beams`` > 1: the request then takes that many
+    # rows of the batch, and its events show the best hypothesis (`accept_beams`).
+    beams: Any = None
 
     def __post_init__(self) -> None:
         self.context: list[int] = list(self.prompt_ids)
@@ -172,6 +175,11 @@ class TextRequest:
             self.constraint.reset(self.answer_ids)
 
     # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def width(self) -> int:
+        """Rows of the batch this request takes (its beams, or one)."""
+        return 1 if self.beams is None else int(self.beams.k)
 
     @property
     def done(self) -> bool:
@@ -314,6 +322,33 @@ class TextRequest:
             return True
         return False
 
+    def accept_beams(self, logits: Any) -> list[int]:
+        """Take one step's logits for the beams (one row after the prefill, then ``width`` rows);
+        emit the best hypothesis; return each new beam's source row (finishing when the search is
+        done)."""
+        beams = self.beams
+        source = beams.step(logits)
+        self.generated += 1
+        self._token_times.append(self.writer.elapsed())
+        if beams.done:
+            self.finish(beams.finish_reason)
+        else:
+            self._send_beams(final=False)
+        return source
+
+    def _send_beams(self, *, final: bool) -> tuple[str, list[int], int, int] | None:
+        update = self.beams.update(self._detok._decode, final=final)
+        if update is None:
+            return None
+        delta, ids, index, offset, committed = update
+        self._text = self._text[:offset] + delta
+        if final:
+            return delta, ids, index, offset
+        if self._first_text_at is None and self._text:
+            self._first_text_at = self.writer.elapsed()
+        self.writer.text(delta, ids, index, offset=offset, committed=committed)
+        return None
+
     def _send(self) -> None:
         delta, ids, index = self._chunker.take()
         lps = self._chunker.take_logprobs()
@@ -336,6 +371,9 @@ class TextRequest:
         self.finish_reason = reason
         self.own_cache = None
         self.share = None
+        if self.beams is not None:
+            self._finish_beams(reason)
+            return
         if reason != "stop_sequence":
             tail, stopped = self._stops.feed(self._detok.flush())
             self._chunker.add(tail + self._stops.flush(), None)
@@ -346,6 +384,10 @@ class TextRequest:
         self._text += delta
         if self._first_text_at is None and delta:
             self._first_text_at = self.writer.elapsed()
+        self._final_event(reason, delta, ids, index, offset=None, logprobs=lps if self.wants_logprobs else None)
+
+    def _final_event(self, reason: str, delta: str, ids: list[int], index: int, *, offset: int | None,
+                     logprobs: list[dict[str, Any]] | None = None) -> None:
         duration = self.writer.elapsed()
         times = self._token_times
         gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
@@ -368,7 +410,8 @@ class TextRequest:
             usage={"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.generated},
             metrics=metrics,
             revisions=self.revisions or None,
-            logprobs=lps if self.wants_logprobs else None,
+            offset=offset,
+            logprobs=logprobs,
             tool_calls=self._tool_calls(),
         )
         if self.on_finish is not None:
@@ -379,6 +422,20 @@ class TextRequest:
         if not tools_active(self.options.tools, self.options.tool_choice):
             return None
         return parse_tool_calls(self._text, self.writer.stream_id)[1]
+
+    def _finish_beams(self, reason: str) -> None:
+        """The final event of a beam search: the best hypothesis, whole (and its tokens become the
+        answer, so `TextModel.revise` can continue from it)."""
+        answer = self.beams.best()
+        self.answer_pos = list(range(len(self.prompt_ids), len(self.prompt_ids) + len(answer)))
+        self.context = list(self.prompt_ids) + answer
+        self.answer_ids = list(answer)
+        # As generate counts them: every token of the answer, its EOS included.
+        self.generated = len(self.beams.best_with_eos())
+        delta, ids, index, offset = self._send_beams(final=True)  # type: ignore[misc]
+        if self._first_text_at is None and self._text:
+            self._first_text_at = self.writer.elapsed()
+        self._final_event(reason, delta, ids, index, offset=offset)
 
     def fail(self, exc: BaseException) -> None:
         """End with an error event (a fault of the model on this request)."""

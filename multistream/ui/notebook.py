@@ -61,8 +61,12 @@ def _render_html(view: LiveView, width: int) -> str:
     if view.texts:
         parts.append('<div style="flex:1 1 320px;min-width:240px">')
         for i, done in enumerate(view.text_done):
-            body = html.escape(view.text(i)) or "&#8203;"
-            if view.tokens and len(view.texts) == 1:
+            settled, provisional = view.settled(i)
+            # A beam search's provisional tail (it may still change) is shown faded.
+            body = html.escape(settled) + (
+                f'<span class="ms-provisional" style="opacity:.45">{html.escape(provisional)}</span>'
+                if provisional else "") or "&#8203;"
+            if view.tokens and len(view.texts) == 1 and not provisional:
                 # logprobs=True: each token coloured by its probability, its alternatives on hover.
                 body = f"<style>{CONFIDENCE_CSS}</style>{confidence_html(view)}"
             cursor = "" if done is not None else '<span style="opacity:.5">▍</span>'

@@ -193,6 +193,10 @@ class LiveView:
     length: int = 0  # characters of text in the stream so far (after edits)
     # With logprobs: each answer token's place in the text, its text and its entry (by token index).
     tokens: list[TokenSpan] = field(default_factory=list)
+    # Characters of the stream's text that can no longer change (a beam search's settled prefix;
+    # everything sent, otherwise). Renderers show the rest faded.
+    committed: int = 0
+    _part_tokens_from: int = 0  # text_tokens when the current text part began
 
     @classmethod
     def starting_with(cls, text: str) -> LiveView:
@@ -212,6 +216,9 @@ class LiveView:
                 self.texts.append([])
                 self.text_done.append(None)
                 self.starts.append(self.length)
+                self._part_tokens_from = self.text_tokens
+            # A beam search's better hypothesis replaces the tail within the same revision.
+            replaces = ev.offset < self.length and ev.revision == self.revision
             self.revision = max(self.revision, ev.revision)
             offset = ev.offset
             if ev.logprobs is not None or offset < self.length:
@@ -232,7 +239,13 @@ class LiveView:
                 self.length += len(ev.delta)
                 if self.first_text_t is None:
                     self.first_text_t = ev.t
-            self.text_tokens += len(ev.token_ids)
+            if replaces:
+                # Its tokens are the hypothesis's from `index` on: count the hypothesis, not resends.
+                self.text_tokens = self._part_tokens_from + ev.index + len(ev.token_ids)
+            else:
+                self.text_tokens += len(ev.token_ids)
+            # Each event says how much is settled (after a rewind, possibly less than before).
+            self.committed = min(ev.committed, self.length)
             if ev.finish_reason is not None:
                 self.text_done[-1] = ev
         elif isinstance(ev, ImageEvent):
@@ -247,6 +260,23 @@ class LiveView:
     def text(self, part: int) -> str:
         """The text of one text part so far."""
         return "".join(self.texts[part])
+
+    def settled(self, part: int) -> tuple[str, str]:
+        """One text part as ``(committed, provisional)``: the text that can no longer change, and
+        the rest (a beam search's best hypothesis now, which a later event may replace).
+
+        Example:
+            >>> view = LiveView()
+            >>> view.apply(TextEvent(stream_id="s", seq=0, t=0.1, delta="The cat", committed=3))
+            >>> view.settled(0)
+            ('The', ' cat')
+        """
+        text = self.text(part)
+        start = self.starts[part] if part < len(self.starts) else 0
+        cut = max(0, min(len(text), self.committed - start))
+        if part < len(self.text_done) and self.text_done[part] is not None:
+            cut = len(text)
+        return text[:cut], text[cut:]
 
 
 async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None = None) -> AsyncIterator[LiveView]:

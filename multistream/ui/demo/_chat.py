@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -95,6 +96,25 @@ def chat_stats(view: LiveView) -> str:
     """
     line = _chat_line(view)
     return f"{line} · revision {view.revision}" if view.revision and view.error is None else line
+
+
+def _answer_markup(view: LiveView) -> str:
+    """The answer as the chat shows it: settled text as it is, a beam search's provisional tail
+    (which may still be replaced) faded.
+
+    Example:
+        >>> from multistream.events import TextEvent
+        >>> view = LiveView()
+        >>> view.apply(TextEvent(stream_id="s", seq=0, t=0.1, delta="The cat", committed=3))
+        >>> _answer_markup(view)
+        'The<span class="ms-provisional" style="opacity:0.45"> cat</span>'
+    """
+    if not view.texts:
+        return ""
+    settled, provisional = view.settled(0)
+    if not provisional:
+        return settled
+    return f'{settled}<span class="ms-provisional" style="opacity:0.45">{html.escape(provisional)}</span>'
 
 
 def _chat_line(view: LiveView) -> str:
@@ -182,11 +202,12 @@ class ChatTab:
     # -- handlers ------------------------------------------------------------------------------
 
     async def send(self, message: str, history: list[dict[str, Any]], max_tokens: float, temperature: float,
-                   top_p: float, seed: float, confidence: bool = False, as_json: bool | None = False,
-                   schema_text: str | None = "",
+                   top_p: float, seed: float, beams: float = 1, confidence: bool = False,
+                   as_json: bool | None = False, schema_text: str | None = "",
                    request: gr.Request = None) -> AsyncIterator[tuple[Any, ...]]:  # type: ignore[assignment]
-        """"Send": stream the answer to ``message`` after the ``history`` shown so far (as JSON
-        for the pasted schema when "Answer as JSON" is ticked)."""
+        """"Send": stream the answer to ``message`` after the ``history`` shown so far (``beams`` > 1:
+        beam search, its settled text plain and the provisional rest faded; as JSON for the pasted
+        schema when "Answer as JSON" is ticked)."""
         model = self.model.get()
         message = (message or "").strip()
         if not message:
@@ -194,13 +215,16 @@ class ChatTab:
         turns = [t for t in _history(history) if t["role"] in ("user", "assistant", "system") and t["content"]]
         prompt = [*turns, {"role": "user", "content": message}]
         structured = json_schema_option(as_json, schema_text)
+        k = int(beams or 1)
+        # Beam search is greedy: the sampling sliders do not apply to it.
+        sampling: dict[str, Any] = {"num_beams": k, "temperature": 0.0} if k > 1 else {
+            "temperature": float(temperature), "top_p": float(top_p),
+            "seed": None if seed is None or int(seed) < 0 else int(seed)}
         try:
             stream = model.stream(
                 prompt,
                 max_new_tokens=int(max_tokens),
-                temperature=float(temperature),
-                top_p=float(top_p),
-                seed=None if seed is None or int(seed) < 0 else int(seed),
+                **sampling,
                 **({"logprobs": True, "top_logprobs": _TOP_ALTERNATIVES} if confidence else {}),
                 **structured,
             )
@@ -224,8 +248,8 @@ class ChatTab:
             # `start` is the view to continue (a revision keeps the text before its offset).
             start = view
             async for view in throttled_views(stream, self.max_fps, start):
-                shown[-1] = {"role": "assistant", "content": view.text(0) if view.texts else ""}
-                self.live_text[key] = shown[-1]["content"]
+                shown[-1] = {"role": "assistant", "content": _answer_markup(view)}
+                self.live_text[key] = view.text(0) if view.texts else ""
                 if view.error is not None:
                     shown[-1]["content"] += f"\n\n⚠️ {view.error.get('message')}"
                 elif isinstance(view.final, TextEvent):
@@ -369,6 +393,8 @@ class ChatTab:
                                             elem_id="ms-chat-temperature")
                     top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
                     seed = gr.Number(value=-1, precision=0, label="Seed (-1 = random)")
+                    beams = gr.Slider(1, 8, value=1, step=1, label="Beams (1 = off; >1: greedy beam search)",
+                                      elem_id="ms-chat-beams")
             with gr.Accordion("JSON", open=False, elem_id="ms-chat-json-box"):
                 as_json = gr.Checkbox(value=False, label="Answer as JSON (constrained to the schema)",
                                       elem_id="ms-chat-json")
@@ -381,7 +407,7 @@ class ChatTab:
             panel = gr.HTML("", elem_id="ms-chat-confidence")
             branch_spec = gr.Textbox(elem_id="ms-chat-branch", elem_classes=["ms-hidden"], show_label=False)
             branch_go = gr.Button("branch", elem_id="ms-chat-branch-go", elem_classes=["ms-hidden"])
-            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, confidence, as_json, schema_text]
+            inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, beams, confidence, as_json, schema_text]
             outputs = [chatbot, msg, stats, panel]
             send.click(self.send, inputs, outputs, api_name="chat", show_progress="hidden")
             msg.submit(self.send, inputs, outputs, api_name=False, show_progress="hidden")
