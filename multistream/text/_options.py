@@ -259,18 +259,6 @@ class TextOptions:
             from ._tools import check_tool_options
 
             check_tool_options(self.tools, self.tool_choice, self.allowed)
-        if self.num_beams > 1:
-            # Beam search scores the model's own log-probabilities, greedy (as generate does): what
-            # would change the scores or the choice of a row is not built for beams.
-            clash = [name for name, on in (
-                ("allowed", self.allowed is not None), ("json_schema", self.json_schema is not None),
-                ("tools", self.tools is not None), ("logprobs", self.wants_logprobs),
-                ("presence_penalty", self.presence_penalty != 0), ("frequency_penalty", self.frequency_penalty != 0),
-                ("logit_bias", bool(self.logit_bias)), ("min_p", bool(self.min_p))) if on]
-            if clash:
-                raise InvalidArgumentError(
-                    f"num_beams={self.num_beams} does not combine with {', '.join(clash)}; use num_beams=1 for "
-                    "those, or drop them for beam search")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -303,9 +291,15 @@ def _check_beams(options: TextOptions) -> None:
             f"num_beams={options.num_beams} is greedy beam search; sampling ({', '.join(sampling)}) cannot be "
             "combined with it: drop the sampling options (or set temperature=0), or use num_beams=1 to sample"
         )
+    # Beam search scores the model's own log-probabilities: what would change the scores or
+    # constrain a row is not built for beams (yet).
     others = [name for name, on in (
         ("stop", bool(options.stop)), ("allowed", options.allowed is not None),
         ("repetition_penalty", options.repetition_penalty not in (None, 1.0)),
+        ("json_schema", options.json_schema is not None), ("tools", options.tools is not None),
+        ("logprobs", options.wants_logprobs), ("presence_penalty", options.presence_penalty != 0),
+        ("frequency_penalty", options.frequency_penalty != 0), ("logit_bias", bool(options.logit_bias)),
+        ("min_p", bool(options.min_p)),
     ) if on]
     if others:
         raise InvalidArgumentError(
