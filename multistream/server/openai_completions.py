@@ -203,7 +203,8 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
     prompts = req.prompts()
     n = req.n if req.n is not None else 1
     kwargs_list = [req.to_text_options(p, settings) for p in prompts]
-    check_options(kwargs_list[0])
+    # max_tokens=0 (echo only) generates nothing; the other options are checked as a stream would be
+    check_options({**kwargs_list[0], "max_new_tokens": max(1, kwargs_list[0].get("max_new_tokens", 1))})
     echoes = [await _echo(state, p, req) for p in prompts] if req.echo else None
     generate = (req.max_tokens if req.max_tokens is not None else 16) > 0
     records: list[StreamRecord] = []

@@ -636,7 +636,7 @@ class TextBatcher:
             return int(torch.argmax(logits))
         if req.sampler.plan.adjusts and not adjusted:
             logits = adjust_rows(logits.unsqueeze(0), [self._penalties(req, logits)])[0]
-        if req.sampler.plan.greedy and req.sampler.allowed is None and req.sampler.plan.repetition_penalty == 1.0:
+        if req.sampler.plan.greedy and req.sampler.plan.repetition_penalty == 1.0:
             return int(torch.argmax(logits))
         return req.sampler.pick(logits, req.context, req.output_position, req.answer_ids)
 
