@@ -190,10 +190,11 @@ def test_openai_sdk_extras_are_accepted_and_unsupported_ones_refused(srv: Any) -
         logit_bias={}, n=1, seed=3, stream_options={"include_usage": True}, metadata={"a": "b"}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t0 t1 t2"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    # n up to 8, logit_bias and logprobs are built (issue 16); what is not is refused in OpenAI's shape.
-    for kwargs in ({"n": 9}, {"tools": [tool]}, {"logit_bias": {"x": 5}}, {"top_logprobs": 2},
-                   {"response_format": {"type": "json_object"}}):
+    bad_tool = {"type": "function", "function": {"name": "not a name", "parameters": {"type": "object"}}}
+    # n up to 8, logit_bias, logprobs, tools and JSON modes are built (issues 16, 17); bad values and what is
+    # not built are refused in OpenAI's shape.
+    for kwargs in ({"n": 9}, {"tools": [bad_tool]}, {"logit_bias": {"x": 5}}, {"top_logprobs": 2},
+                   {"response_format": {"type": "xml"}}):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], **kwargs)
         assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"]  # type: ignore[index]
