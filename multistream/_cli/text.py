@@ -20,6 +20,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("prompt", help="the prompt (sent as one user message when the model has a chat template)")
     p.add_argument("--model", default=None, help="model id or local folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization (default auto: int4 for the embedded model on a CPU)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from ..text import load_text_model
 
     try:
-        llm = load_text_model(args.model, device=args.device)
+        llm = load_text_model(args.model, device=args.device, quantize=args.quantize)
         stream = llm.stream(
             args.prompt,
             max_new_tokens=args.max_new_tokens,

@@ -45,6 +45,7 @@ from ._constraints import apply_masks
 from ._kv_rows import RowCache, supports_row_cache
 from ._logprobs import TokenTable, entries
 from ._request import TextRequest
+from ._row_attention import uses_row_attention
 from ._sampling import Penalties, adjust_rows
 
 __all__ = ["SharedPrompt", "TextBatcher"]
@@ -73,6 +74,14 @@ def _decoder_layers(model: Any) -> list[Any]:
 def _returned_cache(out: Any, name: str, given: Any) -> Any:
     returned = out[name]
     return given if returned is None else returned
+
+
+def _left_padding(mask: torch.Tensor) -> list[int] | None:
+    """Each row's padding columns, if every row is padding then tokens (None otherwise)."""
+    first = mask.to(torch.int8).argmax(1)
+    if not bool(torch.equal(mask.sum(1).to(first.dtype), mask.shape[1] - first)):
+        return None
+    return [int(i) for i in first.tolist()]
 
 
 def _rank(req: TextRequest) -> tuple[int, int]:
@@ -416,13 +425,18 @@ class TextBatcher:
                 req.fail(exc)
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        extra: dict[str, Any] = {self._cache_arg: cache}
+        if mask.shape[0] > 1 and uses_row_attention(self.model):
+            starts = _left_padding(mask)
+            if starts is not None:
+                extra["row_starts"] = starts  # each row attends to its own columns only (_row_attention)
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
-            **{self._cache_arg: cache},
+            **extra,
         )
         returned = out[self._cache_arg]
         if self._mergeable is None:

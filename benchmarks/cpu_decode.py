@@ -1,0 +1,210 @@
+"""Decode speed of the embedded text model on this machine, per precision / quantization mode.
+
+A plain process (no thread or OpenMP settings: what a user's ``python`` gets). Every mode is
+loaded once, then rounds interleave the modes (machine noise hits them alike); medians over the
+rounds, ratios against fp32 (``quantize=None``, the speed before quantization) measured in the
+same run.
+
+    python benchmarks/cpu_decode.py [--tokens 64] [--rounds 5] [--concurrency 8 16] [--quality]
+
+Prints, per mode (``fp32``, ``bf16``, ``int8``, ``int4``; ``*`` marks what ``quantize="auto"``
+picks): single-stream decode tokens/s, TTFT and inter-token p50/p95 through ``llm.stream()``;
+then the aggregate tokens/s of 8 and 16 concurrent streams (one engine, batched steps) with
+their inter-token p50/p95. llama.cpp on the same GGUF file runs beside them when ``llama_cpp`` is
+importable (``pip install llama-cpp-python``: a source build, ~11 minutes on 2 cores).
+``--quality``: greedy agreement with fp32 (first 32 tokens of 32 prompts) and perplexity of the
+paragraphs in ``tests/data``.
+
+Targets (issue 19): the default single stream >= 2.5x fp32's, inter-token p95 <= 30 ms, 8-stream
+aggregate >= 2x fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import multistream as ms
+from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, embedded_gguf_path
+from multistream.text._quality import agreement, greedy_tokens, perplexity
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+PROMPT = "Write a long, detailed story about a lighthouse keeper and the sea."
+MODES: dict[str, dict[str, Any]] = {
+    "fp32": {"quantize": None},
+    "bf16": {"quantize": None, "dtype": torch.bfloat16},
+    "int8": {"quantize": "int8"},
+    "int4": {"quantize": "int4"},
+}
+
+
+def prompts() -> list[str]:
+    return [line for line in (DATA / "quality_prompts.txt").read_text().splitlines() if line.strip()]
+
+
+def paragraphs() -> list[str]:
+    return [p.strip() for p in (DATA / "paragraphs.txt").read_text().split("\n\n") if p.strip()]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def one_stream(llm: ms.TextModel, n: int) -> dict[str, float]:
+    final = llm.generate(PROMPT, max_new_tokens=n)
+    m = final.metrics
+    return {"tok_s": m["tokens_per_s"], "ttft": m["ttft_ms"], "p50": m["itl_ms_p50"], "p95": m["itl_ms_p95"],
+            "tokens": final.usage["completion_tokens"]}
+
+
+def concurrent(llm: ms.TextModel, n: int, streams: int) -> dict[str, float]:
+    """``streams`` streams started together; aggregate tokens/s from the first start to the last end."""
+    texts = prompts()
+    finals: list[Any] = [None] * streams
+    gaps: list[float] = []
+    lock = threading.Lock()
+
+    def consume(i: int, stream: Any) -> None:
+        last = None
+        mine = []
+        for ev in stream:
+            now = time.perf_counter()
+            if last is not None and ev.token_ids:
+                mine.append((now - last) * 1000)
+            last = now
+        finals[i] = ev
+        with lock:
+            gaps.extend(mine)
+
+    start = time.perf_counter()
+    running = [llm.stream(texts[i % len(texts)] + " Answer at length.", max_new_tokens=n) for i in range(streams)]
+    threads = [threading.Thread(target=consume, args=(i, s)) for i, s in enumerate(running)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    tokens = sum(f.usage["completion_tokens"] for f in finals)
+    return {"agg": tokens / wall, "p50": percentile(gaps, 0.5), "p95": percentile(gaps, 0.95), "tokens": tokens}
+
+
+def llama_cpp_runner(n: int) -> Any:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    chat = ms.load_text_model(quantize=None)
+    text = chat.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                              add_generation_prompt=True)
+    chat.close()
+    # As many threads as torch uses, so both sides get the same cores.
+    model = Llama(model_path=str(embedded_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+
+    def run() -> dict[str, float]:
+        start = time.perf_counter()
+        times = []
+        for _ in model.create_completion(text, max_tokens=n, temperature=0.0, stream=True):
+            times.append(time.perf_counter())
+        gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+        span = times[-1] - times[0] if len(times) > 1 else float("nan")
+        return {"tok_s": (len(times) - 1) / span, "ttft": (times[0] - start) * 1000, "p50": percentile(gaps, 0.5),
+                "p95": percentile(gaps, 0.95), "tokens": len(times)}
+
+    return run
+
+
+def quality(models: dict[str, ms.TextModel]) -> None:
+    reference_model = models["fp32"]
+    encoded = [reference_model.encode_prompt(p) for p in prompts()]
+    eos = reference_model.eos_token_ids
+    reference = [greedy_tokens(reference_model.model, ids, 32, eos) for ids in encoded]
+    base_ppl = perplexity(reference_model.model, reference_model.tokenizer, paragraphs())
+    print(f"\nquality against fp32: {len(encoded)} prompts, greedy, first 32 tokens; perplexity of "
+          f"{len(paragraphs())} paragraphs (tests/data/paragraphs.txt)")
+    print("| mode | shared greedy prefix (mean) | all 32 tokens equal | perplexity | vs fp32 |")
+    print("|---|---|---|---|---|")
+    for name, llm in models.items():
+        tokens = reference if name == "fp32" else [greedy_tokens(llm.model, ids, 32, eos) for ids in encoded]
+        shares = [agreement(r, t) for r, t in zip(reference, tokens)]
+        ppl = base_ppl if name == "fp32" else perplexity(llm.model, llm.tokenizer, paragraphs())
+        print(f"| {name} | {sum(shares) / len(shares):.2f} | {sum(s == 1.0 for s in shares)}/{len(shares)} | "
+              f"{ppl:.3f} | {100 * (ppl / base_ppl - 1):+.1f}% |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 16])
+    parser.add_argument("--concurrent-modes", nargs="*", default=["fp32", AUTO_QUANTIZE_EMBEDDED_CPU],
+                        help="modes measured with concurrent streams (default: fp32 and the default mode)")
+    parser.add_argument("--modes", nargs="*", default=list(MODES))
+    parser.add_argument("--quality", action="store_true", help="also measure quality against fp32 (minutes)")
+    args = parser.parse_args()
+    n = args.tokens
+
+    models: dict[str, ms.TextModel] = {}
+    for name in args.modes:
+        started = time.perf_counter()
+        models[name] = ms.load_text_model(max_batch=max(args.concurrency + [1]), **MODES[name])
+        print(f"loaded {name}: {models[name].quantization.describe()} ({time.perf_counter() - started:.1f} s)")
+    llama = llama_cpp_runner(n)
+    print(f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads "
+          f"({torch.backends.cpu.get_cpu_capability()}), prompt {len(models['fp32'].encode_prompt(PROMPT))} tokens, "
+          f"{n} greedy tokens, {args.rounds} interleaved rounds")
+    if llama is None:
+        print("llama.cpp: not importable, skipped (pip install llama-cpp-python: a source build, ~11 min on 2 cores)")
+
+    for llm in models.values():  # warm-up: first calls allocate and pick kernels
+        llm.generate(PROMPT, max_new_tokens=8)
+    single: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+    if llama is not None:
+        llama()
+        single["llama.cpp (Q4_1 GGUF)"] = []
+    multi: dict[tuple[str, int], list[dict[str, float]]] = {
+        (name, c): [] for c in args.concurrency for name in args.concurrent_modes if name in models}
+    for _ in range(args.rounds):
+        for name, llm in models.items():
+            single[name].append(one_stream(llm, n))
+        if llama is not None:
+            single["llama.cpp (Q4_1 GGUF)"].append(llama())
+        for (name, c), runs in multi.items():
+            runs.append(concurrent(models[name], n, c))
+
+    def med(runs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    base = med(single["fp32"], "tok_s")
+    print("\nsingle stream (llm.stream, greedy):")
+    print("| mode | decode tok/s | vs fp32 | TTFT ms | inter-token p50 ms | p95 ms | tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for name, runs in single.items():
+        mark = " *" if name == AUTO_QUANTIZE_EMBEDDED_CPU else ""
+        print(f"| {name}{mark} | {med(runs, 'tok_s'):.1f} | {med(runs, 'tok_s') / base:.2f}x | {med(runs, 'ttft'):.0f} | "
+              f"{med(runs, 'p50'):.1f} | {med(runs, 'p95'):.1f} | {med(runs, 'tokens'):.0f} |")
+    if multi:
+        print("\nconcurrent streams (one engine, batched decode steps):")
+        print("| mode | streams | aggregate tok/s | vs fp32 | inter-token p50 ms | p95 ms |")
+        print("|---|---|---|---|---|---|")
+        for (name, c), runs in multi.items():
+            ref = multi.get(("fp32", c))
+            ratio = f"{med(runs, 'agg') / med(ref, 'agg'):.2f}x" if ref else "-"
+            print(f"| {name} | {c} | {med(runs, 'agg'):.1f} | {ratio} | {med(runs, 'p50'):.1f} | {med(runs, 'p95'):.1f} |")
+    if args.quality:
+        quality(models)
+    for llm in models.values():
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()

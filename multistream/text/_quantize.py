@@ -1,0 +1,394 @@
+"""Weight-only quantization of a causal LM: its linear layers and its LM head as int8 or int4.
+
+Decoding one token reads every weight once, so on a CPU a small model's decode step is bound by
+memory traffic; storing the weights in 8 or 4 bits (activations stay as they are) cuts that
+traffic 4x or 8x. Each `torch.nn.Linear` is replaced by a module that calls a packed-weight
+kernel of ATen:
+
+========  =====================================================  ================================
+mode      CPU                                                    CUDA
+========  =====================================================  ================================
+int8      ``_weight_int8pack_mm`` (per output channel scale)     ``_weight_int8pack_mm``
+int4      ``_weight_int4pack_mm_for_cpu`` (groups of 32, with    ``_weight_int4pack_mm`` (tinygemm,
+          ``_convert_weight_to_int4pack_for_cpu``)               groups of 32, bf16 only)
+========  =====================================================  ================================
+
+These kernels multiply in bf16 on the CPU: it is their fast path on x86 (fp32 or fp16 inputs run
+5-10x slower), so a quantized layer casts its input to bf16 and its output back to the model's
+dtype. The rest of the model (norms, attention, residuals) keeps its dtype (fp32 by default on a
+CPU; ``dtype=torch.bfloat16`` makes it all bf16). torchao is not used: on the CPU its int8
+weight-only tensor dequantizes the whole weight at each call in eager mode (measured 40x slower
+than ``_weight_int8pack_mm`` on a 1536x576 layer, still 20x compiled on an AVX2 CPU) and its CPU
+int4 path calls the same ATen kernel as here; on CUDA its int4 "tile packed" format is the same
+tinygemm kernel too.
+
+A tied LM head (the embedding matrix reused as the output layer) gets its own quantized copy: the
+head is the largest matmul of a small model (49152x576 for SmolLM2-135M, a fifth of its
+weights), while the embedding lookup reads one row per token and stays exact. The head is int8 in
+both modes (int4 on it costs the embedded model 6% of perplexity; int8 costs nothing measurable).
+
+Before touching the model, `quantize_model` runs the kernel on a small probe and checks it against
+the dequantized weights: a kernel that is missing, raises or gives wrong numbers on this device
+makes the mode unavailable (``"auto"`` then falls back with one log line; a mode asked for by name
+raises `InvalidArgumentError`). Layers whose shape a kernel cannot take (int8 on the CPU needs
+``in_features % 8 == 0``; int4 needs ``out_features % 16 == 0`` and ``in_features % 32 == 0``) are
+quantized with the other mode or kept as they are, counted in the report.
+
+Example:
+    >>> import torch
+    >>> layer = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    >>> report = quantize_model(layer, "int8")
+    >>> type(layer[0]).__name__, report.mode, report.layers
+    ('Int8Linear', 'int8', 1)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+__all__ = [
+    "QUANTIZE_MODES",
+    "Int4Linear",
+    "Int8Linear",
+    "QuantizationReport",
+    "check_quantize",
+    "kernel_problem",
+    "quantize_model",
+]
+
+logger = logging.getLogger("multistream")
+
+QUANTIZE_MODES: tuple[str | None, ...] = (None, "int8", "int4", "auto")
+INT4_GROUP_SIZE = 32  # the GGUF Q4_1 block: the embedded model's weights lie on this lattice
+
+
+def check_quantize(quantize: Any) -> str | None:
+    """``quantize=`` checked: None, ``"int8"``, ``"int4"`` or ``"auto"`` (``"none"`` means None).
+
+    Example:
+        >>> check_quantize("INT8"), check_quantize("none")
+        ('int8', None)
+    """
+    if quantize is None:
+        return None
+    if isinstance(quantize, str) and quantize.lower() in ("none", "int8", "int4", "auto"):
+        value = quantize.lower()
+        return None if value == "none" else value
+    raise InvalidArgumentError(
+        f"quantize must be None, 'int8', 'int4' or 'auto', got {quantize!r} (weight-only quantization of the "
+        "linear layers; None keeps the weights as loaded)"
+    )
+
+
+def kernel_dtype(mode: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a layer's input is cast to for the kernel: bf16 on the CPU (the kernels' fast path on
+    x86); on CUDA the model's half dtype (int4's tinygemm takes bf16 only)."""
+    if device.type == "cuda" and mode == "int8" and model_dtype in (torch.float16, torch.bfloat16):
+        return model_dtype
+    return torch.bfloat16
+
+
+# -- the layers -------------------------------------------------------------------------------
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with int8 weights (one scale per output channel), computed in ``compute_dtype``.
+
+    Example:
+        >>> layer = Int8Linear.from_linear(torch.nn.Linear(64, 8), torch.bfloat16)
+        >>> layer(torch.randn(2, 64)).shape
+        torch.Size([2, 8])
+    """
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = (int(n) for n in weight_int8.shape)
+        self.compute_dtype = scales.dtype
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, compute_dtype: torch.dtype) -> Int8Linear:
+        weight = linear.weight.detach().float()
+        # The kernel takes scales in its compute dtype: round them first and quantize against the
+        # rounded scale, so the rounding costs nothing beyond the int8 grid itself.
+        scales = (weight.abs().amax(1) / 127.0).clamp_min(1e-12).to(compute_dtype)
+        q = torch.round(weight / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q.contiguous(), scales.contiguous(), bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, in fp32 (tests, probes)."""
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, compute={self.compute_dtype}"
+
+
+def _int4_inner_k_tiles(in_features: int) -> int:
+    # tinygemm (CUDA) packs K in tiles of 16 * innerKTiles; take the widest that divides K.
+    return next((t for t in (8, 4, 2) if in_features % (16 * t) == 0), 2)
+
+
+class Int4Linear(torch.nn.Module):
+    """A linear layer with 4-bit weights in groups of ``group_size`` input channels (an offset and a
+    scale per group: ``w = (q - 8) * scale + zero``), computed in bf16.
+
+    Example:
+        >>> layer = Int4Linear.from_linear(torch.nn.Linear(64, 16))
+        >>> layer(torch.randn(2, 64)).shape
+        torch.Size([2, 16])
+    """
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
+        in_features: int, out_features: int, group_size: int,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.on_cpu = packed.device.type == "cpu"
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("bias", bias)
+
+    @staticmethod
+    def quantize_weight(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, scales_and_zeros)``: q in 0..15 as int32 ``[N, K]``, and ``[K / group, N, 2]`` bf16."""
+        n, k = weight.shape
+        groups = weight.detach().float().reshape(n, k // group_size, group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+        # Round scale and offset to bf16 (what the kernel reads) before choosing q against them.
+        scale = ((high - low) / 15.0).clamp_min(1e-12).to(torch.bfloat16)
+        zero = (low + 8.0 * scale.float()).to(torch.bfloat16)
+        q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8.0).clamp_(0, 15)
+        scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+        return q.reshape(n, k).to(torch.int32), scales_and_zeros
+
+    @staticmethod
+    def dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` that ``quantize_weight``'s output stands for."""
+        n, k = q.shape
+        scale, zero = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, K / group] each
+        groups = (q.float().reshape(n, k // group_size, group_size) - 8.0) * scale[..., None] + zero[..., None]
+        return groups.reshape(n, k)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, group_size: int = INT4_GROUP_SIZE) -> Int4Linear:
+        weight = linear.weight.detach()
+        n, k = (int(d) for d in weight.shape)
+        q, scales_and_zeros = cls.quantize_weight(weight, group_size)
+        if weight.device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        else:
+            q8 = q.to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                (q8[:, ::2] << 4 | q8[:, 1::2]).contiguous(), _int4_inner_k_tiles(k)
+            )
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, scales_and_zeros.to(weight.device), bias, k, n, group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        if self.on_cpu:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+def _fits(mode: str, linear: torch.nn.Linear) -> bool:
+    """Shapes the kernels take (others crash or raise inside ATen, so they are never given one)."""
+    n, k = linear.out_features, linear.in_features
+    if mode == "int8":
+        return k % 8 == 0
+    return n % 16 == 0 and k % INT4_GROUP_SIZE == 0 and (linear.weight.device.type == "cpu" or k % 32 == 0)
+
+
+def _make(mode: str, linear: torch.nn.Linear, compute_dtype: torch.dtype) -> torch.nn.Module:
+    if mode == "int8":
+        return Int8Linear.from_linear(linear, compute_dtype)
+    return Int4Linear.from_linear(linear)
+
+
+# -- probing the kernels ----------------------------------------------------------------------
+
+
+def kernel_problem(mode: str, device: torch.device, model_dtype: torch.dtype = torch.float32) -> str | None:
+    """Why ``mode`` cannot run on ``device`` (None if it can): the kernel runs on a small probe
+    layer and must match the dequantized weights.
+
+    Example:
+        >>> kernel_problem("int8", torch.device("cpu")) is None
+        True
+    """
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(32, 64, generator=generator) * 0.05)
+    linear = linear.to(device=device, dtype=model_dtype)
+    x = torch.randn(3, 64, generator=generator).to(device=device, dtype=model_dtype)
+    try:
+        layer = _make(mode, linear, kernel_dtype(mode, device, model_dtype))
+        with torch.no_grad():
+            got = layer(x).float().cpu()
+    except Exception as exc:  # noqa: BLE001 - a missing or broken kernel is a reason, not a crash
+        message = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {message[0] if message else 'no message'}"
+    if mode == "int8":
+        assert isinstance(layer, Int8Linear)
+        weight = layer.dequantized().cpu()
+    else:
+        weight = Int4Linear.dequantize(*Int4Linear.quantize_weight(linear.weight.cpu()))
+    reference = x.cpu().to(torch.bfloat16).float() @ weight.t()
+    error = float((got - reference).abs().max())
+    if not error <= 0.05 * float(reference.abs().max()) + 1e-3:
+        return f"the kernel's result is off by {error:.3g} on a probe"
+    return None
+
+
+# -- the model --------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizationReport:
+    """What `quantize_model` did: the mode applied (None: nothing), layers per kind, bytes of weights.
+
+    Example:
+        >>> report = quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 32)), None)
+        >>> report.mode, report.layers
+        (None, 0)
+    """
+
+    mode: str | None
+    requested: str | None = None
+    layers: int = 0  # linear layers quantized (the LM head included)
+    by_kind: dict[str, int] = field(default_factory=dict)  # "int8"/"int4"/"kept" -> count
+    bytes_before: int = 0
+    bytes_after: int = 0
+    fallback: str | None = None  # why the requested mode did not run, when it did not
+
+    def describe(self) -> str:
+        if self.mode is None:
+            return "weights as loaded (no quantization)"
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.by_kind.items()))
+        return (f"weight-only {self.mode}: {kinds} linear layers, weights {self.bytes_before / 2**20:.0f} MiB -> "
+                f"{self.bytes_after / 2**20:.0f} MiB")
+
+
+def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            # Layers under accelerate's hooks (device_map offloading) keep their own forward.
+            if (type(child) is torch.nn.Linear and child.weight.device.type in ("cpu", "cuda")
+                    and child.weight.is_floating_point() and not hasattr(child, "_hf_hook")):
+                found.append((parent, name, child))
+    return found
+
+
+def _size(module: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _untie_head(model: torch.nn.Module) -> None:
+    """Give a tied LM head its own weight (the embedding keeps the original matrix)."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    embedding = get_in() if callable(get_in) else None
+    if isinstance(head, torch.nn.Linear) and embedding is not None and head.weight is getattr(embedding, "weight", None):
+        head.weight = torch.nn.Parameter(head.weight.detach(), requires_grad=False)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = False  # so a later tie_weights() does not undo it
+
+
+def quantize_model(
+    model: torch.nn.Module, mode: str | None, *, on_fallback: Callable[[str], None] | None = None
+) -> QuantizationReport:
+    """Replace the model's linear layers (in place) by `Int8Linear`/`Int4Linear` layers.
+
+    ``mode`` is None (nothing happens), ``"int8"`` or ``"int4"`` (resolve ``"auto"`` first). A mode
+    whose kernel does not work on the model's device raises `InvalidArgumentError`; layers whose
+    shape the int4 kernel cannot take get int8 (or stay as they are), counted in ``by_kind``.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        >>> quantize_model(net, "int4").by_kind
+        {'int4': 2}
+    """
+    report = QuantizationReport(mode=None, requested=mode)
+    if mode is None:
+        return report
+    if mode not in ("int8", "int4"):
+        raise InvalidArgumentError(f"quantize_model takes None, 'int8' or 'int4', got {mode!r}")
+    before = _size(model)
+    _untie_head(model)
+    linears = _linears(model)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    problems: dict[tuple[str, str, torch.dtype], str | None] = {}
+
+    def problem(kind: str, linear: torch.nn.Linear) -> str | None:
+        key = (kind, str(linear.weight.device), linear.weight.dtype)
+        if key not in problems:
+            problems[key] = kernel_problem(kind, linear.weight.device, linear.weight.dtype)
+        return problems[key]
+
+    for _, _, linear in linears[:1]:
+        reason = problem(mode, linear)
+        if reason is not None:
+            raise InvalidArgumentError(
+                f"quantize={mode!r} cannot run on {linear.weight.device.type} here ({reason}); use "
+                f"quantize={'int8' if mode == 'int4' else None!r} or quantize=None"
+            )
+    with torch.no_grad():
+        for parent, name, linear in linears:
+            # The LM head stays int8 in int4 mode: GGUF files keep it at 6-8 bits too, and int4
+            # (groups of 32) flips the embedded model's greedy choice from the first tokens.
+            kinds = ("int8",) if linear is head else dict.fromkeys((mode, "int8"))
+            kind = next((k for k in kinds if _fits(k, linear) and problem(k, linear) is None), None)
+            if kind is None:
+                report.by_kind["kept"] = report.by_kind.get("kept", 0) + 1
+                continue
+            replacement = _make(kind, linear, kernel_dtype(kind, linear.weight.device, linear.weight.dtype))
+            setattr(parent, name, replacement)
+            report.by_kind[kind] = report.by_kind.get(kind, 0) + 1
+            report.layers += 1
+    report.mode = mode if report.layers else None
+    report.bytes_before, report.bytes_after = before, _size(model)
+    return report

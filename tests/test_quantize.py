@@ -1,0 +1,268 @@
+"""Weight-only quantization (``load_text_model(quantize=...)``): the layers, the fallbacks, batch
+parity of each mode against its own ``generate``, and quality against fp32.
+
+The layer and fallback tests use random weights (milliseconds); the ones marked ``model`` load the
+embedded SmolLM2-135M once per mode. Quality figures on the full 32 prompts are printed by
+``python benchmarks/cpu_decode.py --quality``; here a smaller set keeps the test near a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import multistream as ms
+from multistream.errors import InvalidArgumentError
+from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, resolve_quantize
+from multistream.text._quality import agreement, greedy_tokens, perplexity
+from multistream.text._quantize import (
+    Int4Linear,
+    Int8Linear,
+    check_quantize,
+    kernel_problem,
+    quantize_model,
+)
+
+DATA = Path(__file__).parent / "data"
+CPU = torch.device("cpu")
+
+
+def _paragraphs() -> list[str]:
+    return [p.strip() for p in (DATA / "paragraphs.txt").read_text().split("\n\n") if p.strip()]
+
+
+def _prompts() -> list[str]:
+    return [line for line in (DATA / "quality_prompts.txt").read_text().splitlines() if line.strip()]
+
+
+def _linear(n: int, k: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+    return layer
+
+
+# -- the option --------------------------------------------------------------------------------
+
+
+def test_quantize_values_are_checked() -> None:
+    assert [check_quantize(v) for v in (None, "none", "INT8", "int4", "auto")] == [None, None, "int8", "int4", "auto"]
+    with pytest.raises(InvalidArgumentError, match="quantize must be None, 'int8', 'int4' or 'auto'"):
+        check_quantize("int3")
+    with pytest.raises(InvalidArgumentError):
+        check_quantize(8)
+
+
+def test_auto_quantizes_only_the_embedded_model_on_a_cpu() -> None:
+    assert resolve_quantize("auto", embedded=True, device=CPU) == AUTO_QUANTIZE_EMBEDDED_CPU
+    assert resolve_quantize("auto", embedded=False, device=CPU) is None
+    assert resolve_quantize("auto", embedded=True, device=torch.device("cuda")) is None
+    assert resolve_quantize("int8", embedded=False, device=torch.device("cuda")) == "int8"
+    assert resolve_quantize(None, embedded=True, device=CPU) is None
+
+
+# -- the layers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layer_matches_its_dequantized_weight(dtype: torch.dtype) -> None:
+    linear = _linear(48, 64, bias=True).to(dtype)
+    layer = Int8Linear.from_linear(linear, torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(dtype)
+    y = layer(x)
+    assert y.shape == (2, 3, 48) and y.dtype == dtype
+    reference = x.to(torch.bfloat16).float() @ layer.dequantized().t() + linear.bias.float()
+    assert torch.allclose(y.float(), reference, atol=0.02, rtol=0.02)
+    # ...and the dequantized weight is the original to within the int8 grid.
+    assert (layer.dequantized() - linear.weight.float()).abs().max() <= linear.weight.float().abs().max() / 127 * 0.51
+
+
+def test_int4_layer_matches_its_dequantized_weight() -> None:
+    linear = _linear(32, 64, bias=True)
+    layer = Int4Linear.from_linear(linear)
+    x = torch.randn(5, 64)
+    weight = Int4Linear.dequantize(*Int4Linear.quantize_weight(linear.weight))
+    reference = x.to(torch.bfloat16).float() @ weight.t() + linear.bias
+    assert torch.allclose(layer(x), reference, atol=0.02, rtol=0.02)
+    assert float((weight - linear.weight.detach()).norm() / linear.weight.detach().norm()) < 0.1
+
+
+def test_int4_reproduces_weights_that_already_lie_on_a_4_bit_grid() -> None:
+    """The embedded model's layers come from GGUF Q4_1 blocks (w = d * q + m, 32 weights a
+    block): int4 in groups of 32 stores them again up to the bf16 rounding of d and m."""
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (32, 4, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 maps each block's min and max to 0 and 15
+    d, m = torch.rand(32, 4, 1) * 0.01 + 0.001, torch.randn(32, 4, 1) * 0.05
+    weight = (q * d + m).reshape(32, 128)
+    back = Int4Linear.dequantize(*Int4Linear.quantize_weight(weight))
+    assert float((back - weight).norm() / weight.norm()) < 0.01
+
+
+def test_quantize_model_replaces_linears_and_keeps_odd_shapes() -> None:
+    net = torch.nn.Sequential(_linear(32, 64), torch.nn.ReLU(), _linear(7, 32), _linear(16, 20))
+    x = torch.randn(3, 64)
+    report = quantize_model(net, "int4")
+    # 64->32 takes int4; 32->7 cannot (outputs not a multiple of 16) and gets int8; 20->16 fits neither.
+    assert [type(m).__name__ for m in net] == ["Int4Linear", "ReLU", "Int8Linear", "Linear"]
+    assert report.by_kind == {"int4": 1, "int8": 1, "kept": 1} and report.mode == "int4"
+    assert net[2](net[1](net[0](x))).shape == (3, 7)
+    assert "int4" in report.describe()
+
+
+def test_a_tied_lm_head_gets_its_own_quantized_copy_and_the_embedding_stays_exact() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    ids = torch.tensor([[1, 5, 9, 20]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    report = quantize_model(model, "int8")
+    assert isinstance(model.lm_head, Int8Linear) and report.by_kind == {"int8": 15}  # 2 x 7 + the head
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before.argmax(-1), after.argmax(-1))
+
+
+# -- kernels missing: fallback or a clear error ------------------------------------------------
+
+
+def _break(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    def missing(*args: object, **kwargs: object) -> torch.Tensor:
+        raise NotImplementedError(f"Could not run 'aten::{op}' with arguments from the 'CPU' backend")
+
+    monkeypatch.setattr(torch.ops.aten, op, missing)
+
+
+def test_a_missing_kernel_is_reported_not_crashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kernel_problem("int4", CPU) is None and kernel_problem("int8", CPU) is None
+    _break(monkeypatch, "_weight_int4pack_mm_for_cpu")
+    assert "NotImplementedError" in (kernel_problem("int4", CPU) or "")
+    with pytest.raises(InvalidArgumentError, match=r"quantize='int4' cannot run on cpu here .* use quantize='int8'"):
+        quantize_model(torch.nn.Sequential(_linear(32, 64)), "int4")
+
+
+def test_a_kernel_with_wrong_numbers_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda x, w, s: real(x, w, s) * 2)
+    assert "off by" in (kernel_problem("int8", CPU) or "")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("auto", "broken", "expected"), [
+    ("int4", "_weight_int4pack_mm_for_cpu", "int8"),
+    ("int8", "_weight_int8pack_mm", None),
+])
+def test_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                           auto: str, broken: str, expected: str | None) -> None:
+    monkeypatch.setattr("multistream.text._loading.AUTO_QUANTIZE_EMBEDDED_CPU", auto)
+    _break(monkeypatch, broken)
+    with caplog.at_level(logging.WARNING, logger="multistream"):
+        llm = ms.load_text_model()
+    try:
+        lines = [r.getMessage() for r in caplog.records if "quantize='auto'" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert broken.split("_")[2] in lines[0] or "int" in lines[0]
+        assert ("using int8" if expected else "using the weights as loaded") in lines[0]
+        assert llm.quantization.mode == expected and llm.quantization.fallback
+        assert llm.generate("Say hi", max_new_tokens=4).usage["completion_tokens"] >= 1
+    finally:
+        llm.close()
+    with pytest.raises(InvalidArgumentError, match=f"quantize='{auto}' cannot run on cpu"):
+        ms.load_text_model(quantize=auto)
+
+
+# -- each mode on the embedded model: streams, batches exactly against its own generate -----------
+
+PARITY_PROMPTS = [
+    "Hi",
+    "Tell me about cats and why they purr so much.",
+    "Write a short poem about the sea at night, with rhymes.",
+    "What is two plus two?",
+]
+
+
+@pytest.fixture(scope="module", params=[None, "int8", "int4"], ids=["fp32", "int8", "int4"])
+def quantized_llm(request: pytest.FixtureRequest):
+    llm = ms.load_text_model(quantize=request.param, max_batch=4)
+    yield llm
+    llm.close()
+
+
+@pytest.mark.model
+def test_each_mode_loads_and_reports_itself(quantized_llm) -> None:
+    report = quantized_llm.quantization
+    layers = [type(m).__name__ for m in quantized_llm.model.model.layers.modules()]
+    if report.mode is None:
+        assert "Int8Linear" not in layers and "Int4Linear" not in layers
+    else:
+        assert report.requested == report.mode and report.bytes_after < report.bytes_before / 2
+        assert layers.count(f"Int{report.mode[-1]}Linear") == 210  # 30 decoder layers x 7
+        assert isinstance(quantized_llm.model.lm_head, Int8Linear)  # the head stays int8 in both modes
+
+
+@pytest.mark.model
+def test_each_mode_batches_exactly_like_its_own_generate(quantized_llm) -> None:
+    alone = [quantized_llm.generate(p, max_new_tokens=20) for p in PARITY_PROMPTS]
+    finals: list = [None] * len(PARITY_PROMPTS)
+    streams = [quantized_llm.stream(p, max_new_tokens=20) for p in PARITY_PROMPTS]  # one batch of 4 rows
+
+    def consume(i: int) -> None:
+        finals[i] = streams[i].wait()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [f.text for f in finals] == [a.text for a in alone]
+    assert [f.usage for f in finals] == [a.usage for a in alone]
+    # ...and the stream alone is transformers' own greedy generate on the same (quantized) model.
+    ids = quantized_llm.encode_prompt(PARITY_PROMPTS[2])
+    out = quantized_llm.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+    assert alone[2].text == quantized_llm.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+# -- quality against fp32 -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp32_reference():
+    llm = ms.load_text_model(quantize=None)
+    prompts = _prompts()[:8]
+    encoded = [llm.encode_prompt(p) for p in prompts]
+    tokens = [greedy_tokens(llm.model, ids, 32, llm.eos_token_ids) for ids in encoded]
+    ppl = perplexity(llm.model, llm.tokenizer, _paragraphs())
+    llm.close()
+    return encoded, tokens, ppl
+
+
+# Measured on the full 32 prompts (benchmarks/cpu_decode.py --quality); the bounds leave room for
+# other CPUs' rounding. bf16 weights, for scale, share 0.7 of the fp32 greedy prefix.
+MIN_AGREEMENT = {"int8": 0.3, "int4": 0.45}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quality_holds_against_fp32(fp32_reference, mode: str) -> None:
+    encoded, reference, reference_ppl = fp32_reference
+    llm = ms.load_text_model(quantize=mode)
+    try:
+        tokens = [greedy_tokens(llm.model, ids, 32, llm.eos_token_ids) for ids in encoded]
+        ppl = perplexity(llm.model, llm.tokenizer, _paragraphs())
+    finally:
+        llm.close()
+    shared = sum(agreement(r, t) for r, t in zip(reference, tokens)) / len(reference)
+    print(f"{mode}: greedy agreement {shared:.2f}, perplexity {ppl:.3f} vs fp32 {reference_ppl:.3f}")
+    assert shared >= MIN_AGREEMENT[mode]
+    assert abs(ppl / reference_ppl - 1) <= (0.03 if mode == AUTO_QUANTIZE_EMBEDDED_CPU else 0.05)
