@@ -168,7 +168,7 @@ def test_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, capl
     monkeypatch.setattr("multistream.text._loading.AUTO_QUANTIZE_EMBEDDED_CPU", auto)
     _break(monkeypatch, broken)
     with caplog.at_level(logging.WARNING, logger="multistream"):
-        llm = ms.load_text_model()
+        llm = ms.load_text_model(quantize="auto")
     try:
         lines = [r.getMessage() for r in caplog.records if "quantize='auto'" in r.getMessage()]
         assert len(lines) == 1, lines

@@ -152,7 +152,7 @@ def load_text_model(
     device: str | torch.device = "auto",
     dtype: torch.dtype | str | None = None,
     *,
-    quantize: str | None = "auto",
+    quantize: str | None = None,
     max_batch: int = 16,
     prefill_budget: int = 512,
     **from_pretrained_kwargs: Any,
@@ -169,17 +169,19 @@ def load_text_model(
     (`multistream.text._quantize`): ``"int8"`` (one scale per output channel) or ``"int4"``
     (groups of 32; the LM head stays int8), on CPU and CUDA, through ATen's packed-weight kernels;
     activations keep ``dtype`` (a quantized layer multiplies in bf16). ``None`` keeps the weights
-    as loaded (the exact fp32 path on a CPU). ``"auto"`` (the default) is `AUTO_QUANTIZE_EMBEDDED_CPU`
-    for the embedded model on a CPU, where it streams about 2x faster than fp32 with the same
-    greedy text on most prompts (README, "Speed on a CPU"), and None for other models and on CUDA.
+    as loaded (the exact fp32 path on a CPU; the library's default, for now: the exactness tests of
+    edits, logprobs and beams against plain forwards are written for it). ``"auto"`` (what
+    ``multistream text`` uses) is `AUTO_QUANTIZE_EMBEDDED_CPU` for the embedded model on a CPU, where
+    it streams about 2x faster than fp32 with the same greedy text on most prompts (README, "Speed
+    on a CPU"), and None for other models and on CUDA.
     Under ``"auto"`` a kernel that cannot run here falls back with one log line; a mode asked for
     by name that cannot run raises `InvalidArgumentError`. ``llm.quantization`` says what was applied.
 
     Example:
-        >>> llm = load_text_model()                                          # doctest: +SKIP
+        >>> llm = load_text_model(quantize="auto")                           # doctest: +SKIP
         >>> llm.quantization.mode                                            # doctest: +SKIP
-        'int8'
-        >>> exact = load_text_model(quantize=None)                           # doctest: +SKIP
+        'int4'
+        >>> exact = load_text_model()                                        # doctest: +SKIP
         >>> llm = load_text_model("HuggingFaceTB/SmolLM2-1.7B-Instruct", device="cuda")  # doctest: +SKIP
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
