@@ -1,7 +1,8 @@
 """Constrained decoding on llguidance: mask cost against the previous hand-written matcher, compile
 time, and cost per token of a constrained stream against an unconstrained one (same run).
 
-    python benchmarks/constrained.py [--rounds 3] [--tokens 32] [--before /tmp/before] [--xgrammar]
+    python benchmarks/constrained.py [--rounds 3] [--tokens 32] [--before DIR] [--xgrammar]
+    (DIR: a checkout of the main before llguidance, e.g. `git worktree add ../ms-before c7fb844`)
 
 1. Mask cost per step at 1 and 8 rows, on the embedded model's tokenizer (SmolLM2, 49152 tokens):
    llguidance (bitmask of every row + the one masked_fill over the batch's logits) against the
@@ -91,7 +92,7 @@ def mask_llguidance(tokenizer: Any, grammar: str, answer: str, rows: int) -> flo
 
 
 def mask_before(before: str, folder: str, rows: int) -> float | None:
-    if not os.path.exists(os.path.join(before, "multistream", "text_constraints.py")):
+    if not before or not os.path.exists(os.path.join(before, "multistream", "text_constraints.py")):
         return None
     env = {**os.environ, "PYTHONPATH": before}
     out = subprocess.run([sys.executable, "-c", _BEFORE_SCRIPT, folder, ANSWER_REGEX, ANSWER, str(rows)],
@@ -205,7 +206,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=40)
-    p.add_argument("--before", default="/tmp/before", help="a checkout of the previous main (its text_constraints.py)")
+    p.add_argument("--before", default="", help="a checkout of the main before llguidance (its text_constraints.py); "
+                   "without it the previous matcher's column is n/a")
     p.add_argument("--xgrammar", action="store_true", help="also measure xgrammar (if installed)")
     args = p.parse_args()
 
