@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .. import errors as _errors
+from .. import errors as error_types
 from ..events import ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
 from .filtering import STOP, ContentFilter, OutputFilter
@@ -287,7 +287,7 @@ class StreamRecord:
         """Errors of our own kind (bad arguments) keep their message; anything else is an internal
         failure whose text may show internals: the client gets a generic message and an id."""
         kind = ev.error.get("type", "")
-        if isinstance(getattr(_errors, kind, None), type):
+        if isinstance(getattr(error_types, kind, None), type):
             return ev
         logger.error("stream %s failed: %s: %s", self.stream_id, kind, ev.error.get("message"))
         return dataclasses.replace(ev, error={"type": "internal_error", "message": "the generation failed on the "

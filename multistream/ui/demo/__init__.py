@@ -40,9 +40,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'multistream.ui.demo' has no attribute {name!r}")
     # The demo must never phone home (offline machines, privacy); set before gradio is imported.
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from . import _page
+    from ._page import create_demo, launch, mount_demo
 
-    value = getattr(_page, name)
+    value = {"create_demo": create_demo, "launch": launch, "mount_demo": mount_demo}[name]
     globals()[name] = value
     return value
 
