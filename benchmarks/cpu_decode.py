@@ -24,10 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+# Measure the checkout this file is in, whichever multistream is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 

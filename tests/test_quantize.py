@@ -134,6 +134,92 @@ def test_a_tied_lm_head_gets_its_own_quantized_copy_and_the_embedding_stays_exac
     assert torch.equal(before.argmax(-1), after.argmax(-1))
 
 
+# -- the fast decode step (quantized Llama-family models) -----------------------------------------
+
+TINY_PROMPTS = ["Hi", "Tell me about cats and why they purr so much.",
+                "Write a short poem about the sea at night, with rhymes.", "What is two plus two?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized(text_tokenizer):
+    """A tiny random Llama, quantized like load_text_model does (int4, fused projections, row attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from multistream.text._row_attention import use_row_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(text_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=text_tokenizer.eos_token_id, bos_token_id=text_tokenizer.bos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    report = quantize_model(model, "int4")
+    assert report.fused == 8 and use_row_attention(model)
+    llm = ms.TextModel(model, text_tokenizer, name="tiny-int4", max_batch=4)
+    yield llm
+    llm.close()
+
+
+def _together(llm, prompts: list[str], **kwargs: object) -> list:
+    streams = [llm.stream(p, **kwargs) for p in prompts]
+    finals: list = [None] * len(streams)
+    threads = [threading.Thread(target=lambda i=i: finals.__setitem__(i, streams[i].wait())) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return finals
+
+
+def test_the_fast_decode_step_equals_transformers_forward_bit_for_bit(tiny_quantized) -> None:
+    """Past the buffers' spare columns (GROW), alone and in a batch of left-padded rows."""
+    from multistream.text._fast_decode import GROW
+
+    n = GROW + 10
+    alone = [tiny_quantized.generate(p, max_new_tokens=n) for p in TINY_PROMPTS]
+    assert tiny_quantized._batcher._fast is not None
+    ids = tiny_quantized.encode_prompt(TINY_PROMPTS[1])
+    out = tiny_quantized.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    assert alone[1].text == tiny_quantized.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    together = _together(tiny_quantized, TINY_PROMPTS, max_new_tokens=n)
+    assert [f.text for f in together] == [a.text for a in alone]
+
+
+def test_the_fast_decode_step_keeps_its_prefill_points(tiny_quantized, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request arriving during a fast decode step is prefilled between two of its layers."""
+    batcher = tiny_quantized._batcher
+    tiny_quantized.generate("Hi", max_new_tokens=2)  # the fast step is chosen at the first decode
+    fast = batcher._fast
+    arrived: dict = {}
+    step = fast.step
+
+    def arriving(*args: object, **kwargs: object) -> torch.Tensor:
+        if not arrived and batcher.steps >= 3:
+            arrived["stream"] = tiny_quantized.stream(TINY_PROMPTS[3], max_new_tokens=5)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(fast, "step", arriving)
+    before = batcher.prefills_inside_steps
+    running = tiny_quantized.stream(TINY_PROMPTS[1], max_new_tokens=12)
+    final = running.wait()
+    joined = arrived["stream"].wait()
+    monkeypatch.undo()
+    assert batcher.prefills_inside_steps == before + 1
+    assert final.text == tiny_quantized.generate(TINY_PROMPTS[1], max_new_tokens=12).text
+    assert joined.text == tiny_quantized.generate(TINY_PROMPTS[3], max_new_tokens=5).text
+
+
+def test_steer_and_rewind_on_the_fast_decode_step(tiny_quantized) -> None:
+    """Edits reshape the cache between steps (select, crop): the buffers follow."""
+    s = tiny_quantized.stream(TINY_PROMPTS[2], max_new_tokens=30)
+    events = []
+    for ev in s:
+        events.append(ev)
+        if len(events) == 5:
+            s.rewind(0)
+    assert events[-1].is_final and events[-1].usage["completion_tokens"] >= 1
+    assert events[-1].text == tiny_quantized.generate(TINY_PROMPTS[2], max_new_tokens=30).text
+
+
 # -- kernels missing: fallback or a clear error ------------------------------------------------
 
 
@@ -202,13 +288,16 @@ def quantized_llm(request: pytest.FixtureRequest):
 @pytest.mark.model
 def test_each_mode_loads_and_reports_itself(quantized_llm) -> None:
     report = quantized_llm.quantization
-    layers = [type(m).__name__ for m in quantized_llm.model.model.layers.modules()]
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    kinds = {type(layer.get_submodule(n)).__name__ for layer in quantized_llm.model.model.layers for n in names}
     if report.mode is None:
-        assert "Int8Linear" not in layers and "Int4Linear" not in layers
+        assert kinds == {"Linear"} and report.fused == 0
     else:
         assert report.requested == report.mode and report.bytes_after < report.bytes_before / 2
-        assert layers.count(f"Int{report.mode[-1]}Linear") == 210  # 30 decoder layers x 7
+        assert kinds == {f"Int{report.mode[-1]}Linear"}
         assert isinstance(quantized_llm.model.lm_head, Int8Linear)  # the head stays int8 in both modes
+        assert report.fused == 60  # q/k/v and gate/up of each of the 30 layers, one call each
 
 
 @pytest.mark.model

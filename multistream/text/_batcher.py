@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._fast_decode import FastDecode
 from ._kv_rows import RowCache, supports_row_cache
 from ._request import TextRequest
 from ._row_attention import uses_row_attention
@@ -111,6 +112,9 @@ class TextBatcher:
         self._budget_left = prefill_budget  # of this step's prefill budget
         self._engine_thread = 0
         self._hooks: list[Any] = []
+        self._point_layers: frozenset[int] = frozenset()  # layer indices with a prefill point
+        self._fast: FastDecode | None = None
+        self._fast_checked = False
 
     # -- Backend --------------------------------------------------------------------------------
 
@@ -170,6 +174,7 @@ class TextBatcher:
 
         # Not before the first layer: the step boundary just before it has already looked.
         self._hooks = [layer.register_forward_pre_hook(prefill_point) for layer in layers[spacing::spacing]]
+        self._point_layers = frozenset(range(spacing, len(layers), spacing))  # the fast decode calls them itself
 
     def _prefill_point(self) -> None:
         # The hooks sit on the user's model: only the engine's own batched decode stops here (not a
@@ -429,7 +434,9 @@ class TextBatcher:
         self._engine_thread = threading.get_ident()
         self._open_for = _ANY if self._poll_arrivals is not None else None
         try:
-            out = self._forward(input_ids, mask, positions, rows.cache)
+            logits = self._fast_step(input_ids, positions, rows)
+            if logits is None:
+                logits = self._forward(input_ids, mask, positions, rows.cache).logits[:, -1, :]
         except Exception as exc:  # noqa: BLE001 - every row of this batch shares the fault
             logger.exception("a batched decode step failed; ending its %d streams", size)
             for req in batch:
@@ -442,7 +449,6 @@ class TextBatcher:
         rows.mask = mask
         for req in batch:
             req.prefilled += 1
-        logits = out.logits[:, -1, :]
         greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
         ended: list[int] = []
         for i, req in enumerate(batch):
@@ -456,6 +462,25 @@ class TextBatcher:
                 ended.append(i)
         if ended:
             self._remove_rows(ended)
+
+    def _fast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: RowCache) -> torch.Tensor | None:
+        """The decode through `FastDecode` (quantized Llama-family models), or None to take the model's forward."""
+        if not self._fast_checked:
+            self._fast_checked = True
+            self._fast = FastDecode.for_model(self.model)
+        if self._fast is None or not self._mergeable:
+            return None
+        starts = _left_padding(rows.mask)
+        if starts is None:
+            return None
+        points = self._point_layers if self._poll_arrivals is not None else frozenset()
+
+        def between_layers(index: int) -> None:
+            if index in points:
+                self._prefill_point()
+
+        return self._fast.step(input_ids, positions, rows, starts if len(starts) > 1 or starts[0] else None,
+                               between_layers)
 
     def _pick(self, req: TextRequest, logits: torch.Tensor) -> int:
         if req.sampler.plain_greedy:
