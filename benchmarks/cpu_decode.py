@@ -22,6 +22,7 @@ aggregate >= 2x fp32's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -119,7 +120,7 @@ def llama_cpp_runner(n: int) -> Any:
         times = []
         for _ in model.create_completion(text, max_tokens=n, temperature=0.0, stream=True):
             times.append(time.perf_counter())
-        gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+        gaps = [(b - a) * 1000 for a, b in itertools.pairwise(times)]
         span = times[-1] - times[0] if len(times) > 1 else float("nan")
         return {"tok_s": (len(times) - 1) / span, "ttft": (times[0] - start) * 1000, "p50": percentile(gaps, 0.5),
                 "p95": percentile(gaps, 0.95), "tokens": len(times)}

@@ -14,7 +14,8 @@ bit those of ``model(...)``), but:
 
 It serves models that attend with `row_attention` (the quantized ones) and whose decoder layers
 have the Llama structure (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
-``post_attention_layernorm``, ``mlp``): Llama, SmolLM, Mistral without a sliding window.
+``post_attention_layernorm``, ``mlp``): Llama, SmolLM, Mistral without a sliding window. A model
+whose ``forward`` was replaced on the instance (a wrapper, accelerate's hooks) keeps its forward.
 
 Example:
     >>> fast = FastDecode.for_model(model)                    # doctest: +SKIP
