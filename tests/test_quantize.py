@@ -254,7 +254,7 @@ def test_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, capl
     monkeypatch.setattr("multistream.text._loading.AUTO_QUANTIZE_EMBEDDED_CPU", auto)
     _break(monkeypatch, broken)
     with caplog.at_level(logging.WARNING, logger="multistream"):
-        llm = ms.load_text_model()
+        llm = ms.load_text_model(compile=False)
     try:
         lines = [r.getMessage() for r in caplog.records if "quantize='auto'" in r.getMessage()]
         assert len(lines) == 1, lines
@@ -280,7 +280,8 @@ PARITY_PROMPTS = [
 
 @pytest.fixture(scope="module", params=[None, "int8", "int4"], ids=["fp32", "int8", "int4"])
 def quantized_llm(request: pytest.FixtureRequest):
-    llm = ms.load_text_model(quantize=request.param, max_batch=4)
+    # compile=False: the eager step is bit for bit transformers' forward, which the test checks too.
+    llm = ms.load_text_model(quantize=request.param, max_batch=4, compile=False)
     yield llm
     llm.close()
 
@@ -303,23 +304,59 @@ def test_each_mode_loads_and_reports_itself(quantized_llm) -> None:
 @pytest.mark.model
 def test_each_mode_batches_exactly_like_its_own_generate(quantized_llm) -> None:
     alone = [quantized_llm.generate(p, max_new_tokens=20) for p in PARITY_PROMPTS]
-    finals: list = [None] * len(PARITY_PROMPTS)
-    streams = [quantized_llm.stream(p, max_new_tokens=20) for p in PARITY_PROMPTS]  # one batch of 4 rows
-
-    def consume(i: int) -> None:
-        finals[i] = streams[i].wait()
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    finals = _together(quantized_llm, PARITY_PROMPTS, max_new_tokens=20)  # one batch of 4 rows
     assert [f.text for f in finals] == [a.text for a in alone]
     assert [f.usage for f in finals] == [a.usage for a in alone]
     # ...and the stream alone is transformers' own greedy generate on the same (quantized) model.
     ids = quantized_llm.encode_prompt(PARITY_PROMPTS[2])
     out = quantized_llm.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
     assert alone[2].text == quantized_llm.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+@pytest.mark.model
+def test_the_default_compiled_step_batches_exactly_like_its_own_generate(text_model) -> None:
+    """load_text_model() on a CPU: int4 and the compiled decode step (not bit for bit transformers'
+    forward any more, but each row's arithmetic does not depend on its batch mates)."""
+    assert text_model.quantization.mode == AUTO_QUANTIZE_EMBEDDED_CPU
+    assert text_model.compiled is not None and text_model.compiled.compiled, text_model.compiled
+    alone = [text_model.generate(p, max_new_tokens=24) for p in PARITY_PROMPTS]
+    together = _together(text_model, PARITY_PROMPTS, max_new_tokens=24)
+    assert [f.text for f in together] == [a.text for a in alone]
+    assert [f.usage for f in together] == [a.usage for a in alone]
+
+
+def test_a_compile_failure_leaves_the_eager_step_with_one_log_line(tiny_quantized, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from multistream.text._compiled_decode import compile_decode
+    from multistream.text._fast_decode import compiled_decode
+
+    def no_compiler(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("Compiler: cc is not found")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="multistream"):
+        report = compile_decode(tiny_quantized.model)
+    assert not report.compiled and "cc is not found" in report.error
+    assert [r.getMessage() for r in caplog.records] == [
+        "compiling the decode step failed (RuntimeError: Compiler: cc is not found); decoding eagerly"]
+    assert compiled_decode(tiny_quantized.model) is None
+    assert tiny_quantized.generate("Hi", max_new_tokens=3).usage["completion_tokens"] == 3
+
+
+def test_compile_is_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="compile must be True, False or None"):
+        ms.load_text_model(compile="yes")
+
+
+@pytest.mark.model
+def test_compile_where_it_cannot_apply_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="multistream"):
+        llm = ms.load_text_model(quantize=None, compile=True)
+    llm.close()
+    assert llm.compiled is None
+    assert [r.getMessage() for r in caplog.records if "compile" in r.getMessage()] == [
+        "compile=True: this model's decode step cannot be compiled (it needs quantize= and a Llama-family model "
+        "on a CPU); decoding eagerly"]
 
 
 # -- quality against fp32 -----------------------------------------------------------------------
@@ -345,7 +382,7 @@ MIN_AGREEMENT = {"int8": 0.3, "int4": 0.45}
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quality_holds_against_fp32(fp32_reference, mode: str) -> None:
     encoded, reference, reference_ppl = fp32_reference
-    llm = ms.load_text_model(quantize=mode)
+    llm = ms.load_text_model(quantize=mode, compile=False)  # (greedy_tokens runs the model's own forward)
     try:
         tokens = [greedy_tokens(llm.model, ids, 32, llm.eos_token_ids) for ids in encoded]
         ppl = perplexity(llm.model, llm.tokenizer, _paragraphs())

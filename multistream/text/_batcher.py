@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._fast_decode import FastDecode
+from ._fast_decode import PREFILL_POINTS, FastDecode
 from ._kv_rows import RowCache, supports_row_cache
 from ._request import TextRequest
 from ._row_attention import uses_row_attention
@@ -50,8 +50,7 @@ __all__ = ["TextBatcher"]
 logger = logging.getLogger("multistream")
 
 _ANY = (float("inf"), float("inf"))  # during a decode, any newcomer may take a prefill point
-# Prefill points per decode forward: a newcomer waits at most about 1/N of a step for its prefill.
-_PREFILL_POINTS = 6
+_PREFILL_POINTS = PREFILL_POINTS  # per decode forward: a newcomer waits at most about 1/N of a step
 
 
 def _decoder_layers(model: Any) -> list[Any]:
@@ -476,13 +475,8 @@ class TextBatcher:
         if starts is None:
             return None
         points = self._point_layers if self._poll_arrivals is not None else frozenset()
-
-        def between_layers(index: int) -> None:
-            if index in points:
-                self._prefill_point()
-
         return self._fast.step(input_ids, positions, rows, starts if len(starts) > 1 or starts[0] else None,
-                               between_layers)
+                               points, self._prefill_point)
 
     def _pick(self, req: TextRequest, logits: torch.Tensor) -> int:
         if req.sampler.plain_greedy:

@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,10 +34,30 @@ import torch
 from ._kv_rows import RowCache
 from ._row_attention import row_attention, uses_row_attention
 
-__all__ = ["GROW", "FastDecode"]
+__all__ = ["GROW", "PREFILL_POINTS", "FastDecode", "compiled_decode", "register_compiled"]
 
 GROW = 64  # spare columns per buffer: one copy of the cache every GROW decode steps
+# Prefill points per decode forward: a newcomer waits at most about 1/N of a step for its prefill.
+PREFILL_POINTS = 6
 _MODEL_TYPES = frozenset({"llama", "mistral"})
+# Models whose decode step was compiled (`multistream.text._compiled_decode`): model -> its layers' step.
+_COMPILED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def register_compiled(model: Any, decode: Any) -> None:
+    """From now on `FastDecode` runs ``model``'s layers through ``decode.run_layers`` (None: eager again)."""
+    with _LOCK:
+        if decode is None:
+            _COMPILED.pop(model, None)
+        else:
+            _COMPILED[model] = decode
+
+
+def compiled_decode(model: Any) -> Any | None:
+    """The compiled layers of ``model``'s decode step, if registered."""
+    with _LOCK:
+        return _COMPILED.get(model)
 
 
 class FastDecode:
@@ -71,17 +93,30 @@ class FastDecode:
 
     def step(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: RowCache, row_starts: list[int] | None,
-        between_layers: Callable[[int], None] | None = None,
+        points: frozenset[int] = frozenset(), prefill_point: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` for one new token per row; ``rows`` gains the token's column."""
+        """Logits ``[rows, vocab]`` for one new token per row; ``rows`` gains the token's column.
+
+        ``prefill_point()`` is called before the layers in ``points`` (the compiled step: before each
+        of its segments but the first, which are the same layers).
+        """
         length = rows.length
         layers = list(getattr(rows.cache, "layers", []))
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
         batch = hidden.shape[0]
+        compiled = compiled_decode(self.model)
+        if compiled is not None:
+            buffers = [_reserve(cached, length) for cached in layers]
+            starts = torch.tensor(row_starts if row_starts is not None else [0] * batch)
+            hidden = compiled.run_layers(hidden, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], length,
+                                         starts, prefill_point if points else None)
+            for cached, (kbuf, vbuf) in zip(layers, buffers):
+                cached.keys, cached.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
+            return self.model.lm_head(self.inner.norm(hidden)[:, -1:, :])[:, -1, :]
         for i, (layer, cached) in enumerate(zip(self.layers, layers)):
-            if between_layers is not None:
-                between_layers(i)
+            if i in points and prefill_point is not None:
+                prefill_point()
             attn = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)
@@ -112,8 +147,17 @@ class FastDecode:
 
 
 def _append(layer: Any, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write one column at ``length`` into the layer's buffers (new ones with `GROW` spare columns
-    when its keys are not a view of them, or they are full); the layer then holds views of them."""
+    """Write one column at ``length`` into the layer's buffers; the layer then holds views of them."""
+    kbuf, vbuf = _reserve(layer, length)
+    kbuf[:, :, length : length + 1].copy_(k)
+    vbuf[:, :, length : length + 1].copy_(v)
+    layer.keys, layer.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
+    return layer.keys, layer.values
+
+
+def _reserve(layer: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's buffers with room for column ``length``: new ones with `GROW` spare columns when
+    its keys are not a view of them (the cache was reshaped: rows joined or left) or they are full."""
     buffers = getattr(layer, "multistream_buffers", None)
     keys = layer.keys
     if buffers is None or buffers[0].data_ptr() != keys.data_ptr() or buffers[0].shape[0] != keys.shape[0] \
@@ -125,8 +169,4 @@ def _append(layer: Any, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[
         vbuf[:, :, :length].copy_(layer.values)
         buffers = (kbuf, vbuf)
         layer.multistream_buffers = buffers
-    kbuf, vbuf = buffers
-    kbuf[:, :, length : length + 1].copy_(k)
-    vbuf[:, :, length : length + 1].copy_(v)
-    layer.keys, layer.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
-    return layer.keys, layer.values
+    return buffers

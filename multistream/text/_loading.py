@@ -29,6 +29,8 @@ from ._quantize import (
     kernel_problem,
     quantize_model,
 )
+from ._compiled_decode import CompileReport, compile_decode
+from ._fast_decode import FastDecode
 from ._row_attention import use_row_attention
 
 __all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
@@ -153,6 +155,7 @@ def load_text_model(
     dtype: torch.dtype | str | None = None,
     *,
     quantize: str | None = "auto",
+    compile: bool | None = None,
     max_batch: int = 16,
     prefill_budget: int = 512,
     **from_pretrained_kwargs: Any,
@@ -185,6 +188,8 @@ def load_text_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     requested = check_quantize(quantize)
+    if compile is not None and not isinstance(compile, bool):
+        raise InvalidArgumentError(f"compile must be True, False or None (where it wins), got {compile!r}")
     target = resolve_device(device)
     dtype = resolve_dtype(dtype) or default_dtype(target, prefer_bf16=True)
     mode = resolve_quantize(requested, embedded=name_or_path is None, device=target)
@@ -219,6 +224,21 @@ def load_text_model(
         # Quantized layers round their input to bf16, which makes padding's last-bit noise visible:
         # attend row by row so a stream in a batch still equals its output alone (_row_attention).
         use_row_attention(model)
+    compiled = _compile(model, compile)
     llm = TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
     llm.quantization = report
+    llm.compiled = compiled
     return llm
+
+
+def _compile(model: Any, wanted: bool | None) -> CompileReport | None:
+    """Compile the decode step when asked, or by default where it wins: quantized Llama-family
+    models on a CPU (measured in benchmarks/cpu_decode.py)."""
+    if wanted is False:
+        return None
+    if FastDecode.for_model(model) is None or next(model.parameters()).device.type != "cpu":
+        if wanted:
+            logger.warning("compile=True: this model's decode step cannot be compiled (it needs quantize= and a "
+                           "Llama-family model on a CPU); decoding eagerly")
+        return None
+    return compile_decode(model)
