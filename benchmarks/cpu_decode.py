@@ -7,8 +7,8 @@ same run.
 
     python benchmarks/cpu_decode.py [--tokens 64] [--rounds 5] [--concurrency 8 16] [--quality]
 
-Prints, per mode (``fp32``, ``bf16``, ``int8``, ``int4``; ``*`` marks what ``quantize="auto"``
-picks): single-stream decode tokens/s, TTFT and inter-token p50/p95 through ``llm.stream()``;
+Prints, per mode (``fp32``, ``bf16``, ``int8``, ``int4``, the last two with and without the
+compiled decode step; ``*`` marks what ``load_text_model()`` gives): single-stream decode tokens/s, TTFT and inter-token p50/p95 through ``llm.stream()``;
 then the aggregate tokens/s of 8 and 16 concurrent streams (one engine, batched steps) with
 their inter-token p50/p95. llama.cpp on the same GGUF file runs beside them when ``llama_cpp`` is
 importable (``pip install llama-cpp-python``: a source build, ~11 minutes on 2 cores).
@@ -22,12 +22,17 @@ aggregate >= 2x fp32's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+# Measure the checkout this file is in, whichever multistream is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
@@ -40,9 +45,12 @@ PROMPT = "Write a long, detailed story about a lighthouse keeper and the sea."
 MODES: dict[str, dict[str, Any]] = {
     "fp32": {"quantize": None},
     "bf16": {"quantize": None, "dtype": torch.bfloat16},
-    "int8": {"quantize": "int8"},
-    "int4": {"quantize": "int4"},
+    "int8": {"quantize": "int8", "compile": False},
+    "int8+compiled": {"quantize": "int8", "compile": True},
+    "int4": {"quantize": "int4", "compile": False},
+    "int4+compiled": {"quantize": "int4", "compile": True},
 }
+DEFAULT = AUTO_QUANTIZE_EMBEDDED_CPU  # what load_text_model() gives on a CPU (compile=False)
 
 
 def prompts() -> list[str]:
@@ -111,11 +119,14 @@ def llama_cpp_runner(n: int) -> Any:
     model = Llama(model_path=str(embedded_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
 
     def run() -> dict[str, float]:
+        # llama-cpp-python keeps the last prompt's KV and reuses a matching prefix: without a
+        # reset every round after the first would time a cache hit, not a prefill.
+        model.reset()
         start = time.perf_counter()
         times = []
         for _ in model.create_completion(text, max_tokens=n, temperature=0.0, stream=True):
             times.append(time.perf_counter())
-        gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+        gaps = [(b - a) * 1000 for a, b in itertools.pairwise(times)]
         span = times[-1] - times[0] if len(times) > 1 else float("nan")
         return {"tok_s": (len(times) - 1) / span, "ttft": (times[0] - start) * 1000, "p50": percentile(gaps, 0.5),
                 "p95": percentile(gaps, 0.95), "tokens": len(times)}
@@ -123,18 +134,25 @@ def llama_cpp_runner(n: int) -> Any:
     return run
 
 
+def engine_tokens(llm: ms.TextModel, prompt: str, n: int) -> list[int]:
+    """The greedy tokens of a stream (through the engine: the compiled step where there is one)."""
+    return [t for ev in llm.stream(prompt, max_new_tokens=n) for t in ev.token_ids]
+
+
 def quality(models: dict[str, ms.TextModel]) -> None:
     reference_model = models["fp32"]
     encoded = [reference_model.encode_prompt(p) for p in prompts()]
     eos = reference_model.eos_token_ids
-    reference = [greedy_tokens(reference_model.model, ids, 32, eos) for ids in encoded]
+    # (EOS left out: a stream's events carry no token for it)
+    reference = [[t for t in greedy_tokens(reference_model.model, ids, 32, eos) if t not in eos] for ids in encoded]
     base_ppl = perplexity(reference_model.model, reference_model.tokenizer, paragraphs())
     print(f"\nquality against fp32: {len(encoded)} prompts, greedy, first 32 tokens; perplexity of "
           f"{len(paragraphs())} paragraphs (tests/data/paragraphs.txt)")
     print("| mode | shared greedy prefix (mean) | all 32 tokens equal | perplexity | vs fp32 |")
     print("|---|---|---|---|---|")
     for name, llm in models.items():
-        tokens = reference if name == "fp32" else [greedy_tokens(llm.model, ids, 32, eos) for ids in encoded]
+        tokens = reference if name == "fp32" else [[t for t in engine_tokens(llm, p, 32) if t not in eos]
+                                                   for p in prompts()]
         shares = [agreement(r, t) for r, t in zip(reference, tokens)]
         ppl = base_ppl if name == "fp32" else perplexity(llm.model, llm.tokenizer, paragraphs())
         print(f"| {name} | {sum(shares) / len(shares):.2f} | {sum(s == 1.0 for s in shares)}/{len(shares)} | "
@@ -146,10 +164,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 16])
-    parser.add_argument("--concurrent-modes", nargs="*", default=["fp32", AUTO_QUANTIZE_EMBEDDED_CPU],
+    parser.add_argument("--concurrent-modes", nargs="*", default=["fp32", DEFAULT],
                         help="modes measured with concurrent streams (default: fp32 and the default mode)")
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--quality", action="store_true", help="also measure quality against fp32 (minutes)")
+    parser.add_argument("--no-speed", action="store_true", help="skip the speed rounds (with --quality)")
     args = parser.parse_args()
     n = args.tokens
 
@@ -157,7 +176,9 @@ def main() -> None:
     for name in args.modes:
         started = time.perf_counter()
         models[name] = ms.load_text_model(max_batch=max(args.concurrency + [1]), **MODES[name])
-        print(f"loaded {name}: {models[name].quantization.describe()} ({time.perf_counter() - started:.1f} s)")
+        compiled = models[name].compiled
+        note = f", decode step compiled in {compiled.seconds:.0f} s" if compiled and compiled.compiled else ""
+        print(f"loaded {name}: {models[name].quantization.describe()}{note} ({time.perf_counter() - started:.1f} s)")
     llama = llama_cpp_runner(n)
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads "
           f"({torch.backends.cpu.get_cpu_capability()}), prompt {len(models['fp32'].encode_prompt(PROMPT))} tokens, "
@@ -165,6 +186,16 @@ def main() -> None:
     if llama is None:
         print("llama.cpp: not importable, skipped (pip install llama-cpp-python: a source build, ~11 min on 2 cores)")
 
+    if not args.no_speed:
+        speed(models, llama, args)
+    if args.quality:
+        quality(models)
+    for llm in models.values():
+        llm.close()
+
+
+def speed(models: dict[str, ms.TextModel], llama: Any, args: argparse.Namespace) -> None:
+    n = args.tokens
     for llm in models.values():  # warm-up: first calls allocate and pick kernels
         llm.generate(PROMPT, max_new_tokens=8)
     single: dict[str, list[dict[str, float]]] = {name: [] for name in models}
@@ -189,7 +220,7 @@ def main() -> None:
     print("| mode | decode tok/s | vs fp32 | TTFT ms | inter-token p50 ms | p95 ms | tokens |")
     print("|---|---|---|---|---|---|---|")
     for name, runs in single.items():
-        mark = " *" if name == AUTO_QUANTIZE_EMBEDDED_CPU else ""
+        mark = " *" if name == DEFAULT else ""
         print(f"| {name}{mark} | {med(runs, 'tok_s'):.1f} | {med(runs, 'tok_s') / base:.2f}x | {med(runs, 'ttft'):.0f} | "
               f"{med(runs, 'p50'):.1f} | {med(runs, 'p95'):.1f} | {med(runs, 'tokens'):.0f} |")
     if multi:
@@ -200,10 +231,6 @@ def main() -> None:
             ref = multi.get(("fp32", c))
             ratio = f"{med(runs, 'agg') / med(ref, 'agg'):.2f}x" if ref else "-"
             print(f"| {name} | {c} | {med(runs, 'agg'):.1f} | {ratio} | {med(runs, 'p50'):.1f} | {med(runs, 'p95'):.1f} |")
-    if args.quality:
-        quality(models)
-    for llm in models.values():
-        llm.close()
 
 
 if __name__ == "__main__":

@@ -23,5 +23,20 @@ def text_model():
 
 
 @pytest.fixture(scope="session")
+def exact_text_model():
+    """The embedded model with its exact fp32 weights (``quantize=None``), for tests that compare
+    the engine with another computation of the same tokens (transformers prefilling a whole
+    sequence at once, its beam search, a failover's re-prefill). In fp32 the two agree to the
+    greedy token; the default quantized model rounds each layer's input to bf16, so a different
+    order of the same arithmetic can change its text after some tokens (its own parity, batch
+    against alone and against its own ``generate``, is tested in tests/test_quantize.py)."""
+    import multistream as ms
+
+    llm = ms.load_text_model(quantize=None)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
 def text_tokenizer(text_model):
     return text_model.tokenizer

@@ -92,7 +92,10 @@ def test_greedy_in_a_batch_equals_greedy_alone(text_model) -> None:
     for a, b in zip(alone, together):
         assert b.text == a.text
         assert b.usage == a.usage
-    # ...and alone equals transformers' own greedy generate on the same tokens.
+    # ...and alone equals transformers' own greedy generate on the same tokens (bit for bit unless
+    # the decode step is compiled: fused kernels round in their own order; tests/test_quantize.py).
+    if text_model.compiled is not None and text_model.compiled.compiled:
+        return
     ids = text_model.encode_prompt(PROMPTS[2])
     out = text_model.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
     assert together[2].text == text_model.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)

@@ -134,6 +134,144 @@ def test_a_tied_lm_head_gets_its_own_quantized_copy_and_the_embedding_stays_exac
     assert torch.equal(before.argmax(-1), after.argmax(-1))
 
 
+# -- the fast decode step (quantized Llama-family models) -----------------------------------------
+
+TINY_PROMPTS = ["Hi", "Tell me about cats and why they purr so much.",
+                "Write a short poem about the sea at night, with rhymes.", "What is two plus two?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized(text_tokenizer):
+    """A tiny random Llama, quantized like load_text_model does (int4, fused projections, row attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from multistream.text._row_attention import use_row_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(text_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=text_tokenizer.eos_token_id, bos_token_id=text_tokenizer.bos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    report = quantize_model(model, "int4")
+    assert report.fused == 8 and use_row_attention(model)
+    llm = ms.TextModel(model, text_tokenizer, name="tiny-int4", max_batch=4)
+    yield llm
+    llm.close()
+
+
+def _tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_quantized_layers_are_kept_and_rebuilt_from_the_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from multistream.text._loading import _quantize
+
+    probe = torch.randint(0, 512, (1, 7))
+    first = _tiny_llama()
+    with caplog.at_level(logging.INFO, logger="multistream"):
+        report = _quantize(first, "int4", "int4", CPU, tmp_path)
+    [stored] = list(tmp_path.glob("quantized-int4-*.pt"))
+    assert report.mode == "int4" and report.states == {}  # the report keeps no second copy of the weights
+    assert "(quantized in" in caplog.text
+
+    caplog.clear()
+    second = _tiny_llama()  # the same weights, loaded again
+    calls = []  # quantize_weight on the model's own weights (the kernel probes quantize made-up ones)
+    real = Int4Linear.quantize_weight
+    own = {p.data_ptr() for p in second.parameters()}
+    monkeypatch.setattr(Int4Linear, "quantize_weight",
+                        staticmethod(lambda w, *a, **k: calls.append(w.data_ptr()) or real(w, *a, **k)))
+    with caplog.at_level(logging.INFO, logger="multistream"):
+        again = _quantize(second, "int4", "int4", CPU, tmp_path)
+    monkeypatch.undo()
+    assert own.isdisjoint(calls) and "from the quantized-weights cache" in caplog.text
+    assert again.by_kind == report.by_kind and again.fused == report.fused
+    with torch.no_grad():
+        assert torch.equal(first(probe).logits, second(probe).logits)
+
+    # A torn file is ignored with a warning, quantized again and rewritten.
+    stored.write_bytes(b"not a torch file")
+    third = _tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="multistream"):
+        _quantize(third, "int4", "int4", CPU, tmp_path)
+    assert "ignoring the quantized-weights cache" in caplog.text
+    with torch.no_grad():
+        assert torch.equal(first(probe).logits, third(probe).logits)
+    assert torch.load(stored, weights_only=True).keys() == report_keys(first)
+
+
+def report_keys(model: torch.nn.Module) -> set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear))
+            and not name.endswith(("qkv_fused", "gate_up_fused"))}
+
+
+def _together(llm, prompts: list[str], **kwargs: object) -> list:
+    streams = [llm.stream(p, **kwargs) for p in prompts]
+    finals: list = [None] * len(streams)
+    threads = [threading.Thread(target=lambda i=i: finals.__setitem__(i, streams[i].wait())) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return finals
+
+
+def test_the_fast_decode_step_equals_transformers_forward_bit_for_bit(tiny_quantized) -> None:
+    """Past the buffers' spare columns (GROW), alone and in a batch of left-padded rows."""
+    from multistream.text._fast_decode import GROW
+
+    n = GROW + 10
+    alone = [tiny_quantized.generate(p, max_new_tokens=n) for p in TINY_PROMPTS]
+    assert tiny_quantized._batcher._fast is not None
+    ids = tiny_quantized.encode_prompt(TINY_PROMPTS[1])
+    out = tiny_quantized.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    assert alone[1].text == tiny_quantized.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    together = _together(tiny_quantized, TINY_PROMPTS, max_new_tokens=n)
+    assert [f.text for f in together] == [a.text for a in alone]
+
+
+def test_the_fast_decode_step_keeps_its_prefill_points(tiny_quantized, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request arriving during a fast decode step is prefilled between two of its layers."""
+    batcher = tiny_quantized._batcher
+    tiny_quantized.generate("Hi", max_new_tokens=2)  # the fast step is chosen at the first decode
+    fast = batcher._fast
+    arrived: dict = {}
+    step = fast.step
+
+    def arriving(*args: object, **kwargs: object) -> torch.Tensor:
+        if not arrived and batcher.steps >= 3:
+            arrived["stream"] = tiny_quantized.stream(TINY_PROMPTS[3], max_new_tokens=5)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(fast, "step", arriving)
+    before = batcher.prefills_inside_steps
+    running = tiny_quantized.stream(TINY_PROMPTS[1], max_new_tokens=12)
+    final = running.wait()
+    joined = arrived["stream"].wait()
+    monkeypatch.undo()
+    assert batcher.prefills_inside_steps == before + 1
+    assert final.text == tiny_quantized.generate(TINY_PROMPTS[1], max_new_tokens=12).text
+    assert joined.text == tiny_quantized.generate(TINY_PROMPTS[3], max_new_tokens=5).text
+
+
+def test_steer_and_rewind_on_the_fast_decode_step(tiny_quantized) -> None:
+    """Edits reshape the cache between steps (select, crop): the buffers follow."""
+    s = tiny_quantized.stream(TINY_PROMPTS[2], max_new_tokens=30)
+    events = []
+    for ev in s:
+        events.append(ev)
+        if len(events) == 5:
+            s.rewind(0)
+    assert events[-1].is_final and events[-1].usage["completion_tokens"] >= 1
+    assert events[-1].text == tiny_quantized.generate(TINY_PROMPTS[2], max_new_tokens=30).text
+
+
 # -- kernels missing: fallback or a clear error ------------------------------------------------
 
 
@@ -168,7 +306,7 @@ def test_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, capl
     monkeypatch.setattr("multistream.text._loading.AUTO_QUANTIZE_EMBEDDED_CPU", auto)
     _break(monkeypatch, broken)
     with caplog.at_level(logging.WARNING, logger="multistream"):
-        llm = ms.load_text_model(quantize="auto")
+        llm = ms.load_text_model(quantize="auto", compile=False)
     try:
         lines = [r.getMessage() for r in caplog.records if "quantize='auto'" in r.getMessage()]
         assert len(lines) == 1, lines
@@ -194,7 +332,8 @@ PARITY_PROMPTS = [
 
 @pytest.fixture(scope="module", params=[None, "int8", "int4"], ids=["fp32", "int8", "int4"])
 def quantized_llm(request: pytest.FixtureRequest):
-    llm = ms.load_text_model(quantize=request.param, max_batch=4)
+    # compile=False: the eager step is bit for bit transformers' forward, which the test checks too.
+    llm = ms.load_text_model(quantize=request.param, max_batch=4, compile=False)
     yield llm
     llm.close()
 
@@ -202,35 +341,132 @@ def quantized_llm(request: pytest.FixtureRequest):
 @pytest.mark.model
 def test_each_mode_loads_and_reports_itself(quantized_llm) -> None:
     report = quantized_llm.quantization
-    layers = [type(m).__name__ for m in quantized_llm.model.model.layers.modules()]
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    kinds = {type(layer.get_submodule(n)).__name__ for layer in quantized_llm.model.model.layers for n in names}
     if report.mode is None:
-        assert "Int8Linear" not in layers and "Int4Linear" not in layers
+        assert kinds == {"Linear"} and report.fused == 0
     else:
         assert report.requested == report.mode and report.bytes_after < report.bytes_before / 2
-        assert layers.count(f"Int{report.mode[-1]}Linear") == 210  # 30 decoder layers x 7
+        assert kinds == {f"Int{report.mode[-1]}Linear"}
         assert isinstance(quantized_llm.model.lm_head, Int8Linear)  # the head stays int8 in both modes
+        assert report.fused == 60  # q/k/v and gate/up of each of the 30 layers, one call each
 
 
 @pytest.mark.model
 def test_each_mode_batches_exactly_like_its_own_generate(quantized_llm) -> None:
     alone = [quantized_llm.generate(p, max_new_tokens=20) for p in PARITY_PROMPTS]
-    finals: list = [None] * len(PARITY_PROMPTS)
-    streams = [quantized_llm.stream(p, max_new_tokens=20) for p in PARITY_PROMPTS]  # one batch of 4 rows
-
-    def consume(i: int) -> None:
-        finals[i] = streams[i].wait()
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    finals = _together(quantized_llm, PARITY_PROMPTS, max_new_tokens=20)  # one batch of 4 rows
     assert [f.text for f in finals] == [a.text for a in alone]
     assert [f.usage for f in finals] == [a.usage for a in alone]
     # ...and the stream alone is transformers' own greedy generate on the same (quantized) model.
     ids = quantized_llm.encode_prompt(PARITY_PROMPTS[2])
     out = quantized_llm.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
     assert alone[2].text == quantized_llm.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+@pytest.mark.model
+def test_the_default_is_int4_on_the_eager_fast_step(text_model) -> None:
+    """load_text_model() on a CPU: int4 weights (quantize='auto'), the eager fast decode step (no
+    compile: it costs ~50 s a load), and each stream in a batch equals its output alone."""
+    assert text_model.quantization.requested == "auto"
+    assert text_model.quantization.mode == AUTO_QUANTIZE_EMBEDDED_CPU == "int4"
+    assert text_model.compiled is None
+    alone = [text_model.generate(p, max_new_tokens=24) for p in PARITY_PROMPTS]
+    assert text_model._batcher._fast is not None
+    together = _together(text_model, PARITY_PROMPTS, max_new_tokens=24)
+    assert [f.text for f in together] == [a.text for a in alone]
+    assert [f.usage for f in together] == [a.usage for a in alone]
+
+
+@pytest.mark.model
+def test_logprobs_on_the_default_model_are_its_own_generate_logits(text_model) -> None:
+    """Token confidence on the default (int4) model: each step's logprobs are the log-softmax of
+    the logits transformers' own generate computes on the same quantized model, step by step."""
+    prompt = PARITY_PROMPTS[1]
+    events = list(text_model.stream(prompt, max_new_tokens=12, logprobs=True, top_logprobs=3))
+    entries = [e for ev in events for e in ev.logprobs or []]
+    ids = text_model.encode_prompt(prompt)
+    out = text_model.model.generate(torch.tensor([ids]), max_new_tokens=len(entries), do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert [e["token_id"] for e in entries] == out.sequences[0, len(ids):].tolist()
+    for entry, logits in zip(entries, out.logits):
+        reference = logits[0].float().log_softmax(-1)
+        assert abs(entry["logprob"] - reference[entry["token_id"]].item()) < 1e-4
+        assert [a["token_id"] for a in entry["top_logprobs"]] == reference.topk(3).indices.tolist()
+
+
+def test_the_compiled_step_batches_exactly_and_computes_what_the_eager_one_does(text_tokenizer) -> None:
+    """compile=True's step on a tiny quantized Llama: a stream in a batch equals it alone (each
+    row's arithmetic is its own), and its logits are the eager step's to rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from multistream.text._compiled_decode import compile_decode
+    from multistream.text._row_attention import use_row_attention
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(text_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=text_tokenizer.eos_token_id, bos_token_id=text_tokenizer.bos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    quantize_model(model, "int4")
+    use_row_attention(model)
+    llm = ms.TextModel(model, text_tokenizer, name="tiny-int4-compiled", max_batch=4)
+    def second_token_logprobs() -> list[dict[int, float]]:
+        # The second token is the first decode step's (the first comes from the prefill).
+        out = []
+        for p in TINY_PROMPTS:
+            events = list(llm.stream(p, max_new_tokens=2, logprobs=True, top_logprobs=5))
+            second = [e for ev in events for e in (ev.logprobs or [])][1]
+            out.append({a["token_id"]: a["logprob"] for a in second["top_logprobs"]})
+        return out
+
+    try:
+        eager = second_token_logprobs()
+        report = compile_decode(model)
+        assert report.compiled, report.error
+        alone = [llm.generate(p, max_new_tokens=12) for p in TINY_PROMPTS]
+        together = _together(llm, TINY_PROMPTS, max_new_tokens=12)
+        assert [f.text for f in together] == [a.text for a in alone]
+        for before, after in zip(eager, second_token_logprobs()):
+            assert abs(max(before.values()) - max(after.values())) < 0.05
+            assert all(abs(before[t] - after[t]) < 0.05 for t in before.keys() & after.keys())
+    finally:
+        llm.close()
+
+
+def test_a_compile_failure_leaves_the_eager_step_with_one_log_line(tiny_quantized, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from multistream.text._compiled_decode import compile_decode
+    from multistream.text._fast_decode import compiled_decode
+
+    def no_compiler(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("Compiler: cc is not found")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="multistream"):
+        report = compile_decode(tiny_quantized.model)
+    assert not report.compiled and "cc is not found" in report.error
+    assert [r.getMessage() for r in caplog.records] == [
+        "compiling the decode step failed (RuntimeError: Compiler: cc is not found); decoding eagerly"]
+    assert compiled_decode(tiny_quantized.model) is None
+    assert tiny_quantized.generate("Hi", max_new_tokens=3).usage["completion_tokens"] == 3
+
+
+def test_compile_is_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="compile must be True or False"):
+        ms.load_text_model(compile="yes")
+
+
+@pytest.mark.model
+def test_compile_where_it_cannot_apply_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="multistream"):
+        llm = ms.load_text_model(quantize=None, compile=True)
+    llm.close()
+    assert llm.compiled is None
+    assert [r.getMessage() for r in caplog.records if "compile" in r.getMessage()] == [
+        "compile=True: this model's decode step cannot be compiled (it needs quantize= and a Llama-family model "
+        "on a CPU); decoding eagerly"]
 
 
 # -- quality against fp32 -----------------------------------------------------------------------
@@ -256,7 +492,7 @@ MIN_AGREEMENT = {"int8": 0.3, "int4": 0.45}
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quality_holds_against_fp32(fp32_reference, mode: str) -> None:
     encoded, reference, reference_ppl = fp32_reference
-    llm = ms.load_text_model(quantize=mode)
+    llm = ms.load_text_model(quantize=mode, compile=False)  # (greedy_tokens runs the model's own forward)
     try:
         tokens = [greedy_tokens(llm.model, ids, 32, llm.eos_token_ids) for ids in encoded]
         ppl = perplexity(llm.model, llm.tokenizer, _paragraphs())

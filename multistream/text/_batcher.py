@@ -42,6 +42,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._constraints import apply_masks
+from ._fast_decode import PREFILL_POINTS, FastDecode
 from ._kv_rows import RowCache, supports_row_cache
 from ._logprobs import TokenTable, entries
 from ._request import TextRequest
@@ -53,8 +54,7 @@ __all__ = ["SharedPrompt", "TextBatcher"]
 logger = logging.getLogger("multistream")
 
 _ANY = (float("inf"), float("inf"))  # during a decode, any newcomer may take a prefill point
-# Prefill points per decode forward: a newcomer waits at most about 1/N of a step for its prefill.
-_PREFILL_POINTS = 6
+_PREFILL_POINTS = PREFILL_POINTS  # per decode forward: a newcomer waits at most about 1/N of a step
 
 
 def _decoder_layers(model: Any) -> list[Any]:
@@ -166,6 +166,9 @@ class TextBatcher:
         self._budget_left = prefill_budget  # of this step's prefill budget
         self._engine_thread = 0
         self._hooks: list[Any] = []
+        self._point_layers: frozenset[int] = frozenset()  # layer indices with a prefill point
+        self._fast: FastDecode | None = None
+        self._fast_checked = False
 
     # -- Backend --------------------------------------------------------------------------------
 
@@ -225,6 +228,7 @@ class TextBatcher:
 
         # Not before the first layer: the step boundary just before it has already looked.
         self._hooks = [layer.register_forward_pre_hook(prefill_point) for layer in layers[spacing::spacing]]
+        self._point_layers = frozenset(range(spacing, len(layers), spacing))  # the fast decode calls them itself
 
     def _prefill_point(self) -> None:
         # The hooks sit on the user's model: only the engine's own batched decode stops here (not a
@@ -558,7 +562,9 @@ class TextBatcher:
         self._engine_thread = threading.get_ident()
         self._open_for = _ANY if self._poll_arrivals is not None else None
         try:
-            out = self._forward(input_ids, mask, positions, rows.cache)
+            logits = self._fast_step(input_ids, positions, rows)
+            if logits is None:
+                logits = self._forward(input_ids, mask, positions, rows.cache).logits[:, -1, :]
         except Exception as exc:  # noqa: BLE001 - every row of this batch shares the fault
             logger.exception("a batched decode step failed; ending its %d streams", size)
             for req in batch:
@@ -571,7 +577,7 @@ class TextBatcher:
         rows.mask = mask
         for req in batch:
             req.prefilled += 1
-        logits = raw_logits = out.logits[:, -1, :]
+        raw_logits = logits
         # Each request takes ``width`` rows of the batch (a beam search one per beam); its first row:
         row_of = [self._first_row(i) for i in range(len(batch))]
         if any(req.constraint is not None for req in batch):
@@ -625,6 +631,22 @@ class TextBatcher:
             rows.reorder(moved_to, moved_from)
         if ended:
             self._remove_rows(sorted(set(ended)))
+
+    def _fast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: RowCache) -> torch.Tensor | None:
+        """The decode through `FastDecode` (quantized Llama-family models), or None to take the model's forward."""
+        if not self._fast_checked:
+            self._fast_checked = True
+            self._fast = FastDecode.for_model(self.model)
+        # A forward replaced on the instance (a wrapper, accelerate's hooks, a test's spy) is the user's
+        # say in what a step runs: respect it.
+        if self._fast is None or not self._mergeable or "forward" in vars(self.model):
+            return None
+        starts = _left_padding(rows.mask)
+        if starts is None:
+            return None
+        points = self._point_layers if self._poll_arrivals is not None else frozenset()
+        return self._fast.step(input_ids, positions, rows, starts if len(starts) > 1 or starts[0] else None,
+                               points, self._prefill_point)
 
     # -- choosing tokens ------------------------------------------------------------------------
 

@@ -104,6 +104,8 @@ class TextModel:
 
     #: What ``load_text_model(quantize=...)`` applied (a `QuantizationReport`); None when built directly.
     quantization: Any = None
+    #: How ``load_text_model(compile=...)`` compiled the decode step (a `CompileReport`), or None.
+    compiled: Any = None
 
     def __init__(
         self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = 16, prefill_budget: int = 512

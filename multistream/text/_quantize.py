@@ -54,12 +54,16 @@ import torch
 from ..errors import InvalidArgumentError
 
 __all__ = [
+    "FUSED_GROUPS",
     "QUANTIZE_MODES",
     "Int4Linear",
     "Int8Linear",
     "QuantizationReport",
     "check_quantize",
+    "fuse_projections",
     "kernel_problem",
+    "layer_from_state",
+    "layer_state",
     "quantize_model",
 ]
 
@@ -238,6 +242,102 @@ def _make(mode: str, linear: torch.nn.Linear, compute_dtype: torch.dtype) -> tor
     return Int4Linear.from_linear(linear)
 
 
+def layer_state(layer: torch.nn.Module) -> dict[str, Any]:
+    """What rebuilds a quantized layer without quantizing again (`layer_from_state`): its kind,
+    packed buffers and shape; a quantized-weights cache stores these."""
+    if isinstance(layer, Int8Linear):
+        return {"kind": "int8", "weight_int8": layer.weight_int8, "scales": layer.scales, "bias": layer.bias}
+    assert isinstance(layer, Int4Linear)
+    return {"kind": "int4", "packed": layer.packed, "scales_and_zeros": layer.scales_and_zeros, "bias": layer.bias,
+            "shape": (layer.in_features, layer.out_features, layer.group_size)}
+
+
+def layer_from_state(state: dict[str, Any]) -> torch.nn.Module:
+    """The layer `layer_state` describes."""
+    if state["kind"] == "int8":
+        return Int8Linear(state["weight_int8"], state["scales"], state["bias"])
+    return Int4Linear(state["packed"], state["scales_and_zeros"], state["bias"], *state["shape"])
+
+
+# -- fused projections --------------------------------------------------------------------------
+
+# Projections that read the same input: one kernel call (and one bf16 cast) for all of them.
+FUSED_GROUPS = {"qkv_fused": ("q_proj", "k_proj", "v_proj"), "gate_up_fused": ("gate_proj", "up_proj")}
+
+
+def _concat(layers: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """One layer computing ``layers``' outputs side by side, from their quantized buffers, or None
+    when they differ in kind, input or device."""
+    first = layers[0]
+    if not all(type(m) is type(first) and m.in_features == first.in_features for m in layers):
+        return None
+    if len({(m.bias is None) for m in layers}) != 1:
+        return None
+    bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+    if isinstance(first, Int8Linear):
+        if len({m.compute_dtype for m in layers}) != 1:
+            return None
+        return Int8Linear(torch.cat([m.weight_int8 for m in layers]), torch.cat([m.scales for m in layers]), bias)
+    if isinstance(first, Int4Linear):
+        packed = torch.cat([m.packed for m in layers])  # row blocks are independent (the probe checks it)
+        scales = torch.cat([m.scales_and_zeros for m in layers], 1)
+        return Int4Linear(packed, scales, bias, first.in_features, sum(m.out_features for m in layers),
+                          first.group_size)
+    return None
+
+
+def _share(fused: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    """Point each layer's buffers at its rows of the fused layer's (no second copy of the weights)."""
+    start = 0
+    for layer in layers:
+        end = start + layer.out_features
+        if isinstance(layer, Int8Linear):
+            layer.weight_int8, layer.scales = fused.weight_int8[start:end], fused.scales[start:end]
+        else:
+            layer.packed = fused.packed[start:end]
+        if layer.bias is not None:
+            layer.bias = fused.bias[start:end]
+        start = end
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Give each attention (and MLP) with quantized q/k/v (gate/up) projections a ``qkv_fused``
+    (``gate_up_fused``) layer that computes them in one call; the projections keep working (they
+    read the fused layer's rows). Returns how many were fused. A fused layer whose output is not
+    bit for bit its parts' is not kept.
+
+    Example:
+        >>> attn = torch.nn.Module()
+        >>> for name, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        ...     setattr(attn, name, Int4Linear.from_linear(torch.nn.Linear(64, n)))
+        >>> fuse_projections(attn), attn.qkv_fused.splits
+        (1, [64, 32, 32])
+    """
+    fused_count = 0
+    for module in list(model.modules()):
+        for fused_name, names in FUSED_GROUPS.items():
+            parts = [getattr(module, n, None) for n in names]
+            if any(not isinstance(p, (Int8Linear, Int4Linear)) for p in parts) or hasattr(module, fused_name):
+                continue
+            fused = _concat(parts)
+            if fused is None:
+                continue
+            device = (parts[0].weight_int8 if isinstance(parts[0], Int8Linear) else parts[0].packed).device
+            probe = torch.randn(2, parts[0].in_features, generator=torch.Generator().manual_seed(0)).to(device)
+            try:
+                with torch.no_grad():
+                    same = torch.equal(fused(probe), torch.cat([p(probe) for p in parts], -1))
+            except Exception:  # noqa: BLE001 - a layout that does not concatenate: keep the parts
+                same = False
+            if not same:
+                continue
+            fused.splits = [p.out_features for p in parts]
+            _share(fused, parts)
+            setattr(module, fused_name, fused)
+            fused_count += 1
+    return fused_count
+
+
 # -- probing the kernels ----------------------------------------------------------------------
 
 
@@ -294,6 +394,9 @@ class QuantizationReport:
     bytes_before: int = 0
     bytes_after: int = 0
     fallback: str | None = None  # why the requested mode did not run, when it did not
+    fused: int = 0  # groups of projections (q/k/v, gate/up) computed in one call
+    # `layer_state` of each quantized layer by name (what a quantized-weights cache stores)
+    states: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     def describe(self) -> str:
         if self.mode is None:
@@ -315,13 +418,12 @@ def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.n
 
 
 def _size(module: torch.nn.Module) -> int:
-    seen: set[int] = set()
-    total = 0
+    """Bytes of the module's tensors, each storage once (fused layers and their parts share theirs)."""
+    storages = {}
     for t in list(module.parameters()) + list(module.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _untie_head(model: torch.nn.Module) -> None:
@@ -338,7 +440,8 @@ def _untie_head(model: torch.nn.Module) -> None:
 
 
 def quantize_model(
-    model: torch.nn.Module, mode: str | None, *, on_fallback: Callable[[str], None] | None = None
+    model: torch.nn.Module, mode: str | None, *, on_fallback: Callable[[str], None] | None = None,
+    cached: dict[str, dict[str, Any]] | None = None,
 ) -> QuantizationReport:
     """Replace the model's linear layers (in place) by `Int8Linear`/`Int4Linear` layers.
 
@@ -350,6 +453,9 @@ def quantize_model(
         >>> net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
         >>> quantize_model(net, "int4").by_kind
         {'int4': 2}
+
+    ``cached``: `layer_state` per layer name, from an earlier run on the same weights, device and
+    torch (``report.states`` holds this run's): those layers are rebuilt, not quantized again.
     """
     report = QuantizationReport(mode=None, requested=mode)
     if mode is None:
@@ -376,6 +482,7 @@ def quantize_model(
                 f"quantize={mode!r} cannot run on {linear.weight.device.type} here ({reason}); use "
                 f"quantize={'int8' if mode == 'int4' else None!r} or quantize=None"
             )
+    names = {id(module): name for name, module in model.named_modules()}
     with torch.no_grad():
         for parent, name, linear in linears:
             # The LM head stays int8 in int4 mode: GGUF files keep it at 6-8 bits too, and int4
@@ -385,10 +492,17 @@ def quantize_model(
             if kind is None:
                 report.by_kind["kept"] = report.by_kind.get("kept", 0) + 1
                 continue
-            replacement = _make(kind, linear, kernel_dtype(kind, linear.weight.device, linear.weight.dtype))
+            path = f"{names[id(parent)]}.{name}".lstrip(".")
+            state = (cached or {}).get(path)
+            if state is not None and state.get("kind") == kind:
+                replacement = layer_from_state(state)
+            else:
+                replacement = _make(kind, linear, kernel_dtype(kind, linear.weight.device, linear.weight.dtype))
+            report.states[path] = layer_state(replacement)
             setattr(parent, name, replacement)
             report.by_kind[kind] = report.by_kind.get(kind, 0) + 1
             report.layers += 1
     report.mode = mode if report.layers else None
+    report.fused = fuse_projections(model)
     report.bytes_before, report.bytes_after = before, _size(model)
     return report

@@ -1,0 +1,172 @@
+"""A lean decode step for Llama-family models on the engine's rows, with a KV cache that grows in place.
+
+A decode step of a small model on a CPU is mostly overhead once its weights are quantized:
+transformers' forward builds an attention mask, goes through several wrappers per layer and
+concatenates every layer's whole KV cache with the new column (an O(length) copy per layer per
+step). `FastDecode` runs the same computation, op for op (the model's own norm, projection, MLP and
+rotary modules, transformers' ``apply_rotary_pos_emb`` and SDPA function, so its logits are bit for
+bit those of ``model(...)``), but:
+
+- the keys and values live in buffers with spare columns: a step writes its column in place and
+  the cache layers hold views of the buffers (a copy only every `GROW` steps, when they fill up);
+- no mask: it attends row by row (`multistream.text._row_attention`), each row on its own columns;
+- the engine's prefill points are called between layers directly (no hooks needed).
+
+It serves models that attend with `row_attention` (the quantized ones) and whose decoder layers
+have the Llama structure (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
+``post_attention_layernorm``, ``mlp``): Llama, SmolLM, Mistral without a sliding window. A model
+whose ``forward`` was replaced on the instance (a wrapper, accelerate's hooks) keeps its forward.
+
+Example:
+    >>> fast = FastDecode.for_model(model)                    # doctest: +SKIP
+    >>> logits = fast.step(input_ids, positions, rows, row_starts)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._kv_rows import RowCache
+from ._row_attention import row_attention, uses_row_attention
+
+__all__ = ["GROW", "PREFILL_POINTS", "FastDecode", "compiled_decode", "register_compiled"]
+
+GROW = 64  # spare columns per buffer: one copy of the cache every GROW decode steps
+# Prefill points per decode forward: a newcomer waits at most about 1/N of a step for its prefill.
+PREFILL_POINTS = 6
+_MODEL_TYPES = frozenset({"llama", "mistral"})
+# Models whose decode step was compiled (`multistream.text._compiled_decode`): model -> its layers' step.
+_COMPILED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def register_compiled(model: Any, decode: Any) -> None:
+    """From now on `FastDecode` runs ``model``'s layers through ``decode.run_layers`` (None: eager again)."""
+    with _LOCK:
+        if decode is None:
+            _COMPILED.pop(model, None)
+        else:
+            _COMPILED[model] = decode
+
+
+def compiled_decode(model: Any) -> Any | None:
+    """The compiled layers of ``model``'s decode step, if registered."""
+    with _LOCK:
+        return _COMPILED.get(model)
+
+
+class FastDecode:
+    """The decode step of one model (see the module docstring). Build it with `for_model`."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.model = model
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        self.apply_rotary = apply_rotary_pos_emb
+
+    @classmethod
+    def for_model(cls, model: Any) -> FastDecode | None:
+        """A fast decode step for ``model``, or None if it is not a model this step knows."""
+        config = getattr(model, "config", None)
+        inner = getattr(model, "model", None)
+        if config is None or inner is None or not uses_row_attention(model):
+            return None
+        if getattr(config, "model_type", None) not in _MODEL_TYPES or getattr(config, "sliding_window", None):
+            return None
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if not all(hasattr(inner, name) for name in needed) or not hasattr(model, "lm_head"):
+            return None
+        for layer in inner.layers:
+            attn = getattr(layer, "self_attn", None)
+            if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
+                return None
+            if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
+                return None
+        return cls(model)
+
+    def step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: RowCache, row_starts: list[int] | None,
+        points: frozenset[int] = frozenset(), prefill_point: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` for one new token per row; ``rows`` gains the token's column.
+
+        ``prefill_point()`` is called before the layers in ``points`` (the compiled step: before each
+        of its segments but the first, which are the same layers).
+        """
+        length = rows.length
+        layers = list(getattr(rows.cache, "layers", []))
+        hidden = self.inner.embed_tokens(input_ids)
+        cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
+        batch = hidden.shape[0]
+        compiled = compiled_decode(self.model)
+        if compiled is not None:
+            buffers = [_reserve(cached, length) for cached in layers]
+            starts = torch.tensor(row_starts if row_starts is not None else [0] * batch)
+            hidden = compiled.run_layers(hidden, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], length,
+                                         starts, prefill_point if points else None)
+            for cached, (kbuf, vbuf) in zip(layers, buffers):
+                cached.keys, cached.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
+            return self.model.lm_head(self.inner.norm(hidden)[:, -1:, :])[:, -1, :]
+        for i, (layer, cached) in enumerate(zip(self.layers, layers)):
+            if i in points and prefill_point is not None:
+                prefill_point()
+            attn = layer.self_attn
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            shape = (batch, 1, -1, attn.head_dim)
+            fused = getattr(attn, "qkv_fused", None)
+            if fused is not None:  # one kernel call; bit for bit the three projections (_quantize)
+                q, k, v = fused(hidden).split(fused.splits, -1)
+            else:
+                q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
+            q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+            q, k = self.apply_rotary(q, k, cos, sin)
+            keys, values = _append(cached, k, v, length)
+            out, _ = row_attention(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling, row_starts=row_starts)
+            hidden = residual + attn.o_proj(out.reshape(batch, 1, -1).contiguous())
+            residual = hidden
+            hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        hidden = self.inner.norm(hidden)
+        return self.model.lm_head(hidden[:, -1:, :])[:, -1, :]
+
+
+    @staticmethod
+    def _mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(mlp, "gate_up_fused", None)
+        if fused is None or not hasattr(mlp, "act_fn"):
+            return mlp(x)
+        gate, up = fused(x).split(fused.splits, -1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)  # LlamaMLP.forward, with gate and up in one call
+
+
+def _append(layer: Any, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one column at ``length`` into the layer's buffers; the layer then holds views of them."""
+    kbuf, vbuf = _reserve(layer, length)
+    kbuf[:, :, length : length + 1].copy_(k)
+    vbuf[:, :, length : length + 1].copy_(v)
+    layer.keys, layer.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
+    return layer.keys, layer.values
+
+
+def _reserve(layer: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's buffers with room for column ``length``: new ones with `GROW` spare columns when
+    its keys are not a view of them (the cache was reshaped: rows joined or left) or they are full."""
+    buffers = getattr(layer, "multistream_buffers", None)
+    keys = layer.keys
+    if buffers is None or buffers[0].data_ptr() != keys.data_ptr() or buffers[0].shape[0] != keys.shape[0] \
+            or buffers[0].shape[2] <= length or keys.shape[2] != length:
+        rows, heads, _, dim = keys.shape
+        kbuf = keys.new_empty(rows, heads, length + 1 + GROW, dim)
+        vbuf = layer.values.new_empty(rows, heads, length + 1 + GROW, dim)
+        kbuf[:, :, :length].copy_(keys)
+        vbuf[:, :, :length].copy_(layer.values)
+        buffers = (kbuf, vbuf)
+        layer.multistream_buffers = buffers
+    return buffers
