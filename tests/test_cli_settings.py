@@ -60,3 +60,28 @@ def test_help_comes_from_the_settings_docstring(capsys: pytest.CaptureFixture[st
         cli.main(["serve", "--help"])
     out = capsys.readouterr().out
     assert "--client-concurrency" in out and "(ServerSettings.client_concurrency)" in out
+
+
+def test_serve_quantize_reaches_the_text_model_loader() -> None:
+    """``multistream serve --quantize Q``: a named model loads with ``quantize=Q`` (a picklable
+    factory, so Ray replicas get it too); 'auto' keeps the name (the library default)."""
+    import pickle
+
+    from multistream._cli.serve import text_model_spec
+    from multistream.text import load_text_model
+
+    assert text_model_spec("default") == "default" and text_model_spec("none", "int8") is None
+    assert text_model_spec("multistream.testing:ScriptedTextModel", "int8") == "multistream.testing:ScriptedTextModel"
+    factory = pickle.loads(pickle.dumps(text_model_spec("default", "none")))
+    assert factory.func is load_text_model and factory.args == (None,)
+    assert factory.keywords == {"quantize": "none", "compile": False}
+    assert text_model_spec("default", "auto", True).keywords == {"quantize": "auto", "compile": True}
+    assert text_model_spec("/models/llama", "int4").args == ("/models/llama",)
+
+    seen: dict[str, Any] = {}
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setattr(server_pkg, "create_app", lambda **kwargs: seen.update(kwargs) or "app")
+        m.setattr(server_pkg, "serve", lambda app, **kw: None)
+        assert cli.main(["serve", "--quantize", "int8", "--image-model", "none"]) == 0
+    assert seen["text_model"].keywords == {"quantize": "int8", "compile": False}

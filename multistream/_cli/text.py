@@ -22,6 +22,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization (default auto: int4 for the embedded model on a CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the quantized decode step first (~50 s on 2 cores; then about 1.2x the tokens/s)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from ..text import load_text_model
 
     try:
-        llm = load_text_model(args.model, device=args.device, quantize=args.quantize)
+        llm = load_text_model(args.model, device=args.device, quantize=args.quantize, compile=args.compile)
         stream = llm.stream(
             args.prompt,
             max_new_tokens=args.max_new_tokens,
