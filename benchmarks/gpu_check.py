@@ -13,6 +13,7 @@ narrow SD 1.5-shaped model, to check the script itself where there is no GPU.
 
     python benchmarks/gpu_check.py            # on a CUDA machine
     python benchmarks/gpu_check.py --tiny     # anywhere, in seconds
+    python benchmarks/gpu_check.py --text     # text: bf16 / int8 / int4 on SmolLM2-1.7B's layout (gpu_text.py)
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--size", type=int, default=None, help="image side, default 512 (--tiny: 64)")
     ap.add_argument("--scheduler", default="pndm", help="pndm (SD 1.5's), ddim, euler or dpm")
+    ap.add_argument("--text", action="store_true",
+                    help="the text check instead: SmolLM2-1.7B's layout, bf16 / int8 / int4 (benchmarks/gpu_text.py)")
     args = ap.parse_args(argv)
+    if args.text:
+        return text_check(args)
 
     started = time.perf_counter()
     import diffusers
@@ -90,6 +95,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:>6} previews every step: {results[mode]['ratio']:.3f}x the plain call")
     if device.type == "cuda":
         print(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def text_check(args: argparse.Namespace) -> int:
+    import torch
+    from gpu_text import print_table, run
+
+    if not args.tiny and not torch.cuda.is_available():
+        print("no CUDA device; run with --tiny to check the script on the CPU", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    name = "cpu (--tiny)" if args.tiny else torch.cuda.get_device_name(0)
+    print(f"device: {name}; torch {torch.__version__}; text modes on SmolLM2-1.7B's layout, random weights")
+    print_table(run(args.tiny, reps=args.reps))
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0
 
