@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+from typing import Any
 
 import httpx
 import openai
@@ -99,3 +100,37 @@ def test_non_streaming_client_that_times_out_cancels_the_generation() -> None:
         while model.active and time.monotonic() < deadline:
             time.sleep(0.05)
         assert model.finish_reasons == ["cancelled"]
+
+
+class _ScoringModel(ScriptedTextModel):
+    """A scripted model that can score prompts (what /v1/completions' echo with logprobs calls)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scored: list[str] = []
+
+    def score(self, prompt: Any, *, top_logprobs: int = 0, chat: Any = None) -> list[Any]:
+        self.scored.append(prompt)
+        return [None] + [{"token_id": i, "token": w, "bytes": list(w.encode()), "logprob": -0.5, "top_logprobs": []}
+                         for i, w in enumerate(str(prompt).split(" ")[1:])]
+
+
+def test_echo_scoring_queues_for_a_slot_like_a_stream() -> None:
+    """Scoring a prompt runs on the model's engine: with its one slot taken by a stream, an
+    echo request waits in the queue (here: until queue_timeout_s, a 503), not beside it; once
+    the slot is free it is served."""
+    model = _ScoringModel(tokens=[f" w{i}" for i in range(40)], delay_s=0.05)
+    with make_server(model, text_concurrency=1, queue_timeout_s=0.5) as srv:
+        body = {"model": "m", "prompt": "The capital of France", "max_tokens": 0, "echo": True, "logprobs": 1}
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", srv.url + "/v1/text", json={"prompt": "busy", "max_new_tokens": 30}) as busy:
+                lines = busy.iter_lines()
+                assert next(lines)  # the stream holds the slot now
+                r = client.post(srv.url + "/v1/completions", json=body)
+                assert r.status_code == 503 and "queue" in r.json()["error"]["message"], r.text
+                assert model.scored == []
+                for _ in lines:  # the stream to its end: its slot is free again
+                    pass
+            r = client.post(srv.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "The capital of France" and model.scored == ["The capital of France"]

@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -156,19 +155,25 @@ class _Echo:
         self.text, self.tokens, self.entries = text, tokens, entries
 
 
-async def _echo(state: ServerState, prompt: str, req: CompletionRequest) -> _Echo:
+async def _echo(state: ServerState, prompt: str, req: CompletionRequest, request: Request,
+                principal: Principal) -> _Echo:
     model = state.models["text"].get()
     if req.logprobs is None:
         count = getattr(model, "count_tokens", None)
         return _Echo(prompt, count(prompt) if count else 0, None)
-    score = getattr(model, "score", None)
-    if not callable(score):
+    if not callable(getattr(model, "score", None)):
         raise Problem(400, "unsupported", "this model cannot score prompts, so echo with logprobs is not available",
                       param="echo")
-    try:
-        entries = await asyncio.to_thread(score, prompt, top_logprobs=req.logprobs, chat=False)
-    except Exception as exc:  # noqa: BLE001 - bad input is the client's 400, as for a stream
-        raise Problem(400, "invalid_argument", str(exc), param="prompt") from None
+
+    def score(m: Any) -> Any:
+        try:
+            return m.score(prompt, top_logprobs=req.logprobs, chat=False)
+        except Exception as exc:  # noqa: BLE001 - bad input is the client's 400, as for a stream
+            raise Problem(400, "invalid_argument", str(exc), param="prompt") from None
+
+    # Scoring is a prefill on the model's engine: it queues and takes a slot like a stream does.
+    entries = await state.run_admitted("text", score, priority=req.priority or 0, request=request,
+                                       principal=principal)
     return _Echo(prompt, len(entries), entries)
 
 
@@ -205,7 +210,7 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
     kwargs_list = [req.to_text_options(p, settings) for p in prompts]
     # max_tokens=0 (echo only) generates nothing; the other options are checked as a stream would be
     check_options({**kwargs_list[0], "max_new_tokens": max(1, kwargs_list[0].get("max_new_tokens", 1))})
-    echoes = [await _echo(state, p, req) for p in prompts] if req.echo else None
+    echoes = [await _echo(state, p, req, request, principal) for p in prompts] if req.echo else None
     generate = (req.max_tokens if req.max_tokens is not None else 16) > 0
     records: list[StreamRecord] = []
     try:

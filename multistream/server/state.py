@@ -172,25 +172,7 @@ class ServerState:
             return self.registry.start(_filtered_stream(), kind=kind, resumable=resumable,
                                        model_name=self.models[kind].name, arrived_at=arrived_at, owner=owner,
                                        owner_keyed=keyed)
-        if principal is not None:
-            used = self.in_use.get(principal.id, 0)
-            if used >= principal.concurrency:
-                raise Problem(429, "quota_exceeded", f"you already have {used} streams queued or running, your "
-                              f"quota ({'per key' if principal.keyed else 'per client address'}: client_concurrency "
-                              "or the key's concurrency=); wait for one to finish", {"Retry-After": "2"})
-            self.in_use[principal.id] = used + 1
-        released = False
-
-        def release_quota() -> None:
-            nonlocal released
-            if principal is not None and not released:
-                released = True
-                left = self.in_use.get(principal.id, 1) - 1
-                if left > 0:
-                    self.in_use[principal.id] = left
-                else:
-                    self.in_use.pop(principal.id, None)
-
+        release_quota = self._take_quota(principal)
         gate = self.gates[kind]
         waited = time.perf_counter()
         try:
@@ -221,6 +203,61 @@ class ServerState:
                                    model_name=self.models[kind].name, content_filter=self.content_filter,
                                    arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
                                    count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
+
+    def _take_quota(self, principal: Principal | None) -> Callable[[], None]:
+        """Count one more request queued or running for ``principal`` (a 429 past its quota);
+        returns the function that gives it back (once)."""
+        if principal is None:
+            return lambda: None
+        used = self.in_use.get(principal.id, 0)
+        if used >= principal.concurrency:
+            raise Problem(429, "quota_exceeded", f"you already have {used} streams queued or running, your "
+                          f"quota ({'per key' if principal.keyed else 'per client address'}: client_concurrency "
+                          "or the key's concurrency=); wait for one to finish", {"Retry-After": "2"})
+        self.in_use[principal.id] = used + 1
+        released = False
+
+        def release_quota() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                left = self.in_use.get(principal.id, 1) - 1
+                if left > 0:
+                    self.in_use[principal.id] = left
+                else:
+                    self.in_use.pop(principal.id, None)
+
+        return release_quota
+
+    async def run_admitted(self, kind: str, call: Callable[[Any], Any], *, priority: int = 0,
+                           request: Request | None = None, principal: Principal | None = None) -> Any:
+        """``call(model)`` on a worker thread, admitted like a stream: the client's quota, the
+        model's queue and one of its slots, held until the call returns. For model work that is
+        not a stream, e.g. scoring a prompt for /v1/completions' ``echo``.
+
+        Example:
+            >>> entries = await state.run_admitted("text", lambda m: m.score("Hi"))   # doctest: +SKIP
+        """
+        if self.draining:
+            raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
+                          {"Retry-After": "5"})
+        model = self.models[kind].get()
+        gate = self.gates[kind]
+        if not gate.concurrency:
+            gate.concurrency = _capacity(model, kind)
+        release_quota = self._take_quota(principal)
+        try:
+            await _until_disconnected(gate.acquire(self.cap_priority(priority, principal),
+                                                   self.settings.queue_timeout_s), request, on_abandoned=gate.release)
+        except BaseException:
+            release_quota()
+            raise
+        started = time.perf_counter()
+        try:
+            return await asyncio.to_thread(call, model)
+        finally:
+            gate.release(time.perf_counter() - started)
+            release_quota()
 
     def _filter_prompt(self, kwargs: dict[str, Any]) -> bool:
         """Run the content filter over the prompt(s); True when it says stop."""
