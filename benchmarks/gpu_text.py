@@ -3,12 +3,12 @@
 Builds a Llama with SmolLM2-1.7B-Instruct's configuration (24 layers, hidden 2048, MLP 8192, 32
 heads, vocab 49152, tied embeddings; 1.7B parameters) with random weights and the embedded
 model's tokenizer (same vocabulary; nothing is downloaded), then for each mode quantizes it the
-way ``load_text_model(quantize=...)`` does (`quantize_model`, then row-by-row attention for the
-quantized ones) and measures through ``llm.stream()``: weight memory, peak GPU memory,
-single-stream decode tokens/s and TTFT, and the aggregate tokens/s of 8 concurrent streams.
+way ``load_text_model(quantize=...)`` does (`quantize_model`) and measures through
+``llm.stream()``: weight memory, peak GPU memory, single-stream decode tokens/s and TTFT, and the
+aggregate tokens/s of 8 concurrent streams.
 EOS is biased away (random weights would end answers at random lengths).
 
-    python benchmarks/gpu_check.py --text          # on a CUDA machine (about 2 minutes on an H200)
+    python benchmarks/gpu_check.py --text          # on a CUDA machine (not yet run on one)
     python benchmarks/gpu_check.py --text --tiny   # anywhere: a narrow model on the CPU, to check the script
 """
 
@@ -44,14 +44,11 @@ def build(mode: str | None, config: Any, device: torch.device, dtype: torch.dtyp
 
     import multistream as ms
     from multistream.text._quantize import quantize_model
-    from multistream.text._row_attention import use_row_attention
 
     torch.manual_seed(0)
     with torch.device(device):  # a copy of the config: quantizing unties the head in the config it is given
         model = LlamaForCausalLM(copy.deepcopy(config)).to(dtype).eval()
-    report = quantize_model(model, mode)
-    if report.mode is not None:
-        use_row_attention(model)  # as load_text_model does for quantized models
+    report = quantize_model(model, mode)  # as load_text_model does (row attention included)
     llm = ms.TextModel(model, tokenizer, name=f"smollm2-1.7b-layout-{mode or 'bf16'}", max_batch=16)
     llm.quantization = report
     return llm

@@ -23,18 +23,13 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
-PROMPTS = [
-    "Once upon a time, in a small village by the sea, there lived",
-    "The history of the Roman empire begins with",
-    "In the year 2050, the cities of the world will",
-    "My grandmother's recipe for bread starts with",
-    "The best way to learn a new programming language is",
-    "Dear diary, today I walked to the market and",
-    "The mountain was covered in snow, and the climbers",
-    "Scientists have discovered a new species of frog that",
-]
+from engine import PROMPTS as ENGINE_PROMPTS  # noqa: E402  (raw-completion prompts that do not stop early)
+
+PROMPTS = ENGINE_PROMPTS[:8]
 LONG_PROMPT = " ".join(PROMPTS) * 3  # a prompt long enough that its prefill shows in the TTFT
 
 

@@ -140,32 +140,30 @@ TINY_PROMPTS = ["Hi", "Tell me about cats and why they purr so much.",
                 "Write a short poem about the sea at night, with rhymes.", "What is two plus two?"]
 
 
-@pytest.fixture(scope="module")
-def tiny_quantized(text_tokenizer):
-    """A tiny random Llama, quantized like load_text_model does (int4, fused projections, row attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from multistream.text._row_attention import use_row_attention
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(text_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=text_tokenizer.eos_token_id, bos_token_id=text_tokenizer.bos_token_id)
-    model = LlamaForCausalLM(config).eval()
-    report = quantize_model(model, "int4")
-    assert report.fused == 8 and use_row_attention(model)
-    llm = ms.TextModel(model, text_tokenizer, name="tiny-int4", max_batch=4)
-    yield llm
-    llm.close()
-
-
-def _tiny_llama(seed: int = 0):
+def _tiny_llama(tokenizer=None, layers: int = 2, seed: int = 0):
+    """A tiny random Llama (``tokenizer``: its vocabulary and special tokens, else 512 ids)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    specials = {} if tokenizer is None else {"eos_token_id": tokenizer.eos_token_id,
+                                             "bos_token_id": tokenizer.bos_token_id}
+    config = LlamaConfig(vocab_size=512 if tokenizer is None else len(tokenizer), hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, **specials)
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized(text_tokenizer):
+    """A tiny random Llama, quantized like load_text_model does (int4, fused projections, row attention)."""
+    from multistream.text._row_attention import uses_row_attention
+
+    model = _tiny_llama(text_tokenizer, layers=4)
+    report = quantize_model(model, "int4")
+    assert report.fused == 8 and uses_row_attention(model)
+    llm = ms.TextModel(model, text_tokenizer, name="tiny-int4", max_batch=4)
+    yield llm
+    llm.close()
 
 
 def test_quantized_layers_are_kept_and_rebuilt_from_the_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture,
@@ -399,22 +397,14 @@ def test_logprobs_on_the_default_model_are_its_own_generate_logits(text_model) -
 def test_the_compiled_step_batches_exactly_and_computes_what_the_eager_one_does(text_tokenizer) -> None:
     """compile=True's step on a tiny quantized Llama: a stream in a batch equals it alone (each
     row's arithmetic is its own), and its logits are the eager step's to rounding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import shutil
 
     from multistream.text._compiled_decode import compile_decode
-    from multistream.text._row_attention import use_row_attention
 
     if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         pytest.skip("torch.compile needs a C++ compiler on a CPU; this machine has none")
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=len(text_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=text_tokenizer.eos_token_id, bos_token_id=text_tokenizer.bos_token_id)
-    model = LlamaForCausalLM(config).eval()
+    model = _tiny_llama(text_tokenizer, layers=2, seed=1)
     quantize_model(model, "int4")
-    use_row_attention(model)
     llm = ms.TextModel(model, text_tokenizer, name="tiny-int4-compiled", max_batch=4)
     def second_token_logprobs() -> list[dict[int, float]]:
         # The second token is the first decode step's (the first comes from the prefill).

@@ -33,26 +33,14 @@ __all__ = [
 ]
 
 
-def _bytes_to_unicode() -> list[str]:
-    """The 256 printable stand-ins for bytes that byte-level BPE vocabularies (CLIP, GPT-2) use."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
 def offline_clip_tokenizer(max_length: int = 77) -> Any:
     """A working `CLIPTokenizer` (514 tokens: every byte, alone and word-final, and the two
     specials) made without a download. It splits words into characters; for random-weight text
     encoders that is as good as the real vocabulary."""
     from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    chars = _bytes_to_unicode()
+    chars = list(bytes_to_unicode().values())  # the 256 printable stand-ins for bytes (CLIP's, GPT-2's)
     vocab: dict[str, int] = {}
     for c in chars:
         vocab[c] = len(vocab)

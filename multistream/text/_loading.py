@@ -32,7 +32,6 @@ from ._quantize import (
     kernel_problem,
     quantize_model,
 )
-from ._row_attention import use_row_attention
 
 __all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
 
@@ -272,10 +271,6 @@ def load_text_model(
     model.eval()
     cache_folder = Path(folder) if name_or_path is None and not from_pretrained_kwargs else None
     report = _quantize(model, requested, mode, next(model.parameters()).device, cache_folder)
-    if report.mode is not None:
-        # Quantized layers round their input to bf16, which makes padding's last-bit noise visible:
-        # attend row by row so a stream in a batch still equals its output alone (_row_attention).
-        use_row_attention(model)
     compiled = _compile(model, compile)
     llm = TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
     llm.quantization = report
@@ -288,8 +283,7 @@ def _compile(model: Any, wanted: bool) -> CompileReport | None:
     if not wanted:
         return None
     if FastDecode.for_model(model) is None or next(model.parameters()).device.type != "cpu":
-        if wanted:
-            logger.warning("compile=True: this model's decode step cannot be compiled (it needs quantize= and a "
-                           "Llama-family model on a CPU); decoding eagerly")
+        logger.warning("compile=True: this model's decode step cannot be compiled (it needs quantize= and a "
+                       "Llama-family model on a CPU); decoding eagerly")
         return None
     return compile_decode(model)

@@ -28,16 +28,11 @@ logger = logging.getLogger("multistream")
 
 
 def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte (``bytes_to_unicode``), inverted: char -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    """Byte-level BPE's printable stand-in for each byte (transformers' ``bytes_to_unicode``),
+    inverted: char -> byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _decoder_kind(tokenizer: Any) -> str:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
+from ._row_attention import use_row_attention
 
 __all__ = [
     "FUSED_GROUPS",
@@ -445,7 +446,8 @@ def quantize_model(
 ) -> QuantizationReport:
     """Replace the model's linear layers (in place) by `Int8Linear`/`Int4Linear` layers.
 
-    ``mode`` is None (nothing happens), ``"int8"`` or ``"int4"`` (resolve ``"auto"`` first). A mode
+    ``mode`` is None (nothing happens), ``"int8"`` or ``"int4"`` (resolve ``"auto"`` first). A
+    transformers model then attends row by row (`multistream.text._row_attention`). A mode
     whose kernel does not work on the model's device raises `InvalidArgumentError`; layers whose
     shape the int4 kernel cannot take get int8 (or stay as they are), counted in ``by_kind``.
 
@@ -504,5 +506,9 @@ def quantize_model(
             report.layers += 1
     report.mode = mode if report.layers else None
     report.fused = fuse_projections(model)
+    if report.mode is not None:
+        # Quantized layers round their input to bf16, which makes padding's last-bit noise visible:
+        # attend row by row so a stream in a batch still equals its output alone (_row_attention).
+        use_row_attention(model)
     report.bytes_before, report.bytes_after = before, _size(model)
     return report

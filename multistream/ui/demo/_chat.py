@@ -300,19 +300,8 @@ class ChatTab:
             return
         if final is None or not history:
             raise gr.Error("no answer to regenerate yet; Send a message first")
-        model = self.model.get()
-        revise = getattr(model, "revise", None)
-        if revise is None:
-            raise gr.Error(f"{type(model).__name__} cannot revise a finished answer")
-        try:
-            stream = revise(final, at, instruction=note)
-        except MultistreamError as exc:
-            raise ui_error(exc) from exc
-        shown: list[dict[str, Any]] = list(_history(history))
-        kept = (final.text or "")[:at]
-        shown[-1] = {"role": "assistant", "content": kept}
-        async for out in self._stream_answer(key, stream, shown, LiveView.starting_with(kept),
-                                             f"regenerating from character {at}…"):
+        async for out in self._revise_finished(key, final, history, at, f"regenerating from character {at}…",
+                                               instruction=note):
             yield (*out[:3], "", out[3])
 
     async def branch(self, spec: str, history: list[dict[str, Any]],
@@ -336,18 +325,26 @@ class ChatTab:
         final = self.answers.get(key)
         if final is None or not history:
             raise gr.Error("no answer to branch yet; Send a message with Show confidence first")
-        revise = getattr(self.model.get(), "revise", None)
+        async for out in self._revise_finished(key, final, history, offset, f"branching at character {offset}…",
+                                               confidence=True, token_id=token_id):
+            yield out
+
+    async def _revise_finished(self, key: tuple[str, str], final: Any, history: list[dict[str, Any]], at: int,
+                               note: str, confidence: bool = False, **edit: Any) -> AsyncIterator[tuple[Any, ...]]:
+        """Stream ``llm.revise(final, at, **edit)`` into the last answer, its first ``at``
+        characters kept (Regenerate from here, or a click on an alternative)."""
+        model = self.model.get()
+        revise = getattr(model, "revise", None)
         if revise is None:
-            raise gr.Error("this model cannot revise a finished answer")
+            raise gr.Error(f"{type(model).__name__} cannot revise a finished answer")
         try:
-            stream = revise(final, offset, token_id=token_id)
+            stream = revise(final, at, **edit)
         except MultistreamError as exc:
             raise ui_error(exc) from exc
         shown: list[dict[str, Any]] = list(_history(history))
-        kept = (final.text or "")[:offset]
+        kept = (final.text or "")[:at]
         shown[-1] = {"role": "assistant", "content": kept}
-        async for out in self._stream_answer(key, stream, shown, LiveView.starting_with(kept),
-                                             f"branching at character {offset}…", True):
+        async for out in self._stream_answer(key, stream, shown, LiveView.starting_with(kept), note, confidence):
             yield out
 
     def _rewind_point(self, key: tuple[str, str], offset: float | None, selection: str, running: bool) -> int:
