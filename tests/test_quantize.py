@@ -17,18 +17,25 @@ import torch
 
 import multistream as ms
 from multistream.errors import InvalidArgumentError
+from multistream.text._block_kernels import native_kernels
+from multistream.text._block_layers import Q4Linear, Q8Linear
 from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, resolve_quantize
 from multistream.text._quality import agreement, greedy_tokens, perplexity
 from multistream.text._quantize import (
+    QUANTIZED_LAYERS,
     Int4Linear,
     Int8Linear,
     check_quantize,
     kernel_problem,
+    mode_problem,
     quantize_model,
 )
 
 DATA = Path(__file__).parent / "data"
 CPU = torch.device("cpu")
+# On a CPU with a C compiler the modes run on the native block kernels; ATen's otherwise.
+BLOCK = native_kernels() is not None
+needs_block = pytest.mark.skipif(not BLOCK, reason="the native block kernels did not build here (no C compiler)")
 
 
 def _paragraphs() -> list[str]:
@@ -107,12 +114,26 @@ def test_int4_reproduces_weights_that_already_lie_on_a_4_bit_grid() -> None:
 def test_quantize_model_replaces_linears_and_keeps_odd_shapes() -> None:
     net = torch.nn.Sequential(_linear(32, 64), torch.nn.ReLU(), _linear(7, 32), _linear(16, 20))
     x = torch.randn(3, 64)
-    report = quantize_model(net, "int4")
-    # 64->32 takes int4; 32->7 cannot (outputs not a multiple of 16) and gets int8; 20->16 fits neither.
+    report = quantize_model(net, "int4", block_kernels=False)
+    # ATen: 64->32 takes int4; 32->7 cannot (outputs not a multiple of 16) and gets int8; 20->16 fits neither.
     assert [type(m).__name__ for m in net] == ["Int4Linear", "ReLU", "Int8Linear", "Linear"]
     assert report.by_kind == {"int4": 1, "int8": 1, "kept": 1} and report.mode == "int4"
+    assert report.kernels == {"int4": 1, "int8": 1}
     assert net[2](net[1](net[0](x))).shape == (3, 7)
-    assert "int4" in report.describe()
+    assert "int4" in report.describe() and "ATen kernels" in report.describe()
+
+
+@needs_block
+def test_the_block_kernels_take_any_output_width_and_whole_input_blocks() -> None:
+    net = torch.nn.Sequential(_linear(32, 64), torch.nn.ReLU(), _linear(7, 32), _linear(16, 20))
+    report = quantize_model(net, "int4")
+    # 32->7 is Q4_1 too (any number of outputs); 20->16 has no whole block of inputs and stays.
+    assert [type(m).__name__ for m in net] == ["Q4Linear", "ReLU", "Q4Linear", "Linear"]
+    assert report.by_kind == {"int4": 2, "kept": 1} and report.kernels == {"q4": 2}
+    assert "block kernels, int8 activations" in report.describe()
+    x = torch.randn(3, 64)
+    reference = x @ net[0].dequantized().t()
+    assert torch.allclose(net[0](x), reference, atol=0.01 * float(reference.abs().max()))
 
 
 def test_a_tied_lm_head_gets_its_own_quantized_copy_and_the_embedding_stays_exact() -> None:
@@ -127,7 +148,8 @@ def test_a_tied_lm_head_gets_its_own_quantized_copy_and_the_embedding_stays_exac
     with torch.no_grad():
         before = model(input_ids=ids).logits
     report = quantize_model(model, "int8")
-    assert isinstance(model.lm_head, Int8Linear) and report.by_kind == {"int8": 15}  # 2 x 7 + the head
+    assert isinstance(model.lm_head, Q8Linear if BLOCK else Int8Linear)
+    assert report.by_kind == {"int8": 15}  # 2 x 7 + the head
     assert torch.equal(model.get_input_embeddings().weight, embedding)
     with torch.no_grad():
         after = model(input_ids=ids).logits
@@ -153,15 +175,20 @@ def _tiny_llama(tokenizer=None, layers: int = 2, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.fixture(scope="module")
-def tiny_quantized(text_tokenizer):
-    """A tiny random Llama, quantized like load_text_model does (int4, fused projections, row attention)."""
+@pytest.fixture(scope="module", params=["block", "aten"])
+def tiny_quantized(text_tokenizer, request: pytest.FixtureRequest):
+    """A tiny random Llama, quantized like load_text_model does (int4, fused projections, row
+    attention): on the native block kernels (its layers then decode natively) and on ATen's."""
     from multistream.text._row_attention import uses_row_attention
 
+    block = request.param == "block"
+    if block and not BLOCK:
+        pytest.skip("the native block kernels did not build here (no C compiler)")
     model = _tiny_llama(text_tokenizer, layers=4)
-    report = quantize_model(model, "int4")
+    report = quantize_model(model, "int4", block_kernels=block)
     assert report.fused == 8 and uses_row_attention(model)
-    llm = ms.TextModel(model, text_tokenizer, name="tiny-int4", max_batch=4)
+    assert report.native_layers == (4 if block else 0)
+    llm = ms.TextModel(model, text_tokenizer, name=f"tiny-int4-{request.param}", max_batch=4)
     yield llm
     llm.close()
 
@@ -181,10 +208,12 @@ def test_quantized_layers_are_kept_and_rebuilt_from_the_cache(tmp_path: Path, ca
     caplog.clear()
     second = _tiny_llama()  # the same weights, loaded again
     calls = []  # quantize_weight on the model's own weights (the kernel probes quantize made-up ones)
-    real = Int4Linear.quantize_weight
     own = {p.data_ptr() for p in second.parameters()}
-    monkeypatch.setattr(Int4Linear, "quantize_weight",
-                        staticmethod(lambda w, *a, **k: calls.append(w.data_ptr()) or real(w, *a, **k)))
+    for cls in (Int4Linear, Int8Linear, Q4Linear, Q8Linear):
+        if hasattr(cls, "quantize_weight"):
+            real = cls.quantize_weight
+            monkeypatch.setattr(cls, "quantize_weight", staticmethod(
+                lambda w, *a, real=real, **k: calls.append(w.data_ptr()) or real(w, *a, **k)))
     with caplog.at_level(logging.INFO, logger="multistream"):
         again = _quantize(second, "int4", "int4", CPU, tmp_path)
     monkeypatch.undo()
@@ -205,7 +234,7 @@ def test_quantized_layers_are_kept_and_rebuilt_from_the_cache(tmp_path: Path, ca
 
 
 def report_keys(model: torch.nn.Module) -> set[str]:
-    return {name for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear))
+    return {name for name, m in model.named_modules() if isinstance(m, QUANTIZED_LAYERS)
             and not name.endswith(("qkv_fused", "gate_up_fused"))}
 
 
@@ -285,7 +314,19 @@ def test_a_missing_kernel_is_reported_not_crashed(monkeypatch: pytest.MonkeyPatc
     _break(monkeypatch, "_weight_int4pack_mm_for_cpu")
     assert "NotImplementedError" in (kernel_problem("int4", CPU) or "")
     with pytest.raises(InvalidArgumentError, match=r"quantize='int4' cannot run on cpu here .* use quantize='int8'"):
-        quantize_model(torch.nn.Sequential(_linear(32, 64)), "int4")
+        quantize_model(torch.nn.Sequential(_linear(32, 64)), "int4", block_kernels=False)
+    # The block kernels still serve int4 where they built.
+    assert (mode_problem("int4", CPU) is None) == BLOCK
+
+
+def test_without_the_block_kernels_the_modes_take_atens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C compiler (the kernels did not build): quantized layers are ATen's, nothing decodes natively."""
+    monkeypatch.setattr("multistream.text._quantize.native_kernels", lambda: None)
+    monkeypatch.setattr("multistream.text._native_layers.native_kernels", lambda: None)
+    model = _tiny_llama(layers=2)
+    report = quantize_model(model, "int4")
+    assert report.kernels == {"int4": 14, "int8": 1} and report.native_layers == 0
+    assert isinstance(model.lm_head, Int8Linear)
 
 
 def test_a_kernel_with_wrong_numbers_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,6 +343,7 @@ def test_a_kernel_with_wrong_numbers_is_not_used(monkeypatch: pytest.MonkeyPatch
 def test_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                                            auto: str, broken: str, expected: str | None) -> None:
     monkeypatch.setattr("multistream.text._loading.AUTO_QUANTIZE_EMBEDDED_CPU", auto)
+    monkeypatch.setattr("multistream.text._quantize.native_kernels", lambda: None)  # ATen's kernels only
     _break(monkeypatch, broken)
     with caplog.at_level(logging.WARNING, logger="multistream"):
         llm = ms.load_text_model(quantize="auto", compile=False)
@@ -346,9 +388,12 @@ def test_each_mode_loads_and_reports_itself(quantized_llm) -> None:
         assert kinds == {"Linear"} and report.fused == 0
     else:
         assert report.requested == report.mode and report.bytes_after < report.bytes_before / 2
-        assert kinds == {f"Int{report.mode[-1]}Linear"}
-        assert isinstance(quantized_llm.model.lm_head, Int8Linear)  # the head stays int8 in both modes
+        bits = report.mode[-1]
+        assert kinds == {f"Q{bits}Linear" if BLOCK else f"Int{bits}Linear"}
+        # the head stays 8-bit in both modes
+        assert isinstance(quantized_llm.model.lm_head, Q8Linear if BLOCK else Int8Linear)
         assert report.fused == 60  # q/k/v and gate/up of each of the 30 layers, one call each
+        assert report.native_layers == (30 if BLOCK else 0)  # each decodes a token in two native calls
 
 
 @pytest.mark.model
@@ -404,7 +449,7 @@ def test_the_compiled_step_batches_exactly_and_computes_what_the_eager_one_does(
     if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         pytest.skip("torch.compile needs a C++ compiler on a CPU; this machine has none")
     model = _tiny_llama(text_tokenizer, layers=2, seed=1)
-    quantize_model(model, "int4")
+    quantize_model(model, "int4", block_kernels=False)  # the compiled step is ATen's kernels'
     llm = ms.TextModel(model, text_tokenizer, name="tiny-int4-compiled", max_batch=4)
     def second_token_logprobs() -> list[dict[int, float]]:
         # The second token is the first decode step's (the first comes from the prefill).
@@ -434,6 +479,9 @@ def test_a_compile_failure_leaves_the_eager_step_with_one_log_line(tiny_quantize
     from multistream.text._compiled_decode import compile_decode
     from multistream.text._fast_decode import compiled_decode
 
+    if tiny_quantized.name.endswith("block"):
+        pytest.skip("the native layers leave compile_decode nothing to compile (tested below)")
+
     def no_compiler(*args: object, **kwargs: object) -> object:
         raise RuntimeError("Compiler: cc is not found")
 
@@ -450,6 +498,20 @@ def test_a_compile_failure_leaves_the_eager_step_with_one_log_line(tiny_quantize
 def test_compile_is_checked() -> None:
     with pytest.raises(InvalidArgumentError, match="compile must be True or False"):
         ms.load_text_model(compile="yes")
+
+
+@pytest.mark.model
+@needs_block
+def test_compile_on_the_native_layers_is_skipped_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="multistream"):
+        llm = ms.load_text_model(compile=True)
+    try:
+        lines = [r.getMessage() for r in caplog.records if "compile=True" in r.getMessage()]
+        assert lines == ["compile=True: the native decoder layers already run this model's decode step; not compiling"]
+        assert llm.compiled is not None and not llm.compiled.compiled and "native" in llm.compiled.error
+        assert llm.generate("Hi", max_new_tokens=3).usage["completion_tokens"] == 3
+    finally:
+        llm.close()
 
 
 @pytest.mark.model

@@ -10,7 +10,9 @@ bit those of ``model(...)``), but:
 - the keys and values live in buffers with spare columns: a step writes its column in place and
   the cache layers hold views of the buffers (a copy only every `GROW` steps, when they fill up);
 - no mask: it attends row by row (`multistream.text._row_attention`), each row on its own columns;
-- the engine's prefill points are called between layers directly (no hooks needed).
+- the engine's prefill points are called between layers directly (no hooks needed);
+- a layer with a native decode path (`multistream.text._native_layers`) takes it, as its own
+  forward does for one token.
 
 It serves models that attend with `row_attention` (the quantized ones) and whose decoder layers
 have the Llama structure (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from ._kv_rows import RowCache
+from ._native_layers import native_layer
 from ._row_attention import row_attention, uses_row_attention
 
 __all__ = ["GROW", "PREFILL_POINTS", "FastDecode", "compiled_decode", "register_compiled"]
@@ -117,6 +120,12 @@ class FastDecode:
         for i, (layer, cached) in enumerate(zip(self.layers, layers)):
             if i in points and prefill_point is not None:
                 prefill_point()
+            native = native_layer(layer)
+            if native is not None:  # the layer's own one-token path: what model(...) computes too
+                q, k, v = native.qkv(hidden, cos, sin)
+                keys, values = _append(cached, k, v, length)
+                hidden = native.rest(hidden, q, keys, values, row_starts)
+                continue
             attn = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)

@@ -23,13 +23,15 @@ import torch
 from .._cache import cache_dir
 from .._devices import default_dtype, resolve_device, resolve_dtype
 from ..errors import InvalidArgumentError, ModelLoadError
+from ._block_kernels import native_kernels
 from ._compiled_decode import CompileReport, compile_decode
 from ._fast_decode import FastDecode
 from ._model import TextModel
+from ._native_layers import native_layer
 from ._quantize import (
     QuantizationReport,
     check_quantize,
-    kernel_problem,
+    mode_problem,
     quantize_model,
 )
 
@@ -133,7 +135,7 @@ def _quantize(model: Any, requested: str | None, mode: str | None, device: torch
         chain = ["int4", "int8"][["int4", "int8"].index(mode):]
         reasons = []
         for candidate in chain:
-            reason = kernel_problem(candidate, device, dtype)
+            reason = mode_problem(candidate, device, dtype)
             if reason is None:
                 break
             reasons.append(f"{candidate}: {reason}")
@@ -164,7 +166,8 @@ def _quantized_cache_file(folder: Path, mode: str, device: torch.device) -> Path
     if device.type != "cpu":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
-    return folder / f"quantized-{mode}-torch{torch.__version__}-{capability}.pt"
+    kernels = "block" if native_kernels() is not None else "aten"  # the layers' formats differ (_quantize)
+    return folder / f"quantized-{mode}-{kernels}-torch{torch.__version__}-{capability}.pt"
 
 
 def _read_quantized(path: Path) -> dict[str, dict[str, Any]] | None:
@@ -208,24 +211,29 @@ def load_text_model(
     beyond it wait, highest priority first); ``prefill_budget``: prompt tokens prefilled per step,
     so a long new prompt stalls running streams for one chunk at most.
 
-    ``quantize``: weight-only quantization of the linear layers and the LM head
-    (`multistream.text._quantize`): ``"int8"`` (one scale per output channel) or ``"int4"``
-    (groups of 32; the LM head stays int8), on CPU and CUDA, through ATen's packed-weight kernels;
-    activations keep ``dtype`` (a quantized layer multiplies in bf16). ``"auto"``, the default, is
-    `AUTO_QUANTIZE_EMBEDDED_CPU` (int4) for the embedded model on a CPU, where it streams about
-    1.9x faster than fp32 with its perplexity within 3 % (README, "Speed on a CPU"), and None for
-    other models and on CUDA (a mode's quality is measured on the embedded model only). ``None``
-    keeps the weights as loaded: the exact fp32 path on a CPU, bit for bit transformers' forward.
-    Under ``"auto"`` a kernel that cannot run here falls back with one log line; a mode asked for
-    by name that cannot run raises `InvalidArgumentError`. ``llm.quantization`` says what was
-    applied. The embedded model's quantized layers are kept in the cache folder, so later loads
-    rebuild them instead of quantizing again.
+    ``quantize``: quantization of the linear layers and the LM head (`multistream.text._quantize`):
+    ``"int8"`` or ``"int4"`` (the LM head stays 8-bit). On a CPU with a C compiler they are GGUF's
+    block formats (Q8_0, Q4_1: blocks of 32 weights with fp16 scales) on multistream's native
+    kernels, which quantize the activations to int8 per block as llama.cpp does
+    (`multistream.text._block_kernels`, built once per machine in about a second), and each Llama
+    decoder layer decodes a token in two native calls (`multistream.text._native_layers`). Without
+    a C compiler, and on CUDA, they are weight-only formats on ATen's packed-weight kernels
+    (bf16 activations). ``"auto"``, the default, is `AUTO_QUANTIZE_EMBEDDED_CPU` (int4) for the
+    embedded model on a CPU, where it streams about 5x faster than fp32, at llama.cpp's speed,
+    with its perplexity within 3 % (README, "Speed on a CPU"), and None for other models and on
+    CUDA (a mode's quality is measured on the embedded model only). ``None`` keeps the weights as
+    loaded: the exact fp32 path on a CPU, bit for bit transformers' forward. Under ``"auto"`` a
+    kernel that cannot run here falls back with one log line; a mode asked for by name that cannot
+    run raises `InvalidArgumentError`. ``llm.quantization`` says what was applied. The embedded
+    model's quantized layers are kept in the cache folder, so later loads rebuild them instead of
+    quantizing again.
 
-    ``compile=True`` (quantized Llama-family models on a CPU): ``torch.compile`` of the decode
-    step (`multistream.text._compiled_decode`), about 1.2x the tokens/s of the eager quantized
-    step on the embedded model, for some 50 s of compiling at each load (2 cores; inductor's disk
-    cache does not remove it), hence off by default: worth it for a long-running server, not for a
-    script. A compile failure decodes eagerly with one log line; ``llm.compiled`` reports.
+    ``compile=True``: ``torch.compile`` of the decode step of a model on ATen's quantized kernels
+    (`multistream.text._compiled_decode`; Llama-family models on a CPU): about 1.2x their eager
+    step's tokens/s for some 50 s of compiling at each load (2 cores). Where the native decoder
+    layers run (the default on a CPU with a C compiler) there is nothing left to compile and it is
+    skipped with one log line. A compile failure decodes eagerly with one log line;
+    ``llm.compiled`` reports.
 
     Example:
         >>> llm = load_text_model()                                          # doctest: +SKIP
@@ -286,4 +294,9 @@ def _compile(model: Any, wanted: bool) -> CompileReport | None:
         logger.warning("compile=True: this model's decode step cannot be compiled (it needs quantize= and a "
                        "Llama-family model on a CPU); decoding eagerly")
         return None
+    if any(native_layer(layer) is not None for layer in model.model.layers):
+        # The native layers leave too little per step for inductor to fuse (measured: they decode 2x
+        # faster than the compiled ATen step), so compile=True has nothing to do here.
+        logger.info("compile=True: the native decoder layers already run this model's decode step; not compiling")
+        return CompileReport(error="the native decoder layers already run the decode step (nothing to compile)")
     return compile_decode(model)

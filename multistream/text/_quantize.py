@@ -52,6 +52,9 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
+from ._block_kernels import native_kernels
+from ._block_layers import Q4Linear, Q8Linear, block_fits
+from ._native_layers import attach_native_layers
 from ._row_attention import use_row_attention
 
 __all__ = [
@@ -63,6 +66,7 @@ __all__ = [
     "check_quantize",
     "fuse_projections",
     "kernel_problem",
+    "mode_problem",
     "layer_from_state",
     "layer_state",
     "quantize_model",
@@ -229,18 +233,37 @@ class Int4Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
-def _fits(mode: str, linear: torch.nn.Linear) -> bool:
+# The layer kinds: ATen's kernels ("int8", "int4") and the native block kernels ("q8", "q4").
+_BLOCK_KIND = {"int8": "q8", "int4": "q4"}
+QUANTIZED_LAYERS = (Int8Linear, Int4Linear, Q8Linear, Q4Linear)
+
+
+def _fits(kind: str, linear: torch.nn.Linear) -> bool:
     """Shapes the kernels take (others crash or raise inside ATen, so they are never given one)."""
     n, k = linear.out_features, linear.in_features
-    if mode == "int8":
+    if kind in ("q8", "q4"):
+        return block_fits(linear)
+    if kind == "int8":
         return k % 8 == 0
     return n % 16 == 0 and k % INT4_GROUP_SIZE == 0 and (linear.weight.device.type == "cpu" or k % 32 == 0)
 
 
-def _make(mode: str, linear: torch.nn.Linear, compute_dtype: torch.dtype) -> torch.nn.Module:
-    if mode == "int8":
+def _make(kind: str, linear: torch.nn.Linear, compute_dtype: torch.dtype) -> torch.nn.Module:
+    if kind == "q8":
+        return Q8Linear.from_linear(linear)
+    if kind == "q4":
+        return Q4Linear.from_linear(linear)
+    if kind == "int8":
         return Int8Linear.from_linear(linear, compute_dtype)
     return Int4Linear.from_linear(linear)
+
+
+def _kinds(mode: str, device: torch.device, block_kernels: bool = True) -> tuple[str, ...]:
+    """The layer kinds that serve ``mode`` on ``device``, best first: the block kernels on a CPU
+    where they built, then ATen's."""
+    if block_kernels and device.type == "cpu" and native_kernels() is not None:
+        return (_BLOCK_KIND[mode], mode)
+    return (mode,)
 
 
 def layer_state(layer: torch.nn.Module) -> dict[str, Any]:
@@ -248,6 +271,9 @@ def layer_state(layer: torch.nn.Module) -> dict[str, Any]:
     packed buffers and shape; a quantized-weights cache stores these."""
     if isinstance(layer, Int8Linear):
         return {"kind": "int8", "weight_int8": layer.weight_int8, "scales": layer.scales, "bias": layer.bias}
+    if isinstance(layer, (Q8Linear, Q4Linear)):
+        return {"kind": "q8" if isinstance(layer, Q8Linear) else "q4", "weight_q": layer.weight_q,
+                "scales": layer.scales, "bias": layer.bias, "in_features": layer.in_features, "dtype": layer.dtype}
     assert isinstance(layer, Int4Linear)
     return {"kind": "int4", "packed": layer.packed, "scales_and_zeros": layer.scales_and_zeros, "bias": layer.bias,
             "shape": (layer.in_features, layer.out_features, layer.group_size)}
@@ -257,6 +283,9 @@ def layer_from_state(state: dict[str, Any]) -> torch.nn.Module:
     """The layer `layer_state` describes."""
     if state["kind"] == "int8":
         return Int8Linear(state["weight_int8"], state["scales"], state["bias"])
+    if state["kind"] in ("q8", "q4"):
+        cls = Q8Linear if state["kind"] == "q8" else Q4Linear
+        return cls(state["weight_q"], state["scales"], state["bias"], state["in_features"], state["dtype"])
     return Int4Linear(state["packed"], state["scales_and_zeros"], state["bias"], *state["shape"])
 
 
@@ -279,6 +308,9 @@ def _concat(layers: list[torch.nn.Module]) -> torch.nn.Module | None:
         if len({m.compute_dtype for m in layers}) != 1:
             return None
         return Int8Linear(torch.cat([m.weight_int8 for m in layers]), torch.cat([m.scales for m in layers]), bias)
+    if isinstance(first, (Q8Linear, Q4Linear)):
+        return type(first)(torch.cat([m.weight_q for m in layers]), torch.cat([m.scales for m in layers]), bias,
+                           first.in_features, first.dtype)
     if isinstance(first, Int4Linear):
         packed = torch.cat([m.packed for m in layers])  # row blocks are independent (the probe checks it)
         scales = torch.cat([m.scales_and_zeros for m in layers], 1)
@@ -294,6 +326,8 @@ def _share(fused: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
         end = start + layer.out_features
         if isinstance(layer, Int8Linear):
             layer.weight_int8, layer.scales = fused.weight_int8[start:end], fused.scales[start:end]
+        elif isinstance(layer, (Q8Linear, Q4Linear)):
+            layer.weight_q, layer.scales = fused.weight_q[start:end], fused.scales[start:end]
         else:
             layer.packed = fused.packed[start:end]
         if layer.bias is not None:
@@ -318,12 +352,12 @@ def fuse_projections(model: torch.nn.Module) -> int:
     for module in list(model.modules()):
         for fused_name, names in FUSED_GROUPS.items():
             parts = [getattr(module, n, None) for n in names]
-            if any(not isinstance(p, (Int8Linear, Int4Linear)) for p in parts) or hasattr(module, fused_name):
+            if any(not isinstance(p, QUANTIZED_LAYERS) for p in parts) or hasattr(module, fused_name):
                 continue
             fused = _concat(parts)
             if fused is None:
                 continue
-            device = (parts[0].weight_int8 if isinstance(parts[0], Int8Linear) else parts[0].packed).device
+            device = next(iter(parts[0].buffers())).device
             probe = torch.randn(2, parts[0].in_features, generator=torch.Generator().manual_seed(0)).to(device)
             try:
                 with torch.no_grad():
@@ -342,9 +376,10 @@ def fuse_projections(model: torch.nn.Module) -> int:
 # -- probing the kernels ----------------------------------------------------------------------
 
 
-def kernel_problem(mode: str, device: torch.device, model_dtype: torch.dtype = torch.float32) -> str | None:
-    """Why ``mode`` cannot run on ``device`` (None if it can): the kernel runs on a small probe
-    layer and must match the dequantized weights.
+def kernel_problem(kind: str, device: torch.device, model_dtype: torch.dtype = torch.float32) -> str | None:
+    """Why the layers of ``kind`` (``"int8"``, ``"int4"``: ATen's kernels; ``"q8"``, ``"q4"``: the
+    native block kernels) cannot run on ``device`` (None if they can): the kernel runs on a small
+    probe layer and must match the dequantized weights.
 
     Example:
         >>> kernel_problem("int8", torch.device("cpu")) is None
@@ -357,22 +392,40 @@ def kernel_problem(mode: str, device: torch.device, model_dtype: torch.dtype = t
     linear = linear.to(device=device, dtype=model_dtype)
     x = torch.randn(3, 64, generator=generator).to(device=device, dtype=model_dtype)
     try:
-        layer = _make(mode, linear, kernel_dtype(mode, device, model_dtype))
+        layer = _make(kind, linear, kernel_dtype(kind, device, model_dtype))
         with torch.no_grad():
             got = layer(x).float().cpu()
     except Exception as exc:  # noqa: BLE001 - a missing or broken kernel is a reason, not a crash
         message = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {message[0] if message else 'no message'}"
-    if mode == "int8":
-        assert isinstance(layer, Int8Linear)
+    if isinstance(layer, (Int8Linear, Q8Linear, Q4Linear)):
         weight = layer.dequantized().cpu()
     else:
         weight = Int4Linear.dequantize(*Int4Linear.quantize_weight(linear.weight.cpu()))
-    reference = x.cpu().to(torch.bfloat16).float() @ weight.t()
+    # ATen's kernels round the input to bf16; the block kernels to int8 per block (within 1 %).
+    inputs = x.cpu().float() if isinstance(layer, (Q8Linear, Q4Linear)) else x.cpu().to(torch.bfloat16).float()
+    reference = inputs @ weight.t()
     error = float((got - reference).abs().max())
     if not error <= 0.05 * float(reference.abs().max()) + 1e-3:
         return f"the kernel's result is off by {error:.3g} on a probe"
     return None
+
+
+def mode_problem(mode: str, device: torch.device, model_dtype: torch.dtype = torch.float32,
+                 block_kernels: bool = True) -> str | None:
+    """Why no kernel serves ``mode`` on ``device`` (None if one does: the block kernels or ATen's).
+
+    Example:
+        >>> mode_problem("int4", torch.device("cpu")) is None
+        True
+    """
+    reasons = []
+    for kind in _kinds(mode, device, block_kernels):
+        reason = kernel_problem(kind, device, model_dtype)
+        if reason is None:
+            return None
+        reasons.append(reason)
+    return "; ".join(reasons)
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -396,6 +449,9 @@ class QuantizationReport:
     bytes_after: int = 0
     fallback: str | None = None  # why the requested mode did not run, when it did not
     fused: int = 0  # groups of projections (q/k/v, gate/up) computed in one call
+    # layers per kernel: "q4"/"q8" (the native block kernels, `_block_kernels`), "int4"/"int8" (ATen's)
+    kernels: dict[str, int] = field(default_factory=dict)
+    native_layers: int = 0  # decoder layers that decode a token in two native calls (`_native_layers`)
     # `layer_state` of each quantized layer by name (what a quantized-weights cache stores)
     states: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
@@ -403,7 +459,10 @@ class QuantizationReport:
         if self.mode is None:
             return "weights as loaded (no quantization)"
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.by_kind.items()))
-        return (f"weight-only {self.mode}: {kinds} linear layers, weights {self.bytes_before / 2**20:.0f} MiB -> "
+        block = sum(n for kind, n in self.kernels.items() if kind in ("q4", "q8"))
+        how = ("block kernels, int8 activations" if block == self.layers else
+               "ATen kernels, bf16 activations" if not block else f"{block} on block kernels, the rest on ATen's")
+        return (f"{self.mode}: {kinds} linear layers ({how}), weights {self.bytes_before / 2**20:.0f} MiB -> "
                 f"{self.bytes_after / 2**20:.0f} MiB")
 
 
@@ -442,7 +501,7 @@ def _untie_head(model: torch.nn.Module) -> None:
 
 def quantize_model(
     model: torch.nn.Module, mode: str | None, *, on_fallback: Callable[[str], None] | None = None,
-    cached: dict[str, dict[str, Any]] | None = None,
+    cached: dict[str, dict[str, Any]] | None = None, block_kernels: bool = True,
 ) -> QuantizationReport:
     """Replace the model's linear layers (in place) by `Int8Linear`/`Int4Linear` layers.
 
@@ -458,6 +517,7 @@ def quantize_model(
 
     ``cached``: `layer_state` per layer name, from an earlier run on the same weights, device and
     torch (``report.states`` holds this run's): those layers are rebuilt, not quantized again.
+    ``block_kernels=False`` keeps to ATen's kernels on a CPU too (`Int8Linear`, `Int4Linear`).
     """
     report = QuantizationReport(mode=None, requested=mode)
     if mode is None:
@@ -477,9 +537,14 @@ def quantize_model(
             problems[key] = kernel_problem(kind, linear.weight.device, linear.weight.dtype)
         return problems[key]
 
+    def layer_kind(precision: str, linear: torch.nn.Linear) -> str | None:
+        """The best layer kind for ``precision`` that takes this layer and works on its device."""
+        return next((k for k in _kinds(precision, linear.weight.device, block_kernels)
+                     if _fits(k, linear) and problem(k, linear) is None), None)
+
     for _, _, linear in linears[:1]:
         reason = problem(mode, linear)
-        if reason is not None:
+        if reason is not None and layer_kind(mode, linear) is None:
             raise InvalidArgumentError(
                 f"quantize={mode!r} cannot run on {linear.weight.device.type} here ({reason}); use "
                 f"quantize={'int8' if mode == 'int4' else None!r} or quantize=None"
@@ -489,11 +554,12 @@ def quantize_model(
         for parent, name, linear in linears:
             # The LM head stays int8 in int4 mode: GGUF files keep it at 6-8 bits too, and int4
             # (groups of 32) flips the embedded model's greedy choice from the first tokens.
-            kinds = ("int8",) if linear is head else dict.fromkeys((mode, "int8"))
-            kind = next((k for k in kinds if _fits(k, linear) and problem(k, linear) is None), None)
-            if kind is None:
+            precisions = ("int8",) if linear is head else dict.fromkeys((mode, "int8"))
+            found = next(((p, k) for p in precisions if (k := layer_kind(p, linear)) is not None), None)
+            if found is None:
                 report.by_kind["kept"] = report.by_kind.get("kept", 0) + 1
                 continue
+            precision, kind = found
             path = f"{names[id(parent)]}.{name}".lstrip(".")
             state = (cached or {}).get(path)
             if state is not None and state.get("kind") == kind:
@@ -502,10 +568,12 @@ def quantize_model(
                 replacement = _make(kind, linear, kernel_dtype(kind, linear.weight.device, linear.weight.dtype))
             report.states[path] = layer_state(replacement)
             setattr(parent, name, replacement)
-            report.by_kind[kind] = report.by_kind.get(kind, 0) + 1
+            report.by_kind[precision] = report.by_kind.get(precision, 0) + 1
+            report.kernels[kind] = report.kernels.get(kind, 0) + 1
             report.layers += 1
     report.mode = mode if report.layers else None
     report.fused = fuse_projections(model)
+    report.native_layers = attach_native_layers(model)
     if report.mode is not None:
         # Quantized layers round their input to bf16, which makes padding's last-bit noise visible:
         # attend row by row so a stream in a batch still equals its output alone (_row_attention).
