@@ -31,6 +31,9 @@ if [ "${1:-}" = "--test" ]; then
   missing=""
   [ -x /usr/bin/chromium ] || missing="$missing chromium"
   command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+  # A C compiler builds the native block-quantized kernels at first use (the fast CPU path of
+  # quantize=; without one the ATen fallback runs and the kernel tests skip).
+  command -v cc >/dev/null 2>&1 || missing="$missing gcc"
   if [ -n "$missing" ]; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -q

@@ -183,3 +183,11 @@ def test_without_a_compiler_quantized_layers_fall_back_to_aten_with_one_log_line
     assert "could not build _block_kernels.c" in done.stdout
     warnings = [line for line in done.stderr.splitlines() if "block-quantized CPU kernels are unavailable" in line]
     assert len(warnings) == 1 and "use ATen's kernels" in warnings[0]
+
+
+def test_a_layer_cast_after_quantizing_is_a_clear_error_not_garbage() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quantize_model(net, "int4")
+    net.to(torch.bfloat16)  # casts the fp16 scales the kernel reads
+    with pytest.raises(RuntimeError, match="buffers were changed after quantizing"):
+        net(torch.randn(1, 64))

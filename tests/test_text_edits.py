@@ -96,7 +96,9 @@ async def test_offsets_rebuild_the_text_in_an_async_loop_too(text_model) -> None
     async for ev in stream:
         events.append(ev)
         if len(events) == 4:
-            stream.rewind(0, instruction="Write it about rain instead.")
+            # (an instruction the int4 model answers at length: "Write it about rain instead." gets an
+            # empty answer from it, which leaves no event to steer at)
+            stream.rewind(0, instruction="Make it about rain.")
         if len(events) == 9:
             stream.steer("End with an exclamation mark.")
     assert _apply(events) == events[-1].text

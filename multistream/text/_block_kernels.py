@@ -38,7 +38,7 @@ import torch
 
 from .._cache import cache_dir
 
-__all__ = ["BLOCK", "NativeKernels", "block_matmul", "native_kernels", "native_problem"]
+__all__ = ["BLOCK", "NativeKernels", "block_matmul", "check_buffers", "native_kernels", "native_problem"]
 
 logger = logging.getLogger("multistream")
 
@@ -152,6 +152,17 @@ def native_problem() -> str | None:
     return _problem
 
 
+def check_buffers(weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """Raise if a block-quantized layer's buffers are not what the kernels read (a ``model.to(dtype)``
+    after quantizing casts the fp16 scales; ``.to("cuda")`` moves them where the kernels cannot go)."""
+    if scales.dtype != torch.float16 or weight.dtype not in (torch.uint8, torch.int8) \
+            or weight.device.type != "cpu" or not (weight.is_contiguous() and scales.is_contiguous()):
+        raise RuntimeError(
+            f"a block-quantized layer's buffers were changed after quantizing (scales {scales.dtype} on "
+            f"{scales.device.type}; the kernels read fp16 scales on the CPU): change the model's dtype or device "
+            "before load_text_model(quantize=...) quantizes it, or load it with quantize=None")
+
+
 def block_matmul(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a block-quantized ``W``: ``kind`` 4 (Q4_1: ``weight`` uint8 ``[N, K/2]``,
@@ -162,6 +173,7 @@ def block_matmul(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch
     kernels = native_kernels()
     if kernels is None:
         raise RuntimeError(f"the block-quantized kernels are unavailable: {_problem}")
+    check_buffers(weight, scales)
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     if flat.dtype != torch.float32 or not flat.is_contiguous():

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._block_kernels import native_kernels
+from ._block_kernels import check_buffers, native_kernels
 from ._block_layers import Q4Linear, Q8Linear
 
 __all__ = ["NativeLayer", "attach_native_layers", "native_layer"]
@@ -46,6 +46,7 @@ def _block(layer: Any) -> bool:
 
 def _pointers(layer: Q4Linear | Q8Linear) -> tuple[int, int, int]:
     # Read at each call, never kept: buffers can be replaced (or moved) after the layer was attached.
+    check_buffers(layer.weight_q, layer.scales)
     return layer.weight_q.data_ptr(), layer.scales.data_ptr(), layer.kind
 
 

@@ -1,9 +1,18 @@
-"""Weight-only quantization of a causal LM: its linear layers and its LM head as int8 or int4.
+"""Quantization of a causal LM: its linear layers and its LM head as int8 or int4.
 
 Decoding one token reads every weight once, so on a CPU a small model's decode step is bound by
-memory traffic; storing the weights in 8 or 4 bits (activations stay as they are) cuts that
-traffic 4x or 8x. Each `torch.nn.Linear` is replaced by a module that calls a packed-weight
-kernel of ATen:
+memory traffic; storing the weights in 8 or 4 bits cuts that traffic 4x or 8x. Each
+`torch.nn.Linear` is replaced by a quantized layer of one of two families:
+
+- **The native block kernels** (a CPU with a C compiler; `multistream.text._block_kernels`,
+  layers in `multistream.text._block_layers`): GGUF's block formats, ``Q4Linear`` (Q4_1: blocks of
+  32 weights with an fp16 scale and minimum) and ``Q8Linear`` (Q8_0: an fp16 scale per block). The
+  input is quantized per block of 32 to int8 at each call and the products are summed in int32,
+  as llama.cpp does: on an AVX2 CPU a 576x3072 int4 layer takes 87 us a token against 255 us for
+  ATen's kernel below. Llama decoder layers on them also decode a token in two native calls
+  (`multistream.text._native_layers`).
+- **ATen's packed-weight kernels** (elsewhere, and with ``block_kernels=False``): weight-only
+  ``Int8Linear`` and ``Int4Linear``, activations in bf16:
 
 ========  =====================================================  ================================
 mode      CPU                                                    CUDA
@@ -13,31 +22,33 @@ int4      ``_weight_int4pack_mm_for_cpu`` (groups of 32, with    ``_weight_int4p
           ``_convert_weight_to_int4pack_for_cpu``)               groups of 32, bf16 only)
 ========  =====================================================  ================================
 
-These kernels multiply in bf16 on the CPU: it is their fast path on x86 (fp32 or fp16 inputs run
-5-10x slower), so a quantized layer casts its input to bf16 and its output back to the model's
-dtype. The rest of the model (norms, attention, residuals) keeps its dtype (fp32 by default on a
-CPU; ``dtype=torch.bfloat16`` makes it all bf16). torchao is not used: on the CPU its int8
+ATen's kernels multiply in bf16 on the CPU: it is their fast path on x86 (fp32 or fp16 inputs run
+5-10x slower), so such a layer casts its input to bf16 and its output back to the model's dtype.
+The rest of the model (norms, attention, residuals) keeps its dtype (fp32 by default on a CPU;
+``dtype=torch.bfloat16`` makes it all bf16). torchao is not used: on the CPU its int8
 weight-only tensor dequantizes the whole weight at each call in eager mode (measured 40x slower
-than ``_weight_int8pack_mm`` on a 1536x576 layer, still 20x compiled on an AVX2 CPU) and its CPU
-int4 path calls the same ATen kernel as here; on CUDA its int4 "tile packed" format is the same
-tinygemm kernel too.
+than ``_weight_int8pack_mm`` on a 1536x576 layer, still 20x compiled on an AVX2 CPU), its CPU
+int4 path calls the same ATen kernel as here, and its int8-activation CPU kernels need AVX-512;
+on CUDA its int4 "tile packed" format is the same tinygemm kernel too.
 
 A tied LM head (the embedding matrix reused as the output layer) gets its own quantized copy: the
 head is the largest matmul of a small model (49152x576 for SmolLM2-135M, a fifth of its
-weights), while the embedding lookup reads one row per token and stays exact. The head is int8 in
-both modes (int4 on it costs the embedded model 6% of perplexity; int8 costs nothing measurable).
+weights), while the embedding lookup reads one row per token and stays exact. The head is 8-bit
+in both modes (int4 on it costs the embedded model 6% of perplexity; 8 bits cost nothing
+measurable; its GGUF file stores it as Q8_0).
 
-Before touching the model, `quantize_model` runs the kernel on a small probe and checks it against
-the dequantized weights: a kernel that is missing, raises or gives wrong numbers on this device
-makes the mode unavailable (``"auto"`` then falls back with one log line; a mode asked for by name
-raises `InvalidArgumentError`). Layers whose shape a kernel cannot take (int8 on the CPU needs
-``in_features % 8 == 0``; int4 needs ``out_features % 16 == 0`` and ``in_features % 32 == 0``) are
+Before touching the model, `quantize_model` runs each kernel on a small probe and checks it
+against the dequantized weights: a kernel that is missing, raises or gives wrong numbers on this
+device is not used (the next family serves the mode; with none, ``"auto"`` falls back with one log
+line and a mode asked for by name raises `InvalidArgumentError`). Layers whose shape a kernel
+cannot take (the block kernels need ``in_features % 32 == 0``; ATen's int8 on the CPU needs
+``in_features % 8 == 0``, its int4 ``out_features % 16 == 0`` and ``in_features % 32 == 0``) are
 quantized with the other mode or kept as they are, counted in the report.
 
 Example:
     >>> import torch
     >>> layer = torch.nn.Sequential(torch.nn.Linear(64, 32))
-    >>> report = quantize_model(layer, "int8")
+    >>> report = quantize_model(layer, "int8", block_kernels=False)
     >>> type(layer[0]).__name__, report.mode, report.layers
     ('Int8Linear', 'int8', 1)
 """
