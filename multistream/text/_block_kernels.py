@@ -124,7 +124,13 @@ def _load() -> tuple[NativeKernels | None, str | None]:
     library.ms_layer_rest.argtypes = [pointer, pointer, size, size, pointer, pointer, pointer, pointer, size, pointer,
                                       f32, size, size, size, pointer, pointer, i32, pointer, f32, pointer, pointer,
                                       i32, pointer, pointer, i32, size, pointer, i32]
-    for function in (library.ms_layer_qkv, library.ms_layer_rest):
+    library.ms_layer_decode.argtypes = [pointer, size, size, pointer, f32, pointer, pointer, i32, pointer, pointer,
+                                        size, size, size, pointer, pointer, pointer, pointer, size, pointer, f32,
+                                        pointer, pointer, i32, pointer, f32, pointer, pointer, i32, pointer, pointer,
+                                        i32, size, pointer, i32]
+    library.ms_layers_decode.argtypes = [pointer, size, pointer, size, size, pointer, pointer, size, size, size, size,
+                                         f32, size, pointer, i32]
+    for function in (library.ms_layer_qkv, library.ms_layer_rest, library.ms_layer_decode, library.ms_layers_decode):
         function.restype = ctypes.c_int
     library.ms_kernel_isa.restype = ctypes.c_char_p
     return NativeKernels(library, target, library.ms_kernel_isa().decode()), None

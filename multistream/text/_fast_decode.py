@@ -12,7 +12,8 @@ bit those of ``model(...)``), but:
 - no mask: it attends row by row (`multistream.text._row_attention`), each row on its own columns;
 - the engine's prefill points are called between layers directly (no hooks needed);
 - a layer with a native decode path (`multistream.text._native_layers`) takes it, as its own
-  forward does for one token.
+  forward does for one token; when all of them have one, each run of layers between two prefill
+  points is one C call (`NativeStack`).
 
 It serves models that attend with `row_attention` (the quantized ones) and whose decoder layers
 have the Llama structure (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from ._kv_rows import RowCache
-from ._native_layers import native_layer
+from ._native_layers import NativeStack, native_layer
 from ._row_attention import row_attention, uses_row_attention
 
 __all__ = ["GROW", "PREFILL_POINTS", "FastDecode", "compiled_decode", "register_compiled"]
@@ -73,6 +74,9 @@ class FastDecode:
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.apply_rotary = apply_rotary_pos_emb
+        natives = [native_layer(layer) for layer in self.layers]
+        # Every layer native (the block-quantized CPU models): runs of layers in one C call each.
+        self.native_stack = NativeStack(natives) if natives and all(natives) else None  # type: ignore[arg-type]
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:
@@ -109,6 +113,17 @@ class FastDecode:
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
         batch = hidden.shape[0]
         compiled = compiled_decode(self.model)
+        if self.native_stack is not None and len(layers) == len(self.layers):
+            buffers = [_reserve(cached, length) for cached in layers]
+            # One C call per run of layers between two of the engine's prefill points.
+            bounds = sorted({0, len(layers)} | {p for p in points if 0 < p < len(layers)})
+            for start, end in zip(bounds, bounds[1:]):
+                if start in points and prefill_point is not None:
+                    prefill_point()
+                hidden = self.native_stack.decode(start, end, hidden, cos, sin, buffers[start:end], length, row_starts)
+            for cached, (kbuf, vbuf) in zip(layers, buffers):
+                cached.keys, cached.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
+            return self.model.lm_head(self.inner.norm(hidden)[:, -1:, :])[:, -1, :]
         if compiled is not None:
             buffers = [_reserve(cached, length) for cached in layers]
             starts = torch.tensor(row_starts if row_starts is not None else [0] * batch)
@@ -122,9 +137,9 @@ class FastDecode:
                 prefill_point()
             native = native_layer(layer)
             if native is not None:  # the layer's own one-token path: what model(...) computes too
-                q, k, v = native.qkv(hidden, cos, sin)
-                keys, values = _append(cached, k, v, length)
-                hidden = native.rest(hidden, q, keys, values, row_starts)
+                kbuf, vbuf = _reserve(cached, length)
+                hidden = native.decode(hidden, cos, sin, kbuf, vbuf, length, row_starts)
+                cached.keys, cached.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
                 continue
             attn = layer.self_attn
             residual = hidden

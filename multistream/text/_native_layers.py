@@ -11,6 +11,9 @@ KV cache's append, which stays the caller's:
 3. ``rest``: attention of each row on its own columns, the output projection, the residual, the
    second norm, the gated MLP, the residual.
 
+A caller that owns its KV buffers (the engine's `FastDecode`) makes it one call, ``decode``, which
+writes the new column itself.
+
 `attach_native_layers` gives each eligible decoder layer this path: its class becomes a subclass
 whose ``forward`` takes the native path for one-token steps (``model.generate``'s decode steps,
 the engine's forward) and transformers' own for prefills. The engine's `FastDecode` calls the same
@@ -28,6 +31,8 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
+import operator
 from typing import Any
 
 import torch
@@ -35,7 +40,7 @@ import torch
 from ._block_kernels import check_buffers, native_kernels
 from ._block_layers import Q4Linear, Q8Linear
 
-__all__ = ["NativeLayer", "attach_native_layers", "native_layer"]
+__all__ = ["NativeLayer", "NativeStack", "attach_native_layers", "native_layer"]
 
 _SUBCLASSES: dict[type, type] = {}
 
@@ -64,6 +69,22 @@ class NativeLayer:
         self.eps1, self.eps2 = float(self.norm1.variance_epsilon), float(self.norm2.variance_epsilon)
         self.qkv_proj, self.o_proj = attn.qkv_fused, attn.o_proj
         self.gate_up_proj, self.down_proj = mlp.gate_up_fused, mlp.down_proj
+        self._checked: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None
+
+    def _weights(self) -> tuple[int, ...]:
+        """The weights' pointers, checked again whenever a buffer was replaced (``model.to(...)``
+        replaces them): a step reads them without re-validating each tensor."""
+        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        tensors = tuple(t for p in projections for t in (p.weight_q, p.scales)) + (self.norm1.weight,
+                                                                                   self.norm2.weight)
+        checked = self._checked
+        if checked is None or not all(map(operator.is_, checked[0], tensors)):
+            pointers = tuple(v for p in projections for v in _pointers(p))
+            for norm in tensors[-2:]:
+                if norm.dtype != torch.float32 or norm.device.type != "cpu" or not norm.is_contiguous():
+                    raise RuntimeError("a native decoder layer's norm weights were cast or moved after quantizing")
+            self._checked = checked = (tensors, pointers + (tensors[-2].data_ptr(), tensors[-1].data_ptr()))
+        return checked[1]
 
     @classmethod
     def for_layer(cls, layer: Any, config: Any) -> NativeLayer | None:
@@ -130,6 +151,102 @@ class NativeLayer:
             out.data_ptr(), torch.get_num_threads())
         _check(status)
         return out
+
+
+    def check_buffers(self, kbuf: torch.Tensor, vbuf: torch.Tensor, rows: int, length: int) -> None:
+        """Raise unless ``kbuf``/``vbuf`` are what the native step writes into (it writes column ``length``)."""
+        expected = (rows, self.kv_heads, self.dim)
+        for buf in (kbuf, vbuf):
+            if buf.dtype != torch.float32 or buf.device.type != "cpu" or buf.dim() != 4 or buf.stride(3) != 1 \
+                    or (buf.shape[0], buf.shape[1], buf.shape[3]) != expected or buf.shape[2] <= length:
+                raise RuntimeError(f"a native decode step needs fp32 CPU KV buffers [{rows}, {self.kv_heads}, "
+                                   f"> {length}, {self.dim}], got {buf.dtype} {tuple(buf.shape)}")
+
+    def decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kbuf: torch.Tensor,
+               vbuf: torch.Tensor, length: int, row_starts: list[int] | None) -> torch.Tensor:
+        """`qkv`, the new k and v written at column ``length`` of the caller's buffers ``kbuf``/``vbuf``
+        ``[rows, kv_heads, capacity, dim]`` (fp32, capacity > ``length``), then `rest` on columns
+        ``row_starts[i]`` to ``length``: the same numbers as the two calls, in one."""
+        rows = hidden.shape[0]
+        self.check_buffers(kbuf, vbuf, rows, length)
+        x, cos, sin = hidden.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty_like(x)
+        qw, qs, qkind, ow, os_, okind, gw, gs, gkind, dw, ds, dkind, norm1, norm2 = self._weights()
+        status = self.library.ms_layer_decode(
+            x.data_ptr(), rows, self.hidden, norm1, self.eps1, qw, qs, qkind, cos.data_ptr(), sin.data_ptr(),
+            self.heads, self.kv_heads, self.dim, kbuf.data_ptr(), vbuf.data_ptr(), _int64s(kbuf.stride()[:3]),
+            _int64s(vbuf.stride()[:3]), length, None if row_starts is None else _int64s(tuple(row_starts)),
+            self.scaling, ow, os_, okind, norm2, self.eps2, gw, gs, gkind, dw, ds, dkind, self.intermediate,
+            out.data_ptr(), torch.get_num_threads())
+        _check(status)
+        return out
+
+
+class _LayerArgs(ctypes.Structure):
+    """``ms_layer`` of ``_block_kernels.c``: one layer's weights and KV buffers."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "norm1_w", "norm2_w", "qkv_w", "o_w", "gu_w", "down_w", "qkv_s", "o_s", "gu_s", "down_s", "kbuf", "vbuf")] + [
+        ("ks", ctypes.c_int64 * 3), ("vs", ctypes.c_int64 * 3), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+        ("qkv_kind", ctypes.c_int32), ("o_kind", ctypes.c_int32), ("gu_kind", ctypes.c_int32),
+        ("down_kind", ctypes.c_int32)]
+
+
+class NativeStack:
+    """Consecutive native layers decoded in one C call per run of them (`NativeLayer.decode` each,
+    without a trip through Python between layers). The arguments of each layer are kept in a C
+    array and rewritten only when its weights or KV buffers change.
+
+    Example:
+        >>> stack = NativeStack([native_layer(layer) for layer in model.model.layers])   # doctest: +SKIP
+        >>> hidden = stack.decode(0, 30, hidden, cos, sin, buffers, length, None)          # doctest: +SKIP
+    """
+
+    def __init__(self, natives: list[NativeLayer]) -> None:
+        self.natives = natives
+        self.args = (_LayerArgs * len(natives))()
+        self._keys: list[Any] = [None] * len(natives)
+        first = natives[0]
+        self.library, self.shape = first.library, (first.heads, first.kv_heads, first.dim, first.hidden,
+                                                   first.intermediate, first.scaling)
+        if any((n.heads, n.kv_heads, n.dim, n.hidden, n.intermediate, n.scaling) != self.shape for n in natives):
+            raise ValueError("the layers of a native stack must share their shapes")
+
+    def _fill(self, i: int, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
+        native = self.natives[i]
+        weights = native._weights()
+        key = (weights, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.stride(), vbuf.stride())
+        if key == self._keys[i]:
+            return
+        qw, qs, qkind, ow, os_, okind, gw, gs, gkind, dw, ds, dkind, norm1, norm2 = weights
+        self.args[i] = _LayerArgs(norm1, norm2, qw, ow, gw, dw, qs, os_, gs, ds, kbuf.data_ptr(), vbuf.data_ptr(),
+                                  (ctypes.c_int64 * 3)(*kbuf.stride()[:3]), (ctypes.c_int64 * 3)(*vbuf.stride()[:3]),
+                                  native.eps1, native.eps2, qkind, okind, gkind, dkind)
+        self._keys[i] = key
+
+    def decode(self, start: int, end: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               buffers: list[tuple[torch.Tensor, torch.Tensor]], length: int, row_starts: list[int] | None
+               ) -> torch.Tensor:
+        """Layers ``start``..``end - 1`` on ``hidden`` ``[rows, 1, hidden]``; ``buffers``: their (kbuf, vbuf)."""
+        rows = hidden.shape[0]
+        for i, (kbuf, vbuf) in zip(range(start, end), buffers):
+            self.natives[i].check_buffers(kbuf, vbuf, rows, length)
+            self._fill(i, kbuf, vbuf)
+        heads, kv_heads, dim, width, intermediate, scaling = self.shape
+        x = hidden.contiguous().clone()  # written in place
+        cos, sin = cos.contiguous(), sin.contiguous()
+        status = self.library.ms_layers_decode(
+            ctypes.byref(self.args, start * ctypes.sizeof(_LayerArgs)), end - start, x.data_ptr(), rows, width,
+            cos.data_ptr(), sin.data_ptr(), heads, kv_heads, dim, intermediate, scaling, length,
+            None if row_starts is None else _int64s(tuple(row_starts)), torch.get_num_threads())
+        _check(status)
+        return x
+
+
+@functools.lru_cache(maxsize=256)
+def _int64s(values: tuple[int, ...]) -> Any:
+    """A C array of ``values`` (strides, row starts): the same few recur at every layer and step."""
+    return (ctypes.c_int64 * len(values))(*values)
 
 
 def _check(status: int) -> None:
