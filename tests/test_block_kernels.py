@@ -191,3 +191,29 @@ def test_a_layer_cast_after_quantizing_is_a_clear_error_not_garbage() -> None:
     net.to(torch.bfloat16)  # casts the fp16 scales the kernel reads
     with pytest.raises(RuntimeError, match="buffers were changed after quantizing"):
         net(torch.randn(1, 64))
+
+
+def test_a_run_of_native_layers_in_one_call_equals_them_one_by_one() -> None:
+    """FastDecode's NativeStack (one C call for several layers) against each layer's own call."""
+    from transformers import DynamicCache
+
+    from multistream.text._fast_decode import FastDecode
+    from multistream.text._kv_rows import RowCache
+
+    model = _tiny_llama(layers=3)
+    quantize_model(model, "int4")
+    fast = FastDecode.for_model(model)
+    assert fast is not None and fast.native_stack is not None
+    stack = fast.native_stack
+
+    def one_step(use_stack: bool) -> torch.Tensor:
+        fast.native_stack = stack if use_stack else None
+        cache = DynamicCache()
+        ids = torch.tensor([[3, 9, 27, 81, 4], [0, 0, 7, 8, 9]])
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            rows = RowCache(cache, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]))
+            return fast.step(torch.tensor([[11], [12]]), torch.tensor([[5], [3]]), rows, [0, 2],
+                             points=frozenset({1}), prefill_point=lambda: None)
+
+    assert torch.equal(one_step(True), one_step(False))

@@ -22,11 +22,12 @@ def add_parser(subparsers: Any) -> None:
                    help="'default' (embedded), a hub id or path, 'module:factory', or 'none' (default: default)")
     p.add_argument("--image-model", default="default", help="like --text-model, for the image model")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantization of a --text-model by name (load_text_model(quantize=); "
+                   help="quantization of a --text-model by name (load_text_model(quantize=); "
                    "default auto: int4 for the embedded model on a CPU)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the quantized text model's decode step (load_text_model(compile=True)): about "
-                   "1.2x the tokens/s for ~50 s more at startup on 2 cores; worth it for a long-running server")
+                   help="compile the text model's decode step on ATen's quantized kernels (load_text_model(compile=True)): "
+                   "about 1.2x their tokens/s for ~50 s more at startup on 2 cores; skipped where the native "
+                   "decoder layers run (a CPU with a C compiler)")
     p.add_argument("--no-demo", action="store_true", help="do not serve the Gradio demo page at /demo")
     scale = p.add_argument_group("scale-out (pip install 'multistream[scale]'; see docs/scaling.md)")
     scale.add_argument("--ray", action="store_true",

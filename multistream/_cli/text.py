@@ -21,9 +21,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="model id or local folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantization (default auto: int4 for the embedded model on a CPU)")
+                   help="quantization of the linear layers (default auto: int4 for the embedded model on a CPU, on "
+                   "multistream's native block kernels where a C compiler builds them)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the quantized decode step first (~50 s on 2 cores; then about 1.2x the tokens/s)")
+                   help="compile the decode step on ATen's quantized kernels first (~50 s on 2 cores; then about 1.2x "
+                   "their tokens/s); skipped where the native decoder layers run")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
