@@ -52,6 +52,24 @@ class _BlockLinear(torch.nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
 
+    @staticmethod
+    def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @staticmethod
+    def dequantize(weight_q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> _BlockLinear:
+        """The layer quantized from ``linear`` (its bias kept in fp32)."""
+        weight_q, scales = cls.quantize_weight(linear.weight)
+        return cls(weight_q, scales, _bias(linear), linear.in_features, linear.weight.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight this layer multiplies by (tests, probes)."""
+        return self.dequantize(self.weight_q, self.scales)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = block_matmul(x, self.kind, self.weight_q, self.scales, self.bias, self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -94,13 +112,6 @@ class Q4Linear(_BlockLinear):
         scales = scales.float()
         return (q * scales[..., :1] + scales[..., 1:]).reshape(n, -1)
 
-    @classmethod
-    def from_linear(cls, linear: torch.nn.Linear) -> Q4Linear:
-        packed, scales = cls.quantize_weight(linear.weight)
-        return cls(packed, scales, _bias(linear), linear.in_features, linear.weight.dtype)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.dequantize(self.weight_q, self.scales)
 
 
 class Q8Linear(_BlockLinear):
@@ -129,10 +140,3 @@ class Q8Linear(_BlockLinear):
         n, k = q.shape
         return (q.float().reshape(n, k // BLOCK, BLOCK) * scales.float()[..., None]).reshape(n, k)
 
-    @classmethod
-    def from_linear(cls, linear: torch.nn.Linear) -> Q8Linear:
-        q, scales = cls.quantize_weight(linear.weight)
-        return cls(q, scales, _bias(linear), linear.in_features, linear.weight.dtype)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.dequantize(self.weight_q, self.scales)

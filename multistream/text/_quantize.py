@@ -28,8 +28,8 @@ The rest of the model (norms, attention, residuals) keeps its dtype (fp32 by def
 ``dtype=torch.bfloat16`` makes it all bf16). torchao is not used: on the CPU its int8
 weight-only tensor dequantizes the whole weight at each call in eager mode (measured 40x slower
 than ``_weight_int8pack_mm`` on a 1536x576 layer, still 20x compiled on an AVX2 CPU), its CPU
-int4 path calls the same ATen kernel as here, and its int8-activation CPU kernels need AVX-512;
-on CUDA its int4 "tile packed" format is the same tinygemm kernel too.
+int4 path calls the same ATen kernel as here (its int8-activation CPU layouts were not measured
+here); on CUDA its int4 "tile packed" format is the same tinygemm kernel too.
 
 A tied LM head (the embedding matrix reused as the output layer) gets its own quantized copy: the
 head is the largest matmul of a small model (49152x576 for SmolLM2-135M, a fifth of its
