@@ -217,3 +217,16 @@ def test_a_run_of_native_layers_in_one_call_equals_them_one_by_one() -> None:
                              points=frozenset({1}), prefill_point=lambda: None)
 
     assert torch.equal(one_step(True), one_step(False))
+
+
+def test_only_the_llama_layer_is_computed_natively() -> None:
+    """A family whose layer has more than the Llama layer (Qwen3's q/k norms) keeps transformers' forward."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = Qwen3ForCausalLM(config).eval()
+    report = quantize_model(model, "int4")
+    assert report.mode == "int4" and report.native_layers == 0
+    assert not any(native_layer(layer) for layer in model.model.layers)

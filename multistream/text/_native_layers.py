@@ -19,7 +19,8 @@ whose ``forward`` takes the native path for one-token steps (``model.generate``'
 the engine's forward) and transformers' own for prefills. The engine's `FastDecode` calls the same
 two functions, so a stream and ``model.generate`` compute the same numbers, bit for bit.
 
-A layer is eligible when it has the Llama structure, fp32 activations, block-quantized fused
+A layer is eligible when its model is a Llama or a Mistral without a sliding window
+(`NATIVE_MODEL_TYPES`), with fp32 activations, block-quantized fused
 projections (``qkv_fused``, ``gate_up_fused``), ``o_proj`` and ``down_proj`` without biases, RMS
 norms and a SiLU MLP; other layers keep their forward.
 
@@ -43,6 +44,7 @@ from ._block_layers import Q4Linear, Q8Linear
 __all__ = ["NativeLayer", "NativeStack", "attach_native_layers", "native_layer"]
 
 _SUBCLASSES: dict[type, type] = {}
+NATIVE_MODEL_TYPES = frozenset({"llama", "mistral"})  # the Llama layer: RMS norms, rotate-half rotary, SiLU MLP
 
 
 def _block(layer: Any) -> bool:
@@ -291,6 +293,10 @@ def attach_native_layers(model: Any) -> int:
     inner = getattr(model, "model", None)
     config = getattr(model, "config", None)
     if inner is None or config is None or not hasattr(inner, "layers") or native_kernels() is None:
+        return 0
+    # Only families whose layer is exactly what the C code computes: Qwen3's q/k norms, Gemma's
+    # (1 + w) norms or a sliding window would be silently skipped by it.
+    if getattr(config, "model_type", None) not in NATIVE_MODEL_TYPES or getattr(config, "sliding_window", None):
         return 0
     attached = 0
     for layer in inner.layers:

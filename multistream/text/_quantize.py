@@ -102,7 +102,7 @@ def check_quantize(quantize: Any) -> str | None:
         value = quantize.lower()
         return None if value == "none" else value
     raise InvalidArgumentError(
-        f"quantize must be None, 'int8', 'int4' or 'auto', got {quantize!r} (weight-only quantization of the "
+        f"quantize must be None, 'int8', 'int4' or 'auto', got {quantize!r} (quantization of the "
         "linear layers; None keeps the weights as loaded)"
     )
 
