@@ -49,9 +49,9 @@ _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"]
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded library: ``isa`` is what it was built for (``"avx2"`` or ``"portable C"``)."""
+    """The loaded kernels (``cdll``): ``isa`` is what they were built for (``"avx2"`` or ``"portable C"``)."""
 
-    library: ctypes.CDLL
+    cdll: ctypes.CDLL
     path: Path
     isa: str
 
@@ -110,30 +110,30 @@ def _load() -> tuple[NativeKernels | None, str | None]:
         if problem is not None:
             return None, problem
     try:
-        library = ctypes.CDLL(str(target))
+        cdll = ctypes.CDLL(str(target))
     except OSError as exc:
         return None, f"could not load {target}: {exc}"
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for name in ("ms_matmul_q4", "ms_matmul_q8"):
-        function = getattr(library, name)
+        function = getattr(cdll, name)
         function.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
         function.restype = ctypes.c_int
     f32, i32 = ctypes.c_float, ctypes.c_int
-    library.ms_layer_qkv.argtypes = [pointer, size, size, pointer, f32, pointer, pointer, i32, pointer, pointer,
+    cdll.ms_layer_qkv.argtypes = [pointer, size, size, pointer, f32, pointer, pointer, i32, pointer, pointer,
                                      size, size, size, pointer, pointer, pointer, i32]
-    library.ms_layer_rest.argtypes = [pointer, pointer, size, size, pointer, pointer, pointer, pointer, size, pointer,
+    cdll.ms_layer_rest.argtypes = [pointer, pointer, size, size, pointer, pointer, pointer, pointer, size, pointer,
                                       f32, size, size, size, pointer, pointer, i32, pointer, f32, pointer, pointer,
                                       i32, pointer, pointer, i32, size, pointer, i32]
-    library.ms_layer_decode.argtypes = [pointer, size, size, pointer, f32, pointer, pointer, i32, pointer, pointer,
+    cdll.ms_layer_decode.argtypes = [pointer, size, size, pointer, f32, pointer, pointer, i32, pointer, pointer,
                                         size, size, size, pointer, pointer, pointer, pointer, size, pointer, f32,
                                         pointer, pointer, i32, pointer, f32, pointer, pointer, i32, pointer, pointer,
                                         i32, size, pointer, i32]
-    library.ms_layers_decode.argtypes = [pointer, size, pointer, size, size, pointer, pointer, size, size, size, size,
+    cdll.ms_layers_decode.argtypes = [pointer, size, pointer, size, size, pointer, pointer, size, size, size, size,
                                          f32, size, pointer, i32]
-    for function in (library.ms_layer_qkv, library.ms_layer_rest, library.ms_layer_decode, library.ms_layers_decode):
+    for function in (cdll.ms_layer_qkv, cdll.ms_layer_rest, cdll.ms_layer_decode, cdll.ms_layers_decode):
         function.restype = ctypes.c_int
-    library.ms_kernel_isa.restype = ctypes.c_char_p
-    return NativeKernels(library, target, library.ms_kernel_isa().decode()), None
+    cdll.ms_kernel_isa.restype = ctypes.c_char_p
+    return NativeKernels(cdll, target, cdll.ms_kernel_isa().decode()), None
 
 
 def native_kernels() -> NativeKernels | None:
@@ -186,7 +186,7 @@ def block_matmul(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch
         flat = flat.to(torch.float32).contiguous()
     rows = flat.shape[0]
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    function = kernels.library.ms_matmul_q4 if kind == 4 else kernels.library.ms_matmul_q8
+    function = kernels.cdll.ms_matmul_q4 if kind == 4 else kernels.cdll.ms_matmul_q8
     status = function(flat.data_ptr(), weight.data_ptr(), scales.data_ptr(),
                       None if bias is None else bias.data_ptr(), out.data_ptr(), rows, k, out_features,
                       torch.get_num_threads())

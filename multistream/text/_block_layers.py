@@ -33,6 +33,18 @@ def block_fits(linear: torch.nn.Linear) -> bool:
             and bool(linear.weight.detach().abs().max() < 30000))
 
 
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` as fp32 ``[N, K / 32, 32]``."""
+    n, k = weight.shape
+    return weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+
+
+def _divisor(scale: torch.Tensor) -> torch.Tensor:
+    """The fp16 scales as fp32 divisors ``[..., 1]`` (1 for an all-zero block, whose q is then 0)."""
+    scale = scale.float()
+    return torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+
+
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().float().contiguous()
 
@@ -94,12 +106,11 @@ class Q4Linear(_BlockLinear):
         """``(packed, scales)``: uint8 ``[N, K/2]`` (byte j of a block: value j in the low nibble, value
         j + 16 in the high one, GGUF's order) and fp16 ``[N, K/32, 2]`` (scale, minimum)."""
         n, k = weight.shape
-        blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+        blocks = _blocks(weight)
         # Scale and minimum are rounded to fp16 (what the kernel reads) before q is chosen against them.
         low = blocks.amin(-1).half()
         scale = ((blocks.amax(-1) - low.float()) / 15.0).half()
-        safe = torch.where(scale > 0, scale.float(), torch.ones_like(blocks[..., 0]))
-        q = torch.round((blocks - low.float()[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+        q = torch.round((blocks - low.float()[..., None]) / _divisor(scale)).clamp_(0, 15).to(torch.uint8)
         packed = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).reshape(n, k // 2).contiguous()
         return packed, torch.stack([scale, low], -1).contiguous()
 
@@ -129,10 +140,8 @@ class Q8Linear(_BlockLinear):
     def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q, scales)``: int8 ``[N, K]`` in -127..127 and fp16 ``[N, K/32]``."""
         n, k = weight.shape
-        blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-        scale = (blocks.abs().amax(-1) / 127.0).half()
-        safe = torch.where(scale > 0, scale.float(), torch.ones_like(blocks[..., 0]))
-        q = torch.round(blocks / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+        scale = (_blocks(weight).abs().amax(-1) / 127.0).half()
+        q = torch.round(_blocks(weight) / _divisor(scale)).clamp_(-127, 127).to(torch.int8)
         return q.reshape(n, k).contiguous(), scale.contiguous()
 
     @staticmethod

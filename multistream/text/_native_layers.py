@@ -62,7 +62,7 @@ class NativeLayer:
 
     def __init__(self, layer: Any, config: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.library = native_kernels().library  # type: ignore[union-attr]
+        self.cdll = native_kernels().cdll  # type: ignore[union-attr]
         self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         self.dim, self.hidden = int(attn.head_dim), int(config.hidden_size)
         self.intermediate = int(mlp.gate_up_fused.out_features) // 2
@@ -124,7 +124,7 @@ class NativeLayer:
         k = hidden.new_empty(rows, self.kv_heads, 1, self.dim)
         v = hidden.new_empty(rows, self.kv_heads, 1, self.dim)
         w, s, kind = _pointers(self.qkv_proj)
-        status = self.library.ms_layer_qkv(
+        status = self.cdll.ms_layer_qkv(
             x.data_ptr(), rows, self.hidden, self.norm1.weight.data_ptr(), self.eps1, w, s, kind,
             cos.data_ptr(), sin.data_ptr(), self.heads, self.kv_heads, self.dim, q.data_ptr(), k.data_ptr(),
             v.data_ptr(), torch.get_num_threads())
@@ -146,7 +146,7 @@ class NativeLayer:
         starts = None if row_starts is None else (ctypes.c_int64 * rows)(*row_starts)
         (ow, os_, okind), (gw, gs, gkind), (dw, ds, dkind) = (
             _pointers(self.o_proj), _pointers(self.gate_up_proj), _pointers(self.down_proj))
-        status = self.library.ms_layer_rest(
+        status = self.cdll.ms_layer_rest(
             x.data_ptr(), q.data_ptr(), rows, self.hidden, keys.data_ptr(), values.data_ptr(), key_strides,
             value_strides, columns, starts, self.scaling, self.heads, self.kv_heads, self.dim, ow, os_, okind,
             self.norm2.weight.data_ptr(), self.eps2, gw, gs, gkind, dw, ds, dkind, self.intermediate,
@@ -174,7 +174,7 @@ class NativeLayer:
         x, cos, sin = hidden.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty_like(x)
         qw, qs, qkind, ow, os_, okind, gw, gs, gkind, dw, ds, dkind, norm1, norm2 = self._weights()
-        status = self.library.ms_layer_decode(
+        status = self.cdll.ms_layer_decode(
             x.data_ptr(), rows, self.hidden, norm1, self.eps1, qw, qs, qkind, cos.data_ptr(), sin.data_ptr(),
             self.heads, self.kv_heads, self.dim, kbuf.data_ptr(), vbuf.data_ptr(), _int64s(kbuf.stride()[:3]),
             _int64s(vbuf.stride()[:3]), length, None if row_starts is None else _int64s(tuple(row_starts)),
@@ -209,7 +209,7 @@ class NativeStack:
         self.args = (_LayerArgs * len(natives))()
         self._keys: list[Any] = [None] * len(natives)
         first = natives[0]
-        self.library, self.shape = first.library, (first.heads, first.kv_heads, first.dim, first.hidden,
+        self.cdll, self.shape = first.cdll, (first.heads, first.kv_heads, first.dim, first.hidden,
                                                    first.intermediate, first.scaling)
         if any((n.heads, n.kv_heads, n.dim, n.hidden, n.intermediate, n.scaling) != self.shape for n in natives):
             raise ValueError("the layers of a native stack must share their shapes")
@@ -237,7 +237,7 @@ class NativeStack:
         heads, kv_heads, dim, width, intermediate, scaling = self.shape
         x = hidden.contiguous().clone()  # written in place
         cos, sin = cos.contiguous(), sin.contiguous()
-        status = self.library.ms_layers_decode(
+        status = self.cdll.ms_layers_decode(
             ctypes.byref(self.args, start * ctypes.sizeof(_LayerArgs)), end - start, x.data_ptr(), rows, width,
             cos.data_ptr(), sin.data_ptr(), heads, kv_heads, dim, intermediate, scaling, length,
             None if row_starts is None else _int64s(tuple(row_starts)), torch.get_num_threads())
