@@ -78,8 +78,8 @@ def _wait_mid_stream(pg: Any, selector: str, done: Any, shot: Path, timeout: flo
     raise AssertionError("the run did not end in time")
 
 
-def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(exact_text_model: Any, browser: Any) -> None:
-    text_model = exact_text_model  # compared with transformers' beam search: fp32 (conftest)
+def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(text_model: Any, browser: Any) -> None:
+    # compared with transformers' beam search on the same (default, int4) model: one arithmetic
     demo = create_demo(text_model, ScriptedImageModel(steps=2, size=32), prompt_style="shapes")
     port = _free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -115,8 +115,8 @@ def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(exact_te
         demo.close()
 
 
-def test_web_client_draws_provisional_text_faded(exact_text_model: Any, browser: Any) -> None:
-    text_model = exact_text_model  # compared with transformers' beam search: fp32 (conftest)
+def test_web_client_draws_provisional_text_faded(text_model: Any, browser: Any) -> None:
+    # compared with transformers' beam search on the same (default, int4) model: one arithmetic
     with make_server(text_model) as srv:
         pg = browser.new_page()
         pg.goto(srv.url + "/")

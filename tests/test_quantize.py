@@ -17,11 +17,11 @@ import torch
 
 import multistream as ms
 from multistream.errors import InvalidArgumentError
-from multistream.text._block_kernels import native_kernels
-from multistream.text._block_layers import Q4Linear, Q8Linear
+from multistream.text._accel.kernels import native_kernels
+from multistream.text._accel.block_layers import Q4Linear, Q8Linear
 from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, resolve_quantize
 from multistream.text._quality import agreement, greedy_tokens, perplexity
-from multistream.text._quantize import (
+from multistream.text._accel.quantize import (
     QUANTIZED_LAYERS,
     Int4Linear,
     Int8Linear,
@@ -130,7 +130,7 @@ def test_the_block_kernels_take_any_output_width_and_whole_input_blocks() -> Non
     # 32->7 is Q4_1 too (any number of outputs); 20->16 has no whole block of inputs and stays.
     assert [type(m).__name__ for m in net] == ["Q4Linear", "ReLU", "Q4Linear", "Linear"]
     assert report.by_kind == {"int4": 2, "kept": 1} and report.kernels == {"q4": 2}
-    assert "block kernels, int8 activations" in report.describe()
+    assert "block kernels, fp32 activations" in report.describe()
     x = torch.randn(3, 64)
     reference = x @ net[0].dequantized().t()
     assert torch.allclose(net[0](x), reference, atol=0.01 * float(reference.abs().max()))
@@ -179,14 +179,15 @@ def _tiny_llama(tokenizer=None, layers: int = 2, seed: int = 0):
 def tiny_quantized(text_tokenizer, request: pytest.FixtureRequest):
     """A tiny random Llama, quantized like load_text_model does (int4, fused projections, row
     attention): on the native block kernels (its layers then decode natively) and on ATen's."""
-    from multistream.text._row_attention import uses_row_attention
+    from multistream.text._accel.row_attention import uses_row_attention
 
     block = request.param == "block"
     if block and not BLOCK:
         pytest.skip("the native block kernels did not build here (no C compiler)")
     model = _tiny_llama(text_tokenizer, layers=4)
     report = quantize_model(model, "int4", block_kernels=block)
-    assert report.fused == 8 and uses_row_attention(model)
+    # ATen's int4 packing concatenates by rows on some CPUs only (AVX2, not AVX-512): fused where exact.
+    assert uses_row_attention(model) and (report.fused == 8 or not block)
     assert report.native_layers == (4 if block else 0)
     llm = ms.TextModel(model, text_tokenizer, name=f"tiny-int4-{request.param}", max_batch=4)
     yield llm
@@ -251,7 +252,7 @@ def _together(llm, prompts: list[str], **kwargs: object) -> list:
 
 def test_the_fast_decode_step_equals_transformers_forward_bit_for_bit(tiny_quantized) -> None:
     """Past the buffers' spare columns (GROW), alone and in a batch of left-padded rows."""
-    from multistream.text._fast_decode import GROW
+    from multistream.text._accel.fast_decode import GROW
 
     n = GROW + 10
     alone = [tiny_quantized.generate(p, max_new_tokens=n) for p in TINY_PROMPTS]
@@ -321,8 +322,8 @@ def test_a_missing_kernel_is_reported_not_crashed(monkeypatch: pytest.MonkeyPatc
 
 def test_without_the_block_kernels_the_modes_take_atens(monkeypatch: pytest.MonkeyPatch) -> None:
     """No C compiler (the kernels did not build): quantized layers are ATen's, nothing decodes natively."""
-    monkeypatch.setattr("multistream.text._quantize.native_kernels", lambda: None)
-    monkeypatch.setattr("multistream.text._native_layers.native_kernels", lambda: None)
+    monkeypatch.setattr("multistream.text._accel.quantize.native_kernels", lambda: None)
+    monkeypatch.setattr("multistream.text._accel.native_layers.native_kernels", lambda: None)
     model = _tiny_llama(layers=2)
     report = quantize_model(model, "int4")
     assert report.kernels == {"int4": 14, "int8": 1} and report.native_layers == 0
@@ -343,7 +344,7 @@ def test_a_kernel_with_wrong_numbers_is_not_used(monkeypatch: pytest.MonkeyPatch
 def test_auto_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                                            auto: str, broken: str, expected: str | None) -> None:
     monkeypatch.setattr("multistream.text._loading.AUTO_QUANTIZE_EMBEDDED_CPU", auto)
-    monkeypatch.setattr("multistream.text._quantize.native_kernels", lambda: None)  # ATen's kernels only
+    monkeypatch.setattr("multistream.text._accel.quantize.native_kernels", lambda: None)  # ATen's kernels only
     _break(monkeypatch, broken)
     with caplog.at_level(logging.WARNING, logger="multistream"):
         llm = ms.load_text_model(quantize="auto", compile=False)
@@ -444,12 +445,15 @@ def test_the_compiled_step_batches_exactly_and_computes_what_the_eager_one_does(
     row's arithmetic is its own), and its logits are the eager step's to rounding."""
     import shutil
 
-    from multistream.text._compiled_decode import compile_decode
+    from multistream.text._accel.compiled_decode import compile_decode
 
     if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         pytest.skip("torch.compile needs a C++ compiler on a CPU; this machine has none")
     model = _tiny_llama(text_tokenizer, layers=2, seed=1)
-    quantize_model(model, "int4", block_kernels=False)  # the compiled step is ATen's kernels'
+    report = quantize_model(model, "int4", block_kernels=False)  # the compiled step is ATen's kernels'
+    if report.fused < 4:
+        pytest.skip("ATen's int4 weights do not concatenate on this CPU (its packing interleaves rows), so the "
+                    "projections are not fused and the compiled step does not apply")
     llm = ms.TextModel(model, text_tokenizer, name="tiny-int4-compiled", max_batch=4)
     def second_token_logprobs() -> list[dict[int, float]]:
         # The second token is the first decode step's (the first comes from the prefill).
@@ -476,8 +480,8 @@ def test_the_compiled_step_batches_exactly_and_computes_what_the_eager_one_does(
 
 def test_a_compile_failure_leaves_the_eager_step_with_one_log_line(tiny_quantized, monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    from multistream.text._compiled_decode import compile_decode
-    from multistream.text._fast_decode import compiled_decode
+    from multistream.text._accel.compiled_decode import compile_decode
+    from multistream.text._accel.fast_decode import compiled_decode
 
     if tiny_quantized.name.endswith("block"):
         pytest.skip("the native layers leave compile_decode nothing to compile (tested below)")

@@ -11,7 +11,6 @@ Few tests, one cluster for the module: starting Ray and loading the models take 
 from __future__ import annotations
 
 import base64
-import functools
 import io
 import os
 import time
@@ -55,11 +54,9 @@ def cluster(redis: Any) -> Iterator[str]:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ServerSettings(event_log=redis.url, enable_test_hooks=True)
-        # The exact fp32 weights: the failover test compares with an uninterrupted in-process run
-        # (conftest's exact_text_model says why); a picklable factory, as `multistream serve
-        # --quantize none` passes.
-        exact = functools.partial(ms.load_text_model, quantize=None)
-        serve.run(build_app(settings, text_model=exact, image_model="default", text_replicas=2,
+        # The default model (int4 on the native kernels): the failover test compares with an
+        # uninterrupted in-process run, which one arithmetic for decode and re-prefill makes exact.
+        serve.run(build_app(settings, text_model="default", image_model="default", text_replicas=2,
                             image_replicas=2, ingress_replicas=2, text_actor_options={"num_cpus": 0.5},
                             image_actor_options={"num_cpus": 0.5}),
                   name=APP_NAME, route_prefix="/", blocking=False)
@@ -266,7 +263,7 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     assert store.get(checkpoint_key(sid)) is None  # the stream ended: its checkpoint is gone
 
 
-def test_steer_then_failover_keeps_the_instruction(cluster: str, exact_text_model: Any) -> None:
+def test_steer_then_failover_keeps_the_instruction(cluster: str, text_model: Any) -> None:
     """A steer reaches the text replica, which is then killed: the replica that takes over
     continues with the same context (prompt, the answer so far and the instruction's tokens in
     order), so the greedy answer equals the uninterrupted steered one: the plain answer up to the
@@ -292,7 +289,6 @@ def test_steer_then_failover_keeps_the_instruction(cluster: str, exact_text_mode
     assert text == final["text"]
     [steer] = final["revisions"]  # made on the replica that died, still reported
     assert steer["kind"] == "steer" and steer["instruction"] == instruction
-    text_model = exact_text_model
     plain = text_model.generate(PROMPT, max_new_tokens=48, temperature=0.0)
     assert plain.text[: steer["offset"]] == final["text"][: steer["offset"]]
     steered = text_model.revise(plain, steer["offset"], instruction=instruction).wait()

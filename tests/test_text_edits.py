@@ -13,9 +13,10 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def fp32_model(exact_text_model):
-    """These tests compare with transformers prefilling the whole sequence: fp32 (conftest)."""
-    return exact_text_model
+def default_model(text_model):
+    """These tests compare with transformers prefilling the whole sequence, on the default model:
+    its decode and prefill compute the same numbers (one arithmetic), so they agree exactly."""
+    return text_model
 
 
 def _apply(events) -> str:
@@ -45,8 +46,8 @@ def _run_with_edit(stream, at_event: int, edit):
 
 
 @pytest.mark.parametrize(("prompt", "at"), [("Write a story about a dragon.", 3), ("Explain how rain forms.", 8)])
-def test_steer_continues_exactly_as_generate_on_the_same_tokens(fp32_model, prompt, at) -> None:
-    text_model = fp32_model
+def test_steer_continues_exactly_as_generate_on_the_same_tokens(default_model, prompt, at) -> None:
+    text_model = default_model
     stream = text_model.stream(prompt, max_new_tokens=30)
     events = _run_with_edit(stream, at, lambda s: s.steer("Answer in one short sentence."))
     final = events[-1]
@@ -60,8 +61,8 @@ def test_steer_continues_exactly_as_generate_on_the_same_tokens(fp32_model, prom
     assert all(ev.revision == 1 for ev in events if ev.index >= rev["step"] and ev.delta)
 
 
-def test_rewind_keeps_the_text_before_the_offset_and_regenerates_like_a_fresh_greedy_run(fp32_model) -> None:
-    text_model = fp32_model
+def test_rewind_keeps_the_text_before_the_offset_and_regenerates_like_a_fresh_greedy_run(default_model) -> None:
+    text_model = default_model
     prompt = "List five fruits, one per line."
     stream = text_model.stream(prompt, max_new_tokens=30)
     events = _run_with_edit(stream, 10, lambda s: s.rewind(6, instruction="Only red fruits."))
@@ -142,12 +143,12 @@ def test_bad_edits_are_clear_errors_and_leave_the_stream_alone(text_model) -> No
         text_model.revise(events[0], 0)
 
 
-def test_resume_after_a_steer_with_the_instruction_tokens(fp32_model) -> None:
+def test_resume_after_a_steer_with_the_instruction_tokens(default_model) -> None:
     """``on_edit`` reports each steer as it takes effect (``at``: answer tokens before its
     instruction); ``resume_tokens`` + ``resume_inserted`` rebuild that context (what a Ray replica
-    taking a stream over does): the continuation equals the uninterrupted steered one. (fp32: the
-    resumed run prefills what the first one decoded step by step; see conftest's exact_text_model.)"""
-    llm = fp32_model
+    taking a stream over does): the continuation equals the uninterrupted steered one (the resumed
+    run prefills what the first one decoded step by step: one arithmetic makes them agree)."""
+    llm = default_model
     prompt = "Write one sentence about the sea."
     edits: list[dict] = []
     events = _run_with_edit(llm.stream(prompt, max_new_tokens=40, temperature=0.0, on_edit=edits.append), 3,

@@ -41,12 +41,12 @@ from typing import Any, Callable
 import torch
 
 from ..errors import InvalidArgumentError
+from ._accel.fast_decode import PREFILL_POINTS, FastDecode
+from ._accel.row_attention import uses_row_attention
 from ._constraints import apply_masks
-from ._fast_decode import PREFILL_POINTS, FastDecode
 from ._kv_rows import RowCache, supports_row_cache
 from ._logprobs import TokenTable, entries
 from ._request import TextRequest
-from ._row_attention import uses_row_attention
 from ._sampling import Penalties, adjust_rows
 
 __all__ = ["SharedPrompt", "TextBatcher"]

@@ -23,17 +23,18 @@ import torch
 from .._cache import cache_dir
 from .._devices import default_dtype, resolve_device, resolve_dtype
 from ..errors import InvalidArgumentError, ModelLoadError
-from ._block_kernels import native_kernels
-from ._compiled_decode import CompileReport, compile_decode
-from ._fast_decode import FastDecode
-from ._model import TextModel
-from ._native_layers import native_layer
-from ._quantize import (
+from ._accel.compiled_decode import CompileReport, compile_decode
+from ._accel.fast_decode import FastDecode
+from ._accel.kernels import native_kernels
+from ._accel.native_layers import native_layer
+from ._accel.quantize import (
     QuantizationReport,
+    check_activations,
     check_quantize,
     mode_problem,
     quantize_model,
 )
+from ._model import TextModel
 
 __all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
 
@@ -122,13 +123,13 @@ def resolve_quantize(quantize: str | None, *, embedded: bool, device: torch.devi
 
 
 def _quantize(model: Any, requested: str | None, mode: str | None, device: torch.device,
-              cache_folder: Path | None = None) -> QuantizationReport:
+              cache_folder: Path | None = None, activations: str = "fp32") -> QuantizationReport:
     """Apply ``mode``; under ``"auto"`` a mode whose kernel cannot run here falls back (int4, then
     int8, then none) with one log line, where a mode asked for by name raises. ``cache_folder``
     (the embedded model's converted folder): keep the quantized layers there, so later loads
     rebuild them in a fraction of a second instead of quantizing again (~6 s on 2 cores)."""
     if mode is None:
-        return QuantizationReport(mode=None, requested=requested)
+        return QuantizationReport(mode=None, requested=requested, activations=activations)
     fallback = None
     if requested == "auto":
         dtype = next(model.parameters()).dtype
@@ -149,7 +150,7 @@ def _quantize(model: Any, requested: str | None, mode: str | None, device: torch
     start = time.perf_counter()
     store = _quantized_cache_file(cache_folder, mode, device) if cache_folder is not None and mode else None
     cached = _read_quantized(store) if store is not None else None
-    report = quantize_model(model, mode, cached=cached)
+    report = quantize_model(model, mode, cached=cached, activations=activations)
     report.requested, report.fallback = requested, fallback
     if store is not None and cached is None and report.mode is not None:
         _write_quantized(store, report.states)
@@ -198,6 +199,7 @@ def load_text_model(
     dtype: torch.dtype | str | None = None,
     *,
     quantize: str | None = "auto",
+    activations: str = "fp32",
     compile: bool = False,
     max_batch: int = 16,
     prefill_budget: int = 512,
@@ -211,12 +213,15 @@ def load_text_model(
     beyond it wait, highest priority first); ``prefill_budget``: prompt tokens prefilled per step,
     so a long new prompt stalls running streams for one chunk at most.
 
-    ``quantize``: quantization of the linear layers and the LM head (`multistream.text._quantize`):
+    ``quantize``: quantization of the linear layers and the LM head (`multistream.text._accel.quantize`):
     ``"int8"`` or ``"int4"`` (the LM head stays 8-bit). On a CPU with a C compiler they are GGUF's
     block formats (Q8_0, Q4_1: blocks of 32 weights with fp16 scales) on multistream's native
-    kernels, which quantize the activations to int8 per block as llama.cpp does
-    (`multistream.text._block_kernels`, built once per machine in about a second), and each Llama
-    decoder layer decodes a token in two native calls (`multistream.text._native_layers`). Without
+    kernels (`multistream.text._accel.kernels`, built once per machine in about a second), which
+    keep the activations in fp32: the model computes what fp32 computes with the same weights, and
+    decode, prefill, ``score`` and a re-prefill after an edit or a failover agree bit for bit (each
+    Llama decoder layer runs in C on every path: `multistream.text._accel.native_layers`).
+    ``activations="int8"`` rounds each layer's input to int8 per block of 32 instead, as llama.cpp
+    does (an opt-in; README, "Speed on a CPU", says what it gains and costs). Without
     a C compiler, and on CUDA, they are weight-only formats on ATen's packed-weight kernels
     (bf16 activations). ``"auto"``, the default, is `AUTO_QUANTIZE_EMBEDDED_CPU` (int4) for the
     embedded model on a CPU, where it streams about 5x faster than fp32, at llama.cpp's speed,
@@ -246,6 +251,7 @@ def load_text_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     requested = check_quantize(quantize)
+    activations = check_activations(activations)
     if not isinstance(compile, bool):
         raise InvalidArgumentError(f"compile must be True or False, got {compile!r}")
     target = resolve_device(device)
@@ -278,7 +284,7 @@ def load_text_model(
         model.to(target)
     model.eval()
     cache_folder = Path(folder) if name_or_path is None and not from_pretrained_kwargs else None
-    report = _quantize(model, requested, mode, next(model.parameters()).device, cache_folder)
+    report = _quantize(model, requested, mode, next(model.parameters()).device, cache_folder, activations)
     compiled = _compile(model, compile)
     llm = TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
     llm.quantization = report

@@ -11,9 +11,9 @@ bit those of ``model(...)``), but:
   the cache layers hold views of the buffers (a copy only every `GROW` steps, when they fill up);
 - no mask: it attends row by row (`multistream.text._row_attention`), each row on its own columns;
 - the engine's prefill points are called between layers directly (no hooks needed);
-- a layer with a native decode path (`multistream.text._native_layers`) takes it, as its own
-  forward does for one token; when all of them have one, each run of layers between two prefill
-  points is one C call (`NativeStack`).
+- a model whose layers are native (`multistream.text._accel.native_layers`) runs each stretch of
+  layers between two prefill points as one C call (`NativeStack`): the same per-token arithmetic
+  as its own forward, prefills included, so the logits are bit for bit those of ``model(...)``.
 
 It serves models that attend with `row_attention` (the quantized ones) and whose decoder layers
 have the Llama structure (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ._kv_rows import RowCache
-from ._native_layers import NativeStack, native_layer
-from ._row_attention import row_attention, uses_row_attention
+from .._kv_rows import RowCache
+from .native_layers import NativeStack, native_layer
+from .row_attention import row_attention, uses_row_attention
 
 __all__ = ["GROW", "PREFILL_POINTS", "FastDecode", "compiled_decode", "register_compiled"]
 
@@ -110,20 +110,21 @@ class FastDecode:
         length = rows.length
         layers = list(getattr(rows.cache, "layers", []))
         hidden = self.inner.embed_tokens(input_ids)
-        cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
         batch = hidden.shape[0]
         compiled = compiled_decode(self.model)
         if self.native_stack is not None and len(layers) == len(self.layers):
             buffers = [_reserve(cached, length) for cached in layers]
+            tokens = self.native_stack.tokens(positions, batch, length, row_starts)
             # One C call per run of layers between two of the engine's prefill points.
             bounds = sorted({0, len(layers)} | {p for p in points if 0 < p < len(layers)})
             for start, end in zip(bounds, bounds[1:]):
                 if start in points and prefill_point is not None:
                     prefill_point()
-                hidden = self.native_stack.decode(start, end, hidden, cos, sin, buffers[start:end], length, row_starts)
+                hidden = self.native_stack.decode(start, end, hidden, tokens, buffers[start:end])
             for cached, (kbuf, vbuf) in zip(layers, buffers):
                 cached.keys, cached.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
             return self.model.lm_head(self.inner.norm(hidden)[:, -1:, :])[:, -1, :]
+        cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
         if compiled is not None:
             buffers = [_reserve(cached, length) for cached in layers]
             starts = torch.tensor(row_starts if row_starts is not None else [0] * batch)
@@ -135,12 +136,6 @@ class FastDecode:
         for i, (layer, cached) in enumerate(zip(self.layers, layers)):
             if i in points and prefill_point is not None:
                 prefill_point()
-            native = native_layer(layer)
-            if native is not None:  # the layer's own one-token path: what model(...) computes too
-                kbuf, vbuf = _reserve(cached, length)
-                hidden = native.decode(hidden, cos, sin, kbuf, vbuf, length, row_starts)
-                cached.keys, cached.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
-                continue
             attn = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)

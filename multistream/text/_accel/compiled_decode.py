@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ._fast_decode import PREFILL_POINTS, register_compiled
-from ._quantize import Int4Linear, Int8Linear
+from .fast_decode import PREFILL_POINTS, register_compiled
+from .quantize import Int4Linear, Int8Linear
 
 __all__ = ["CompileReport", "CompiledDecode", "compile_decode"]
 

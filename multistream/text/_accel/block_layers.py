@@ -1,10 +1,12 @@
-"""Linear layers with GGUF's block-quantized weights, on the native CPU kernels (`_block_kernels`).
+"""Linear layers with GGUF's block-quantized weights, on the native CPU kernels (`kernels`).
 
 `Q4Linear` holds Q4_1 weights (blocks of 32 input channels, a scale and a minimum each, in fp16:
 ``w = q * scale + minimum`` with q in 0..15); `Q8Linear` holds Q8_0 weights (``w = q * scale``,
-q in -127..127, an fp16 scale). Their input is quantized per block of 32 to int8 at each call, as llama.cpp does,
-and the products are summed in int32: that is what makes them several times faster than ATen's
-bf16 kernels on a CPU without AMX.
+q in -127..127, an fp16 scale). Their input stays fp32: each block is dequantized in registers and
+multiplied with FMA, so a layer computes the fp32 product of its 4- or 8-bit weights (to float
+rounding), several times faster than ATen's bf16 int4 kernel on a CPU without AMX.
+``activations=Activations.INT8`` rounds the input to int8 per block of 32 instead and sums in
+int32, as llama.cpp does (an opt-in: `load_text_model(activations="int8")`).
 
 The embedded model's GGUF file stores its layers as Q4_1 and its embedding (the tied LM head) as
 Q8_0, so these formats hold its weights exactly: the minimum and maximum of each block of the
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._block_kernels import BLOCK, block_matmul
+from .kernels import BLOCK, Activations, QuantizedMatrix, matmul
 
 __all__ = ["Q4Linear", "Q8Linear", "block_fits"]
 
@@ -56,10 +58,11 @@ class _BlockLinear(torch.nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, weight_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, activations: Activations = Activations.FP32) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, int(weight_q.shape[0])
         self.dtype = dtype  # the model's dtype: the output is cast back to it
+        self.activations = Activations(activations)
         self.register_buffer("weight_q", weight_q)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
@@ -73,21 +76,26 @@ class _BlockLinear(torch.nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear) -> _BlockLinear:
+    def from_linear(cls, linear: torch.nn.Linear, activations: Activations = Activations.FP32) -> _BlockLinear:
         """The layer quantized from ``linear`` (its bias kept in fp32)."""
         weight_q, scales = cls.quantize_weight(linear.weight)
-        return cls(weight_q, scales, _bias(linear), linear.in_features, linear.weight.dtype)
+        return cls(weight_q, scales, _bias(linear), linear.in_features, linear.weight.dtype, activations)
+
+    def matrix(self) -> QuantizedMatrix:
+        """What the kernels read: this layer's current buffers (validated when used)."""
+        return QuantizedMatrix(self.kind, self.weight_q, self.scales, self.bias, self.activations)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight this layer multiplies by (tests, probes)."""
         return self.dequantize(self.weight_q, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = block_matmul(x, self.kind, self.weight_q, self.scales, self.bias, self.out_features)
+        y = matmul(x, self.matrix())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"activations={self.activations.name.lower()}")
 
 
 class Q4Linear(_BlockLinear):

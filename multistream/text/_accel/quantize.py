@@ -4,13 +4,14 @@ Decoding one token reads every weight once, so on a CPU a small model's decode s
 memory traffic; storing the weights in 8 or 4 bits cuts that traffic 4x or 8x. Each
 `torch.nn.Linear` is replaced by a quantized layer of one of two families:
 
-- **The native block kernels** (a CPU with a C compiler; `multistream.text._block_kernels`,
-  layers in `multistream.text._block_layers`): GGUF's block formats, ``Q4Linear`` (Q4_1: blocks of
-  32 weights with an fp16 scale and minimum) and ``Q8Linear`` (Q8_0: an fp16 scale per block). The
-  input is quantized per block of 32 to int8 at each call and the products are summed in int32,
-  as llama.cpp does: on an AVX2 CPU a 576x3072 int4 layer takes 87 us a token against 255 us for
-  ATen's kernel below. Llama decoder layers on them also decode a token in two native calls
-  (`multistream.text._native_layers`).
+- **The native block kernels** (a CPU with a C compiler; `multistream.text._accel.kernels`,
+  layers in `multistream.text._accel.block_layers`): GGUF's block formats, ``Q4Linear`` (Q4_1:
+  blocks of 32 weights with an fp16 scale and minimum) and ``Q8Linear`` (Q8_0: an fp16 scale per
+  block). The input stays fp32 (each block is dequantized in registers and multiplied with FMA):
+  a layer computes the fp32 product of its quantized weights, several times faster than ATen's
+  bf16 int4 kernel below on an AVX2 CPU. ``activations="int8"`` rounds the input to int8 per block
+  instead, as llama.cpp does (an opt-in). Llama decoder layers on them run in C for every number
+  of tokens, with one arithmetic for decode and prefill (`multistream.text._accel.native_layers`).
 - **ATen's packed-weight kernels** (elsewhere, and with ``block_kernels=False``): weight-only
   ``Int8Linear`` and ``Int4Linear``, activations in bf16:
 
@@ -62,11 +63,11 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError
-from ._block_kernels import native_kernels
-from ._block_layers import Q4Linear, Q8Linear, block_fits
-from ._native_layers import attach_native_layers
-from ._row_attention import use_row_attention
+from ...errors import InvalidArgumentError
+from .block_layers import Q4Linear, Q8Linear, block_fits
+from .kernels import Activations, native_kernels
+from .native_layers import attach_native_layers
+from .row_attention import use_row_attention
 
 __all__ = [
     "FUSED_GROUPS",
@@ -74,6 +75,8 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "QuantizationReport",
+    "ACTIVATIONS",
+    "check_activations",
     "check_quantize",
     "fuse_projections",
     "kernel_problem",
@@ -87,6 +90,26 @@ logger = logging.getLogger("multistream")
 
 QUANTIZE_MODES: tuple[str | None, ...] = (None, "int8", "int4", "auto")
 INT4_GROUP_SIZE = 32  # the GGUF Q4_1 block: the embedded model's weights lie on this lattice
+
+
+ACTIVATIONS = ("fp32", "int8")
+
+
+def check_activations(activations: Any) -> str:
+    """``activations=`` checked: ``"fp32"`` (the default: the block kernels keep a layer's input in
+    fp32, so the quantized model computes what fp32 computes with its weights) or ``"int8"``
+    (llama.cpp's arithmetic: the input rounded to int8 per block of 32; prefill and decode still
+    agree, but the text drifts from fp32's).
+
+    Example:
+        >>> check_activations("INT8")
+        'int8'
+    """
+    if isinstance(activations, str) and activations.lower() in ACTIVATIONS:
+        return activations.lower()
+    raise InvalidArgumentError(
+        f"activations must be 'fp32' or 'int8', got {activations!r} (what the native kernels do with a "
+        "quantized layer's input: 'fp32' keeps it, 'int8' rounds it per block of 32 as llama.cpp does)")
 
 
 def check_quantize(quantize: Any) -> str | None:
@@ -259,11 +282,12 @@ def _fits(kind: str, linear: torch.nn.Linear) -> bool:
     return n % 16 == 0 and k % INT4_GROUP_SIZE == 0 and (linear.weight.device.type == "cpu" or k % 32 == 0)
 
 
-def _make(kind: str, linear: torch.nn.Linear, compute_dtype: torch.dtype) -> torch.nn.Module:
+def _make(kind: str, linear: torch.nn.Linear, compute_dtype: torch.dtype,
+          activations: Activations = Activations.FP32) -> torch.nn.Module:
     if kind == "q8":
-        return Q8Linear.from_linear(linear)
+        return Q8Linear.from_linear(linear, activations)
     if kind == "q4":
-        return Q4Linear.from_linear(linear)
+        return Q4Linear.from_linear(linear, activations)
     if kind == "int8":
         return Int8Linear.from_linear(linear, compute_dtype)
     return Int4Linear.from_linear(linear)
@@ -320,8 +344,10 @@ def _concat(layers: list[torch.nn.Module]) -> torch.nn.Module | None:
             return None
         return Int8Linear(torch.cat([m.weight_int8 for m in layers]), torch.cat([m.scales for m in layers]), bias)
     if isinstance(first, (Q8Linear, Q4Linear)):
+        if len({m.activations for m in layers}) != 1:
+            return None
         return type(first)(torch.cat([m.weight_q for m in layers]), torch.cat([m.scales for m in layers]), bias,
-                           first.in_features, first.dtype)
+                           first.in_features, first.dtype, first.activations)
     if isinstance(first, Int4Linear):
         packed = torch.cat([m.packed for m in layers])  # row blocks are independent (the probe checks it)
         scales = torch.cat([m.scales_and_zeros for m in layers], 1)
@@ -413,7 +439,7 @@ def kernel_problem(kind: str, device: torch.device, model_dtype: torch.dtype = t
         weight = layer.dequantized().cpu()
     else:
         weight = Int4Linear.dequantize(*Int4Linear.quantize_weight(linear.weight.cpu()))
-    # ATen's kernels round the input to bf16; the block kernels to int8 per block (within 1 %).
+    # ATen's kernels round the input to bf16; the block kernels keep fp32.
     inputs = x.cpu().float() if isinstance(layer, (Q8Linear, Q4Linear)) else x.cpu().to(torch.bfloat16).float()
     reference = inputs @ weight.t()
     error = float((got - reference).abs().max())
@@ -462,7 +488,8 @@ class QuantizationReport:
     fused: int = 0  # groups of projections (q/k/v, gate/up) computed in one call
     # layers per kernel: "q4"/"q8" (the native block kernels, `_block_kernels`), "int4"/"int8" (ATen's)
     kernels: dict[str, int] = field(default_factory=dict)
-    native_layers: int = 0  # decoder layers that decode a token in two native calls (`_native_layers`)
+    native_layers: int = 0  # decoder layers computed in C (`native_layers`)
+    activations: str = "fp32"  # what the block kernels do with a layer's input: "fp32" or "int8"
     # `layer_state` of each quantized layer by name (what a quantized-weights cache stores)
     states: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
@@ -471,7 +498,7 @@ class QuantizationReport:
             return "weights as loaded (no quantization)"
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.by_kind.items()))
         block = sum(n for kind, n in self.kernels.items() if kind in ("q4", "q8"))
-        how = ("block kernels, int8 activations" if block == self.layers else
+        how = (f"block kernels, {self.activations} activations" if block == self.layers else
                "ATen kernels, bf16 activations" if not block else f"{block} on block kernels, the rest on ATen's")
         return (f"{self.mode}: {kinds} linear layers ({how}), weights {self.bytes_before / 2**20:.0f} MiB -> "
                 f"{self.bytes_after / 2**20:.0f} MiB")
@@ -512,7 +539,7 @@ def _untie_head(model: torch.nn.Module) -> None:
 
 def quantize_model(
     model: torch.nn.Module, mode: str | None, *, on_fallback: Callable[[str], None] | None = None,
-    cached: dict[str, dict[str, Any]] | None = None, block_kernels: bool = True,
+    cached: dict[str, dict[str, Any]] | None = None, block_kernels: bool = True, activations: str = "fp32",
 ) -> QuantizationReport:
     """Replace the model's linear layers (in place) by `Int8Linear`/`Int4Linear` layers.
 
@@ -529,8 +556,12 @@ def quantize_model(
     ``cached``: `layer_state` per layer name, from an earlier run on the same weights, device and
     torch (``report.states`` holds this run's): those layers are rebuilt, not quantized again.
     ``block_kernels=False`` keeps to ATen's kernels on a CPU too (`Int8Linear`, `Int4Linear`).
+    ``activations``: ``"fp32"`` (the block kernels compute the fp32 product of the quantized
+    weights) or ``"int8"`` (llama.cpp's int8 rounding of the input per block; see
+    `check_activations`).
     """
-    report = QuantizationReport(mode=None, requested=mode)
+    acts = Activations[check_activations(activations).upper()]
+    report = QuantizationReport(mode=None, requested=mode, activations=acts.name.lower())
     if mode is None:
         return report
     if mode not in ("int8", "int4"):
@@ -575,8 +606,10 @@ def quantize_model(
             state = (cached or {}).get(path)
             if state is not None and state.get("kind") == kind:
                 replacement = layer_from_state(state)
+                if isinstance(replacement, (Q4Linear, Q8Linear)):
+                    replacement.activations = acts
             else:
-                replacement = _make(kind, linear, kernel_dtype(kind, linear.weight.device, linear.weight.dtype))
+                replacement = _make(kind, linear, kernel_dtype(kind, linear.weight.device, linear.weight.dtype), acts)
             report.states[path] = layer_state(replacement)
             setattr(parent, name, replacement)
             report.by_kind[precision] = report.by_kind.get(precision, 0) + 1
