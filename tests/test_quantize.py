@@ -17,10 +17,8 @@ import torch
 
 import multistream as ms
 from multistream.errors import InvalidArgumentError
-from multistream.text._accel.kernels import native_kernels
 from multistream.text._accel.block_layers import Q4Linear, Q8Linear
-from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, resolve_quantize
-from multistream.text._quality import agreement, greedy_tokens, perplexity
+from multistream.text._accel.kernels import native_kernels
 from multistream.text._accel.quantize import (
     QUANTIZED_LAYERS,
     Int4Linear,
@@ -30,6 +28,8 @@ from multistream.text._accel.quantize import (
     mode_problem,
     quantize_model,
 )
+from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, resolve_quantize
+from multistream.text._quality import agreement, greedy_tokens, perplexity
 
 DATA = Path(__file__).parent / "data"
 CPU = torch.device("cpu")

@@ -20,9 +20,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-
-import multistream as ms
-
 from redis_fixtures import free_port, needs_redis, redis_server
 from server_fixtures import iter_events
 

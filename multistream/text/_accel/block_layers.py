@@ -25,7 +25,17 @@ import torch
 
 from .kernels import BLOCK, Activations, QuantizedMatrix, matmul
 
-__all__ = ["Q4Linear", "Q8Linear", "block_fits"]
+__all__ = ["Q4Linear", "Q8Linear", "block_fits", "buffers_generation"]
+
+_BUFFERS = ("weight_q", "scales", "bias")
+_generation = [0]  # bumped whenever a block layer's buffers may have been replaced or cast
+
+
+def buffers_generation() -> int:
+    """A number that changes whenever any block layer's buffers were assigned, moved or cast
+    (``model.to(...)``, ``.half()``, a direct assignment): what lets a native decoder layer skip
+    re-checking its weights at every step."""
+    return _generation[0]
 
 
 def block_fits(linear: torch.nn.Linear) -> bool:
@@ -66,6 +76,15 @@ class _BlockLinear(torch.nn.Module):
         self.register_buffer("weight_q", weight_q)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _BUFFERS:
+            _generation[0] += 1
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # .to(), .half(), .cuda()
+        _generation[0] += 1
+        return super()._apply(fn, recurse)
 
     @staticmethod
     def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

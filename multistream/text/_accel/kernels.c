@@ -164,25 +164,52 @@ static inline __m256 block_dot(const __m256 *f, const float *xb) {
 }
 #endif
 
+// A weight row's fp16 scales as floats (exact), 8 at a time where F16C is there: one conversion per
+// scale instead of one scalar conversion in the inner loop.
+#define MAX_ROW_SCALES 1024  // longer rows (k > 16384) convert per block instead: the same values
+static inline void row_scales(const uint16_t *s, int64_t count, float *out) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(MS_AVX2)
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+    for (; i < count; i++) out[i] = half_to_float(s[i]);
+}
+
+// The scales of weight row j (Q4_1: d, m per block; Q8_0: d per block), as floats.
+static inline const float *scales_of(const ms_qmat *m, int64_t j, float *buffer) {
+    const int64_t per_row = (m->k / BLOCK) * (m->kind == 4 ? 2 : 1);
+    const uint16_t *s = m->s + j * per_row;
+    if (per_row <= MAX_ROW_SCALES) {
+        row_scales(s, per_row, buffer);
+        return buffer;
+    }
+    return NULL;
+}
+
+static inline float scale_at(const ms_qmat *m, int64_t j, const float *scales, int64_t i) {
+    const int64_t per_row = (m->k / BLOCK) * (m->kind == 4 ? 2 : 1);
+    return scales ? scales[i] : half_to_float(m->s[j * per_row + i]);
+}
+
 static float dot_f32(const ms_qmat *m, int64_t j, const float *x, const float *sums) {
     const int64_t blocks = m->k / BLOCK;
+    float buffer[MAX_ROW_SCALES];
+    const float *sc = scales_of(m, j, buffer);
 #ifdef MS_AVX2
     __m256 acc = _mm256_setzero_ps(), f[4];
     float mins = 0.0f;
     if (m->kind == 4) {
         const uint8_t *w = (const uint8_t *)m->w + j * (m->k / 2);
-        const uint16_t *dm = m->s + j * blocks * 2;
         for (int64_t b = 0; b < blocks; b++) {
             q4_floats(w + b * 16, f);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(dm[2 * b])), block_dot(f, x + b * BLOCK), acc);
-            mins += half_to_float(dm[2 * b + 1]) * sums[b];
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(m, j, sc, 2 * b)), block_dot(f, x + b * BLOCK), acc);
         }
+        for (int64_t b = 0; b < blocks; b++) mins += scale_at(m, j, sc, 2 * b + 1) * sums[b];
     } else {
         const int8_t *w = (const int8_t *)m->w + j * m->k;
-        const uint16_t *d = m->s + j * blocks;
         for (int64_t b = 0; b < blocks; b++) {
             q8_floats(w + b * BLOCK, f);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(d[b])), block_dot(f, x + b * BLOCK), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(m, j, sc, b)), block_dot(f, x + b * BLOCK), acc);
         }
     }
     return hsum256(acc) + mins;
@@ -195,14 +222,15 @@ static float dot_f32(const ms_qmat *m, int64_t j, const float *x, const float *s
             const uint8_t *w = (const uint8_t *)m->w + j * (m->k / 2) + b * 16;
             for (int i = 0; i < 16; i++) t += (float)(w[i] & 0x0F) * xb[i];
             for (int i = 0; i < 16; i++) t += (float)(w[i] >> 4) * xb[i + 16];
-            total += half_to_float(m->s[(j * blocks + b) * 2]) * t;
-            mins += half_to_float(m->s[(j * blocks + b) * 2 + 1]) * sums[b];
+            total += scale_at(m, j, sc, 2 * b) * t;
         } else {
             const int8_t *w = (const int8_t *)m->w + j * m->k + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) t += (float)w[i] * xb[i];
-            total += half_to_float(m->s[j * blocks + b]) * t;
+            total += scale_at(m, j, sc, b) * t;
         }
     }
+    if (m->kind == 4)
+        for (int64_t b = 0; b < blocks; b++) mins += scale_at(m, j, sc, 2 * b + 1) * sums[b];
     return total + mins;
 #endif
 }
@@ -211,6 +239,8 @@ static float dot_f32(const ms_qmat *m, int64_t j, const float *x, const float *s
 static void dot_f32_group(const ms_qmat *m, int64_t j, const float *x, const float *sums, float *out) {
     const int64_t k = m->k, blocks = k / BLOCK;
 #ifdef MS_AVX2
+    float buffer[MAX_ROW_SCALES];
+    const float *sc = scales_of(m, j, buffer);
     __m256 acc[GROUP], f[4];
     float mins[GROUP];
     for (int r = 0; r < GROUP; r++) {
@@ -219,22 +249,18 @@ static void dot_f32_group(const ms_qmat *m, int64_t j, const float *x, const flo
     }
     if (m->kind == 4) {
         const uint8_t *w = (const uint8_t *)m->w + j * (k / 2);
-        const uint16_t *dm = m->s + j * blocks * 2;
         for (int64_t b = 0; b < blocks; b++) {
             q4_floats(w + b * 16, f);
-            __m256 d = _mm256_set1_ps(half_to_float(dm[2 * b]));
-            float minimum = half_to_float(dm[2 * b + 1]);
-            for (int r = 0; r < GROUP; r++) {
-                acc[r] = _mm256_fmadd_ps(d, block_dot(f, x + r * k + b * BLOCK), acc[r]);
-                mins[r] += minimum * sums[r * blocks + b];
-            }
+            __m256 d = _mm256_set1_ps(scale_at(m, j, sc, 2 * b));
+            for (int r = 0; r < GROUP; r++) acc[r] = _mm256_fmadd_ps(d, block_dot(f, x + r * k + b * BLOCK), acc[r]);
         }
+        for (int r = 0; r < GROUP; r++)
+            for (int64_t b = 0; b < blocks; b++) mins[r] += scale_at(m, j, sc, 2 * b + 1) * sums[r * blocks + b];
     } else {
         const int8_t *w = (const int8_t *)m->w + j * k;
-        const uint16_t *ds = m->s + j * blocks;
         for (int64_t b = 0; b < blocks; b++) {
             q8_floats(w + b * BLOCK, f);
-            __m256 d = _mm256_set1_ps(half_to_float(ds[b]));
+            __m256 d = _mm256_set1_ps(scale_at(m, j, sc, b));
             for (int r = 0; r < GROUP; r++) acc[r] = _mm256_fmadd_ps(d, block_dot(f, x + r * k + b * BLOCK), acc[r]);
         }
     }
@@ -325,16 +351,18 @@ static float dot_i8(const ms_qmat *m, int64_t j, const int8_t *q, const float *d
 // The matmul, as work shared by the threads of an enclosing parallel region (orphaned `omp for`s:
 // each call site is inside one). y[r, j] = x[r, :] . W[j, :] (+ bias[j]).
 
-// Per-row preparation: the block sums (fp32) or the int8 quantization (acts 1), into `scratch`.
-static void prepare_rows(const ms_qmat *m, const float *x, int64_t rows, float *sums, acts8 *a8) {
+// Per-row preparation: the block sums (fp32) or the int8 quantization (acts 1), into the scratch.
+static inline void prepare_row(const ms_qmat *m, const float *x, int64_t r, float *sums, acts8 *a8) {
     const int64_t k = m->k, blocks = k / BLOCK;
+    if (m->acts)
+        quantize_row(x + r * k, k, a8->q + r * k, a8->d + r * blocks, a8->s + r * blocks);
+    else
+        block_sums(x + r * k, blocks, sums + r * blocks);
+}
+
+static void prepare_rows(const ms_qmat *m, const float *x, int64_t rows, float *sums, acts8 *a8) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        if (m->acts)
-            quantize_row(x + r * k, k, a8->q + r * k, a8->d + r * blocks, a8->s + r * blocks);
-        else
-            block_sums(x + r * k, blocks, sums + r * blocks);
-    }
+    for (int64_t r = 0; r < rows; r++) prepare_row(m, x, r, sums, a8);
 }
 
 static void matmul_work(const ms_qmat *m, const float *x, int64_t rows, float *y, const float *sums,
@@ -387,6 +415,22 @@ static void matmul_shared(const ms_qmat *m, const float *x, int64_t rows, float 
     matmul_work(m, x, rows, y, sums, &a8);
 }
 
+// The same, for rows whose preparation the caller did already (prepare_scratch_row, in the loop
+// that produced them: one barrier fewer).
+static void matmul_prepared(const ms_qmat *m, const float *x, int64_t rows, float *y, void *scratch) {
+    float *sums;
+    acts8 a8;
+    scratch_split(scratch, rows, m->k, &sums, &a8);
+    matmul_work(m, x, rows, y, sums, &a8);
+}
+
+static inline void prepare_scratch_row(const ms_qmat *m, const float *x, int64_t rows, int64_t r, void *scratch) {
+    float *sums;
+    acts8 a8;
+    scratch_split(scratch, rows, m->k, &sums, &a8);
+    prepare_row(m, x, r, sums, &a8);
+}
+
 static int check_qmat(const ms_qmat *m) {
     if (!m || !m->w || !m->s || m->k <= 0 || m->n <= 0 || m->k % BLOCK) return -1;
     if ((m->kind != 4 && m->kind != 8) || (m->acts != 0 && m->acts != 1)) return -1;
@@ -413,11 +457,6 @@ static void rms_norm_row(const float *x, const float *w, float eps, float *y, in
     for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
     float inv = 1.0f / sqrtf(sum / (float)dim + eps);
     for (int64_t i = 0; i < dim; i++) y[i] = w[i] * (x[i] * inv);
-}
-
-static void rms_norm_rows(const float *x, const float *w, float eps, float *y, int64_t rows, int64_t dim) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * dim, w, eps, y + r * dim, dim);
 }
 
 // rotate_half convention (transformers' apply_rotary_pos_emb): y = x * cos + rotate_half(x) * sin.
@@ -546,29 +585,36 @@ static void *scratch_alloc(const ms_shape *s, const ms_tokens *t, int threads, l
     return base;
 }
 
-// Stage 1 (inside a parallel region): norm, fused q/k/v, rotary: q, k, v of every token into w.
-static void stage_qkv(const ms_layer *l, const ms_shape *s, const ms_tokens *t, const float *x, layer_scratch *w) {
+static void write_kv(const ms_shape *s, const ms_tokens *t, const ms_kv *kv, const layer_scratch *w, int64_t i);
+
+// Stage 1 (inside a parallel region): norm, fused q/k/v, rotary: q, k, v of every token into w
+// (and k, v into `kv` at the tokens' columns when it is given).
+static void stage_qkv(const ms_layer *l, const ms_shape *s, const ms_tokens *t, const float *x, layer_scratch *w,
+                      const ms_kv *kv) {
     const int64_t width = (s->heads + 2 * s->kv_heads) * s->dim;
-    rms_norm_rows(x, l->norm1_w, l->eps1, w->normed, t->count, s->hidden);
-    matmul_shared(&l->qkv, w->normed, t->count, w->qkv, w->mm);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < t->count; i++)
+    for (int64_t i = 0; i < t->count; i++) {
+        rms_norm_row(x + i * s->hidden, l->norm1_w, l->eps1, w->normed + i * s->hidden, s->hidden);
+        prepare_scratch_row(&l->qkv, w->normed, t->count, i, w->mm);
+    }
+    matmul_prepared(&l->qkv, w->normed, t->count, w->qkv, w->mm);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < t->count; i++) {
         split_rotate(s, w->qkv + i * width, t->cos + i * s->dim, t->sin + i * s->dim, w->q + i * s->heads * s->dim,
                      w->k + i * s->kv_heads * s->dim, w->v + i * s->kv_heads * s->dim);
+        if (kv) write_kv(s, t, kv, w, i);
+    }
 }
 
-// Stage 2: each token's k and v into its column of the KV buffers.
-static void stage_write_kv(const ms_shape *s, const ms_tokens *t, const ms_kv *kv, const layer_scratch *w) {
-    const int64_t dim = s->dim;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < t->count; i++)
-        for (int64_t h = 0; h < s->kv_heads; h++) {
-            int64_t row = t->kv_row[i], col = t->column[i];
-            memcpy(kv->k + row * kv->ks[0] + h * kv->ks[1] + col * kv->ks[2], w->k + (i * s->kv_heads + h) * dim,
-                   sizeof(float) * (size_t)dim);
-            memcpy(kv->v + row * kv->vs[0] + h * kv->vs[1] + col * kv->vs[2], w->v + (i * s->kv_heads + h) * dim,
-                   sizeof(float) * (size_t)dim);
-        }
+// Token i's k and v into its column of the KV buffers.
+static void write_kv(const ms_shape *s, const ms_tokens *t, const ms_kv *kv, const layer_scratch *w, int64_t i) {
+    const int64_t dim = s->dim, row = t->kv_row[i], col = t->column[i];
+    for (int64_t h = 0; h < s->kv_heads; h++) {
+        memcpy(kv->k + row * kv->ks[0] + h * kv->ks[1] + col * kv->ks[2], w->k + (i * s->kv_heads + h) * dim,
+               sizeof(float) * (size_t)dim);
+        memcpy(kv->v + row * kv->vs[0] + h * kv->vs[1] + col * kv->vs[2], w->v + (i * s->kv_heads + h) * dim,
+               sizeof(float) * (size_t)dim);
+    }
 }
 
 // Stage 3: attention, output projection, residual, norm, gated SiLU MLP, residual: out.
@@ -581,13 +627,17 @@ static void stage_rest(const ms_layer *l, const ms_shape *s, const ms_tokens *t,
     for (int64_t i = 0; i < n; i++) {
         for (int64_t c = 0; c < hidden; c++) w->h[i * hidden + c] += x[i * hidden + c];
         rms_norm_row(w->h + i * hidden, l->norm2_w, l->eps2, w->normed2 + i * hidden, hidden);
+        prepare_scratch_row(&l->gate_up, w->normed2, n, i, w->mm);
     }
-    matmul_shared(&l->gate_up, w->normed2, n, w->gu, w->mm);
+    matmul_prepared(&l->gate_up, w->normed2, n, w->gu, w->mm);
+    // SiLU(gate) * up, element by element (split over the threads even for one token).
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float *g = w->gu + i * 2 * inter, *u = g + inter;
-        for (int64_t c = 0; c < inter; c++) w->act[i * inter + c] = g[c] / (1.0f + expf(-g[c])) * u[c];
+    for (int64_t e = 0; e < n * inter; e++) {
+        int64_t i = e / inter, c = e % inter;
+        float g = w->gu[i * 2 * inter + c], u = w->gu[i * 2 * inter + inter + c];
+        w->act[e] = g / (1.0f + expf(-g)) * u;
     }
+    // `out` may be `x` itself (ms_layers_forward): x is not read after the first residual above.
     matmul_shared(&l->down, w->act, n, out, w->mm);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n * hidden; i++) out[i] += w->h[i];
@@ -624,7 +674,7 @@ int ms_layer_qkv(const ms_layer *l, const ms_shape *s, const ms_tokens *t, const
     void *base = scratch_alloc(s, t, threads, &w);
     if (!base) return -2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    stage_qkv(l, s, t, x, &w);
+    stage_qkv(l, s, t, x, &w, NULL);
     const int64_t n = t->count;
     memcpy(q, w.q, sizeof(float) * (size_t)(n * s->heads * s->dim));
     memcpy(k, w.k, sizeof(float) * (size_t)(n * s->kv_heads * s->dim));
@@ -659,22 +709,13 @@ int ms_layers_forward(const ms_layer *layers, int64_t count, const ms_shape *s, 
     if (t->count == 0 || count == 0) return 0;
     layer_scratch w;
     void *base = scratch_alloc(s, t, threads, &w);
-    float *out = (float *)malloc(sizeof(float) * (size_t)(t->count * s->hidden));
-    if (!base || !out) {
-        free(base);
-        free(out);
-        return -2;
-    }
+    if (!base) return -2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t i = 0; i < count; i++) {
         const ms_layer *l = layers + i;
-        stage_qkv(l, s, t, x, &w);
-        stage_write_kv(s, t, &l->kv, &w);
-        stage_rest(l, s, t, x, w.q, &l->kv, out, &w);
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < t->count * s->hidden; c++) x[c] = out[c];
+        stage_qkv(l, s, t, x, &w, &l->kv);
+        stage_rest(l, s, t, x, w.q, &l->kv, x, &w);  // the layer's output replaces its input
     }
-    free(out);
     free(base);
     return 0;
 }

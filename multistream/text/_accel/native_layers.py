@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .block_layers import Q4Linear, Q8Linear
+from .block_layers import Q4Linear, Q8Linear, buffers_generation
 from .kernels import KVBuffers, LayerRun, LayerShape, LayerWeights, Tokens, layer_qkv, layer_rest, native_kernels
 from .kernels import rms_norm as native_rms_norm
 
@@ -115,10 +115,17 @@ class NativeLayer:
         self.qkv_proj, self.o_proj = attn.qkv_fused, attn.o_proj
         self.gate_up_proj, self.down_proj = mlp.gate_up_fused, mlp.down_proj
         self._weights: tuple[tuple[torch.Tensor, ...], LayerWeights] | None = None
+        self._checked_at: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def weights(self) -> LayerWeights:
         """The layer's weights as the kernels read them, rebuilt (and checked) whenever a buffer was
         replaced (``model.to(...)`` replaces them; a cast one raises)."""
+        norm1, norm2 = self.norm1.weight, self.norm2.weight
+        checked = self._checked_at
+        if checked is not None and self._weights is not None and checked[0] == buffers_generation() \
+                and checked[1] is norm1 and checked[2] is norm2:
+            return self._weights[1]  # nothing was assigned, moved or cast since the last check
+        generation = buffers_generation()
         projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         tensors = tuple(t for p in projections for t in (p.weight_q, p.scales)) + (self.norm1.weight,
                                                                                    self.norm2.weight)
@@ -128,6 +135,7 @@ class NativeLayer:
                                    *(p.matrix() for p in projections))
             weights.struct(self.shape)  # validates dtypes, devices and shapes now
             self._weights = held = (tensors, weights)
+        self._checked_at = (generation, norm1, norm2)
         return held[1]
 
     @classmethod
