@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import openai_completions, openai_routes, routes_health, routes_native, websocket
+from . import openai_completions, openai_responses, openai_routes, routes_health, routes_native, websocket
 from .bodies import (
     ErrorResponse,
     ImageRequest,
@@ -51,6 +51,7 @@ from .bodies import (
 from .filtering import ContentFilter, chain, load_blocklist
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
 from .problems import Problem
+from .responses_protocol import ResponsesRequest
 from .routes_health import STATIC_DIR
 from .security import KeyRing, SecurityMiddleware, install_log_redaction
 from .settings import ServerSettings
@@ -60,9 +61,9 @@ __all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("multistream.server")
 
-_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/models")
+_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/models", "/v1/responses")
 _BODY_MODELS = (TextRequest, ImageRequest, ChatCompletionRequest, ImageGenerationRequest, ErrorResponse,
-                OpenAIErrorResponse)
+                OpenAIErrorResponse, ResponsesRequest)
 
 
 def create_app(
@@ -171,6 +172,7 @@ def create_app(
     app.include_router(routes_native.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
+    app.include_router(openai_responses.router)
     app.include_router(websocket.router)
     app.include_router(routes_health.router)
     if settings.enable_test_hooks:
