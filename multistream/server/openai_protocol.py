@@ -27,7 +27,7 @@ from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "chat_choices", "chat_kwargs",
-           "check_options",
+           "chat_messages", "check_options",
            "image_kwargs"]
 
 logger = logging.getLogger("multistream.server")
@@ -215,6 +215,12 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = m["tool_call_id"]
         out.append(entry)
     return out
+
+
+def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> the text family's (text content parts joined; tool calls and
+    tool answers kept); a 400 naming ``messages`` otherwise. The Responses route uses it too."""
+    return _messages(raw)
 
 
 def check_options(kwargs: dict[str, Any]) -> None:

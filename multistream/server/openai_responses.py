@@ -296,10 +296,27 @@ async def create_response(request: Request, state: ServerState = Depends(get_sta
             return JSONResponse(_fold(entry, _events_so_far(record)), headers=headers)
     if req.stream:
         return _stream_response(state, entry, record, -1)
-    from .openai_routes import _collect_until_disconnected
-
-    events = await _collect_until_disconnected(record, request)
+    events = await _collect(record, request)
     return JSONResponse(_fold(entry, [ev for ev in events if ev is not None]), headers=headers)
+
+
+async def _collect(record: Any, request: Request) -> list[Event]:
+    """Every event of the stream; a client that goes away meanwhile cancels the generation."""
+    async def collect() -> list[Event]:
+        return [ev async for ev in record.subscribe()]
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                record.cancel()
+                raise Problem(499, "client_closed", "the client went away before the answer was ready")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def _starting_after(request: Request) -> int:

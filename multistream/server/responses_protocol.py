@@ -35,7 +35,7 @@ from pydantic import BaseModel, Field
 from ..events import ErrorEvent, Event, TextEvent
 from ..text import TEXT_STREAM_ARGS, ToolCallParser
 from .bodies import LAX_BODY, check_prompt_limit, validate_body
-from .openai_protocol import _messages, check_options
+from .openai_protocol import chat_messages, check_options
 from .problems import Problem
 from .settings import ServerSettings
 
@@ -94,7 +94,7 @@ class ResponsesRequest(BaseModel):
             messages = [{"role": "system", "content": self.instructions}] + messages
         if not messages:
             raise Problem(400, "invalid_argument", "input must be a non-empty string or list of items", param="input")
-        messages = _messages(messages)
+        messages = chat_messages(messages)
         check_prompt_limit(messages, settings)
         kwargs: dict[str, Any] = {"prompt": messages}
         max_tokens = self.max_output_tokens if self.max_output_tokens is not None else settings.default_max_new_tokens
