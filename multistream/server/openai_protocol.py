@@ -84,6 +84,8 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
     priority: int = Field(default=0, description="extension: an integer; higher runs first")
     min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
+    stop_on_repetition: Optional[bool] = Field(default=None, description="extension: end a detected repetition "
+                                               "loop (finish_reason \"stop\", the native final says \"repetition\")")
     num_beams: Optional[int] = Field(default=None, description="extension (as vLLM's): beam search over 2..8 "
                                      "hypotheses; a stream then sends committed text only")
     length_penalty: Optional[float] = Field(default=None, description="extension: with num_beams, as transformers'")

@@ -359,6 +359,8 @@ class StreamRecord:
         if ev.is_final:
             self.done = True
             self.finish_reason = "error" if isinstance(ev, ErrorEvent) else (getattr(ev, "finish_reason", None) or "stop")
+            if isinstance(ev, TextEvent) and ev.metrics and ev.metrics.get("repetition_loops"):
+                self._metrics.repetition_loops.inc(kind=self.kind)
         self._wake()
 
     def _drop_preview(self, seq: int) -> None:
