@@ -112,10 +112,19 @@ def create_app(
         for slot in state.models.values():
             slot.start_loading()
         janitor = asyncio.get_running_loop().create_task(_janitor(state))
+        continuer = None
+        if state.registry.log is not None:
+            from .continuation import Continuer
+
+            continuer = Continuer(state)  # continues the generations of a server that went away
+            continuer.start()
+            app.state.continuer = continuer
         try:
             yield
         finally:
             janitor.cancel()
+            if continuer is not None:
+                continuer.stop()
             state.registry.cancel_all()
             if state.registry.log is not None:
                 await asyncio.sleep(0.1)  # let the pumps append their finals to the shared log

@@ -143,6 +143,7 @@ class _Writer:
                 pipe.expire(skey, ttl)
                 pipe.expire(mkey, ttl)
                 pipe.zadd(log.key("finished"), {rec.stream_id: time.time()})
+                pipe.srem(log.key("live"), rec.stream_id)  # nothing left to continue (`continuation`)
             elif not self.created:
                 ttl = int(log.settings.request_timeout_s + log.settings.retention_s + 60)
                 pipe.expire(skey, ttl)

@@ -52,6 +52,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..events import Event, event_from_dict
 from .bodies import OpenAIErrorResponse
+from .continuation import CONTINUED_HOOKS
 from .problems import Problem
 from .responses_protocol import ResponseBuilder, ResponsesRequest, output_messages, parse_responses_body, request_view
 from .routes_native import read_body
@@ -151,6 +152,21 @@ class ResponseStore:
         task = asyncio.get_running_loop().create_task(keep(), name=f"multistream-background-{record.stream_id[:8]}")
         self.keepers.add(task)
         task.add_done_callback(self.keepers.discard)
+
+
+async def _on_continued(state: ServerState, record: Any) -> None:
+    """A stream continued after its server went away: a background response must run on here."""
+    log = state.registry.log
+    raw = await log.redis.hget(log.key("m", record.stream_id), "resp") if log is not None else None
+    if raw:
+        entry = ResponseEntry.from_json(raw)
+        store = responses_of(state)
+        store.entries[entry.id] = entry
+        if entry.view.get("background"):
+            store.keep_running(record)
+
+
+CONTINUED_HOOKS.append(_on_continued)
 
 
 def responses_of(state: ServerState) -> ResponseStore:
