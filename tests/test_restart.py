@@ -115,10 +115,11 @@ def test_a_generation_that_keeps_killing_its_server_ends_with_an_error() -> None
     the next server ends it in the log with an error event, which resuming readers get."""
     import asyncio
 
+    from server_fixtures import make_server
+
     from multistream.server import ServerSettings
     from multistream.server.continuation import MAX_RESTARTS
     from multistream.server.event_log import RedisEventLog, entry_id
-    from server_fixtures import make_server
 
     sid, token = "f" * 32, "tok"
     first = {"type": "text", "stream_id": sid, "seq": 0, "t": 0.0, "is_final": False, "delta": " w0",
