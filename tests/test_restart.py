@@ -148,26 +148,33 @@ def test_a_generation_that_keeps_killing_its_server_ends_with_an_error() -> None
 
 
 @pytest.mark.model
-def test_greedy_text_after_a_restart_equals_an_uninterrupted_run() -> None:
-    body = {"prompt": [{"role": "user", "content": "Write one sentence about the sea."}], "max_new_tokens": 24,
-            "temperature": 0}
-    with redis_server() as redis:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        # quantize=None until "one arithmetic" lands: then the default re-prefills exactly too.
-        proc = _serve(redis.url, port, "--quantize", "none", model="default", wait_s=240)
-        try:
-            with httpx.Client(timeout=120) as client:
-                sid, token, first = _first(client, url, body, 4)
-                _kill(proc)
-                proc = _serve(redis.url, port, "--quantize", "none", model="default", wait_s=240)
-                rest = _rest(client, url, sid, token, first[-1]["seq"])
-                events = first + rest
-                assert [e["seq"] for e in events] == list(range(len(events)))
-                r = client.post(f"{url}/v1/text", json=body)
-                reference = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")][-1]
-                assert events[-1]["text"] == reference["text"] and events[-1]["finish_reason"] == reference["finish_reason"]
-                assert "".join(e["delta"] for e in events) == events[-1]["text"]
-        finally:
-            proc.kill()
-            proc.wait(10)
+def test_continuing_logged_tokens_equals_an_uninterrupted_run(exact_text_model) -> None:  # type: ignore[no-untyped-def]
+    """What a restarted server runs for an orphan (`continuation_stream`: the prompt and the logged
+    tokens re-prefilled, then decoding on), on the embedded model: greedy text and token ids equal
+    to an uninterrupted run. (``quantize=None`` until "one arithmetic" makes the default exact.)"""
+    import asyncio
+
+    from multistream.server.continuation import continuation_stream
+
+    llm = exact_text_model
+    kwargs = {"prompt": [{"role": "user", "content": "Write one sentence about the sea."}], "max_new_tokens": 16,
+              "temperature": 0}
+    reference = [ev for ev in llm.stream(**kwargs)]
+    logged = []
+    with llm.stream(**kwargs) as cut:
+        for ev in cut:
+            logged.append(ev)
+            if len(logged) == 5:
+                break
+
+    async def rest() -> list[Any]:
+        return [ev async for ev in continuation_stream(llm, kwargs, logged, cut.stream_id)]
+
+    continued = asyncio.run(rest())
+    final, ref = continued[-1], reference[-1]
+    assert final.text == ref.text and final.finish_reason == ref.finish_reason
+    assert "".join(ev.delta for ev in logged + continued) == ref.text
+    ids = [t for ev in logged + continued for t in ev.token_ids]
+    assert ids == [t for ev in reference for t in ev.token_ids]
+    assert continued[0].index == sum(len(ev.token_ids) for ev in logged)
+    assert continued[0].offset == sum(len(ev.delta) for ev in logged)
