@@ -247,6 +247,7 @@ class Continuer:
         record.created = remote.created or record.created
         record.events = list(events)
         record._json = [remote.json(ev.seq) for ev in events]
+        record.durable = len(events)  # they are in the log already
         record._n_tokens, record._text = len(_answer(events)[0]), _answer(events)[1]
         registry.remote.pop(sid, None)
         self.continued.append(sid)
