@@ -73,7 +73,7 @@ def remember_request(log: Any, record: Any, kwargs: dict[str, Any]) -> None:
 
     async def write() -> None:
         try:
-            await (log.redis.pipeline(transaction=False).hset(log.key("m", record.stream_id), "req", req)
+            await (log.redis.pipeline(transaction=False).hset(log.key("m", record.stream_id), mapping={"req": req, "proc": log.instance})
                    .sadd(log.key("live"), record.stream_id).execute())
         except Exception as exc:  # noqa: BLE001 - the stream runs on; only its continuation is lost
             logger.warning("stream %s: keeping its request in the event log failed: %s", record.stream_id, exc)
@@ -169,21 +169,29 @@ class Continuer:
             await asyncio.sleep(SCAN_EVERY_S)
 
     async def scan(self) -> None:
+        """Claim the live streams whose process is gone (two pipelined reads per scan)."""
         log = self.log
-        members = await log.redis.smembers(log.key("live"))
-        for raw in members:
-            sid = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if sid in self.state.registry.live or sid in self.pending:
-                continue
-            mkey = log.key("m", sid)
-            proc, done, req = await log.redis.hmget(mkey, ["proc", "done", "req"])
+        sids = [m.decode() if isinstance(m, bytes) else str(m) for m in await log.redis.smembers(log.key("live"))]
+        sids = [sid for sid in sids if sid not in self.state.registry.live and sid not in self.pending]
+        if not sids:
+            return
+        pipe = log.redis.pipeline(transaction=False)
+        for sid in sids:
+            pipe.hmget(log.key("m", sid), ["proc", "done", "req"])
+        metas = await pipe.execute()
+        procs = sorted({(m[0].decode() if isinstance(m[0], bytes) else str(m[0])) for m in metas if m[0] is not None})
+        pipe = log.redis.pipeline(transaction=False)
+        for proc in procs:
+            pipe.exists(log.key("proc", proc))
+        alive = {proc for proc, up in zip(procs, await pipe.execute()) if up} | {log.instance}
+        for sid, (proc, done, req) in zip(sids, metas):
             if proc is None or done in (b"1", "1") or req is None:
                 await log.redis.srem(log.key("live"), sid)
                 continue
             proc_s = proc.decode() if isinstance(proc, bytes) else str(proc)
-            if proc_s == log.instance or await log.redis.exists(log.key("proc", proc_s)):
+            if proc_s in alive:
                 continue  # its process is alive (or it is ours)
-            restarts = await self._claim(keys=[mkey], args=[proc_s, log.instance, time.time()])
+            restarts = await self._claim(keys=[log.key("m", sid)], args=[proc_s, log.instance, time.time()])
             if int(restarts) < 0:
                 continue  # another process claimed it first
             if int(restarts) > MAX_RESTARTS:
