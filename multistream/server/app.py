@@ -10,6 +10,8 @@ Routes (every native payload is the event wire form, ``ev.to_dict()``), one `API
 - WebSocket (`websocket`): ``WS /v1/ws``.
 - OpenAI (`openai_routes`, `openai_completions`): ``POST /v1/chat/completions``, ``POST /v1/completions``,
   ``POST /v1/images/generations``, ``GET /v1/models``.
+- OpenAI Responses (`openai_responses`): ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``
+  (``?stream=true&starting_after=N``), ``POST /v1/responses/{id}/cancel``, ``GET .../input_items``.
 - health (`routes_health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
   (Prometheus), ``GET /`` (a small web client).
 - ``GET /openapi.json`` and ``GET /docs`` describe every body.
