@@ -6,7 +6,7 @@ model is the scripted fake with no delay, so what is measured is the server's ow
 (event log, typed event folding, JSON, SSE); ``--model default`` runs the embedded model instead
 (greedy, the same prompt and token count on both routes).
 
-    python benchmarks/responses_stream.py [--tokens 512] [--rounds 7] [--model scripted|default]
+    python benchmarks/responses_stream.py [--tokens 512] [--rounds 7] [--model scripted|default] [--event-log URL]
 
 Prints per route: wall time per request, this process's CPU time (server and client) per request
 and per text delta, SSE bytes per delta, time to the first text delta; and the Responses/chat ratios.
@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--model", default="scripted", help="scripted (server cost only) or default (the embedded model)")
+    ap.add_argument("--event-log", default=None, help="redis://HOST:PORT/DB: with the shared log (events go out once "
+                    "logged)")
     args = ap.parse_args()
     if args.model == "scripted":
         # 2 ms a token: each token its own event (with no delay a reader that lags gets merged deltas).
@@ -78,7 +80,8 @@ def main() -> None:
         import multistream as ms
 
         model = ms.load_text_model(None if args.model == "default" else args.model)
-    app = create_app(text_model=model, settings=ServerSettings(max_new_tokens=max(4096, args.tokens)))
+    app = create_app(text_model=model, settings=ServerSettings(max_new_tokens=max(4096, args.tokens),
+                                                                     event_log=args.event_log))
     url, server, thread = _serve(app)
     results: dict[str, list[tuple[float, float, int, int, float]]] = {"chat": [], "responses": []}
     with httpx.Client(timeout=600) as client:
@@ -89,7 +92,7 @@ def main() -> None:
                 results[route].append(one(client, url, route, args.tokens))
     server.should_exit = True
     thread.join(10)
-    print(f"model={args.model} tokens={args.tokens} rounds={args.rounds} (medians)")
+    print(f"model={args.model} tokens={args.tokens} rounds={args.rounds} event_log={args.event_log} (medians)")
     med: dict[str, dict[str, float]] = {}
     for route, rows in results.items():
         wall = statistics.median(r[0] for r in rows)
