@@ -58,7 +58,7 @@ def one(client: httpx.Client, url: str, route: str, n: int) -> tuple[float, floa
             raise SystemExit(f"{path}: {r.status_code} {r.read()[:300]!r}")
         for line in r.iter_lines():
             size += len(line) + 1
-            if line.startswith("data:") and marker in line:
+            if line.startswith("data:") and marker in line and '"content":""' not in line:  # not chat's role chunk
                 deltas += 1
                 if first is None:
                     first = time.perf_counter() - start
