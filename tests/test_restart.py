@@ -93,6 +93,7 @@ def test_killed_server_native_sse_and_background_response_continue() -> None:
                 rest = _rest(client, url, sid, token, first[-1]["seq"])
                 events = first + rest
                 assert [e["seq"] for e in events] == list(range(len(events)))  # no gap, no duplicate
+                assert all(a["t"] <= b["t"] for a, b in zip(events, events[1:]))
                 assert events[-1]["is_final"] and events[-1]["finish_reason"] == "length"
                 assert "".join(e["delta"] for e in events) == events[-1]["text"] == "".join(WORDS)
                 assert time.monotonic() - killed_at < 30

@@ -131,7 +131,10 @@ def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event],
         task.add_done_callback(_PUMPS.discard)
         w.on_cancel(lambda: loop.call_soon_threadsafe(inner.cancel))
 
-    return Stream(kind="text", stream_id=stream_id, submit=submit)
+    stream = Stream(kind="text", stream_id=stream_id, submit=submit)
+    if events:  # its clock goes on from the last logged event (``t`` never goes back)
+        stream._channel.started_at -= max(ev.t for ev in events)
+    return stream
 
 
 class Continuer:
