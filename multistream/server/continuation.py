@@ -44,7 +44,7 @@ __all__ = ["CONTINUED_HOOKS", "LIVENESS_TTL_S", "MAX_RESTARTS", "SCAN_EVERY_S", 
 
 logger = logging.getLogger("multistream.server")
 
-LIVENESS_TTL_S = 3.0
+LIVENESS_TTL_S = 5.0  # a live process stalled (GIL, GC, a slow Redis) this long looks dead
 SCAN_EVERY_S = 0.5
 MAX_RESTARTS = 2
 
