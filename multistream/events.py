@@ -42,7 +42,8 @@ __all__ = [
     "event_json_schema",
 ]
 
-TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_filter", "finished_early")
+TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_filter", "finished_early",
+                       "repetition")
 IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter", "finished_early")
 
 
@@ -94,7 +95,9 @@ class TextEvent(_BaseEvent):
     ``metrics`` and, if the stream was edited, ``revisions`` (one dict per edit: ``kind``,
     ``step``, ``offset``, ``instruction``); a stream given ``tools`` has ``tool_calls`` on its
     final event (``[{"id", "name", "arguments"}]``, ``arguments`` the call's JSON text; empty
-    when the model answered without a call).
+    when the model answered without a call). A text stream in which a repetition loop was
+    detected has ``repetition_loops`` (1), ``repetition_period`` (tokens per repeated unit) and
+    ``repetition_start`` (the answer token where the loop began) in its final ``metrics``.
 
     ``logprobs`` (when the stream asked, ``logprobs=True`` / ``top_logprobs=k``): one entry per
     token of ``token_ids``, in order, ``{"token_id", "token", "bytes", "logprob",

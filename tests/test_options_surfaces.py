@@ -47,6 +47,7 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
     "num_beams": (2, 9),
     "length_penalty": (0.5, 1000),
     "early_stopping": (True, "soon"),
+    "stop_on_repetition": (True, "yes"),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),

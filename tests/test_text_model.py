@@ -30,7 +30,9 @@ def check_stream(events, tokenizer=None):
         assert tokenizer.decode(ids, skip_special_tokens=True) == final.text
     # usage counts every generated token, EOS included (as model.generate does); EOS is not text.
     assert final.usage["completion_tokens"] == len(ids) + (final.finish_reason == "stop")
-    assert set(final.metrics) == {"ttft_ms", "itl_ms_p50", "itl_ms_p95", "duration_ms", "tokens_per_s"}
+    timing = {"ttft_ms", "itl_ms_p50", "itl_ms_p95", "duration_ms", "tokens_per_s"}
+    # A detected repetition loop is flagged with three more (generation health).
+    assert timing <= set(final.metrics) <= timing | {"repetition_loops", "repetition_period", "repetition_start"}
     return final
 
 

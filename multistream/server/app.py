@@ -10,6 +10,8 @@ Routes (every native payload is the event wire form, ``ev.to_dict()``), one `API
 - WebSocket (`websocket`): ``WS /v1/ws``.
 - OpenAI (`openai_routes`, `openai_completions`): ``POST /v1/chat/completions``, ``POST /v1/completions``,
   ``POST /v1/images/generations``, ``GET /v1/models``.
+- OpenAI Responses (`openai_responses`): ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``
+  (``?stream=true&starting_after=N``), ``POST /v1/responses/{id}/cancel``, ``GET .../input_items``.
 - health (`routes_health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
   (Prometheus), ``GET /`` (a small web client).
 - ``GET /openapi.json`` and ``GET /docs`` describe every body.
@@ -41,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import openai_completions, openai_routes, routes_health, routes_native, websocket
+from . import openai_completions, openai_responses, openai_routes, routes_health, routes_native, websocket
 from .bodies import (
     ErrorResponse,
     ImageRequest,
@@ -51,6 +53,7 @@ from .bodies import (
 from .filtering import ContentFilter, chain, load_blocklist
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
 from .problems import Problem
+from .responses_protocol import ResponsesRequest
 from .routes_health import STATIC_DIR
 from .security import KeyRing, SecurityMiddleware, install_log_redaction
 from .settings import ServerSettings
@@ -60,9 +63,9 @@ __all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("multistream.server")
 
-_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/models")
+_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/models", "/v1/responses")
 _BODY_MODELS = (TextRequest, ImageRequest, ChatCompletionRequest, ImageGenerationRequest, ErrorResponse,
-                OpenAIErrorResponse)
+                OpenAIErrorResponse, ResponsesRequest)
 
 
 def create_app(
@@ -111,10 +114,19 @@ def create_app(
         for slot in state.models.values():
             slot.start_loading()
         janitor = asyncio.get_running_loop().create_task(_janitor(state))
+        continuer = None
+        if state.registry.log is not None:
+            from .continuation import Continuer
+
+            continuer = Continuer(state)  # continues the generations of a server that went away
+            continuer.start()
+            app.state.continuer = continuer
         try:
             yield
         finally:
             janitor.cancel()
+            if continuer is not None:
+                continuer.stop()
             state.registry.cancel_all()
             if state.registry.log is not None:
                 await asyncio.sleep(0.1)  # let the pumps append their finals to the shared log
@@ -171,6 +183,7 @@ def create_app(
     app.include_router(routes_native.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
+    app.include_router(openai_responses.router)
     app.include_router(websocket.router)
     app.include_router(routes_health.router)
     if settings.enable_test_hooks:

@@ -143,6 +143,7 @@ class _Writer:
                 pipe.expire(skey, ttl)
                 pipe.expire(mkey, ttl)
                 pipe.zadd(log.key("finished"), {rec.stream_id: time.time()})
+                pipe.srem(log.key("live"), rec.stream_id)  # nothing left to continue (`continuation`)
             elif not self.created:
                 ttl = int(log.settings.request_timeout_s + log.settings.retention_s + 60)
                 pipe.expire(skey, ttl)
@@ -156,10 +157,16 @@ class _Writer:
             except Exception as exc:  # noqa: BLE001 - Redis trouble must never touch the live stream
                 self.failed = True
                 log.write_failures += 1
+                wake = getattr(rec, "_wake", None)
+                if wake is not None:
+                    wake()  # the events held back for the log go out now
                 logger.warning("stream %s: writing the event log failed (%s: %s); this stream is not resumable "
                                "from other processes", rec.stream_id, type(exc).__name__, exc)
                 return
             self.created = True
+            logged = getattr(rec, "logged", None)
+            if logged is not None:
+                logged(batch[-1][0].seq + 1)  # subscribers may now see them (`StreamRecord.durable`)
             if final is not None:
                 log.live_writers.pop(rec.stream_id, None)
                 await log.evict()

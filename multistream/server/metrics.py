@@ -110,6 +110,11 @@ class Metrics:
         self.dropped_frames = counter("multistream:dropped_frames",
                                       "Preview frames dropped from a replay log because a newer one replaced it.",
                                       ["kind"])
+        # Named as the issue asks (no vLLM colon): generation health, a text stream's detected loops.
+        self.repetition_loops = counter("multistream_repetition_loops",
+                                        "Text streams in which a repetition loop was detected (flagged on the final "
+                                        "event; ended there with stop_on_repetition).", ["kind"])
+        self.repetition_loops.metric.labels(kind="text")  # shown as 0 before the first loop
         self._gauges = _Gauges()
         r.register(self._gauges)
         self.gauge("multistream:interrupted_stream_ratio", "Interrupted streams / finished streams since start.",

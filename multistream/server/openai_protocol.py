@@ -27,7 +27,7 @@ from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "chat_choices", "chat_kwargs",
-           "check_options",
+           "chat_messages", "check_options",
            "image_kwargs"]
 
 logger = logging.getLogger("multistream.server")
@@ -84,6 +84,8 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
     priority: int = Field(default=0, description="extension: an integer; higher runs first")
     min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
+    stop_on_repetition: Optional[bool] = Field(default=None, description="extension: end a detected repetition "
+                                               "loop (finish_reason \"stop\", the native final says \"repetition\")")
     num_beams: Optional[int] = Field(default=None, description="extension (as vLLM's): beam search over 2..8 "
                                      "hypotheses; a stream then sends committed text only")
     length_penalty: Optional[float] = Field(default=None, description="extension: with num_beams, as transformers'")
@@ -215,6 +217,12 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = m["tool_call_id"]
         out.append(entry)
     return out
+
+
+def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> the text family's (text content parts joined; tool calls and
+    tool answers kept); a 400 naming ``messages`` otherwise. The Responses route uses it too."""
+    return _messages(raw)
 
 
 def check_options(kwargs: dict[str, Any]) -> None:

@@ -100,6 +100,11 @@ class StreamRecord:
         self._last_text_at: float | None = None
         self._force_reason = "cancelled"
         self._log: Any = None  # the shared event log's writer (`event_log`), when one is configured
+        # With a shared log, subscribers see an event once it is in the log (`durable` events so
+        # far): a client never holds an event that a server killed right after would not have
+        # logged, so the server that continues the stream after a crash (`continuation`) starts
+        # exactly after the client's Last-Event-ID. A log that fails stops holding them back.
+        self.durable = 0
         # Nobody attached yet: if nobody ever does, the grace period still ends the generation.
         # (The full period even for non-resumable streams: their one reader attaches a moment later.)
         self._arm_grace(on_start=True)
@@ -145,7 +150,7 @@ class StreamRecord:
         got_final = False
         try:
             while True:
-                while cursor < len(self.events):
+                while cursor < self._visible():
                     ev = self.events[cursor]
                     cursor += 1
                     if ev is None:
@@ -154,11 +159,23 @@ class StreamRecord:
                     yield ev
                     if got_final:
                         return
-                if self.done or self._drop_epoch != epoch:
+                if (self.done and cursor >= len(self.events)) or self._drop_epoch != epoch:
                     return
                 await self._changed.wait()
         finally:
             self._detach(got_final or self.done and cursor >= len(self.events))
+
+    def _visible(self) -> int:
+        log = self._log
+        if log is None or log.failed:
+            return len(self.events)
+        return min(self.durable, len(self.events))
+
+    def logged(self, upto: int) -> None:
+        """The shared log holds events ``0 .. upto - 1`` (its writer calls this): show them."""
+        if upto > self.durable:
+            self.durable = upto
+            self._wake()
 
     # -- control -------------------------------------------------------------------------------
 
@@ -359,6 +376,8 @@ class StreamRecord:
         if ev.is_final:
             self.done = True
             self.finish_reason = "error" if isinstance(ev, ErrorEvent) else (getattr(ev, "finish_reason", None) or "stop")
+            if isinstance(ev, TextEvent) and ev.metrics and ev.metrics.get("repetition_loops"):
+                self._metrics.repetition_loops.inc(kind=self.kind)
         self._wake()
 
     def _drop_preview(self, seq: int) -> None:

@@ -199,10 +199,15 @@ class ServerState:
             release_quota()
 
         count = getattr(model, "count_tokens", None)
-        return self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable,
-                                   model_name=self.models[kind].name, content_filter=self.content_filter,
-                                   arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
-                                   count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
+        record = self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable,
+                                     model_name=self.models[kind].name, content_filter=self.content_filter,
+                                     arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
+                                     count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
+        if self.registry.log is not None:
+            from .continuation import remember_request
+
+            remember_request(self.registry.log, record, kwargs)  # a restart continues it (`continuation`)
+        return record
 
     def _take_quota(self, principal: Principal | None) -> Callable[[], None]:
         """Count one more request queued or running for ``principal`` (a 429 past its quota);

@@ -175,6 +175,11 @@ def _early_stopping(v: Any) -> bool | str:
     return v  # type: ignore[no-any-return]
 
 
+def _stop_on_repetition(v: Any) -> bool:
+    _require(isinstance(v, bool), f"stop_on_repetition must be True or False, got {v!r}")
+    return bool(v)
+
+
 def _priority(v: Any) -> int:
     _require(is_int(v), f"priority must be an integer (higher runs first), got {v!r}")
     return int(v)
@@ -251,6 +256,12 @@ class TextOptions:
     early_stopping: Union[bool, str] = option(
         False, "true, false or \"never\": when beam search stops (as in transformers' generate)", _early_stopping,
         wire=Union[bool, str])
+    # v1.3 "durable generations": generation health.
+    stop_on_repetition: bool = option(
+        False, "true: a repetition loop (the newest tokens repeat one unit of up to 64 tokens, 4 times and 32 "
+        "tokens or more) ends the answer with finish_reason \"repetition\"; a loop is flagged on the final "
+        "event's metrics either way", _stop_on_repetition, wire=bool)
+
     def __post_init__(self) -> None:
         # Checks that span options (each option alone was checked by its own check).
         if self.allowed is not None and self.json_schema is not None:

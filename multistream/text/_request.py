@@ -18,6 +18,7 @@ from typing import Any
 from ..stream import StreamWriter
 from ._detokenizer import IncrementalDetokenizer
 from ._options import TextOptions
+from ._repetition import RepetitionDetector
 from ._sampling import RowSampler
 from ._stop_strings import StopMatcher
 from ._tools import parse_tool_calls, tools_active
@@ -173,6 +174,9 @@ class TextRequest:
             self._text = kept
         if self.constraint is not None and self.answer_ids:
             self.constraint.reset(self.answer_ids)
+        # Generation health: a loop is flagged on the final event (and ends it with stop_on_repetition).
+        self._loops = RepetitionDetector.of(self.answer_ids)
+        self.repetition: dict[str, Any] | None = None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -314,6 +318,9 @@ class TextRequest:
             return True
         if self._chunker.ready():
             self._send()
+        if self._repeating(token) and self.options.stop_on_repetition:
+            self.finish("repetition")
+            return True
         if self.constraint is not None and self.constraint.done:
             self.finish("stop")  # the grammar is complete: only EOS could follow, so end now
             return True
@@ -321,6 +328,14 @@ class TextRequest:
             self.finish("length")
             return True
         return False
+
+    def _repeating(self, token: int) -> bool:
+        """Feed the loop detector (rebuilt when an edit changed the answer); True once a loop is found."""
+        if self._loops.count != len(self.answer_ids) - 1:
+            self._loops = RepetitionDetector.of(self.answer_ids[:-1])
+        if self._loops.feed(token) and self.repetition is None:
+            self.repetition = dict(self._loops.found or {})
+        return self.repetition is not None
 
     def accept_beams(self, logits: Any) -> list[int]:
         """Take one step's logits for the beams (one row after the prefill, then ``width`` rows);
@@ -400,6 +415,9 @@ class TextRequest:
             # Decode speed: tokens after the first over the time they took (prefill excluded).
             "tokens_per_s": round((len(times) - 1) / decode_span, 3) if decode_span > 0 else 0.0,
         }
+        if self.repetition is not None:  # flagged: the server counts it (multistream_repetition_loops_total)
+            metrics.update(repetition_loops=1.0, repetition_period=float(self.repetition["period"]),
+                           repetition_start=float(self.repetition["start"]))
         self.writer.finish_text(
             delta,
             ids,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...events import TextEvent
 
 logger = logging.getLogger("multistream.server")
 
@@ -25,3 +30,15 @@ def retryable_errors() -> tuple[type[BaseException], ...]:
     from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
     return (RayActorError, WorkerCrashedError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+def trim_text(ev: TextEvent, tokens: int, chars: int) -> TextEvent | None:
+    """The part of a regenerated event that comes after ``tokens`` tokens / ``chars`` characters."""
+    end_tokens = ev.index + len(ev.token_ids)
+    offset = ev.offset if ev.offset is not None else 0
+    end_chars = offset + len(ev.delta)
+    if end_tokens <= tokens and end_chars <= chars and not ev.is_final:
+        return None
+    delta = ev.delta[max(0, chars - offset):] if offset < chars else ev.delta
+    ids = list(ev.token_ids[max(0, tokens - ev.index):]) if ev.index < tokens else list(ev.token_ids)
+    return dataclasses.replace(ev, delta=delta, token_ids=ids, index=max(ev.index, tokens), offset=max(offset, chars))

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...events import ErrorEvent, ImageEvent, TextEvent
 from ...stream import Stream
-from ._common import CHECKPOINT_TTL_S, PREFIX, checkpoint_key
+from ._common import CHECKPOINT_TTL_S, PREFIX, checkpoint_key, trim_text
 
 logger = logging.getLogger("multistream.server")
 
@@ -248,13 +248,4 @@ class ModelReplica:
                 await writer.close(delete=ended)
 
 
-def _trim_text(ev: TextEvent, tokens: int, chars: int) -> TextEvent | None:
-    """The part of a regenerated event that comes after ``tokens`` tokens / ``chars`` characters."""
-    end_tokens = ev.index + len(ev.token_ids)
-    offset = ev.offset if ev.offset is not None else 0
-    end_chars = offset + len(ev.delta)
-    if end_tokens <= tokens and end_chars <= chars and not ev.is_final:
-        return None
-    delta = ev.delta[max(0, chars - offset):] if offset < chars else ev.delta
-    ids = list(ev.token_ids[max(0, tokens - ev.index):]) if ev.index < tokens else list(ev.token_ids)
-    return dataclasses.replace(ev, delta=delta, token_ids=ids, index=max(ev.index, tokens), offset=max(offset, chars))
+_trim_text = trim_text  # the failover's trim, shared with the restart continuation (`_common`)

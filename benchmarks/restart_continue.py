@@ -1,0 +1,134 @@
+"""Time from a restart to the first continued event: ``multistream serve --event-log redis://...``
+killed (-9) mid-generation, started again on the same Redis and port; a client resumes with
+``Last-Event-ID`` as soon as the port answers.
+
+    python benchmarks/restart_continue.py [--rounds 2] [--model scripted|default]
+
+Needs ``redis-server`` (scripts/setup.sh --test). Prints per round: the new process's start to
+its port answering (``/healthz``), restart (process start) to the first continued event, kill to the first continued
+event, and whether the whole text arrived with no gap or duplicate. ``--model scripted`` is a fake
+model (30 ms a token; the server's own start and the claim dominate); ``--model default`` the
+embedded one (``--quantize none``), whose load is part of the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from multistream.testing import ScriptedTextModel
+
+WORDS = [f" w{i}" for i in range(200)]
+
+
+def scripted() -> ScriptedTextModel:
+    """The subprocess servers' model (``restart_continue:scripted``)."""
+    return ScriptedTextModel(WORDS, delay_s=0.03)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(redis_url: str, port: int, model: str) -> subprocess.Popen[bytes]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    extra = ["--text-model", "restart_continue:scripted"] if model == "scripted" else ["--quantize", "none"]
+    return subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
+                             "--image-model", "none", "--event-log", redis_url, "--log-level", "warning", *extra],
+                            env=env)
+
+
+def _wait(url: str, path: str, limit: float = 300) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"{path} did not answer")
+
+
+def one_round(redis_url: str, model: str) -> dict[str, float | bool]:
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(redis_url, port, model)
+    try:
+        _wait(url, "/readyz")
+        body = {"prompt": "Tell a long story.", "max_new_tokens": 200 if model == "scripted" else 48, "temperature": 0}
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", url + "/v1/text", json=body) as r:
+                sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+                first: list[dict] = []
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        first.append(json.loads(line[5:]))
+                        if len(first) == 5:
+                            break
+            proc.send_signal(signal.SIGKILL)
+            killed = time.perf_counter()
+            proc.wait(10)
+            proc = _serve(redis_url, port, model)
+            started = time.perf_counter()
+            _wait(url, "/healthz")
+            listening = time.perf_counter()
+            rest: list[dict] = []
+            got_first = None
+            with client.stream("GET", f"{url}/v1/streams/{sid}/events",
+                               headers={"Last-Event-ID": str(first[-1]["seq"]), "X-Resume-Token": token}) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"resume: {r.status_code} {r.read()[:300]!r}")
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        rest.append(json.loads(line[5:]))
+                        got_first = got_first or time.perf_counter()
+        events = first + rest
+        exact = [e["seq"] for e in events] == list(range(len(events))) and \
+            "".join(e.get("delta", "") for e in events) == events[-1].get("text")
+        return {"listening_s": listening - started, "restart_to_first_s": (got_first or 0) - started,
+                "kill_to_first_s": (got_first or 0) - killed, "exact": exact, "final": events[-1].get("finish_reason")}
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default="scripted", choices=["scripted", "default"])
+    args = ap.parse_args()
+    redis = shutil.which("redis-server")
+    if redis is None:
+        sys.exit("redis-server is not installed (scripts/setup.sh --test)")
+    with tempfile.TemporaryDirectory() as tmp:
+        rport = _port()
+        rproc = subprocess.Popen([redis, "--port", str(rport), "--bind", "127.0.0.1", "--dir", tmp, "--save", "",
+                                  "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        try:
+            time.sleep(0.3)
+            for i in range(args.rounds):
+                r = one_round(f"redis://127.0.0.1:{rport}/0", args.model)
+                print(f"round {i}: new process start -> listening {r['listening_s']:.2f} s, restart -> first continued event "
+                      f"{r['restart_to_first_s']:.2f} s, kill -> first continued event {r['kill_to_first_s']:.2f} s, "
+                      f"complete and exact: {r['exact']} (final: {r['final']})", flush=True)
+        finally:
+            rproc.terminate()
+            rproc.wait(10)
+
+
+if __name__ == "__main__":
+    main()
