@@ -65,7 +65,16 @@ class SpeechModel:
         self.synth = synth
         self.name = name or synth.name
         self._scheduler = SpeechScheduler(synth)
-        self._engine = Engine(self._scheduler, name=f"speech-{self.name}", setup=setup)
+
+        def start() -> None:
+            if setup is not None:
+                setup()
+            # The first run of a session is several times slower than later ones (allocations,
+            # kernel choice); one short sentence here keeps that out of the first stream's
+            # time to first audio.
+            synth.synthesize("Hello.", None, 1.0)
+
+        self._engine = Engine(self._scheduler, name=f"speech-{self.name}", setup=start)
         self._scheduler.wake = self._engine.wake
         self._finalizer = weakref.finalize(self, self._engine.close, 30.0)
 
