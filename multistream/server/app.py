@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import openai_completions, openai_routes, routes_health, routes_native, websocket
+from . import openai_completions, openai_routes, routes_health, routes_native, speech_routes, websocket
 from .bodies import (
     ErrorResponse,
     ImageRequest,
@@ -60,9 +60,9 @@ __all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("multistream.server")
 
-_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/models")
+_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/audio/", "/v1/models")
 _BODY_MODELS = (TextRequest, ImageRequest, ChatCompletionRequest, ImageGenerationRequest, ErrorResponse,
-                OpenAIErrorResponse)
+                OpenAIErrorResponse, speech_routes.SpeechRequest, speech_routes.AudioSpeechRequest)
 
 
 def create_app(
@@ -72,12 +72,15 @@ def create_app(
     *,
     content_filter: ContentFilter | None = None,
     demo_path: str | None = None,
+    speech_model: Any = None,
 ) -> FastAPI:
     """Build the ASGI app serving ``text_model`` and/or ``image_model``.
 
     Each model may be a loaded model (anything with ``.stream()``), ``"default"`` for the embedded
     model, a hub id or path, ``"module:factory"``, or a zero-argument callable; names are loaded
     in a background thread at startup (``/readyz`` says when they are ready). ``None`` = not served.
+    ``speech_model`` likewise (``"default"``: the embedded Piper voice) serves ``/v1/audio/speech``
+    and ``/v1/speech``.
 
     ``content_filter(text, part)`` sees each prompt and chat message (``part="prompt"``) and the
     output accumulated so far (``part="output"``, again as it grows; the server holds back the
@@ -106,7 +109,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = ServerState(settings, text_model, image_model, content_filter, keyring)
+        state = ServerState(settings, text_model, image_model, content_filter, keyring, speech_model=speech_model)
         app.state.multistream = state
         for slot in state.models.values():
             slot.start_loading()
@@ -171,6 +174,7 @@ def create_app(
     app.include_router(routes_native.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
+    app.include_router(speech_routes.router)
     app.include_router(websocket.router)
     app.include_router(routes_health.router)
     if settings.enable_test_hooks:

@@ -1,0 +1,196 @@
+"""Speech routes: OpenAI's ``POST /v1/audio/speech`` and the native ``POST /v1/speech``.
+
+``POST /v1/audio/speech`` takes OpenAI's body: ``model``, ``input`` (at most 4,096 characters),
+``voice``, ``response_format`` (``pcm``: 24 kHz 16-bit mono little-endian, as OpenAI documents;
+``wav``, ``mp3``, ``opus``, ``flac``, ``aac``), ``speed`` (0.25-4), ``instructions`` (refused: the
+embedded voice cannot follow them) and ``stream_format``: ``audio`` (the default; the encoded bytes
+as a chunked body, the first after the first sentence) or ``sse`` (``speech.audio.delta`` events
+with base64 audio in ``response_format``, then ``speech.audio.done`` with ``usage``). OpenAI's
+model names (``tts-1``, ``tts-1-hd``, ``gpt-4o-mini-tts``) and voice names (``alloy``, ``echo``,
+...) mean the served model and its default voice, so an app written for OpenAI works unchanged.
+``priority`` is an extension.
+
+``POST /v1/speech`` takes `SpeechModel.stream`'s arguments (``text``, ``voice``, ``speed``,
+``priority``: one definition, `SpeechOptions`) and answers the native SSE of wire events
+(``audio`` events with base64 PCM; the final one with the whole WAV), resumable like the others
+through ``GET /v1/streams/{id}/events`` with the ``X-Resume-Token`` it returns.
+
+Example:
+    >>> from openai import OpenAI                                                       # doctest: +SKIP
+    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")           # doctest: +SKIP
+    >>> with client.audio.speech.with_streaming_response.create(                         # doctest: +SKIP
+    ...         model="tts-1", voice="alloy", input="Hello there.", response_format="mp3") as r:
+    ...     r.stream_to_file("hello.mp3")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Optional
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field, create_model
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .._spec import body_fields
+from ..errors import InvalidArgumentError
+from ..events import AudioEvent, ErrorEvent
+from ..speech import MAX_INPUT_CHARACTERS, SpeechOptions, parse_speech_options
+from .bodies import LAX_BODY, STRICT_BODY, validate_body
+from .problems import Problem
+from .routes_native import read_body
+from .security import Principal
+from .sse import sse_response
+from .state import ServerState, get_principal, get_state
+
+__all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "SpeechRequest", "router"]
+
+router = APIRouter()
+
+#: OpenAI's speech model names: each means the served speech model.
+OPENAI_SPEECH_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts")
+#: OpenAI's voice names: each means the served model's default voice.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+_OPENAI_PCM_RATE = 24000
+
+
+class _Strict(BaseModel):
+    model_config = STRICT_BODY
+
+
+SpeechRequest = create_model(
+    "SpeechRequest",
+    __base__=_Strict,
+    __doc__="``POST /v1/speech``: `SpeechModel.stream` arguments.",
+    text=(str, Field(description=f"the text to speak (at most {MAX_INPUT_CHARACTERS} characters)")),
+    **body_fields(SpeechOptions),
+)
+
+
+class AudioSpeechRequest(BaseModel):
+    """OpenAI's ``POST /v1/audio/speech`` body (unknown fields are ignored, as OpenAI's SDK may send more)."""
+
+    model_config = LAX_BODY
+    model: str = Field(description="tts-1, tts-1-hd, gpt-4o-mini-tts (all mean the served model) or its own name")
+    input: str = Field(description=f"the text to speak, at most {MAX_INPUT_CHARACTERS} characters")
+    voice: str = Field(default="alloy", description="an OpenAI voice name (the default voice) or one of the model's")
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
+        default="mp3", description="pcm is 24 kHz 16-bit mono little-endian, as OpenAI's")
+    speed: float = Field(default=1.0, description="0.25 to 4 (1 is normal)")
+    instructions: Optional[str] = Field(default=None, description="not supported by these voices: leave it out")
+    stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio: the bytes; sse: events")
+    priority: int = Field(default=0, description="extension: higher is synthesized first")
+
+
+def _speech_model(state: ServerState) -> Any:
+    slot = state.models.get("speech")
+    if slot is None:
+        raise Problem(404, "model_not_served", "this server has no speech model; start it with "
+                      "`multistream serve --speech-model default`")
+    return slot.get()
+
+
+def _voice(model: Any, voice: str) -> str | None:
+    voices = tuple(getattr(model, "voices", ()))
+    if voice in voices:
+        return voice
+    if voice.lower() in OPENAI_VOICES:
+        return None
+    raise Problem(400, "invalid_argument", f"unknown voice {voice!r}; use an OpenAI voice name ({', '.join(OPENAI_VOICES)}: "
+                  f"the default voice) or one of this model's: {list(voices)}", param="voice")
+
+
+def _check(text: str, **options: Any) -> None:
+    try:
+        parse_speech_options(text, **options)
+    except InvalidArgumentError as exc:
+        message = str(exc)
+        param = next((n for n in ("speed", "voice", "priority") if message.startswith(n)), "input")
+        raise Problem(400, "invalid_argument", message, param=param) from None
+
+
+@router.post("/v1/audio/speech", summary="OpenAI speech",
+             description="OpenAI's text-to-speech: the audio bytes as they are made, or `speech.audio.*` SSE events.")
+async def audio_speech(request: Request, state: ServerState = Depends(get_state),
+                       principal: Principal = Depends(get_principal)) -> Response:
+    body = validate_body(AudioSpeechRequest, await read_body(request, state), "POST /v1/audio/speech")
+    model = _speech_model(state)
+    served = state.models["speech"].name
+    if body.model not in OPENAI_SPEECH_MODELS and body.model not in (served, "default"):
+        raise Problem(404, "model_not_found", f"no speech model {body.model!r} here; use {served!r} or an OpenAI "
+                      f"name ({', '.join(OPENAI_SPEECH_MODELS)})", param="model")
+    if body.instructions:
+        raise Problem(400, "unsupported_parameter", "this speech model cannot follow `instructions` (it has no "
+                      "style control); leave `instructions` out", param="instructions")
+    voice = _voice(model, body.voice)
+    _check(body.input, voice=voice, speed=body.speed)
+    kwargs = {"text": body.input, "voice": voice, "speed": body.speed}
+    record = await state.open_stream("speech", kwargs, priority=body.priority, request=request, resumable=False,
+                                     principal=principal)
+    from ..speech import AudioEncoder
+
+    rate = int(getattr(model, "sample_rate", 22050))
+    encoder = AudioEncoder(body.response_format, rate, _OPENAI_PCM_RATE if body.response_format == "pcm" else None)
+    headers = {"X-Stream-Id": record.stream_id, "Cache-Control": "no-store"}
+
+    async def encoded() -> AsyncIterator[tuple[bytes, AudioEvent | ErrorEvent | None]]:
+        async for ev in record.subscribe():
+            if isinstance(ev, ErrorEvent):
+                yield await asyncio.to_thread(encoder.flush), ev
+                return
+            assert isinstance(ev, AudioEvent)
+            if ev.is_final:
+                yield await asyncio.to_thread(encoder.flush), ev
+                return
+            yield await asyncio.to_thread(encoder.feed, ev.data), None
+
+    if body.stream_format == "audio":
+        async def chunks() -> AsyncIterator[bytes]:
+            async for data, _ in encoded():
+                if data:
+                    yield data
+
+        return StreamingResponse(chunks(), media_type=encoder.mime, headers=headers)
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        async for data, end in encoded():
+            if data:
+                yield ServerSentEvent(data=json.dumps({"type": "speech.audio.delta",
+                                                       "audio": base64.b64encode(data).decode("ascii")}),
+                                      event="speech.audio.delta")
+            if isinstance(end, ErrorEvent):
+                yield ServerSentEvent(data=json.dumps({"type": "error", "error": end.error}), event="error")
+            elif end is not None:
+                chars = len(body.input)
+                usage = {"input_tokens": chars, "output_tokens": int(round((end.duration_s or 0) * 1000 / 20)),
+                         "total_tokens": chars + int(round((end.duration_s or 0) * 1000 / 20)),
+                         "input_characters": chars, "audio_seconds": (end.usage or {}).get("audio_seconds")}
+                yield ServerSentEvent(data=json.dumps({"type": "speech.audio.done", "usage": usage}),
+                                      event="speech.audio.done")
+
+    return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
+
+
+@router.post("/v1/speech", summary="Stream speech",
+             description="Body: `SpeechModel.stream` arguments (`text`, `voice`, `speed`, `priority`).")
+async def post_speech(request: Request, state: ServerState = Depends(get_state),
+                      principal: Principal = Depends(get_principal)) -> Response:
+    raw = await read_body(request, state)
+    if isinstance(raw, dict) and isinstance(raw.get("text"), str):
+        _check(raw["text"], **{k: raw[k] for k in ("voice", "speed", "priority") if k in raw})
+    req = validate_body(SpeechRequest, raw, "POST /v1/speech")
+    model = _speech_model(state)
+    voice = req.voice
+    if voice is not None and voice not in tuple(getattr(model, "voices", ())):
+        voice = _voice(model, voice)
+    record = await state.open_stream("speech", {"text": req.text, "voice": voice, "speed": req.speed},
+                                     priority=req.priority, request=request, principal=principal)
+    response = sse_response(record, state.settings)
+    response.headers["X-Resume-Token"] = record.token
+    return response
