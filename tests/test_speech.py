@@ -217,3 +217,19 @@ def test_cancelling_speak_cancels_both(tts):
     while llm.active and time.time() < deadline:
         time.sleep(0.02)
     assert llm.active == 0 and llm.finish_reasons[-1] == "cancelled"
+
+
+def test_cli_speak_writes_a_wav_and_an_mp3(tmp_path, capsys):
+    from multistream.cli import main
+
+    out = tmp_path / "a.wav"
+    assert main(["speak", "Hello there. Bye.", "--out", str(out)]) == 0
+    lines = capsys.readouterr()
+    assert "Hello there." in lines.out and "wrote" in lines.err
+    rate, frames = _wav_frames(out.read_bytes())
+    assert rate == 22050 and len(frames) > 22050
+    mp3 = tmp_path / "a.mp3"
+    assert main(["speak", "Hi.", "--out", str(mp3)]) == 0
+    assert mp3.read_bytes()[:3] == b"ID3"
+    assert main(["speak", "Hi.", "--speed", "9"]) == 2
+    assert "0.25 to 4" in capsys.readouterr().err
