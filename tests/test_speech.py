@@ -233,3 +233,50 @@ def test_cli_speak_writes_a_wav_and_an_mp3(tmp_path, capsys):
     assert mp3.read_bytes()[:3] == b"ID3"
     assert main(["speak", "Hi.", "--speed", "9"]) == 2
     assert "0.25 to 4" in capsys.readouterr().err
+
+
+def _tiny_vits(folder) -> str:
+    """A VitsModel with random weights and a character tokenizer, built offline (about 19k weights)."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    from transformers import VitsConfig, VitsModel, VitsTokenizer
+
+    vocab = {c: i for i, c in enumerate(" abcdefghijklmnopqrstuvwxyz.,?!'")}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    tokenizer = VitsTokenizer(str(folder / "vocab.json"), language=None, add_blank=True, normalize=True, phonemize=False)
+    config = VitsConfig(
+        vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32, flow_size=8,
+        spectrogram_bins=33, upsample_initial_channel=16, upsample_rates=[4, 4], upsample_kernel_sizes=[8, 8],
+        resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]], prior_encoder_num_flows=1,
+        prior_encoder_num_wavenet_layers=1, posterior_encoder_num_wavenet_layers=1, duration_predictor_num_flows=1,
+        duration_predictor_filter_channels=16, depth_separable_num_layers=1, sampling_rate=16000)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = VitsModel(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_transformers_vits_streams_through_the_same_protocol(tmp_path):
+    tts = ms.load_speech_model(_tiny_vits(tmp_path), device="cpu")
+    try:
+        assert tts.sample_rate == 16000 and "Piper" not in type(tts.synth).__name__
+        text = "Hello there. How are you?"
+        events = list(tts.stream(text))
+        final = events[-1]
+        assert final.is_final and final.finish_reason == "stop" and final.sample_rate == 16000
+        chunks = events[:-1]
+        assert [text[a:b].strip() for a, b in (ev.text_span for ev in chunks)] == ["Hello there.", "How are you?"]
+        rate, frames = _wav_frames(final.audio)
+        assert rate == 16000 and frames == b"".join(ev.data for ev in chunks) and len(frames) > 0
+        with pytest.raises(ms.InvalidArgumentError, match="unknown voice"):
+            tts.stream("Hi.", voice="alloy")
+    finally:
+        tts.close()
+
+
+def test_an_unknown_model_is_a_load_error(tmp_path):
+    with pytest.raises(ms.ModelLoadError, match="VitsModel"):
+        ms.load_speech_model(str(tmp_path / "nothing-here"))

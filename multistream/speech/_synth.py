@@ -103,16 +103,16 @@ class PiperSynth:
 class TransformersSynth:
     """A transformers text-to-speech model whose forward returns a ``waveform`` (``VitsModel``:
     MMS-TTS and other VITS checkpoints), with its tokenizer. ``speed`` sets the model's
-    ``speaking_rate``."""
+    ``speaking_rate``. VITS samples its durations and noise from torch's generator of the engine
+    thread, so the same text need not give the same samples twice (as with Piper)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, name: str, seed: int | None = 0) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, name: str) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.sample_rate = int(getattr(model.config, "sampling_rate", 16000))
         self.voices: tuple[str, ...] = (name,)
         self.device = str(next(model.parameters()).device)
-        self._seed = seed
 
     @classmethod
     def load(cls, name: str, device: str) -> TransformersSynth:
@@ -139,8 +139,6 @@ class TransformersSynth:
         if inputs["input_ids"].shape[-1] == 0:
             return np.zeros(0, dtype="<i2")
         self.model.speaking_rate = speed
-        if self._seed is not None:
-            torch.manual_seed(self._seed)  # VITS samples its durations and noise: same text, same audio
         with torch.inference_mode():
             waveform = self.model(**inputs).waveform
         return _to_int16(waveform[0].float().cpu().numpy())
