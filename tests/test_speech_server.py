@@ -15,17 +15,21 @@ from server_fixtures import iter_sse, live_server
 
 import multistream as ms
 from multistream.server import ServerSettings, create_app
+from multistream.testing import ScriptedTextModel
 
 pytest.importorskip("piper")
 openai = pytest.importorskip("openai")
 
 TEXT = "Hello there. How are you today? I am fine."
+ANSWER = "Sure thing. The sea is wide and deep. It covers most of the planet. Whales live in it."
 
 
 @pytest.fixture(scope="module")
 def server():
     tts = ms.load_speech_model()
-    app = create_app(speech_model=tts, settings=ServerSettings())
+    words = ANSWER.split(" ")
+    llm = ScriptedTextModel([w if i == 0 else " " + w for i, w in enumerate(words)], delay_s=0.08)
+    app = create_app(text_model=llm, speech_model=tts, settings=ServerSettings())
     with live_server(app) as live:
         yield live
     tts.close()
@@ -121,3 +125,39 @@ def test_native_speech_sse_is_the_event_protocol(server):
     assert all(ev.stream_id == stream_id for ev in events)
     bad = httpx.post(f"{server.url}/v1/speech", json={"text": "Hi.", "speed": 0}, timeout=30)
     assert bad.status_code == 400 and "0.25 to 4" in bad.json()["error"]["message"]
+
+
+def test_chat_with_audio_modalities_streams_speech_while_writing(client):
+    start = time.perf_counter()
+    transcript, pcm, first_audio, last_text = [], [], None, None
+    for chunk in client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Tell me about the sea."}], stream=True,
+            modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"}):
+        if not chunk.choices:
+            continue
+        audio = chunk.choices[0].delta.audio  # the SDK's ChoiceDeltaAudio: id, data, transcript
+        if audio is None:
+            continue
+        assert audio.id.startswith("audio_")
+        if audio.transcript:
+            transcript.append(audio.transcript)
+            last_text = time.perf_counter() - start
+        if audio.data:
+            pcm.append(base64.b64decode(audio.data))
+            if first_audio is None:
+                first_audio = time.perf_counter() - start
+    assert "".join(transcript) == ANSWER
+    assert first_audio is not None and first_audio < last_text  # spoken while it is written
+    assert sum(map(len, pcm)) > 24000 * 2  # more than a second of 24 kHz 16-bit audio
+
+
+def test_chat_with_audio_without_stream_gives_a_wav(client):
+    done = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hi"}], modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"})
+    message = done.choices[0].message
+    assert message.audio.transcript == ANSWER and message.audio.id.startswith("audio_")
+    assert base64.b64decode(message.audio.data)[:4] == b"RIFF"
+    with pytest.raises(openai.BadRequestError, match="pcm16"):
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], stream=True,
+                                       modalities=["text", "audio"], audio={"voice": "alloy", "format": "mp3"})
