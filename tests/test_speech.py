@@ -280,3 +280,18 @@ def test_transformers_vits_streams_through_the_same_protocol(tmp_path):
 def test_an_unknown_model_is_a_load_error(tmp_path):
     with pytest.raises(ms.ModelLoadError, match="VitsModel"):
         ms.load_speech_model(str(tmp_path / "nothing-here"))
+
+
+def test_show_plays_the_final_audio(tts):
+    import io
+
+    from multistream.ui.notebook import _render_html
+    from multistream.ui.view import LiveView
+
+    out = io.StringIO()
+    final = ms.show(tts.stream("Hi there."), file=out)
+    assert final.type == "audio" and "[audio: stop" in out.getvalue()
+    view = LiveView()
+    view.apply(final)
+    page = _render_html(view, 256)
+    assert '<audio controls autoplay src="data:audio/wav;base64,' in page
