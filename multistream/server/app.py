@@ -195,13 +195,13 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
 
     if demo_path:
-        _mount_demo(app, demo_path, image_model, keyring)
+        _mount_demo(app, demo_path, image_model, keyring, speech=speech_model is not None)
     app.add_middleware(SecurityMiddleware, settings=settings, keyring=keyring, demo_path=demo_path)
     app.multistream_settings = settings  # type: ignore[attr-defined]  # read by runner.uvicorn_config
     return app
 
 
-def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing) -> None:
+def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False) -> None:
     """Serve the Gradio demo; its generations run through this server's gates (`GatedModel`)."""
     from ..ui.demo import mount_demo
     from .gated import GatedModel
@@ -215,7 +215,10 @@ def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing) -> N
     auth = check if keyring.enabled else None
     # The embedded image model draws shapes: constrain the LLM's prompts to its vocabulary.
     style = "shapes" if image_spec == "default" else "auto"
-    mount_demo(app, provider("text"), provider("image"), path=path, prompt_style=style, auth=auth)
+    # The demo speaks with the server's own speech model (no second copy), when it serves one.
+    speech_model = (lambda: app.state.multistream.models["speech"].get()) if speech else False
+    mount_demo(app, provider("text"), provider("image"), path=path, prompt_style=style, auth=auth,
+               speech_model=speech_model)
 
 
 async def _janitor(state: ServerState) -> None:
