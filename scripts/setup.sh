@@ -35,7 +35,7 @@ if [ "${1:-}" = "--test" ]; then
   # A C compiler builds the native block-quantized kernels at first use (the fast CPU path of
   # quantize=; without one the ATen fallback runs and the kernel tests skip).
   command -v cc >/dev/null 2>&1 || missing="$missing gcc"
-  # Gradio's streaming audio (the demo's "Speak the answer") converts through ffmpeg.
+  # Gradio's streaming audio (the demo's Speech tab and "Speak the answer") encodes through ffmpeg.
   command -v ffmpeg >/dev/null 2>&1 || missing="$missing ffmpeg"
   if [ -n "$missing" ]; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -43,4 +43,12 @@ if [ "${1:-}" = "--test" ]; then
     # shellcheck disable=SC2086
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
   fi
+fi
+
+# The demo's streaming audio (Speech tab, "Speak the answer") needs Debian's ffmpeg; best effort
+# outside --test (where it is installed above): the rest of multistream works without it.
+if [ "${1:-}" != "--test" ] && ! command -v ffmpeg >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  { $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends ffmpeg; } \
+    || echo "setup.sh: could not install ffmpeg; the demo's streaming audio will not play (apt-get install ffmpeg)" >&2
 fi

@@ -295,3 +295,17 @@ def test_show_plays_the_final_audio(tts):
     view.apply(final)
     page = _render_html(view, 256)
     assert '<audio controls autoplay src="data:audio/wav;base64,' in page
+
+
+def test_cli_text_speak_writes_the_spoken_answer(tmp_path, capsys, monkeypatch):
+    import multistream.text
+    from multistream.cli import main
+
+    llm = ScriptedTextModel(["Hello", " there.", " Bye", " now."], delay_s=0.01)
+    monkeypatch.setattr(multistream.text, "load_text_model", lambda *a, **k: llm)
+    out = tmp_path / "answer.wav"
+    assert main(["text", "hi", "--speak", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "Hello there. Bye now." in printed.out and "spoke" in printed.err and "finish: stop" in printed.err
+    rate, frames = _wav_frames(out.read_bytes())
+    assert rate == 22050 and len(frames) > 22050

@@ -35,8 +35,11 @@ class SpeechFeed:
     text is complete. Made by `SpeechModel.open_stream`.
     """
 
-    def __init__(self, request: SpeechRequest) -> None:
+    def __init__(self, request: SpeechRequest, model: SpeechModel) -> None:
         self._request = request
+        # The writer of a speech stream keeps its model (and engine) alive, e.g. in
+        # ms.speak(llm.stream(...), ms.load_speech_model()) where nothing else holds the model.
+        self._model = model
 
     def feed(self, delta: str) -> None:
         if delta:
@@ -149,7 +152,7 @@ class SpeechModel:
             self._engine.submit(req)
 
         stream = Stream(submit=submit, kind="audio")
-        return stream, SpeechFeed(holder[0])
+        return stream, SpeechFeed(holder[0], self)
 
     def generate(self, text: str, *, on_event: Callable[[Event], Any] | None = None, **options: Any) -> Event:
         """Speak to the end, calling ``on_event`` for each event; returns the final event
