@@ -161,3 +161,30 @@ def test_chat_with_audio_without_stream_gives_a_wav(client):
     with pytest.raises(openai.BadRequestError, match="pcm16"):
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], stream=True,
                                        modalities=["text", "audio"], audio={"voice": "alloy", "format": "mp3"})
+
+
+async def test_websocket_speech_as_binary_frames(server):
+    import asyncio
+
+    websockets = pytest.importorskip("websockets")
+    from multistream.server import decode_message
+    from multistream.server.websocket import encode_audio_frame
+
+    async with websockets.connect(server.ws_url + "/v1/ws", open_timeout=30) as ws:
+        await ws.send(json.dumps({"type": "speech", "id": "s1", "text": TEXT, "voice": "alloy"}))
+        await ws.send(json.dumps({"type": "speech", "id": "s2", "text": "Hi.", "speed": 7}))
+        events, rejected = [], None
+        while not (events and events[-1].is_final) or rejected is None:
+            raw = await asyncio.wait_for(ws.recv(), 60)
+            msg = decode_message(raw)
+            if isinstance(msg, dict):
+                if msg["type"] == "rejected":
+                    rejected = msg
+                continue
+            assert isinstance(raw, bytes)  # audio travels as binary frames, not base64
+            events.append(msg)
+    assert rejected["id"] == "s2" and rejected["status"] == 400 and "0.25 to 4" in rejected["error"]["message"]
+    assert all(ev.type == "audio" for ev in events) and [ev.seq for ev in events] == list(range(len(events)))
+    with wave.open(io.BytesIO(events[-1].audio)) as w:
+        assert w.readframes(w.getnframes()) == b"".join(ev.data for ev in events[:-1])
+    assert decode_message(encode_audio_frame(events[-1])) == events[-1]

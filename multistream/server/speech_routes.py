@@ -50,7 +50,7 @@ from .sse import sse_response
 from .state import ServerState, get_principal, get_state
 
 __all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "SpeechRequest", "chat_with_audio", "router",
-           "wants_audio"]
+           "parse_speech_body", "speech_voice", "wants_audio"]
 
 router = APIRouter()
 
@@ -106,6 +106,13 @@ def _voice(model: Any, voice: str) -> str | None:
         return None
     raise Problem(400, "invalid_argument", f"unknown voice {voice!r}; use an OpenAI voice name ({', '.join(OPENAI_VOICES)}: "
                   f"the default voice) or one of this model's: {list(voices)}", param="voice")
+
+
+def speech_voice(model: Any, voice: str | None) -> str | None:
+    """A voice of the native bodies: the model's own names, or OpenAI's (the default voice)."""
+    if voice is None or voice in tuple(getattr(model, "voices", ())):
+        return voice
+    return _voice(model, voice)
 
 
 def _check(text: str, **options: Any) -> None:
@@ -179,20 +186,24 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
     return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
 
 
+def parse_speech_body(body: Any) -> tuple[dict[str, Any], int]:
+    """``POST /v1/speech`` body (and a WebSocket ``{"type": "speech", ...}`` message) ->
+    (``SpeechModel.stream`` keyword arguments, priority); the family's checks first, so a bad
+    value gets the very message ``tts.stream()`` would raise."""
+    if isinstance(body, dict) and isinstance(body.get("text"), str):
+        _check(body["text"], **{k: body[k] for k in ("voice", "speed", "priority") if k in body})
+    req = validate_body(SpeechRequest, body, "POST /v1/speech")
+    return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
+
+
 @router.post("/v1/speech", summary="Stream speech",
              description="Body: `SpeechModel.stream` arguments (`text`, `voice`, `speed`, `priority`).")
 async def post_speech(request: Request, state: ServerState = Depends(get_state),
                       principal: Principal = Depends(get_principal)) -> Response:
-    raw = await read_body(request, state)
-    if isinstance(raw, dict) and isinstance(raw.get("text"), str):
-        _check(raw["text"], **{k: raw[k] for k in ("voice", "speed", "priority") if k in raw})
-    req = validate_body(SpeechRequest, raw, "POST /v1/speech")
+    kwargs, priority = parse_speech_body(await read_body(request, state))
     model = _speech_model(state)
-    voice = req.voice
-    if voice is not None and voice not in tuple(getattr(model, "voices", ())):
-        voice = _voice(model, voice)
-    record = await state.open_stream("speech", {"text": req.text, "voice": voice, "speed": req.speed},
-                                     priority=req.priority, request=request, principal=principal)
+    kwargs["voice"] = speech_voice(model, kwargs["voice"])
+    record = await state.open_stream("speech", kwargs, priority=priority, request=request, principal=principal)
     response = sse_response(record, state.settings)
     response.headers["X-Resume-Token"] = record.token
     return response
