@@ -42,7 +42,7 @@ from .._spec import body_fields
 from ..errors import InvalidArgumentError
 from ..events import AudioEvent, ErrorEvent
 from ..speech import MAX_INPUT_CHARACTERS, SpeechOptions, parse_speech_options
-from .bodies import LAX_BODY, STRICT_BODY, validate_body
+from .bodies import LAX_BODY, STRICT_BODY, ErrorResponse, OpenAIErrorResponse, validate_body
 from .problems import Problem
 from .routes_native import read_body
 from .security import Principal
@@ -53,6 +53,23 @@ __all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "Speec
            "parse_speech_body", "speech_voice", "wants_audio"]
 
 router = APIRouter()
+
+
+def _spec(body: type, errors: type, audio: bool) -> dict[str, Any]:
+    """The route's OpenAPI: its body and its refusals (``errors``: the error body's model)."""
+    content = ({"audio/mpeg": {}, "audio/wav": {}, "audio/pcm": {}, "audio/flac": {}, "audio/ogg": {},
+                "audio/aac": {}, "text/event-stream": {}} if audio else {"text/event-stream": {}})
+    out: dict[str, Any] = {
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}},
+        "responses": {"200": {"description": "the audio as it is made", "content": content}},
+    }
+    for status, text in ((400, "bad request"), (401, "missing or wrong API key"), (404, "no such model"),
+                         (408, "the body came too slowly"), (413, "body too large"), (415, "not JSON"),
+                         (429, "queue or quota full"), (500, "server failure"), (503, "loading, busy or shutting down")):
+        out["responses"][str(status)] = {"description": text, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{errors.__name__}"}}}}
+    return out
 
 #: OpenAI's speech model names: each means the served speech model.
 OPENAI_SPEECH_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts")
@@ -124,7 +141,8 @@ def _check(text: str, **options: Any) -> None:
         raise Problem(400, "invalid_argument", message, param=param) from None
 
 
-@router.post("/v1/audio/speech", summary="OpenAI speech",
+@router.post("/v1/audio/speech", summary="OpenAI speech", tags=["openai"],
+             openapi_extra=_spec(AudioSpeechRequest, OpenAIErrorResponse, audio=True),
              description="OpenAI's text-to-speech: the audio bytes as they are made, or `speech.audio.*` SSE events.")
 async def audio_speech(request: Request, state: ServerState = Depends(get_state),
                        principal: Principal = Depends(get_principal)) -> Response:
@@ -196,7 +214,7 @@ def parse_speech_body(body: Any) -> tuple[dict[str, Any], int]:
     return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
 
 
-@router.post("/v1/speech", summary="Stream speech",
+@router.post("/v1/speech", summary="Stream speech", openapi_extra=_spec(SpeechRequest, ErrorResponse, audio=False),
              description="Body: `SpeechModel.stream` arguments (`text`, `voice`, `speed`, `priority`).")
 async def post_speech(request: Request, state: ServerState = Depends(get_state),
                       principal: Principal = Depends(get_principal)) -> Response:
@@ -235,7 +253,7 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
     from .openai_protocol import chat_kwargs
 
     modalities = body.get("modalities")
-    if any(m not in ("text", "audio") for m in modalities):
+    if any(not isinstance(m, str) or m not in ("text", "audio") for m in modalities):
         raise Problem(400, "invalid_argument", f"modalities must be ['text', 'audio'] or ['text'], got {modalities!r}",
                       param="modalities")
     audio_opts = body.get("audio")
@@ -243,7 +261,7 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
         raise Problem(400, "invalid_argument", "modalities with 'audio' needs audio={'voice': 'alloy', 'format': "
                       "'pcm16'}", param="audio")
     fmt = audio_opts.get("format", "pcm16")
-    if fmt not in _CHAT_AUDIO_FORMATS:
+    if not isinstance(fmt, str) or fmt not in _CHAT_AUDIO_FORMATS:
         raise Problem(400, "invalid_argument", f"audio.format must be one of {sorted(_CHAT_AUDIO_FORMATS)}, got {fmt!r}",
                       param="audio")
     stream = bool(body.get("stream"))
