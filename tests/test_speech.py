@@ -315,3 +315,13 @@ def test_cli_text_speak_writes_the_spoken_answer(tmp_path, capsys, monkeypatch, 
     assert "Hello there. Bye now." in printed.out and "spoke" in printed.err and "finish: stop" in printed.err
     rate, frames = _wav_frames(out.read_bytes())
     assert rate == 22050 and len(frames) > 22050
+
+
+def test_a_stream_waiting_for_text_ends_at_once_when_cancelled(tts):
+    s, feed = tts.open_stream()
+    feed.feed("Hello there, this sentence never")
+    time.sleep(0.1)
+    s.cancel()
+    started = time.perf_counter()
+    final = s.wait()
+    assert final.finish_reason == "cancelled" and time.perf_counter() - started < 2

@@ -85,6 +85,10 @@ class SpeechRequest:
             self.ended = True
         self._notify()
 
+    def fail(self, exc: BaseException) -> None:
+        """The request could not start (the engine's admit failed): end it with an error event."""
+        self.writer.fail(exc)
+
     def _notify(self) -> None:
         if self.wake is not None:
             self.wake()
@@ -117,6 +121,9 @@ class SpeechScheduler:
         req.order = next(self._arrivals)
         req.wake = self.wake
         self.requests.append(req)
+        if self.wake is not None:
+            # A request waiting for text (an idle engine) must still end at once when cancelled.
+            req.writer.on_cancel(self.wake)
 
     def has_work(self) -> bool:
         return any(r.ready() for r in self.requests)
