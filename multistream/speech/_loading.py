@@ -2,8 +2,8 @@
 
 Example:
     >>> import multistream as ms
-    >>> tts = ms.load_speech_model()                     # doctest: +SKIP  (embedded en_US-joe-medium)
-    >>> tts = ms.load_speech_model("facebook/mms-tts-eng")  # doctest: +SKIP  (a transformers VitsModel)
+    >>> tts = ms.load_speech_model()                        # doctest: +SKIP
+    >>> tts = ms.load_speech_model("facebook/mms-tts-eng")  # doctest: +SKIP
 """
 
 from __future__ import annotations
