@@ -36,7 +36,7 @@ _CLAUSE_BREAK = re.compile(r"[,;:](?=\s)|\s[-\u2013\u2014](?=\s)|[\u3001\uff0c\u
 # A growing text whose sentence ends in a list number ("Steps: 1.") waits for its next item: pysbd
 # reads the list only once it sees one.
 _LIST_MARKER = re.compile(r"(?:^|\s)\d{1,3}[.)]$")
-_LOOKAHEAD = 12  # characters of the next sentence that confirm a boundary in a growing text
+_LOOKAHEAD = 6  # characters of the next sentence that confirm a boundary in a growing text
 _WINDOW = 400  # characters segmented at a time (pysbd's cost grows with its input)
 _segmenters: dict[str, Any] = {}
 _lock = threading.Lock()
