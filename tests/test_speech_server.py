@@ -123,6 +123,11 @@ def test_native_speech_sse_is_the_event_protocol(server):
         assert w.readframes(w.getnframes()) == b"".join(ev.data for ev in events[:-1])
     assert [ev.seq for ev in events] == list(range(len(events)))
     assert all(ev.stream_id == stream_id for ev in events)
+    # Resumable like the others: a reconnect replays what came after its last event.
+    replay = httpx.get(f"{server.url}/v1/streams/{stream_id}/events", params={"after": 0},
+                       headers={"x-resume-token": r.headers["x-resume-token"]}, timeout=30)
+    again = [ms.event_from_json(line[5:].strip()) for line in replay.text.splitlines() if line.startswith("data:")]
+    assert again == events[1:]
     bad = httpx.post(f"{server.url}/v1/speech", json={"text": "Hi.", "speed": 0}, timeout=30)
     assert bad.status_code == 400 and "0.25 to 4" in bad.json()["error"]["message"]
 
