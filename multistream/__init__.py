@@ -22,7 +22,16 @@ from .errors import (
     StreamConsumedError,
     StreamFinishedError,
 )
-from .events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict, event_from_json, event_json_schema
+from .events import (
+    AudioEvent,
+    ErrorEvent,
+    Event,
+    ImageEvent,
+    TextEvent,
+    event_from_dict,
+    event_from_json,
+    event_json_schema,
+)
 from .stream import Stream, StreamWriter
 
 __version__ = "0.1.0"
@@ -38,6 +47,9 @@ _LAZY = {
     "fit_latent_rgb": ".image",
     "fit_preview_decoder": ".image",
     "encode_frame": ".image",
+    "SpeechModel": ".speech",
+    "load_speech_model": ".speech",
+    "speak": ".speech",
     "chain": ".compose",
     "merge": ".compose",
     "show": ".ui",
@@ -53,6 +65,7 @@ if TYPE_CHECKING:
         fit_preview_decoder,
         load_image_model,
     )
+    from .speech import SpeechModel, load_speech_model, speak
     from .text import TextModel, load_text_model
     from .ui import show
 
@@ -61,6 +74,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "AudioEvent",
     "EngineClosedError",
     "ErrorEvent",
     "Event",
@@ -72,6 +86,7 @@ __all__ = [
     "ModelLoadError",
     "MultistreamError",
     "PromptTooLongError",
+    "SpeechModel",
     "Stream",
     "StreamConsumedError",
     "StreamFinishedError",
@@ -86,7 +101,9 @@ __all__ = [
     "fit_latent_rgb",
     "fit_preview_decoder",
     "load_image_model",
+    "load_speech_model",
     "load_text_model",
     "merge",
     "show",
+    "speak",
 ]

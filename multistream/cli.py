@@ -1,4 +1,4 @@
-"""The ``multistream`` command line: ``multistream text|image|serve|demo|fit-preview ...``.
+"""The ``multistream`` command line: ``multistream text|image|speak|serve|demo|fit-preview ...``.
 
 Each subcommand lives in its own module under ``multistream/_cli/`` and exposes
 ``add_parser(subparsers)`` (which sets ``func`` on its parser) so this file only wires them up.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 # Order is the order `--help` lists them in.
-_SUBCOMMAND_MODULES = ("text", "image", "serve", "demo", "fit_preview")
+_SUBCOMMAND_MODULES = ("text", "image", "speak", "serve", "demo", "fit_preview")
 
 
 def build_parser() -> argparse.ArgumentParser:

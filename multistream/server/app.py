@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import openai_completions, openai_responses, openai_routes, routes_health, routes_native, websocket
+from . import openai_completions, openai_responses, openai_routes, routes_health, routes_native, speech_routes, websocket
 from .bodies import (
     ErrorResponse,
     ImageRequest,
@@ -63,9 +63,9 @@ __all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("multistream.server")
 
-_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/models", "/v1/responses")
+_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses")
 _BODY_MODELS = (TextRequest, ImageRequest, ChatCompletionRequest, ImageGenerationRequest, ErrorResponse,
-                OpenAIErrorResponse, ResponsesRequest)
+                OpenAIErrorResponse, ResponsesRequest, speech_routes.SpeechRequest, speech_routes.AudioSpeechRequest)
 
 
 def create_app(
@@ -75,12 +75,15 @@ def create_app(
     *,
     content_filter: ContentFilter | None = None,
     demo_path: str | None = None,
+    speech_model: Any = None,
 ) -> FastAPI:
     """Build the ASGI app serving ``text_model`` and/or ``image_model``.
 
     Each model may be a loaded model (anything with ``.stream()``), ``"default"`` for the embedded
     model, a hub id or path, ``"module:factory"``, or a zero-argument callable; names are loaded
     in a background thread at startup (``/readyz`` says when they are ready). ``None`` = not served.
+    ``speech_model`` likewise (``"default"``: the embedded Piper voice) serves ``/v1/audio/speech``
+    and ``/v1/speech``.
 
     ``content_filter(text, part)`` sees each prompt and chat message (``part="prompt"``) and the
     output accumulated so far (``part="output"``, again as it grows; the server holds back the
@@ -109,7 +112,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = ServerState(settings, text_model, image_model, content_filter, keyring)
+        state = ServerState(settings, text_model, image_model, content_filter, keyring, speech_model=speech_model)
         app.state.multistream = state
         for slot in state.models.values():
             slot.start_loading()
@@ -184,6 +187,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
     app.include_router(openai_responses.router)
+    app.include_router(speech_routes.router)
     app.include_router(websocket.router)
     app.include_router(routes_health.router)
     if settings.enable_test_hooks:
@@ -204,13 +208,13 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
 
     if demo_path:
-        _mount_demo(app, demo_path, image_model, keyring)
+        _mount_demo(app, demo_path, image_model, keyring, speech=speech_model is not None)
     app.add_middleware(SecurityMiddleware, settings=settings, keyring=keyring, demo_path=demo_path)
     app.multistream_settings = settings  # type: ignore[attr-defined]  # read by runner.uvicorn_config
     return app
 
 
-def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing) -> None:
+def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False) -> None:
     """Serve the Gradio demo; its generations run through this server's gates (`GatedModel`)."""
     from ..ui.demo import mount_demo
     from .gated import GatedModel
@@ -224,7 +228,10 @@ def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing) -> N
     auth = check if keyring.enabled else None
     # The embedded image model draws shapes: constrain the LLM's prompts to its vocabulary.
     style = "shapes" if image_spec == "default" else "auto"
-    mount_demo(app, provider("text"), provider("image"), path=path, prompt_style=style, auth=auth)
+    # The demo speaks with the server's own speech model (no second copy), when it serves one.
+    speech_model = (lambda: app.state.multistream.models["speech"].get()) if speech else False
+    mount_demo(app, provider("text"), provider("image"), path=path, prompt_style=style, auth=auth,
+               speech_model=speech_model)
 
 
 async def _janitor(state: ServerState) -> None:

@@ -71,6 +71,7 @@ from .registry import StreamRecord
 from .routes_native import read_body
 from .security import Principal
 from .settings import ServerSettings
+from .speech_routes import chat_with_audio, wants_audio
 from .state import ServerState, get_principal, get_state
 
 __all__ = ["router"]
@@ -122,6 +123,8 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
     arrived = time.perf_counter()
     settings = state.settings
     body = await read_body(request, state)
+    if wants_audio(body):  # modalities=["text", "audio"]: the answer spoken while it is written
+        return await chat_with_audio(request, state, principal, body)
     kwargs, priority, stream, include_usage = chat_kwargs(body, settings)
     n, continuous_usage = chat_choices(body)
     want_logprobs = bool(kwargs.get("logprobs"))

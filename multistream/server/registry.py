@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .. import errors as error_types
-from ..events import ErrorEvent, Event, ImageEvent, TextEvent
+from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
 from .filtering import STOP, ContentFilter, OutputFilter
 from .metrics import Metrics
@@ -334,6 +334,8 @@ class StreamRecord:
                          "duration_ms": round(duration, 3),
                          "tokens_per_s": round(self._n_tokens / t, 3) if t > 0 else None},
             )
+        if self.kind == "speech":
+            return self._speech_final(reason, seq, t)
         frame = next((e for e in reversed(self.events) if isinstance(e, ImageEvent)), None)
         if frame is not None and reason in ("cancelled", "content_filter"):
             # The best image we have: the newest preview, marked as cut short.
@@ -341,6 +343,22 @@ class StreamRecord:
                                        metrics={"duration_ms": round(t * 1000, 3)})
         return ErrorEvent(stream_id=self.stream_id, seq=seq, t=t,
                           error={"type": "Cancelled", "message": f"the stream was ended by the server ({reason})"})
+
+    def _speech_final(self, reason: str, seq: int, t: float) -> Event:
+        """A speech stream the server ends: what was spoken so far, as the final's WAV."""
+        from ..speech import wav_bytes
+
+        chunks = [e for e in self.events if isinstance(e, AudioEvent)]
+        rate = chunks[0].sample_rate if chunks else 22050
+        samples = sum(e.num_samples for e in chunks)
+        end = chunks[-1].text_span[1] if chunks else 0
+        return AudioEvent(stream_id=self.stream_id, seq=seq, t=t, is_final=True, data=b"", sample_rate=rate,
+                          sample_offset=samples, num_samples=0, text_span=(0, end),
+                          mime=chunks[0].mime if chunks else f"audio/pcm;rate={rate};bits=16;channels=1",
+                          audio=wav_bytes(b"".join(e.data for e in chunks), rate), duration_s=samples / rate,
+                          finish_reason="cancelled",  # any server-side end cuts the speech short
+                          usage={"input_characters": 0, "audio_seconds": round(samples / rate, 4)},
+                          metrics={"duration_ms": round(t * 1000, 3)})
 
     def _append(self, ev: Event) -> None:
         if ev.seq != len(self.events):
@@ -366,6 +384,8 @@ class StreamRecord:
                 self._newest_preview[ev.index] = len(self.events)
             else:
                 self._newest_preview.pop(ev.index, None)
+        elif isinstance(ev, AudioEvent):
+            self.bytes += (len(ev.data) + len(ev.audio or b"")) * 2 + 300  # raw bytes + cached base64 JSON
         else:
             self.bytes += 300
         self.events.append(ev)

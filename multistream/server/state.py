@@ -102,15 +102,19 @@ class ServerState:
     """Everything the routes share: settings, models, admission gates, the stream registry."""
 
     def __init__(self, settings: ServerSettings, text_model: Any, image_model: Any,
-                 content_filter: ContentFilter | None, keyring: KeyRing | None = None) -> None:
+                 content_filter: ContentFilter | None, keyring: KeyRing | None = None, *,
+                 speech_model: Any = None) -> None:
         self.settings = settings
         self.keyring = keyring or KeyRing(settings)
         self.metrics = Metrics()
         self.registry = Registry(settings, self.metrics, _event_log(settings))
         self.models = {"text": ModelSlot("text", text_model), "image": ModelSlot("image", image_model)}
+        if speech_model is not None:
+            self.models["speech"] = ModelSlot("speech", speech_model)
         # Concurrency left as None follows the model's engine capacity once the model is loaded.
         self.gates = {"text": Admission("text", settings.text_concurrency or 0, settings.queue_size),
-                      "image": Admission("image", settings.image_concurrency or 0, settings.queue_size)}
+                      "image": Admission("image", settings.image_concurrency or 0, settings.queue_size),
+                      "speech": Admission("speech", 0, settings.queue_size)}
         self.content_filter = content_filter
         self.draining = False
         self.drained = asyncio.Event() if _has_loop() else None
@@ -157,7 +161,8 @@ class ServerState:
         if self.draining:
             raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
                           {"Retry-After": "5"})
-        model = self.models[kind].get()
+        slot = self.models.get(kind) or ModelSlot(kind, None)
+        model = slot.get()
         await self.registry.check_log()  # a 503 now rather than a stream nobody could resume elsewhere
         gate = self.gates[kind]
         if not gate.concurrency:

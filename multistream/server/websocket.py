@@ -5,6 +5,8 @@ Client -> server (JSON text messages):
 - ``{"type": "text", "id": "c1", "prompt": "hi", "max_new_tokens": 32, ...}``: start a text
   stream (the body of ``POST /v1/text``; ``id`` is an optional client tag echoed back).
 - ``{"type": "image", "id": "c2", "prompt": "...", "steps": 20, ...}``: start an image stream.
+- ``{"type": "speech", "id": "c3", "text": "Hello there.", "speed": 1.0, ...}``: start a speech
+  stream (the body of ``POST /v1/speech``).
 - ``{"type": "cancel", "stream_id": "...", "token": "..."}``: cancel a stream (it ends with
   ``finish_reason="cancelled"``).
 - ``{"type": "resume", "stream_id": "...", "after": 12, "token": "..."}``: follow an existing
@@ -33,6 +35,9 @@ Server -> client:
       [4 bytes: N, big-endian unsigned][N bytes: UTF-8 JSON header][image bytes]
 
   The header is the event's wire form without ``data`` (``mime`` says how to decode the bytes).
+- ``audio`` events as **binary** messages of the same shape: the header is the wire form without
+  ``data`` and ``audio``, plus ``"binary": [len(data), len(audio)]``; the bytes are the chunk's PCM,
+  then (on the final event) the whole utterance's WAV.
 - ``{"type": "rejected", "id": "c1", "status": 400, "error": {"type", "message"}}`` when a
   request is refused (bad arguments, queue full: 429, an edit of an ended stream: 409, ...).
   The socket stays open.
@@ -64,12 +69,13 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ..events import Event, ImageEvent, event_from_dict
+from ..events import AudioEvent, Event, ImageEvent, event_from_dict
 from .bodies import parse_image_body, parse_json_object, parse_text_body
 from .edits import apply_edit
 from .problems import Problem, problem_from_exception
 from .registry import StreamRecord
 from .security import Principal
+from .speech_routes import parse_speech_body, speech_voice
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
 
@@ -81,6 +87,17 @@ def encode_image_frame(ev: ImageEvent) -> bytes:
     header.pop("data", None)
     raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return struct.pack(">I", len(raw)) + raw + ev.data
+
+
+def encode_audio_frame(ev: AudioEvent) -> bytes:
+    """An audio event as one binary message: 4-byte header length, JSON header, PCM (+ WAV)."""
+    header = ev.to_dict()
+    header.pop("data", None)
+    header.pop("audio", None)
+    audio = ev.audio or b""
+    header["binary"] = [len(ev.data), len(audio)]
+    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return struct.pack(">I", len(raw)) + raw + ev.data + audio
 
 
 def decode_message(message: str | bytes) -> dict[str, Any] | Event:
@@ -96,10 +113,15 @@ def decode_message(message: str | bytes) -> dict[str, Any] | Event:
     if isinstance(message, (bytes, bytearray)):
         (n,) = struct.unpack(">I", message[:4])
         header = json.loads(message[4:4 + n].decode("utf-8"))
+        payload = bytes(message[4 + n:])
+        sizes = header.pop("binary", None)
         ev = event_from_dict({**header, "data": ""})
-        return dataclasses.replace(ev, data=bytes(message[4 + n:]))  # type: ignore[type-var]
+        if sizes is not None:  # an audio event: its PCM, then (final) its WAV
+            audio = payload[sizes[0]:sizes[0] + sizes[1]] if sizes[1] else None
+            return dataclasses.replace(ev, data=payload[:sizes[0]], audio=audio)  # type: ignore[type-var]
+        return dataclasses.replace(ev, data=payload)  # type: ignore[type-var]
     payload = json.loads(message)
-    if payload.get("type") in ("text", "image", "error"):
+    if payload.get("type") in ("text", "image", "audio", "error"):
         return event_from_dict(payload)
     return payload  # type: ignore[no-any-return]
 
@@ -123,6 +145,8 @@ class _Connection:
                 raise WebSocketDisconnect(1006)
             if isinstance(message, ImageEvent):
                 message = encode_image_frame(message)
+            elif isinstance(message, AudioEvent):
+                message = encode_audio_frame(message)
             elif not isinstance(message, (str, bytes)):
                 message = record.json(message.seq) if record is not None else message.to_json()
             coro = self.ws.send_bytes(message) if isinstance(message, bytes) else self.ws.send_text(message)
@@ -228,11 +252,16 @@ class _Connection:
                 kwargs, priority = parse_text_body(body, self.settings)
             elif kind == "image":
                 kwargs, priority = parse_image_body(body, self.settings)
+            elif kind == "speech":
+                kwargs, priority = parse_speech_body(body)
+                slot = self.state.models.get("speech")
+                if slot is not None and slot.state == "ready":
+                    kwargs["voice"] = speech_voice(slot.model, kwargs["voice"])
             elif kind == "auth":
                 raise Problem(400, "invalid_message", "already authenticated")
             else:
                 raise Problem(400, "invalid_message",
-                              "'type' must be 'text', 'image', 'cancel', 'resume', 'finish', 'steer' or 'rewind', "
+                              "'type' must be 'text', 'image', 'speech', 'cancel', 'resume', 'finish', 'steer' or 'rewind', "
                               f"got {str(kind)[:40]!r}")
             self._check_room()
             self._spawn(self._start(tag, kind, kwargs, priority))

@@ -92,6 +92,8 @@ def _render_html(view: LiveView, width: int) -> str:
             f'<div style="height:3px;background:rgba(127,127,127,.2);margin-top:4px"><div style="height:3px;width:{pct:.0f}%;background:#f97316"></div></div>'
             f'<figcaption style="font-size:12px;opacity:.7">{html.escape(caption)}</figcaption></figure>'
         )
+    if view.audio_final is not None or view.audio_seconds:
+        parts.append(_audio_html(view))
     if view.error is not None:
         parts.append(
             '<div style="flex-basis:100%;color:#b91c1c;font-family:monospace">'
@@ -101,6 +103,23 @@ def _render_html(view: LiveView, width: int) -> str:
         parts.append(f'<div style="flex-basis:100%;font-size:12px;opacity:.6">streaming… {view.t:.1f} s</div>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def _audio_html(view: LiveView) -> str:
+    """Speech: a live line while it is made, then a player of the whole utterance (autoplay)."""
+    final = view.audio_final
+    if final is None:
+        return (f'<div class="ms-audio" style="flex-basis:100%;font-size:12px;opacity:.7">speaking… '
+                f"{view.audio_seconds:.1f} s of audio</div>")
+    src = f"data:audio/wav;base64,{base64.b64encode(final.audio or b'').decode('ascii')}"
+    return (f'<div class="ms-audio" style="flex-basis:100%"><audio controls autoplay src="{src}"></audio>'
+            f'<div style="font-size:12px;opacity:.7">{html.escape(_audio_summary(final))}</div></div>')
+
+
+def _audio_summary(ev: Any) -> str:
+    m = ev.metrics or {}
+    return (f"{ev.finish_reason} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
+            f"real-time factor {m.get('rtf')}")
 
 
 def _in_notebook() -> bool:
@@ -218,6 +237,8 @@ class _PlainRenderer:
             elif not frame.final and self.tty:
                 out.write(f"\r\x1b[K[image {index}: step {frame.ev.step}/{frame.ev.total_steps}]")
                 self.progress_shown = True
+        if view.audio_final is not None and final:
+            out.write(f"\n[audio: {_audio_summary(view.audio_final)}]\n")
         if view.error is not None and final:
             self._clear_progress()
             out.write(f"\n[error {view.error.get('type')}: {view.error.get('message')}]\n")

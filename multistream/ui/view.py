@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import ErrorEvent, Event, ImageEvent, TextEvent
+from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
 
 __all__ = ["CONFIDENCE_CSS", "Frame", "LiveView", "Throttle", "TokenSpan", "confidence_color", "confidence_html",
@@ -196,6 +196,10 @@ class LiveView:
     # Characters of the stream's text that can no longer change (a beam search's settled prefix;
     # everything sent, otherwise). Renderers show the rest faded.
     committed: int = 0
+    # Speech: seconds of audio so far, when the first chunk came, and the final audio event.
+    audio_seconds: float = 0.0
+    first_audio_t: float | None = None
+    audio_final: AudioEvent | None = None
     _part_tokens_from: int = 0  # text_tokens when the current text part began
 
     @classmethod
@@ -252,6 +256,13 @@ class LiveView:
             self.images[ev.index] = Frame(ev, final=ev.finish_reason is not None)
             if ev.finish_reason is None:
                 self.frames += 1
+        elif isinstance(ev, AudioEvent):
+            if ev.audio is not None:
+                self.audio_final = ev
+            elif ev.num_samples:
+                self.audio_seconds += ev.num_samples / ev.sample_rate
+                if self.first_audio_t is None:
+                    self.first_audio_t = ev.t
         elif isinstance(ev, ErrorEvent):
             self.error = dict(ev.error)
         if ev.is_final:

