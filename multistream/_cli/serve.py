@@ -145,5 +145,4 @@ def run(args: argparse.Namespace) -> int:
     demo_path = None if args.no_demo else "/demo"
     app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
                      demo_path=demo_path)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return serve(app, host=args.host, port=args.port, log_level=args.log_level)
