@@ -69,5 +69,5 @@ def test_the_readme_test_command_is_what_ci_runs() -> None:
     command = readme.split("```bash\n", 1)[1].splitlines()[1]
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert command == ci
-    assert "deptry multistream" in command
+    assert "deptry multistream" in command and "python scripts/check_readme.py" in command
 
