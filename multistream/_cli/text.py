@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..errors import MultistreamError
+from ._console import set_library_progress, show_progress
 
 
 def add_parser(subparsers: Any) -> None:
@@ -41,6 +42,8 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..text import load_text_model
 
+    # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
+    set_library_progress(show_progress())
     try:
         llm = load_text_model(args.model, device=args.device, quantize=args.quantize, compile=args.compile)
         stream = llm.stream(
