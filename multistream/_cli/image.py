@@ -19,7 +19,9 @@ import os
 import sys
 from typing import Any
 
+from .._spec import add_cli_options, cli_values
 from ..errors import MultistreamError
+from ..image import ImageOptions
 from ._console import set_library_progress, show_progress
 
 _EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
@@ -58,20 +60,13 @@ def add_parser(subparsers: Any) -> None:
                    "(default: ./multistream-image; with --json and no --out, nothing is written)")  # fmt: skip
     p.add_argument("--model", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
     p.add_argument("--device", default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--guidance-scale", type=float, default=None)
-    p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--preview", default=None, help="tiny | latent | x0 | taesd | vae | none (default: the model's: "
-                   "tiny for the embedded model and folders that ship a preview_decoder.safetensors, else latent)")
-    p.add_argument("--preview-every", type=int, default=1, help="preview every k-th step (default: 1)")
-    p.add_argument("--format", default="jpeg", help="preview format: jpeg | webp | png (default: jpeg)")
-    p.add_argument("--quality", type=int, default=75, help="preview JPEG/WebP quality 1..100 (default: 75)")
-    p.add_argument("--max-side", type=int, default=256, help="previews are scaled down to this (default: 256)")
-    p.add_argument("--final-format", default=None,
-                   help="final image format: png | jpeg | webp (default: the --out file's suffix, else png, lossless)")
+    # Every generation option, generated from ImageOptions (defaults and help are Python's); the
+    # older short spellings of the preview encoding stay.
+    p.set_defaults(option_names=add_cli_options(
+        p.add_argument_group("generation options (ImageModel.stream)",
+                             "an --out file's suffix (.png, .jpg, .webp) sets the final format"), ImageOptions,
+        flags={"preview_format": ("--format",), "preview_quality": ("--quality",), "preview_max_side": ("--max-side",)},
+        exclude=("priority",)))
     p.add_argument("--taesd", default=None, help="folder with TAESD (AutoencoderTiny) weights, for --preview taesd")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
     p.add_argument("--strip", default=None, metavar="FILE.png",
@@ -119,21 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         model = load_image_model(args.model, device=args.device, taesd=args.taesd)
-        stream = model.stream(
-            args.prompt,
-            negative_prompt=args.negative_prompt,
-            steps=args.steps,
-            guidance_scale=args.guidance_scale,
-            height=args.height,
-            width=args.width,
-            seed=args.seed,
-            preview=args.preview,
-            preview_every=args.preview_every,
-            preview_format=args.format,
-            preview_quality=args.quality,
-            preview_max_side=args.max_side,
-            final_format=final_format,
-        )
+        stream = model.stream(args.prompt, **{**cli_values(args, args.option_names), "final_format": final_format})
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2
