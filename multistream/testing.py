@@ -127,7 +127,7 @@ class _TextEdits:
 
 
 def _prompt_text(prompt: str | list[dict[str, str]]) -> str:
-    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    return prompt if isinstance(prompt, str) else "\n".join(m.get("content") or "" for m in prompt)
 
 
 class _Counters:
