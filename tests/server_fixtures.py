@@ -113,3 +113,9 @@ def slow_failing_model() -> ScriptedTextModel:
     """Factory that fails after a second of loading (the state goes loading -> failed, never back)."""
     time.sleep(1.0)
     raise OSError("no file named model.safetensors in ./nowhere")
+
+
+def slow_loading_model() -> ScriptedTextModel:
+    """Factory still loading when the other model has failed (the server must still exit with 1)."""
+    time.sleep(30)
+    return ScriptedTextModel(["late"])

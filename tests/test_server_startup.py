@@ -56,6 +56,20 @@ def test_serve_exits_with_status_1_when_a_model_fails_to_load() -> None:
     assert "exiting with status 1" in output
 
 
+def test_exit_status_is_1_while_another_model_is_still_loading() -> None:
+    start = time.monotonic()
+    proc = _serve(_free_port(), "--text-model", "server_fixtures:slow_loading_model",
+                  "--image-model", "server_fixtures:missing_module_model")
+    try:
+        rc = proc.wait(25)  # well before the text model's 30 s load ends
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0].decode(errors="replace")
+    assert rc == 1, output
+    assert time.monotonic() - start < 25
+
+
 def test_allow_partial_serves_the_models_that_loaded_and_readyz_says_degraded() -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
