@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
+from ..engine import capacity_of
 from ..stream import Stream, StreamWriter
 from .admission import Admission
 from .filtering import STOP, ContentFilter
@@ -479,10 +480,7 @@ def get_principal(conn: HTTPConnection) -> Principal:
 
 def _capacity(model: Any, kind: str) -> int:
     """How many streams the model's engine serves at once (its ``capacity``), else a safe default."""
-    value = getattr(model, "capacity", None)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    return 4 if kind == "text" else 1
+    return capacity_of(model)
 
 
 def _takes_priority(model: Any) -> bool:

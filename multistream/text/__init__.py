@@ -25,12 +25,14 @@ from ._tools import TOOLS_SYSTEM_PROMPT, ToolCallParser, parse_tool_calls
 # The model modules import torch and transformers; they load when first asked for, so the options
 # (used by the server and the fakes) stay torch-free.
 _LAZY = {
+    "DEFAULT_MAX_BATCH": "._batcher",
     "TextModel": "._model",
     "load_text_model": "._loading",
     "EMBEDDED_TEXT_MODEL": "._loading",
 }
 
 if TYPE_CHECKING:
+    from ._batcher import DEFAULT_MAX_BATCH
     from ._loading import EMBEDDED_TEXT_MODEL, load_text_model
     from ._model import TextModel
 
@@ -39,6 +41,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "DEFAULT_MAX_BATCH",
     "EMBEDDED_TEXT_MODEL",
     "StopMatcher",
     "TEXT_STREAM_ARGS",

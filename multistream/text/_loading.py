@@ -23,6 +23,7 @@ import torch
 from .._cache import cache_dir
 from .._devices import default_dtype, resolve_device, resolve_dtype
 from ..errors import InvalidArgumentError, ModelLoadError
+from ._batcher import DEFAULT_MAX_BATCH
 from ._block_kernels import native_kernels
 from ._compiled_decode import CompileReport, compile_decode
 from ._fast_decode import FastDecode
@@ -199,7 +200,7 @@ def load_text_model(
     *,
     quantize: str | None = "auto",
     compile: bool = False,
-    max_batch: int = 16,
+    max_batch: int = DEFAULT_MAX_BATCH,
     prefill_budget: int = 512,
     **from_pretrained_kwargs: Any,
 ) -> TextModel:

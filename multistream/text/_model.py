@@ -33,7 +33,7 @@ from ..engine.settings import engine_thread_setup
 from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
-from ._batcher import SharedPrompt, TextBatcher
+from ._batcher import DEFAULT_MAX_BATCH, SharedPrompt, TextBatcher
 from ._beams import new_beam_search
 from ._constraints import TokenConstraint, constraint_for, grammar_of
 from ._logprobs import TokenTable
@@ -108,7 +108,7 @@ class TextModel:
     compiled: Any = None
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = 16, prefill_budget: int = 512
+        self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = DEFAULT_MAX_BATCH, prefill_budget: int = 512
     ) -> None:
         for arg, value in (("max_batch", max_batch), ("prefill_budget", prefill_budget)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,0 +1,44 @@
+"""The engine capacity default is one constant (issue 26, item 4): the image model's default, the
+server's admission for a model without `capacity`, the Ray replica's report; the text model's rows
+default to one constant too."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from multistream.engine import DEFAULT_CAPACITY, capacity_of
+from multistream.server.state import _capacity
+from multistream.testing import ScriptedImageModel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Sized:
+    def __init__(self, capacity: object) -> None:
+        self.capacity = capacity
+
+
+def test_capacity_of_falls_back_to_the_one_default() -> None:
+    assert capacity_of(object()) == DEFAULT_CAPACITY
+    assert capacity_of(_Sized(7)) == 7
+    for bad in (0, -1, True, 2.5, None):
+        assert capacity_of(_Sized(bad)) == DEFAULT_CAPACITY
+    assert _capacity(object(), "text") == _capacity(object(), "image") == DEFAULT_CAPACITY
+    assert _capacity(ScriptedImageModel(), "image") == capacity_of(ScriptedImageModel())
+
+
+def test_the_families_use_the_constants() -> None:
+    from multistream.image import ImageModel
+    from multistream.text import DEFAULT_MAX_BATCH, TextModel, load_text_model
+
+    assert ImageModel.capacity == DEFAULT_CAPACITY
+    assert inspect.signature(load_text_model).parameters["max_batch"].default == DEFAULT_MAX_BATCH
+    assert inspect.signature(TextModel.__init__).parameters["max_batch"].default == DEFAULT_MAX_BATCH
+
+
+def test_no_capacity_literal_left_in_the_server() -> None:
+    for path in [*(ROOT / "multistream" / "server").rglob("*.py")]:
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"capacity\W{1,4}(?:or )?\d", text), path
