@@ -147,3 +147,33 @@ def test_partial_readiness_waits_for_every_model_to_settle() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert httpx.get(srv.url + "/readyz").status_code == 503  # nothing loaded: not ready
+
+
+def test_models_load_one_at_a_time() -> None:
+    # accelerate's init_empty_weights patches torch.nn.Module for the whole process while diffusers
+    # loads; a text model built meanwhile in the other thread got meta tensors. Loads are serialized.
+    import threading
+
+    from multistream.testing import ScriptedImageModel, ScriptedTextModel
+
+    running: list[str] = []
+    overlap: list[bool] = []
+    lock = threading.Lock()
+
+    def loader(kind: str, model: Any) -> Any:
+        def load() -> Any:
+            with lock:
+                running.append(kind)
+                overlap.append(len(running) > 1)
+            time.sleep(0.5)
+            with lock:
+                running.remove(kind)
+            return model
+        return load
+
+    with make_server(loader("text", ScriptedTextModel(["x"])), image=loader("image", ScriptedImageModel())) as srv:
+        deadline = time.monotonic() + 20
+        while httpx.get(srv.url + "/readyz").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert overlap == [False, False]

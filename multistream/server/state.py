@@ -30,6 +30,13 @@ __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]
 logger = logging.getLogger("multistream.server")
 
 
+# One model loads at a time: diffusers and transformers build models under accelerate's
+# init_empty_weights, which patches torch.nn.Module process-wide, so a text model built in another
+# thread meanwhile gets meta tensors ("Cannot copy out of meta tensor"; seen in `multistream serve`
+# loading both embedded models at once from a fresh venv).
+_LOAD_LOCK = threading.Lock()
+
+
 class ModelSlot:
     """One served model: given ready, or loaded in a background thread so the server starts fast.
 
@@ -65,7 +72,8 @@ class ModelSlot:
 
     def _load(self) -> None:
         try:
-            self.model = load_model(self.kind, self.spec)
+            with _LOAD_LOCK:
+                self.model = load_model(self.kind, self.spec)
             self.state = "ready"
             logger.info("%s model %s is ready", self.kind, self.name)
         except BaseException as exc:  # noqa: BLE001 - report it on /healthz, keep serving the rest
