@@ -42,3 +42,18 @@ def test_no_capacity_literal_left_in_the_server() -> None:
     for path in [*(ROOT / "multistream" / "server").rglob("*.py")]:
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"capacity\W{1,4}(?:or )?\d", text), path
+
+
+def test_rewind_options_are_declared_once() -> None:
+    from multistream.server.bodies import RewindRequest
+    from multistream.text import REWIND_OPTIONS, TextOptions
+
+    fields = RewindRequest.model_fields
+    assert set(fields) == {"offset", "instruction", "token_id", *REWIND_OPTIONS}
+    specs = {f.name: f.metadata["option"].doc for f in __import__("dataclasses").fields(TextOptions)
+             if "option" in f.metadata}
+    for name in REWIND_OPTIONS:
+        assert fields[name].description == specs[name], name  # the spec's description, not a copy
+    for path in ("multistream/text/_model.py", "multistream/testing.py", "multistream/server/bodies.py"):
+        text = (ROOT / path).read_text(encoding="utf-8")
+        assert '"temperature", "top_p", "top_k", "repetition_penalty", "seed"' not in text, path

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from .._spec import body_fields
 from ..errors import InvalidArgumentError
 from ..image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
-from ..text import TEXT_STREAM_ARGS, TextOptions, parse_text_options
+from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, parse_text_options
 from .problems import Problem
 from .settings import ServerSettings
 
@@ -408,22 +408,19 @@ class SteerRequest(BaseModel):
     guidance_scale: Optional[float] = Field(default=None, description="image streams: a finite number >= 0")
 
 
-class RewindRequest(BaseModel):
-    """``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{"type": "rewind", ...}`` message): text
-    streams only. The answer from character ``offset`` on (a code point index, as Python counts)
-    is dropped and regenerated, optionally under a new instruction and sampling options, and
-    optionally starting with ``token_id`` (branch from an alternative token)."""
-
-    model_config = STRICT_BODY
-    offset: int = Field(description="an integer >= 0: the character where regeneration starts")
-    instruction: Optional[str] = Field(default=None, description="a new instruction for the rest, or null")
-    temperature: Optional[float] = Field(default=None, description="a number >= 0, or null (unchanged)")
-    top_p: Optional[float] = Field(default=None, description="a number in (0, 1], or null")
-    top_k: Optional[int] = Field(default=None, description="an integer >= 0, or null")
-    repetition_penalty: Optional[float] = Field(default=None, description="a number > 0, or null")
-    seed: Optional[int] = Field(default=None, description="an integer, or null")
-    token_id: Optional[int] = Field(default=None, description="the first regenerated token (a branch from an "
-                                    "alternative in the events' logprobs), or null")
+RewindRequest = create_model(
+    "RewindRequest",
+    __base__=_StrictBody,
+    __doc__="``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{\"type\": \"rewind\", ...}`` message): text "
+    "streams only. The answer from character ``offset`` on (a code point index, as Python counts) is dropped and "
+    "regenerated, optionally under a new instruction and the sampling options `REWIND_OPTIONS` (declared once, "
+    "described by `TextOptions`), and optionally starting with ``token_id`` (branch from an alternative token).",
+    offset=(int, Field(description="an integer >= 0: the character where regeneration starts")),
+    instruction=(Optional[str], Field(default=None, description="a new instruction for the rest, or null")),
+    **{name: spec for name, spec in body_fields(TextOptions).items() if name in REWIND_OPTIONS},
+    token_id=(Optional[int], Field(default=None, description="the first regenerated token (a branch from an "
+                                   "alternative in the events' logprobs), or null")),
+)
 
 
 class EditResult(BaseModel):

@@ -37,7 +37,7 @@ from ._batcher import DEFAULT_MAX_BATCH, SharedPrompt, TextBatcher
 from ._beams import new_beam_search
 from ._constraints import TokenConstraint, constraint_for, grammar_of
 from ._logprobs import TokenTable
-from ._options import TextOptions, check_prompt, parse_text_options
+from ._options import REWIND_OPTIONS, TextOptions, check_prompt, parse_text_options
 from ._request import Edit, TextRequest
 from ._sampling import RowSampler, SamplingPlan, choice_seed
 from ._tools import render_tool_messages, tools_active
@@ -504,11 +504,10 @@ class TextModel:
             self._check_room(request, inserted)
             sampler = None
             if kwargs:
-                unknown = set(kwargs) - {"temperature", "top_p", "top_k", "repetition_penalty", "seed"}
+                unknown = set(kwargs) - set(REWIND_OPTIONS)
                 if unknown:
                     raise InvalidArgumentError(
-                        f"rewind() takes the sampling options temperature, top_p, top_k, repetition_penalty and "
-                        f"seed; not {sorted(unknown)}"
+                        f"rewind() takes the sampling options {', '.join(REWIND_OPTIONS)}; not {sorted(unknown)}"
                     )
                 current = dataclasses.asdict(request.options)
                 current.update(kwargs)
