@@ -1,6 +1,5 @@
-"""The engine capacity default is one constant (issue 26, item 4): the image model's default, the
-server's admission for a model without `capacity`, the Ray replica's report; the text model's rows
-default to one constant too."""
+"""Options declared once (issue 26, item 4): one engine capacity default, one text max_batch default,
+the rewind options and the OpenAI chat option fields from the specs."""
 
 from __future__ import annotations
 
@@ -57,3 +56,18 @@ def test_rewind_options_are_declared_once() -> None:
     for path in ("multistream/text/_model.py", "multistream/testing.py", "multistream/server/bodies.py"):
         text = (ROOT / path).read_text(encoding="utf-8")
         assert '"temperature", "top_p", "top_k", "repetition_penalty", "seed"' not in text, path
+
+
+def test_openai_chat_option_fields_come_from_the_specs() -> None:
+    import dataclasses
+
+    from multistream.server.openai_protocol import CHAT_OPTION_FIELDS, ChatCompletionRequest
+    from multistream.text import TextOptions
+
+    docs = {f.name: f.metadata["option"].doc for f in dataclasses.fields(TextOptions) if "option" in f.metadata}
+    fields = ChatCompletionRequest.model_fields
+    assert len(CHAT_OPTION_FIELDS) >= 18
+    for name in CHAT_OPTION_FIELDS:
+        assert fields[name].description.removeprefix("extension: ") == docs[name], name
+        assert fields[name].default == (0 if name == "priority" else None), name
+    assert ChatCompletionRequest.__name__ == "ChatCompletionRequest" and "messages" in fields
