@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 
 from .errors import InvalidArgumentError
 
-__all__ = ["OptionInfo", "body_fields", "option", "option_fields", "option_names", "parse_options"]
+__all__ = ["OptionInfo", "add_cli_options", "body_fields", "cli_values", "option", "option_fields", "option_names",
+           "parse_options"]
 
 T = TypeVar("T")
 
@@ -126,3 +127,60 @@ def body_fields(cls: type) -> dict[str, tuple[Any, Any]]:
             default = list(default) or None
         out[field.name] = (meta.wire, Field(default=default, description=meta.doc))
     return out
+
+
+def _cli_type(wire: Any) -> tuple[Any, bool] | None:
+    """``(argparse type, repeatable)`` for an option's wire type; None: no flag (dicts, objects)."""
+    args = [a for a in getattr(wire, "__args__", (wire,)) if a is not type(None)]
+    if wire in (int, float, str) or (len(args) == 1 and args[0] in (int, float, str)):
+        return (wire if wire in (int, float, str) else args[0]), False
+    if str in args and any(getattr(a, "__origin__", None) is list for a in args):
+        return str, True  # a string or a list of strings: a repeatable flag
+    return None
+
+
+def add_cli_options(parser: Any, cls: type, *, names: tuple[str, ...] | None = None,
+                    flags: Mapping[str, tuple[str, ...]] | None = None, exclude: tuple[str, ...] = ()) -> list[str]:
+    """One ``--flag`` per option of ``cls`` (as vLLM's ``add_cli_args`` does), from its declaration:
+    the help is the option's description and its Python default, so the command line can never
+    disagree with the Python call. Every flag defaults to None, meaning "not given": `cli_values`
+    passes only the given ones, and the Python defaults (the model's own, where they say so) apply.
+
+    ``flags`` gives extra spellings (kept for older command lines); bool options become
+    ``--name/--no-name``; dict and object options get no flag. Returns the option names added.
+    """
+    import argparse
+
+    added = []
+    for field in option_fields(cls):
+        if (names is not None and field.name not in names) or field.name in exclude:
+            continue
+        meta = info(field)
+        spellings = ["--" + field.name.replace("_", "-"), *(flags or {}).get(field.name, ())]
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if default is None or default == ():
+            shown = "" if "null" in meta.doc else " (default: not set)"  # the doc says what null means
+        else:
+            shown = f" (default: {default!r})"
+        help_text = f"{meta.doc}{shown}".replace("%", "%%").replace("null", "unset")
+        wire_args = [a for a in getattr(meta.wire, "__args__", (meta.wire,)) if a is not type(None)]
+        if meta.wire is bool or wire_args == [bool]:
+            parser.add_argument(*spellings, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            kind = _cli_type(meta.wire)
+            if kind is None:
+                continue
+            number, repeatable = kind
+            parser.add_argument(*spellings, dest=field.name, type=number, default=None,
+                                action="append" if repeatable else "store",
+                                help=help_text + ("; repeatable" if repeatable else ""))
+        added.append(field.name)
+    return added
+
+
+def cli_values(args: Any, names: list[str]) -> dict[str, Any]:
+    """The options the command line was given (``add_cli_options``' flags that are not None); a
+    repeatable flag given once is that string (``--allowed REGEX``, ``--stop STR``)."""
+    out = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    return {k: (v[0] if isinstance(v, list) and len(v) == 1 else v) for k, v in out.items()}

@@ -15,6 +15,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from ._cli._console import quiet_library_notices
+
 __all__ = ["main"]
 
 # Order is the order `--help` lists them in.
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_library_notices()  # before any subcommand imports transformers
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

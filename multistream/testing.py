@@ -41,7 +41,7 @@ from .events import Event, ImageEvent, TextEvent
 from .image import PreviewThrottle, check_size_multiple, encode_frame, parse_image_options, parse_preview
 from .speech import SpeechModel
 from .stream import Stream, StreamWriter, run_producer
-from .text import TEXT_STREAM_ARGS, StopMatcher, check_prompt, parse_text_options
+from .text import REWIND_OPTIONS, TEXT_STREAM_ARGS, StopMatcher, check_prompt, parse_text_options
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedSpeechModel", "ScriptedTextModel"]
 
@@ -79,9 +79,6 @@ def _start(kind: str, producer: Callable[[StreamWriter], None],
     return Stream(submit=submit, kind=kind)
 
 
-_REWIND_OPTIONS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")
-
-
 class _TextEdits:
     """Queued steer/rewind commands of one scripted text stream (checked on the caller's thread)."""
 
@@ -104,8 +101,8 @@ class _TextEdits:
             token_id = kwargs.pop("token_id", None)
             _require(token_id is None or (is_int(token_id) and token_id >= 0),
                      f"token_id must be a token id (an integer >= 0), got {token_id!r}")
-            unknown = sorted(set(kwargs) - set(_REWIND_OPTIONS))
-            _require(not unknown, f"rewind() got unknown option(s) {unknown}; known ones are {list(_REWIND_OPTIONS)}")
+            unknown = sorted(set(kwargs) - set(REWIND_OPTIONS))
+            _require(not unknown, f"rewind() got unknown option(s) {unknown}; known ones are {list(REWIND_OPTIONS)}")
             parse_text_options(**kwargs)
             _require(instruction is None or (isinstance(instruction, str) and instruction.strip() != ""),
                      "instruction must be a non-empty string or None")
@@ -128,7 +125,7 @@ class _TextEdits:
 
 
 def _prompt_text(prompt: str | list[dict[str, str]]) -> str:
-    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    return prompt if isinstance(prompt, str) else "\n".join(m.get("content") or "" for m in prompt)
 
 
 class _Counters:
@@ -255,7 +252,7 @@ class ScriptedTextModel:
                  "instruction must be a non-empty string or None")
         _require(token_id is None or (is_int(token_id) and token_id >= 0),
                  f"token_id must be a token id (an integer >= 0), got {token_id!r}")
-        unknown = sorted(set(options) - set(_REWIND_OPTIONS) - {"max_new_tokens"})
+        unknown = sorted(set(options) - set(REWIND_OPTIONS) - {"max_new_tokens"})
         _require(not unknown, f"revise() got unknown option(s) {unknown}")
         parse_text_options(**options)
         max_new_tokens = options.get("max_new_tokens", 256)

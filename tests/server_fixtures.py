@@ -102,3 +102,20 @@ __all__ = ["LiveServer", "ScriptedImageModel", "ScriptedTextModel", "iter_events
 def slow_text_model() -> ScriptedTextModel:
     """Factory for `multistream serve --text-model server_fixtures:slow_text_model` in subprocess tests."""
     return ScriptedTextModel([f" t{i}" for i in range(400)], delay_s=0.05)
+
+
+def missing_module_model() -> ScriptedTextModel:
+    """Factory that fails as a fresh install without greenlet did: `--image-model server_fixtures:missing_module_model`."""
+    raise ModuleNotFoundError("No module named 'greenlet'", name="greenlet")
+
+
+def slow_failing_model() -> ScriptedTextModel:
+    """Factory that fails after a second of loading (the state goes loading -> failed, never back)."""
+    time.sleep(1.0)
+    raise OSError("no file named model.safetensors in ./nowhere")
+
+
+def slow_loading_model() -> ScriptedTextModel:
+    """Factory still loading when the other model has failed (the server must still exit with 1)."""
+    time.sleep(30)
+    return ScriptedTextModel(["late"])

@@ -14,13 +14,13 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
 from typing import Any
 
 from ..errors import MultistreamError
+from ._console import set_library_progress, show_progress
 
 
 def add_parser(subparsers: Any) -> None:
@@ -51,11 +51,9 @@ def run(args: argparse.Namespace) -> int:
         vae_fingerprint,
     )
 
-    for module in ("diffusers.utils.logging", "transformers.utils.logging"):
-        try:
-            importlib.import_module(module).disable_progress_bar()
-        except (ImportError, AttributeError):
-            pass
+    # Bars (the libraries' loading, this command's runs and fit) on a terminal only.
+    tty = show_progress()
+    set_library_progress(tty)
     try:
         model = load_image_model(args.model, device=args.device)
     except MultistreamError as exc:
@@ -83,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.x0_prompts > 0:
         embedded = args.model is None
         prompts = None if embedded else [GENERIC_PROMPTS[i % len(GENERIC_PROMPTS)] for i in range(args.x0_prompts)]
-        with tqdm(total=args.x0_prompts, desc="x0 runs", unit="run", file=sys.stderr) as runs:
+        with tqdm(total=args.x0_prompts, desc="x0 runs", unit="run", file=sys.stderr, disable=not tty) as runs:
             extra = collect_x0_latents(model.pipeline, prompts, count=args.x0_prompts, steps=args.x0_steps,
                                        progress=lambda done, total: runs.update(done - runs.n))  # fmt: skip
     bar: Any = None
@@ -94,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             print("encoding and decoding the training images with the VAE ...", file=sys.stderr, flush=True)
         elif p.stage == "fit":
             if bar is None:
-                bar = tqdm(total=p.total, desc="fitting", unit="step", file=sys.stderr)
+                bar = tqdm(total=p.total, desc="fitting", unit="step", file=sys.stderr, disable=not tty)
             bar.update(p.step - bar.n)
             bar.set_postfix(loss=f"{p.loss:.4f}")
         elif p.stage == "done" and bar is not None:

@@ -1,4 +1,5 @@
-"""``multistream image "prompt"``: write each denoising preview and the final image to a folder.
+"""``multistream image "prompt"``: write each denoising preview and the final image to a folder,
+or only the final image to a file (``--out final.png``: a path ending in an image suffix is that file).
 
 Progress (step i/n, ms per step) goes to stderr as the previews arrive; ``--json`` also prints
 each wire event as one line of JSON on stdout (NDJSON; frames are base64 in ``data``).
@@ -7,43 +8,65 @@ Example:
     $ multistream image "a red circle on a blue background" --out out/ --steps 20 --seed 0
     $ ls out/
     final.png  step_001.jpg  step_002.jpg  ...
+    $ multistream image "a red circle on a blue background" --out circle.png    # the final image only
     $ multistream image "a lighthouse" --model ./sd-turbo --preview x0 --json > events.ndjson
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from typing import Any
 
+from .._spec import add_cli_options, cli_values
 from ..errors import MultistreamError
+from ..image import ImageOptions
+from ._console import set_library_progress, show_progress
 
 _EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
+# A --out ending in one of these is the final image's file (its format from the suffix); else a folder.
+IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
+def out_target(out: str | None, final_format: str | None) -> tuple[str | None, str | None, str]:
+    """``(folder, file, final_format)`` for ``--out``: a path with an image suffix is the final
+    image's file, anything else a folder for the previews and the final image.
+
+    Example:
+        >>> out_target("o.png", None)
+        (None, 'o.png', 'png')
+        >>> out_target("out", None)
+        ('out', None, 'png')
+        >>> out_target("o.jpg", None)
+        (None, 'o.jpg', 'jpeg')
+    """
+    suffix = os.path.splitext(out or "")[1].lower()
+    if out is None or suffix not in IMAGE_SUFFIXES:
+        return out, None, final_format or "png"
+    wanted = IMAGE_SUFFIXES[suffix]
+    if final_format is not None and final_format.lower().replace("jpg", "jpeg") != wanted:
+        raise ValueError(f"--out {out} is a {wanted} file but --final-format is {final_format}; "
+                         "drop --final-format (the suffix decides) or change the suffix")
+    return None, out, wanted
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("image", help="stream denoising previews from a diffusion model", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("prompt", help="what to draw")
-    p.add_argument("--out", default=None, help="folder for step_NNN.<ext> previews and final.<ext> "
+    p.add_argument("--out", default=None, help="folder for step_NNN.<ext> previews and final.<ext>, or a file "
+                   "ending in .png/.jpg/.jpeg/.webp for the final image only "
                    "(default: ./multistream-image; with --json and no --out, nothing is written)")  # fmt: skip
     p.add_argument("--model", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
     p.add_argument("--device", default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--guidance-scale", type=float, default=None)
-    p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--preview", default=None, help="tiny | latent | x0 | taesd | vae | none (default: the model's: "
-                   "tiny for the embedded model and folders that ship a preview_decoder.safetensors, else latent)")
-    p.add_argument("--preview-every", type=int, default=1, help="preview every k-th step (default: 1)")
-    p.add_argument("--format", default="jpeg", help="preview format: jpeg | webp | png (default: jpeg)")
-    p.add_argument("--quality", type=int, default=75, help="preview JPEG/WebP quality 1..100 (default: 75)")
-    p.add_argument("--max-side", type=int, default=256, help="previews are scaled down to this (default: 256)")
-    p.add_argument("--final-format", default="png", help="final image format (default: png, lossless)")
+    # Every generation option, generated from ImageOptions (defaults and help are Python's); the
+    # older short spellings of the preview encoding stay.
+    p.set_defaults(option_names=add_cli_options(
+        p.add_argument_group("generation options (ImageModel.stream)",
+                             "an --out file's suffix (.png, .jpg, .webp) sets the final format"), ImageOptions,
+        flags={"preview_format": ("--format",), "preview_quality": ("--quality",), "preview_max_side": ("--max-side",)},
+        exclude=("priority",)))
     p.add_argument("--taesd", default=None, help="folder with TAESD (AutoencoderTiny) weights, for --preview taesd")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
     p.add_argument("--strip", default=None, metavar="FILE.png",
@@ -81,35 +104,24 @@ def _progress(line: str, final: bool = False) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..image import load_image_model
 
-    # The command prints its own progress; the libraries' loading bars would interleave with it.
-    for module in ("diffusers.utils.logging", "transformers.utils.logging"):
-        try:
-            importlib.import_module(module).disable_progress_bar()
-        except (ImportError, AttributeError):
-            pass
-    out = args.out if args.out is not None else (None if args.json else "multistream-image")
+    # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
+    set_library_progress(show_progress())
+    try:
+        out, out_file, final_format = out_target(
+            args.out if args.out is not None else (None if args.json else "multistream-image"), args.final_format)
+    except ValueError as exc:
+        print(f"multistream: {exc}", file=sys.stderr)
+        return 2
     try:
         model = load_image_model(args.model, device=args.device, taesd=args.taesd)
-        stream = model.stream(
-            args.prompt,
-            negative_prompt=args.negative_prompt,
-            steps=args.steps,
-            guidance_scale=args.guidance_scale,
-            height=args.height,
-            width=args.width,
-            seed=args.seed,
-            preview=args.preview,
-            preview_every=args.preview_every,
-            preview_format=args.format,
-            preview_quality=args.quality,
-            preview_max_side=args.max_side,
-            final_format=args.final_format,
-        )
+        stream = model.stream(args.prompt, **{**cli_values(args, args.option_names), "final_format": final_format})
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2
     if out is not None:
         os.makedirs(out, exist_ok=True)
+    elif out_file is not None and os.path.dirname(out_file):
+        os.makedirs(os.path.dirname(out_file), exist_ok=True)
     last_t, last_step = 0.0, 0
     previews: list[Any] = []
     with stream:
@@ -124,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
                 if ev.index:
                     name += f"_{ev.index}"
                 with open(os.path.join(out, f"{name}.{ext}"), "wb") as fh:
+                    fh.write(ev.data)
+            elif out_file is not None and ev.is_final and not ev.index:
+                with open(out_file, "wb") as fh:
                     fh.write(ev.data)
             if not ev.is_final and ev.index == 0:
                 if args.strip:
@@ -140,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if args.strip:
         write_strip(previews, final, args.strip, args.strip_frames)
     metrics = final.metrics or {}  # type: ignore[union-attr]
-    where = f" -> {os.path.join(out, 'final.' + _EXTENSIONS.get(final.mime, 'bin'))}" if out else ""  # type: ignore[union-attr]
+    written = os.path.join(out, "final." + _EXTENSIONS.get(final.mime, "bin")) if out else out_file  # type: ignore[union-attr]
+    where = f" -> {written}" if written else ""
     _progress(
         f"done: {final.width}x{final.height} {final.mime}, {int(metrics.get('steps', 0))} steps, "  # type: ignore[union-attr]
         f"{metrics.get('ms_per_step', 0):.0f} ms/step, {metrics.get('duration_ms', 0) / 1e3:.1f} s, "

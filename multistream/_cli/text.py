@@ -12,7 +12,10 @@ import argparse
 import sys
 from typing import Any
 
+from .._spec import add_cli_options, cli_values
 from ..errors import MultistreamError
+from ..text import TextOptions
+from ._console import set_library_progress, show_progress
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,13 +30,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step on ATen's quantized kernels first (~50 s on 2 cores; then about 1.2x "
                    "their tokens/s); skipped where the native decoder layers run")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    # Every generation option, generated from TextOptions (defaults and help are Python's).
+    p.set_defaults(option_names=add_cli_options(p.add_argument_group("generation options (TextModel.stream)"),
+                                                TextOptions, exclude=("chat", "parallel_tool_calls")))
     p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON)")
     p.add_argument("--speak", default=None, metavar="FILE",
@@ -45,19 +44,11 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..text import load_text_model
 
+    # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
+    set_library_progress(show_progress())
     try:
         llm = load_text_model(args.model, device=args.device, quantize=args.quantize, compile=args.compile)
-        stream = llm.stream(
-            args.prompt,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.seed,
-            stop=args.stop,
-            chat=False if args.raw else None,
-        )
+        stream = llm.stream(args.prompt, chat=False if args.raw else None, **cli_values(args, args.option_names))
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,6 @@ Example:
 
 from __future__ import annotations
 
-from .core import Backend, Engine
+from .core import DEFAULT_CAPACITY, Backend, Engine, capacity_of
 
-__all__ = ["Backend", "Engine"]
+__all__ = ["DEFAULT_CAPACITY", "Backend", "Engine", "capacity_of"]

@@ -34,7 +34,25 @@ from typing import Any, Callable, Protocol
 
 from ..errors import EngineClosedError
 
-__all__ = ["Backend", "Engine"]
+__all__ = ["DEFAULT_CAPACITY", "Backend", "Engine", "capacity_of"]
+
+#: Streams one model's engine serves at once when the model says nothing else: the image model's
+#: default, a server's admission for a model without ``capacity``, a Ray replica's report. (A text
+#: model's capacity is its ``max_batch``, `multistream.text.DEFAULT_MAX_BATCH`.)
+DEFAULT_CAPACITY = 4
+
+
+def capacity_of(model: Any, default: int = DEFAULT_CAPACITY) -> int:
+    """The model's ``capacity`` (streams its engine serves at once) when it has a valid one, else ``default``.
+
+    Example:
+        >>> capacity_of(object())
+        4
+    """
+    value = getattr(model, "capacity", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return default
 
 logger = logging.getLogger("multistream")
 

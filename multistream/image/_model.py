@@ -53,7 +53,7 @@ import torch
 
 from .._checks import is_int
 from .._devices import resolve_device, resolve_dtype
-from ..engine import Engine
+from ..engine import DEFAULT_CAPACITY, Engine
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
@@ -206,7 +206,7 @@ class ImageModel:
     #: Streams a server runs at once on this model (at least ``max_batch``); up to ``max_batch``
     #: of them share each denoising step, more take turns, which only stretches every one of
     #: them (set it on the instance to change it).
-    capacity = 4
+    capacity = DEFAULT_CAPACITY
 
     @property
     def engine(self) -> Engine:

@@ -43,7 +43,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import openai_completions, openai_responses, openai_routes, routes_health, routes_native, speech_routes, websocket
+from . import (
+    openai_completions,
+    openai_responses,
+    openai_routes,
+    routes_health,
+    routes_native,
+    speech_routes,
+    websocket,
+)
 from .bodies import (
     ErrorResponse,
     ImageRequest,

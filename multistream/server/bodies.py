@@ -28,13 +28,14 @@ from starlette.requests import Request
 from .._spec import body_fields
 from ..errors import InvalidArgumentError
 from ..image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
-from ..text import TEXT_STREAM_ARGS, TextOptions, parse_text_options
+from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, parse_text_options
 from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = [
     "ChatMessage", "EditResult", "ErrorBody", "ErrorResponse",
     "ImageRequest", "OpenAIErrorBody", "OpenAIErrorResponse", "RewindRequest", "SteerRequest", "TextRequest",
+    "ToolCall", "ToolCallFunction",
     "parse_image_body", "parse_json_object", "parse_rewind_body", "parse_steer_body", "parse_text_body", "read_json",
     "validate_body",
 ]
@@ -47,13 +48,32 @@ _MAX_DEPTH = 32
 # -- request bodies ------------------------------------------------------------------------------
 
 
-class ChatMessage(BaseModel):
-    """One chat turn: ``{"role": "user", "content": "hi"}``."""
+class ToolCallFunction(BaseModel):
+    model_config = STRICT_BODY
+    name: str = Field(description="the function called")
+    arguments: Union[str, dict[str, Any]] = Field(default="", description="its arguments: JSON text or an object")
+
+
+class ToolCall(BaseModel):
+    """One call an assistant turn made: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
 
     model_config = STRICT_BODY
-    role: str = Field(description="who speaks: 'system', 'user' or 'assistant'")
-    content: str = Field(description="the text of the turn")
+    id: Optional[str] = Field(default=None, description="the call's id, which the tool turn's tool_call_id names")
+    type: str = Field(default="function", description="'function'")
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One chat turn: ``{"role": "user", "content": "hi"}``; what `check_messages` accepts, so a
+    tool conversation works natively: an assistant turn with ``tool_calls`` (``content`` may then be
+    null) and the ``tool`` turn answering it with ``tool_call_id``."""
+
+    model_config = STRICT_BODY
+    role: str = Field(description="who speaks: 'system', 'user', 'assistant' or 'tool'")
+    content: Optional[str] = Field(default=None, description="the text of the turn (null only beside tool_calls)")
     name: Optional[str] = Field(default=None, description="optional speaker name (ignored by most templates)")
+    tool_calls: Optional[list[ToolCall]] = Field(default=None, description="an assistant turn's function calls")
+    tool_call_id: Optional[str] = Field(default=None, description="a tool turn: the id of the call it answers")
 
 
 class _StrictBody(BaseModel):
@@ -273,8 +293,12 @@ def _limit(name: str, value: int, limit: int, setting: str) -> None:
                       f"'{name}' is {value} but this server allows at most {limit} ({setting}); lower it", param=name)
 
 
-def prompt_chars(prompt: str | list[dict[str, str]]) -> int:
-    return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+def prompt_chars(prompt: str | list[dict[str, Any]]) -> int:
+    """Characters a prompt holds: its text, and in chat messages the tool calls' arguments too."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m.get("content") or "") + sum(len(str(c.get("function", {}).get("arguments", "")))
+                                                 for c in m.get("tool_calls") or ()) for m in prompt)
 
 
 def check_prompt_limit(prompt: str | list[dict[str, str]], settings: ServerSettings) -> None:
@@ -384,22 +408,19 @@ class SteerRequest(BaseModel):
     guidance_scale: Optional[float] = Field(default=None, description="image streams: a finite number >= 0")
 
 
-class RewindRequest(BaseModel):
-    """``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{"type": "rewind", ...}`` message): text
-    streams only. The answer from character ``offset`` on (a code point index, as Python counts)
-    is dropped and regenerated, optionally under a new instruction and sampling options, and
-    optionally starting with ``token_id`` (branch from an alternative token)."""
-
-    model_config = STRICT_BODY
-    offset: int = Field(description="an integer >= 0: the character where regeneration starts")
-    instruction: Optional[str] = Field(default=None, description="a new instruction for the rest, or null")
-    temperature: Optional[float] = Field(default=None, description="a number >= 0, or null (unchanged)")
-    top_p: Optional[float] = Field(default=None, description="a number in (0, 1], or null")
-    top_k: Optional[int] = Field(default=None, description="an integer >= 0, or null")
-    repetition_penalty: Optional[float] = Field(default=None, description="a number > 0, or null")
-    seed: Optional[int] = Field(default=None, description="an integer, or null")
-    token_id: Optional[int] = Field(default=None, description="the first regenerated token (a branch from an "
-                                    "alternative in the events' logprobs), or null")
+RewindRequest = create_model(
+    "RewindRequest",
+    __base__=_StrictBody,
+    __doc__="``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{\"type\": \"rewind\", ...}`` message): text "
+    "streams only. The answer from character ``offset`` on (a code point index, as Python counts) is dropped and "
+    "regenerated, optionally under a new instruction and the sampling options `REWIND_OPTIONS` (declared once, "
+    "described by `TextOptions`), and optionally starting with ``token_id`` (branch from an alternative token).",
+    offset=(int, Field(description="an integer >= 0: the character where regeneration starts")),
+    instruction=(Optional[str], Field(default=None, description="a new instruction for the rest, or null")),
+    **{name: spec for name, spec in body_fields(TextOptions).items() if name in REWIND_OPTIONS},
+    token_id=(Optional[int], Field(default=None, description="the first regenerated token (a branch from an "
+                                   "alternative in the events' logprobs), or null")),
+)
 
 
 class EditResult(BaseModel):

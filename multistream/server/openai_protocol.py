@@ -16,12 +16,13 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
+from .._spec import body_fields
 from ..image import IMAGE_STREAM_ARGS
-from ..text import TEXT_STREAM_ARGS
+from ..text import TEXT_STREAM_ARGS, TextOptions
 from .bodies import LAX_BODY, STRICT_BODY, check_family_options, check_image_limits, check_prompt_limit, validate_body
 from .problems import Problem
 from .settings import ServerSettings
@@ -43,7 +44,7 @@ class StreamOptions(BaseModel):
                                                    "usage so far")
 
 
-class ChatCompletionRequest(BaseModel):
+class _ChatCompletionBase(BaseModel):
     """``POST /v1/chat/completions`` (OpenAI). Fields that would change the answer and that this
     server does not support (``n > 8``) are refused; harmless ones (``user``, ``metadata``, empty
     ``tools``) are accepted and ignored. ``response_format`` (``json_object``, ``json_schema``) and
@@ -54,43 +55,16 @@ class ChatCompletionRequest(BaseModel):
     messages: list[dict[str, Any]] = Field(description="a non-empty list of chat messages", min_length=1)
     max_tokens: Optional[int] = Field(default=None, description="an integer >= 1")
     max_completion_tokens: Optional[int] = Field(default=None, description="an integer >= 1 (wins over max_tokens)")
-    temperature: Optional[float] = Field(default=None, description="a number >= 0")
-    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
-    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings")
-    seed: Optional[int] = Field(default=None, description="an integer")
     stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
     stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
     n: Optional[int] = Field(default=None, description="1..8 answers (choices), the prompt prefilled once")
     user: Optional[str] = Field(default=None, description="accepted and ignored")
-    frequency_penalty: Optional[float] = Field(default=None, description="a number -2..2 (OpenAI's)")
-    presence_penalty: Optional[float] = Field(default=None, description="a number -2..2 (OpenAI's)")
-    logprobs: Optional[bool] = Field(default=None, description="true: choices[].logprobs.content per token")
-    top_logprobs: Optional[int] = Field(default=None, description="0..20 alternatives per token (with logprobs)")
-    logit_bias: Optional[dict[str, float]] = Field(default=None, description="token id (a string) -> bias "
-                                                   "-100..100")
-    tools: Optional[list[dict[str, Any]]] = Field(
-        default=None, description='function tools: [{"type": "function", "function": {"name", "description", '
-        '"parameters"}}]; calls come back as tool_calls')
-    tool_choice: Union[str, dict[str, Any], None] = Field(
-        default=None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     metadata: Optional[dict[str, Any]] = Field(default=None, description="accepted and ignored")
     store: Optional[bool] = Field(default=None, description="accepted and ignored")
     service_tier: Optional[str] = Field(default=None, description="accepted and ignored")
-    parallel_tool_calls: Optional[bool] = Field(default=None, description="true (default): several calls may follow")
     response_format: Optional[dict[str, Any]] = Field(
         default=None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
         '"json_schema": {"name", "schema", "strict"}}')
-    top_k: Optional[int] = Field(default=None, description="extension: an integer >= 0")
-    repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
-    priority: int = Field(default=0, description="extension: an integer; higher runs first")
-    min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
-    stop_on_repetition: Optional[bool] = Field(default=None, description="extension: end a detected repetition "
-                                               "loop (finish_reason \"stop\", the native final says \"repetition\")")
-    num_beams: Optional[int] = Field(default=None, description="extension (as vLLM's): beam search over 2..8 "
-                                     "hypotheses; a stream then sends committed text only")
-    length_penalty: Optional[float] = Field(default=None, description="extension: with num_beams, as transformers'")
-    early_stopping: Union[bool, str, None] = Field(default=None, description="extension: with num_beams, "
-                                                   "true, false or 'never'")
 
     def to_text_options(self, settings: ServerSettings) -> dict[str, Any]:
         """``TextModel.stream`` keyword arguments (the prompt and `TextOptions`): OpenAI's names
@@ -119,6 +93,37 @@ class ChatCompletionRequest(BaseModel):
             kwargs.pop("top_logprobs", None)
         return kwargs
 
+
+
+# The OpenAI fields that have a `TextOptions` namesake, with its type and description (vLLM's
+# extensions marked as such): declared once, in the spec. Each defaults to null (the model's own
+# default), except priority, whose default is the spec's.
+CHAT_OPTION_FIELDS = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logprobs",
+                      "top_logprobs", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "top_k",
+                      "repetition_penalty", "min_p", "num_beams", "length_penalty", "early_stopping", "priority",
+                      "stop_on_repetition")
+_EXTENSIONS = ("top_k", "repetition_penalty", "min_p", "num_beams", "length_penalty", "early_stopping", "priority",
+               "stop_on_repetition")
+
+
+def _option_fields(names: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (wire, field) in body_fields(TextOptions).items():
+        if name not in names:
+            continue
+        doc = ("extension: " if name in _EXTENSIONS else "") + (field.description or "")
+        if name == "priority":
+            out[name] = (wire, Field(default=field.default, description=doc))
+        else:
+            out[name] = (Optional[wire], Field(default=None, description=doc))
+    missing = set(names) - set(out)
+    assert not missing, f"TextOptions has no {sorted(missing)}"
+    return out
+
+
+ChatCompletionRequest = create_model(
+    "ChatCompletionRequest", __base__=_ChatCompletionBase, __doc__=_ChatCompletionBase.__doc__,
+    **_option_fields(CHAT_OPTION_FIELDS))
 
 class ImageGenerationRequest(BaseModel):
     """``POST /v1/images/generations`` (OpenAI)."""

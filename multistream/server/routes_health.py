@@ -3,6 +3,9 @@
 - ``GET /healthz``: liveness: 200 while the process serves (503 only while draining), with the
   models' states.
 - ``GET /readyz``: readiness: 503 until every model is loaded, and while draining; 200 otherwise.
+  ``status`` is ``"loading"``, ``"ok"``, ``"draining"`` or ``"degraded"`` (a model failed to load:
+  its ``state`` is ``"failed"`` and ``reason`` says why and the fix; with ``allow_partial`` the
+  server answers 200 on the models that loaded, without it ``multistream serve`` exits with 1).
 - ``GET /metrics``: Prometheus text format.
 - ``GET /``: the small web client (with a Content-Security-Policy).
 """
@@ -32,6 +35,7 @@ class ModelHealth(BaseModel):
     name: str
     state: str
     error: Optional[str] = None
+    reason: Optional[str] = None
 
 
 class Health(BaseModel):

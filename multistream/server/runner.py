@@ -4,6 +4,10 @@ The first signal stops admitting (new generation requests get 503, the socket st
 clients hear why), lets running streams finish up to ``shutdown_deadline_s``, cancels the rest
 (each ends with a final ``cancelled`` event), then stops the server. A second signal exits at once.
 
+A model that fails to load stops the server at once (`serve` returns 1, as vLLM exits at start-up),
+with the reason and its fix in the log; with ``ServerSettings.allow_partial`` the server keeps
+serving the models that loaded (and exits only when none did).
+
 Example:
     >>> from multistream.server import create_app, serve
     >>> serve(create_app("default"), host="127.0.0.1", port=8000)   # doctest: +SKIP
@@ -31,10 +35,37 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self.failed_models: dict[str, str] = {}
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        self._watcher = self._loop.create_task(self._watch_loading())
+
+    async def _watch_loading(self) -> None:
+        """Until every model has settled: a failed one ends the server (unless partial is allowed)."""
+        state = None
+        while not self.should_exit:
+            state = state or _find_state(self.config.loaded_app)
+            if state is not None:
+                slots = state.models.values()
+                failed = state.failed
+                settled = not any(s.state in ("pending", "loading") for s in slots)
+                nothing_loaded = settled and not any(s.state == "ready" for s in slots)
+                if failed and (not state.settings.allow_partial or nothing_loaded):
+                    self.failed_models = failed
+                    for reason in failed.values():
+                        logger.error("%s", reason)
+                    logger.error("exiting with status 1: %s", "no model loaded" if state.settings.allow_partial
+                                 else "a model failed to load (--allow-partial serves the models that loaded)")
+                    self.should_exit = True
+                    return
+                if settled:
+                    if failed:
+                        logger.warning("serving degraded: %s", "; ".join(failed.values()))
+                    return
+            await asyncio.sleep(0.1)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = _find_state(self.config.loaded_app)
@@ -123,7 +154,11 @@ def _find_settings(app: Any) -> Any:
     return settings
 
 
-def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **uvicorn_kwargs: Any) -> None:
-    """Run ``app`` until SIGTERM/SIGINT, draining streams first (see the module docstring)."""
+def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **uvicorn_kwargs: Any) -> int:
+    """Run ``app`` until SIGTERM/SIGINT, draining streams first (see the module docstring).
+
+    Returns the process's exit status: 0, or 1 when a model failed to load (see ``allow_partial``)."""
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
-    DrainingServer(config).run()
+    server = DrainingServer(config)
+    server.run()
+    return 1 if server.failed_models else 0

@@ -63,6 +63,9 @@ class ServerSettings:
             header_timeout_s / body_timeout_s: a client must send its request head / body within
             these (slowloris); max_followers: SSE/WebSocket readers per stream;
         ws_max_streams: streams a WebSocket may follow or have in flight at once.
+    Start-up:
+        allow_partial: when a model fails to load, serve the models that did (``/readyz`` says
+            ``"degraded"`` and names the failed model and why) instead of exiting with status 1.
     """
 
     grace_period_s: float = 30.0
@@ -99,6 +102,7 @@ class ServerSettings:
     max_followers: int = 16
     ws_max_streams: int = 16
     enable_test_hooks: bool = False
+    allow_partial: bool = False
     event_log: str | None = None
 
     def __post_init__(self) -> None:
@@ -121,9 +125,9 @@ class ServerSettings:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidArgumentError(f"ServerSettings.{f.name} must be an integer >= 0, got {value!r}")
                 continue
-            if f.name == "enable_test_hooks":
+            if f.name in ("enable_test_hooks", "allow_partial"):
                 if not isinstance(value, bool):
-                    raise InvalidArgumentError("enable_test_hooks must be a bool")
+                    raise InvalidArgumentError(f"ServerSettings.{f.name} must be a bool")
                 continue
             if f.type in ("float",) or f.name.endswith("_s"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -157,7 +161,7 @@ class ServerSettings:
                 values[f.name] = raw or None
             elif f.name in ("allowed_origins", "allowed_hosts"):
                 values[f.name] = raw
-            elif f.name == "enable_test_hooks":
+            elif f.name in ("enable_test_hooks", "allow_partial"):
                 values[f.name] = raw.lower() in ("1", "true", "yes")
             else:
                 try:

@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
+from ..engine import capacity_of
 from ..stream import Stream, StreamWriter
 from .admission import Admission
 from .filtering import STOP, ContentFilter
@@ -29,6 +30,13 @@ __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]
 logger = logging.getLogger("multistream.server")
 
 
+# One model loads at a time: diffusers and transformers build models under accelerate's
+# init_empty_weights, which patches torch.nn.Module process-wide, so a text model built in another
+# thread meanwhile gets meta tensors ("Cannot copy out of meta tensor"; seen in `multistream serve`
+# loading both embedded models at once from a fresh venv).
+_LOAD_LOCK = threading.Lock()
+
+
 class ModelSlot:
     """One served model: given ready, or loaded in a background thread so the server starts fast.
 
@@ -41,7 +49,8 @@ class ModelSlot:
         self.kind = kind
         self.spec = spec
         self.model: Any = None
-        self.error: str | None = None
+        self.error: str | None = None  # the exception's type name
+        self.reason: str | None = None  # why, in one line, and the fix
         if spec is None:
             self.state = "disabled"
         elif isinstance(spec, (str, type)) or (callable(spec) and not hasattr(spec, "stream")):
@@ -63,12 +72,14 @@ class ModelSlot:
 
     def _load(self) -> None:
         try:
-            self.model = load_model(self.kind, self.spec)
+            with _LOAD_LOCK:
+                self.model = load_model(self.kind, self.spec)
             self.state = "ready"
             logger.info("%s model %s is ready", self.kind, self.name)
         except BaseException as exc:  # noqa: BLE001 - report it on /healthz, keep serving the rest
-            logger.exception("loading the %s model failed", self.kind)
-            self.error = type(exc).__name__  # the details are in the log, not on the wire
+            self.error = type(exc).__name__  # the traceback is in the log, not on the wire
+            self.reason = load_failure(self.kind, self.name, exc)
+            logger.error("%s", self.reason, exc_info=exc)
             self.state = "failed"
 
     def get(self) -> Any:
@@ -82,6 +93,27 @@ class ModelSlot:
                           "the server log has the details")
         raise Problem(503, "model_loading", f"the {self.kind} model is still loading; retry shortly",
                       {"Retry-After": "5"})
+
+
+def load_failure(kind: str, name: str, exc: BaseException) -> str:
+    """One line for the log and ``/readyz``: what failed to load, why, and the fix.
+
+    Example:
+        >>> load_failure("image", "default", ModuleNotFoundError("No module named 'greenlet'", name="greenlet"))
+        "the image model default failed to load: ModuleNotFoundError: No module named 'greenlet'. Fix: install it (pip install greenlet, or ./scripts/setup.sh again), or serve without it: --image-model none, or --allow-partial"
+    """
+    message = " ".join(str(exc).split())[:300] or "(no message)"
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    if missing:
+        fix = f"install it (pip install {missing.split('.')[0]}, or ./scripts/setup.sh again)"
+    elif isinstance(exc, (OSError, ValueError)):
+        fix = f"check --{kind}-model {name!r} (a hub id in the local cache, a local path, 'module:factory' or 'default')"
+    elif isinstance(exc, MemoryError) or "out of memory" in message.lower():
+        fix = "free memory, pick a smaller model, or another --device"
+    else:
+        fix = "see the traceback above"
+    return (f"the {kind} model {name} failed to load: {type(exc).__name__}: {message}. "
+            f"Fix: {fix}, or serve without it: --{kind}-model none, or --allow-partial")
 
 
 def load_model(kind: str, spec: Any) -> Any:
@@ -144,7 +176,18 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and all(s.state in ("ready", "disabled") for s in self.models.values())
+        """Every model loaded; with ``allow_partial``, every model settled and one of them loaded."""
+        if self.draining:
+            return False
+        states = [s.state for s in self.models.values()]
+        if self.settings.allow_partial and "failed" in states:
+            return "ready" in states and not any(st in ("pending", "loading") for st in states)
+        return all(st in ("ready", "disabled") for st in states)
+
+    @property
+    def failed(self) -> dict[str, str]:
+        """The models that failed to load, by kind: why, and the fix."""
+        return {k: s.reason or s.error or "failed" for k, s in self.models.items() if s.state == "failed"}
 
     # -- opening streams -----------------------------------------------------------------------
 
@@ -353,10 +396,13 @@ class ServerState:
     # -- health --------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        models = {k: {"name": s.name, "state": s.state, **({"error": s.error} if s.error else {})}
+        models = {k: {"name": s.name, "state": s.state, **({"error": s.error} if s.error else {}),
+                      **({"reason": s.reason} if s.reason else {})}
                   for k, s in self.models.items() if s.state != "disabled"}
         ready = self.ready
-        return {"status": "draining" if self.draining else ("ok" if ready else "loading"), "ready": ready,
+        # A failed model is never reported as loading: "degraded" says some model will not come.
+        status = ("draining" if self.draining else "degraded" if self.failed else "ok" if ready else "loading")
+        return {"status": status, "ready": ready,
                 "models": models, "active_streams": self.registry.active(),
                 "queued": {k: g.queued for k, g in self.gates.items()},
                 "uptime_s": round(time.time() - self.started_at, 3)}
@@ -452,10 +498,7 @@ def get_principal(conn: HTTPConnection) -> Principal:
 
 def _capacity(model: Any, kind: str) -> int:
     """How many streams the model's engine serves at once (its ``capacity``), else a safe default."""
-    value = getattr(model, "capacity", None)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    return 4 if kind == "text" else 1
+    return capacity_of(model)
 
 
 def _takes_priority(model: Any) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
-from ._options import TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
+from ._options import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
 from ._seeds import choice_seed
 from ._stop_strings import StopMatcher
 from ._tools import TOOLS_SYSTEM_PROMPT, ToolCallParser, parse_tool_calls
@@ -25,12 +25,14 @@ from ._tools import TOOLS_SYSTEM_PROMPT, ToolCallParser, parse_tool_calls
 # The model modules import torch and transformers; they load when first asked for, so the options
 # (used by the server and the fakes) stay torch-free.
 _LAZY = {
+    "DEFAULT_MAX_BATCH": "._batcher",
     "TextModel": "._model",
     "load_text_model": "._loading",
     "EMBEDDED_TEXT_MODEL": "._loading",
 }
 
 if TYPE_CHECKING:
+    from ._batcher import DEFAULT_MAX_BATCH
     from ._loading import EMBEDDED_TEXT_MODEL, load_text_model
     from ._model import TextModel
 
@@ -39,7 +41,9 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "DEFAULT_MAX_BATCH",
     "EMBEDDED_TEXT_MODEL",
+    "REWIND_OPTIONS",
     "StopMatcher",
     "TEXT_STREAM_ARGS",
     "TextModel",

@@ -49,7 +49,10 @@ from ._logprobs import TokenTable, entries
 from ._request import TextRequest
 from ._sampling import Penalties, adjust_rows
 
-__all__ = ["SharedPrompt", "TextBatcher"]
+__all__ = ["DEFAULT_MAX_BATCH", "SharedPrompt", "TextBatcher"]
+
+#: Rows a text model's engine decodes together by default: its capacity (``load_text_model(max_batch=)``).
+DEFAULT_MAX_BATCH = 16
 
 logger = logging.getLogger("multistream")
 
@@ -143,7 +146,7 @@ class SharedPrompt:
 class TextBatcher:
     """The engine backend of a causal LM (see the module docstring for one step)."""
 
-    def __init__(self, model: Any, *, max_batch: int = 16, prefill_budget: int = 512) -> None:
+    def __init__(self, model: Any, *, max_batch: int = DEFAULT_MAX_BATCH, prefill_budget: int = 512) -> None:
         self.model = model
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget

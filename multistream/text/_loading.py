@@ -34,6 +34,7 @@ from ._accel.quantize import (
     mode_problem,
     quantize_model,
 )
+from ._batcher import DEFAULT_MAX_BATCH
 from ._model import TextModel
 
 __all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
@@ -201,7 +202,7 @@ def load_text_model(
     quantize: str | None = "auto",
     activations: str = "fp32",
     compile: bool = False,
-    max_batch: int = 16,
+    max_batch: int = DEFAULT_MAX_BATCH,
     prefill_budget: int = 512,
     **from_pretrained_kwargs: Any,
 ) -> TextModel:
@@ -234,7 +235,7 @@ def load_text_model(
     quantizing again.
 
     ``compile=True``: ``torch.compile`` of the decode step of a model on ATen's quantized kernels
-    (`multistream.text._compiled_decode`; Llama-family models on a CPU): about 1.2x their eager
+    (`multistream.text._accel.compiled_decode`; Llama-family models on a CPU): about 1.2x their eager
     step's tokens/s for some 50 s of compiling at each load (2 cores). Where the native decoder
     layers run (the default on a CPU with a C compiler) there is nothing left to compile and it is
     skipped with one log line. A compile failure decodes eagerly with one log line;

@@ -33,11 +33,11 @@ from ..engine.settings import engine_thread_setup
 from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
-from ._batcher import SharedPrompt, TextBatcher
+from ._batcher import DEFAULT_MAX_BATCH, SharedPrompt, TextBatcher
 from ._beams import new_beam_search
 from ._constraints import TokenConstraint, constraint_for, grammar_of
 from ._logprobs import TokenTable
-from ._options import TextOptions, check_prompt, parse_text_options
+from ._options import REWIND_OPTIONS, TextOptions, check_prompt, parse_text_options
 from ._request import Edit, TextRequest
 from ._sampling import RowSampler, SamplingPlan, choice_seed
 from ._tools import render_tool_messages, tools_active
@@ -108,7 +108,7 @@ class TextModel:
     compiled: Any = None
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = 16, prefill_budget: int = 512
+        self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = DEFAULT_MAX_BATCH, prefill_budget: int = 512
     ) -> None:
         for arg, value in (("max_batch", max_batch), ("prefill_budget", prefill_budget)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -504,11 +504,10 @@ class TextModel:
             self._check_room(request, inserted)
             sampler = None
             if kwargs:
-                unknown = set(kwargs) - {"temperature", "top_p", "top_k", "repetition_penalty", "seed"}
+                unknown = set(kwargs) - set(REWIND_OPTIONS)
                 if unknown:
                     raise InvalidArgumentError(
-                        f"rewind() takes the sampling options temperature, top_p, top_k, repetition_penalty and "
-                        f"seed; not {sorted(unknown)}"
+                        f"rewind() takes the sampling options {', '.join(REWIND_OPTIONS)}; not {sorted(unknown)}"
                     )
                 current = dataclasses.asdict(request.options)
                 current.update(kwargs)

@@ -25,7 +25,7 @@ from .._checks import is_int, is_number
 from .._spec import option, option_names, parse_options
 from ..errors import InvalidArgumentError
 
-__all__ = ["TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt", "parse_text_options"]
+__all__ = ["REWIND_OPTIONS", "TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt", "parse_text_options"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -277,6 +277,10 @@ class TextOptions:
 
 
 TEXT_STREAM_ARGS: tuple[str, ...] = option_names(TextOptions)
+
+#: The sampling options a rewind (``stream.rewind``, ``llm.revise``, the rewind body) may change
+#: for the regenerated part; declared once here, checked by `TextOptions` like any other option.
+REWIND_OPTIONS: tuple[str, ...] = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")
 
 
 def parse_text_options(**options: Any) -> TextOptions:

@@ -11,6 +11,7 @@ import random
 import time
 from typing import Any
 
+from ...engine import DEFAULT_CAPACITY
 from ...events import Event, ImageEvent, TextEvent
 from ...stream import Stream, StreamWriter
 from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, PREFIX, retryable_errors
@@ -45,7 +46,7 @@ class RemoteModel:
         self.name = name or kind
         self.replica_of: dict[str, str] = {}  # stream id -> replica serving it now (for tests, metrics)
         self.failovers = 0
-        self.capacity = 4
+        self.capacity = DEFAULT_CAPACITY
 
     def stream(self, **kwargs: Any) -> Stream:
         _check_here(self.kind, kwargs)

@@ -10,6 +10,7 @@ import os
 import time
 from typing import Any
 
+from ...engine import DEFAULT_CAPACITY
 from ..settings import ServerSettings
 from ._common import APP_NAME, MODEL_WAIT_S
 from ._handle import RemoteModel
@@ -77,7 +78,7 @@ class Ingress:
         info = handle.info.remote().result(timeout_s=60)
         model = RemoteModel(kind, handle, info.get("name", kind), self.settings.event_log)
         # The ingress admits what all replicas together take (engine capacity x replicas).
-        model.capacity = int(info.get("capacity") or 4) * max(1, replica_count(kind))
+        model.capacity = int(info.get("capacity") or DEFAULT_CAPACITY) * max(1, replica_count(kind))
         self.remote[kind] = model
         return model
 

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from ...engine import capacity_of
 from ...events import ErrorEvent, ImageEvent, TextEvent
 from ...stream import Stream
 from ._common import CHECKPOINT_TTL_S, PREFIX, checkpoint_key, trim_text
@@ -127,10 +128,9 @@ class ModelReplica:
             self.replica = ""
 
     def info(self) -> dict[str, Any]:
-        capacity = getattr(self.model, "capacity", None)
         return {"kind": self.kind, "name": self.name, "replica": self.replica, "pid": os.getpid(),
                 "native_resume": self.native_resume, "checkpoints": self.checkpoints,
-                "capacity": capacity if isinstance(capacity, int) else 4}
+                "capacity": capacity_of(self.model)}
 
     def _client(self) -> Any:
         if self._redis is None:

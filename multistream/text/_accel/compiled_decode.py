@@ -1,9 +1,9 @@
-"""The fast decode step (`multistream.text._fast_decode`) compiled with ``torch.compile``.
+"""The fast decode step (`multistream.text._accel.fast_decode`) compiled with ``torch.compile``.
 
 Once the weights are quantized, what is left of a small model's decode step on a CPU is mostly
 small operations (norms, rotary embedding, residuals, casts: about 85 per layer, 4 us each).
 Inductor fuses them into a few kernels per layer; the quantized matmuls stay ATen's packed
-kernels and the attention stays the row-by-row SDPA of `multistream.text._row_attention` (a custom
+kernels and the attention stays the row-by-row SDPA of `multistream.text._accel.row_attention` (a custom
 op, ``multistream::row_sdpa``, that the compiled graph calls). Each call of a compiled function
 costs its guards (~0.1 ms), so the layers are compiled in segments of five, one call each; the
 engine's prefill points sit between segments.

@@ -9,7 +9,7 @@ bit those of ``model(...)``), but:
 
 - the keys and values live in buffers with spare columns: a step writes its column in place and
   the cache layers hold views of the buffers (a copy only every `GROW` steps, when they fill up);
-- no mask: it attends row by row (`multistream.text._row_attention`), each row on its own columns;
+- no mask: it attends row by row (`multistream.text._accel.row_attention`), each row on its own columns;
 - the engine's prefill points are called between layers directly (no hooks needed);
 - a model whose layers are native (`multistream.text._accel.native_layers`) runs each stretch of
   layers between two prefill points as one C call (`NativeStack`): the same per-token arithmetic
@@ -44,7 +44,7 @@ GROW = 64  # spare columns per buffer: one copy of the cache every GROW decode s
 # Prefill points per decode forward: a newcomer waits at most about 1/N of a step for its prefill.
 PREFILL_POINTS = 6
 _MODEL_TYPES = frozenset({"llama", "mistral"})
-# Models whose decode step was compiled (`multistream.text._compiled_decode`): model -> its layers' step.
+# Models whose decode step was compiled (`multistream.text._accel.compiled_decode`): model -> its layers' step.
 _COMPILED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 

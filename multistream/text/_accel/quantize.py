@@ -486,7 +486,7 @@ class QuantizationReport:
     bytes_after: int = 0
     fallback: str | None = None  # why the requested mode did not run, when it did not
     fused: int = 0  # groups of projections (q/k/v, gate/up) computed in one call
-    # layers per kernel: "q4"/"q8" (the native block kernels, `_block_kernels`), "int4"/"int8" (ATen's)
+    # layers per kernel: "q4"/"q8" (the native block kernels, `kernels`), "int4"/"int8" (ATen's)
     kernels: dict[str, int] = field(default_factory=dict)
     native_layers: int = 0  # decoder layers computed in C (`native_layers`)
     activations: str = "fp32"  # what the block kernels do with a layer's input: "fp32" or "int8"
@@ -544,7 +544,7 @@ def quantize_model(
     """Replace the model's linear layers (in place) by `Int8Linear`/`Int4Linear` layers.
 
     ``mode`` is None (nothing happens), ``"int8"`` or ``"int4"`` (resolve ``"auto"`` first). A
-    transformers model then attends row by row (`multistream.text._row_attention`). A mode
+    transformers model then attends row by row (`multistream.text._accel.row_attention`). A mode
     whose kernel does not work on the model's device raises `InvalidArgumentError`; layers whose
     shape the int4 kernel cannot take get int8 (or stay as they are), counted in ``by_kind``.
 
