@@ -3,8 +3,8 @@
 port, and clients resuming with ``Last-Event-ID`` (native SSE) or ``starting_after`` (a background
 Responses stream) get the rest: no gap, no duplicate, the text of an uninterrupted run. The
 scripted model (no native resume: the regenerated part is trimmed, as on a Ray replica) keeps the
-machinery fast; the embedded model (``quantize=None`` until "one arithmetic" makes the default
-exact) shows greedy text equal to an uninterrupted run after a re-prefill of prompt + logged tokens."""
+machinery fast; the default embedded model (int4 on the native kernels: one arithmetic for decode and
+re-prefill) shows greedy text equal to an uninterrupted run after a re-prefill of prompt + logged tokens."""
 
 from __future__ import annotations
 
@@ -149,15 +149,15 @@ def test_a_generation_that_keeps_killing_its_server_ends_with_an_error() -> None
 
 
 @pytest.mark.model
-def test_continuing_logged_tokens_equals_an_uninterrupted_run(exact_text_model) -> None:  # type: ignore[no-untyped-def]
+def test_continuing_logged_tokens_equals_an_uninterrupted_run(text_model) -> None:  # type: ignore[no-untyped-def]
     """What a restarted server runs for an orphan (`continuation_stream`: the prompt and the logged
     tokens re-prefilled, then decoding on), on the embedded model: greedy text and token ids equal
-    to an uninterrupted run. (``quantize=None`` until "one arithmetic" makes the default exact.)"""
+    to an uninterrupted run, on the default model."""
     import asyncio
 
     from multistream.server.continuation import continuation_stream
 
-    llm = exact_text_model
+    llm = text_model
     kwargs = {"prompt": [{"role": "user", "content": "Write one sentence about the sea."}], "max_new_tokens": 16,
               "temperature": 0}
     reference = [ev for ev in llm.stream(**kwargs)]
