@@ -58,8 +58,9 @@ def test_serve_exits_with_status_1_when_a_model_fails_to_load() -> None:
 
 def test_exit_status_is_1_while_another_model_is_still_loading() -> None:
     start = time.monotonic()
-    proc = _serve(_free_port(), "--text-model", "server_fixtures:slow_loading_model",
-                  "--image-model", "server_fixtures:missing_module_model")
+    # Models load one at a time (text first): the text model fails, the image model is then loading.
+    proc = _serve(_free_port(), "--text-model", "server_fixtures:missing_module_model",
+                  "--image-model", "server_fixtures:slow_loading_model")
     try:
         rc = proc.wait(25)  # well before the text model's 30 s load ends
     finally:
