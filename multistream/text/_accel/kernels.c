@@ -140,15 +140,22 @@ static void block_sums(const float *x, int64_t blocks, float *sums) {
 // operations for each row, in the same order, with the weight block dequantized once for all.
 
 #ifdef MS_AVX2
-// A Q4_1 block's 32 values 0..15 as four vectors of floats, in order.
+// A Q4_1 block's 32 values 0..15 as four vectors of floats, in order: the 16 bytes in both halves
+// of a register, nibbles masked, then one byte shuffle per 8 values into 32-bit lanes (lane 0 of
+// the register takes values 0..3, lane 1 values 4..7, and so on).
 static inline void q4_floats(const uint8_t *packed16, __m256 *f) {
-    __m128i packed = _mm_loadu_si128((const __m128i *)packed16);
-    __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const __m256i packed = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)packed16));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(packed, mask), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+    const char z = (char)0x80;
+    const __m256i first = _mm256_setr_epi8(0, z, z, z, 1, z, z, z, 2, z, z, z, 3, z, z, z,
+                                           4, z, z, z, 5, z, z, z, 6, z, z, z, 7, z, z, z);
+    const __m256i second = _mm256_setr_epi8(8, z, z, z, 9, z, z, z, 10, z, z, z, 11, z, z, z,
+                                            12, z, z, z, 13, z, z, z, 14, z, z, z, 15, z, z, z);
+    f[0] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, first));
+    f[1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, second));
+    f[2] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, first));
+    f[3] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, second));
 }
 
 static inline void q8_floats(const int8_t *w32, __m256 *f) {
