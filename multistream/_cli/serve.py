@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     demo_path = None if args.no_demo else "/demo"
     app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
                      demo_path=demo_path, speech_model=spec(args.speech_model))
-    code = serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    code = serve(app, host=args.host, port=args.port, log_level=args.log_level) or 0
     if code != 0:
         # A model failed to load: exit now. Another model may still be loading in its thread, and
         # torch's threads torn down under it at interpreter exit abort the process (status -6).
