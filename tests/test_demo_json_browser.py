@@ -70,8 +70,17 @@ def test_json_option_streams_then_shows_formatted_json() -> None:
                     pg.screenshot(path=str(ARTIFACTS / "demo_chat_json_streaming.png"))
                     shot = True
                 if stats.startswith(("stop", "length")):
-                    time.sleep(0.5)
-                    states.append(pg.evaluate(BOT_TEXT))
+                    # The page renders the final answer a moment after the stats line on a busy
+                    # machine: wait (up to 10 s) until the text stops changing.
+                    settle = time.monotonic() + 10
+                    last = pg.evaluate(BOT_TEXT)
+                    while time.monotonic() < settle:
+                        time.sleep(0.5)
+                        now = pg.evaluate(BOT_TEXT)
+                        if now == last:
+                            break
+                        last = now
+                    states.append(last)
                     break
                 time.sleep(0.05)
             pg.screenshot(path=str(ARTIFACTS / "demo_chat_json_done.png"))

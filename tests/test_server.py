@@ -199,7 +199,7 @@ BAD_TEXT_REQUESTS = [
     ({"max_new_tokens": 4}, 400, "missing_field"),
     ({"prompt": "hi", "bogus": 1}, 400, "unknown_field"),
     ({"prompt": 42}, 400, "invalid_type"),
-    ({"prompt": [{"role": "user"}]}, 400, "invalid_type"),
+    ({"prompt": [{"role": "user"}]}, 400, "invalid_argument"),  # content null is only for tool calls: named
     ({"prompt": "hi", "max_new_tokens": "5"}, 400, "invalid_type"),
     ({"prompt": "hi", "max_new_tokens": True}, 400, "invalid_type"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "invalid_type"),       # (null is valid: the model's default)
