@@ -152,7 +152,7 @@ def test_tokens_outside_the_kv_buffers_are_refused() -> None:
     shape = native.LayerShape(hidden=32, heads=2, kv_heads=1, dim=8, intermediate=32, scaling=0.3)
     tokens = native.Tokens.of_rows(cos, sin, rows=1, tokens=1, past=6, starts=None)
     with pytest.raises(RuntimeError, match="column 6 of KV buffers"):
-        native.KVBuffers(torch.zeros(1, 1, 6, 8), torch.zeros(1, 1, 6, 8)).struct(shape, tokens, writes=True)
+        native.KVBuffers(torch.zeros(1, 1, 6, 8), torch.zeros(1, 1, 6, 8)).struct(shape, tokens)
     with pytest.raises(RuntimeError, match="must not be negative"):
         native.Tokens(cos, sin, torch.tensor([0]), torch.tensor([-1]), torch.tensor([0]))
 

@@ -60,7 +60,6 @@ __all__ = [
     "check_buffers",
     "layer_qkv",
     "layer_rest",
-    "layers_forward",
     "matmul",
     "native_kernels",
     "native_problem",
@@ -439,8 +438,8 @@ class KVBuffers:
     keys: torch.Tensor
     values: torch.Tensor
 
-    def struct(self, shape: LayerShape, tokens: Tokens, writes: bool) -> _KV:
-        """Checked against what ``tokens`` read (and write, when ``writes``)."""
+    def struct(self, shape: LayerShape, tokens: Tokens) -> _KV:
+        """Checked against the rows and columns ``tokens`` read and write."""
         for buf in (self.keys, self.values):
             if buf.dtype != torch.float32 or buf.device.type != "cpu" or buf.dim() != 4 or buf.stride(3) != 1 \
                     or buf.shape[1] != shape.kv_heads or buf.shape[3] != shape.dim:
@@ -521,7 +520,7 @@ def layer_rest(weights: LayerWeights, shape: LayerShape, tokens: Tokens, x: torc
     flat = _fp32_rows(x, shape.hidden, "a native decoder layer")
     if flat.shape[0] != tokens.count or q.shape != (tokens.count, shape.heads, shape.dim) or not q.is_contiguous():
         raise RuntimeError("a native decoder layer's q must be layer_qkv's, for the same tokens")
-    kv_struct = kv.struct(shape, tokens, writes=False)
+    kv_struct = kv.struct(shape, tokens)
     out = torch.empty_like(flat)
     status = _cdll().ms_layer_rest(ctypes.byref(layer), ctypes.byref(dims), ctypes.byref(tokens.struct(shape.dim)),
                                    flat.data_ptr(), q.data_ptr(), ctypes.byref(kv_struct), out.data_ptr(),
@@ -531,7 +530,7 @@ def layer_rest(weights: LayerWeights, shape: LayerShape, tokens: Tokens, x: torc
 
 
 class LayerRun:
-    """Consecutive layers decoded in one C call (`layers_forward`): their C descriptions are kept and
+    """Consecutive layers decoded in one C call (`ms_layers_forward`): their C descriptions are kept and
     rebuilt only when a layer's weights or KV buffers change."""
 
     def __init__(self, shape: LayerShape, count: int) -> None:
@@ -544,7 +543,7 @@ class LayerRun:
         key = (id(weights), kv.keys.data_ptr(), kv.values.data_ptr(), kv.keys.shape, kv.values.shape,
                kv.keys.stride(), kv.values.stride())
         if key != self._keys[i]:
-            self.array[i] = weights.struct(self.shape, kv.struct(self.shape, tokens, writes=True))
+            self.array[i] = weights.struct(self.shape, kv.struct(self.shape, tokens))
             self._keys[i] = key
         else:  # the same buffers: check only what these tokens touch
             if tokens.count and (tokens.max_row >= kv.keys.shape[0] or tokens.max_column >= kv.keys.shape[2]):
@@ -562,9 +561,3 @@ class LayerRun:
                                            torch.get_num_threads())
         _check_status(status, "native decoder layers")
         return out
-
-
-def layers_forward(run: LayerRun, start: int, end: int, tokens: Tokens, x: torch.Tensor) -> torch.Tensor:
-    """`LayerRun.forward`: layers ``start``..``end - 1`` in one C call, each token's k and v written
-    into its layer's KV buffers at its column."""
-    return run.forward(start, end, tokens, x)
