@@ -347,6 +347,64 @@ def test_a_run_of_native_layers_in_one_call_equals_the_models_forward() -> None:
     assert torch.equal(got[0], reference)
 
 
+@pytest.mark.parametrize("waiting", [False, True])
+def test_prefill_points_stop_the_one_call_only_when_a_request_waits(waiting: bool) -> None:
+    """With the engine's arrival flag, the native step is one C call that stops at a prefill point
+    only when the flag is set (then the point's prefill runs and the call goes on from there); the
+    logits are the same bit for bit either way, and equal the model's forward."""
+    import ctypes
+
+    from transformers import DynamicCache
+
+    from multistream.text._accel.fast_decode import FastDecode
+    from multistream.text._kv_rows import RowCache
+
+    model = _tiny_llama(layers=4)
+    quantize_model(model, "int4")
+    fast = FastDecode.for_model(model)
+    assert fast is not None and fast.native_stack is not None
+    calls: list[tuple[int, int]] = []
+    decode = fast.native_stack.decode
+
+    def counted(start, end, *args, **kwargs):
+        hidden, done = decode(start, end, *args, **kwargs)
+        calls.append((start, done))
+        return hidden, done
+
+    fast.native_stack.decode = counted  # type: ignore[method-assign]
+    flag = ctypes.c_int32(1 if waiting else 0)
+    prefills: list[int] = []
+
+    def prefill_point() -> None:  # the engine's: it takes the arrivals, which clears the flag
+        prefills.append(len(calls))
+        flag.value = 0
+
+    ids = torch.tensor([[3, 9, 27, 81, 4, 11]])
+    with torch.no_grad():
+        reference = model(ids).logits[0, -1]
+        cache = DynamicCache()
+        model(input_ids=ids[:, :5], cache=cache, use_cache=True)
+        rows = RowCache(cache, torch.ones(1, 5, dtype=torch.long))
+        got = fast.step(torch.tensor([[11]]), torch.tensor([[5]]), rows, None, points=frozenset({2, 3}),
+                        prefill_point=prefill_point, arrivals=flag)
+    assert torch.equal(got[0], reference)
+    if waiting:  # stopped before layer 2, prefilled, then layers 2..3 in a second call
+        assert calls == [(0, 2), (2, 4)] and prefills == [1]
+    else:
+        assert calls == [(0, 4)] and prefills == []
+
+
+def test_stop_points_are_checked() -> None:
+    import ctypes
+
+    from multistream.text._accel.kernels import StopPoints
+
+    with pytest.raises(TypeError, match="ctypes.c_int32"):
+        StopPoints(frozenset({1}), 4, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="outside"):
+        StopPoints(frozenset({1}), 4, ctypes.c_int32(0)).struct(2, 6)
+
+
 def test_only_the_llama_layer_is_computed_natively() -> None:
     """A family whose layer has more than the Llama layer (Qwen3's q/k norms) keeps transformers' forward."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

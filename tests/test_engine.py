@@ -585,3 +585,50 @@ def test_leaving_streams_early_then_exiting_is_clean(kind: str, tmp_path) -> Non
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left" in done.stdout
     assert "terminate called" not in done.stderr
+
+
+def test_the_arrival_flag_is_set_while_a_request_waits_and_cleared_when_taken() -> None:
+    """`Engine.arrivals` is what the native decode polls at its prefill points: set by `submit` for a
+    request (not for a call), cleared when the engine takes the inbox."""
+    from multistream.engine.core import Engine
+
+    gate, busy, taken = threading.Event(), threading.Event(), []
+
+    class Backend:
+        def admit(self, item) -> None:
+            taken.append(item)
+
+        def has_work(self) -> bool:
+            return False
+
+        def step(self) -> None:
+            pass
+
+        def fail_all(self, exc) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            pass
+
+    engine = Engine(Backend(), name="flag-test")
+    try:
+        def hold() -> None:  # keeps the engine thread inside a call, so the inbox is not taken
+            busy.set()
+            gate.wait(5)
+
+        blocker = threading.Thread(target=engine.run_on_engine, args=(hold,), daemon=True)
+        blocker.start()
+        assert busy.wait(5)
+        assert engine.arrivals.value == 0  # a call alone does not raise it
+        engine.submit("a request")
+        assert engine.arrivals.value == 1
+        assert engine.poll_arrivals() == 1 and engine.arrivals.value == 0 and taken == ["a request"]
+        engine.submit("another")
+        gate.set()
+        blocker.join(5)
+        deadline = time.monotonic() + 5
+        while len(taken) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert taken == ["a request", "another"] and engine.arrivals.value == 0
+    finally:
+        engine.close()

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import threading
 import weakref
@@ -101,6 +102,9 @@ class Engine:
         self._setup = setup
         self._cond = threading.Condition(threading.Lock())
         self._inbox: deque[Any] = deque()
+        # 1 while a request (not a call) waits in the inbox: native code polls it part-way through a
+        # step (`arrivals`), where a Python check would mean one C call per part.
+        self._arrivals = ctypes.c_int32(0)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"multistream-engine-{name}", daemon=True)
         self._thread.start()
@@ -114,6 +118,17 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def arrivals(self) -> ctypes.c_int32:
+        """A flag that is nonzero while a request waits to be taken (read without the lock, as
+        `poll_arrivals` reads the inbox: a step that misses it sees it at its next point).
+
+        Example:
+            >>> engine.arrivals.value in (0, 1)   # doctest: +SKIP
+            True
+        """
+        return self._arrivals
+
     def submit(self, request: Any) -> None:
         """Queue a request for the backend; raises `EngineClosedError` after `close()`."""
         with self._cond:
@@ -122,6 +137,8 @@ class Engine:
                     f"the {self.name} model was closed; load it again to start new streams"
                 )
             self._inbox.append(request)
+            if not isinstance(request, _Call):
+                self._arrivals.value = 1
             self._cond.notify()
 
     def run_on_engine(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
@@ -148,6 +165,7 @@ class Engine:
             calls = [item for item in self._inbox if isinstance(item, _Call)]
             self._inbox.clear()
             self._inbox.extend(calls)
+            self._arrivals.value = 0
         self._take(arrived)
         return len(arrived)
 
@@ -181,9 +199,11 @@ class Engine:
                 if self._closed:
                     items = list(self._inbox)
                     self._inbox.clear()
+                    self._arrivals.value = 0
                     break
                 items = list(self._inbox)
                 self._inbox.clear()
+                self._arrivals.value = 0
             self._take(items)
             items = []  # an idle engine must hold no request (nor, through it, its model)
             if backend.has_work():

@@ -31,6 +31,7 @@ Example (what `TextModel` does):
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import threading
@@ -162,6 +163,7 @@ class TextBatcher:
         self.steps = 0  # decode steps run (tests and benchmarks read it)
         self.prefills_inside_steps = 0  # newcomers prefilled at a prefill point (tests read it)
         self._poll_arrivals: Callable[[], int] | None = None
+        self._arrival_flag: ctypes.c_int32 | None = None  # the engine's flag, for the native decode
         # While a forward runs with its prefill points open: the rank a newcomer must beat (_ANY
         # during a decode); None otherwise. Plus the requests that forward is prefilling.
         self._open_for: tuple[float, float] | None = None
@@ -209,16 +211,19 @@ class TextBatcher:
 
     # -- prefill points -------------------------------------------------------------------------
 
-    def enable_prefill_points(self, poll_arrivals: Callable[[], int]) -> None:
+    def enable_prefill_points(self, poll_arrivals: Callable[[], int], arrivals: ctypes.c_int32 | None = None) -> None:
         """Prefill newcomers part-way through a decode forward (see the module docstring).
 
         ``poll_arrivals`` (the engine's `Engine.poll_arrivals`) admits what arrived since the step
-        began. Models whose decoder layers cannot be found keep prefilling at step boundaries only.
+        began; ``arrivals`` (`Engine.arrivals`), a flag set while one waits, lets the native decode
+        check at its points without leaving C. Models whose decoder layers cannot be found keep
+        prefilling at step boundaries only.
         """
         layers = _decoder_layers(self.model)
         if not layers or self._hooks:
             return
         self._poll_arrivals = poll_arrivals
+        self._arrival_flag = arrivals
         spacing = max(1, len(layers) // _PREFILL_POINTS)
         # A hook that holds the batcher only weakly: the user's model stays copyable
         # (copy.deepcopy, torch.save) and does not keep the engine alive.
@@ -649,7 +654,7 @@ class TextBatcher:
             return None
         points = self._point_layers if self._poll_arrivals is not None else frozenset()
         return self._fast.step(input_ids, positions, rows, starts if len(starts) > 1 or starts[0] else None,
-                               points, self._prefill_point)
+                               points, self._prefill_point, self._arrival_flag if points else None)
 
     # -- choosing tokens ------------------------------------------------------------------------
 

@@ -136,7 +136,7 @@ class TextModel:
         self._finished_lock = threading.Lock()
         self._batcher = TextBatcher(model, max_batch=max_batch, prefill_budget=prefill_budget)
         self._engine = Engine(self._batcher, name=f"text-{name}", setup=engine_thread_setup)
-        self._batcher.enable_prefill_points(self._engine.poll_arrivals)
+        self._batcher.enable_prefill_points(self._engine.poll_arrivals, self._engine.arrivals)
         # The engine thread must not keep this object alive; closing on collection ends it.
         self._finalizer = weakref.finalize(self, self._engine.close, 5.0)
 

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from .._kv_rows import RowCache
+from .kernels import StopPoints
 from .native_layers import NativeStack, native_layer
 from .row_attention import row_attention, uses_row_attention
 
@@ -77,6 +79,7 @@ class FastDecode:
         natives = [native_layer(layer) for layer in self.layers]
         # Every layer native (the block-quantized CPU models): runs of layers in one C call each.
         self.native_stack = NativeStack(natives) if natives and all(natives) else None  # type: ignore[arg-type]
+        self._stops: StopPoints | None = None
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:
@@ -101,11 +104,14 @@ class FastDecode:
     def step(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: RowCache, row_starts: list[int] | None,
         points: frozenset[int] = frozenset(), prefill_point: Callable[[], None] | None = None,
+        arrivals: ctypes.c_int32 | None = None,
     ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` for one new token per row; ``rows`` gains the token's column.
 
         ``prefill_point()`` is called before the layers in ``points`` (the compiled step: before each
-        of its segments but the first, which are the same layers).
+        of its segments but the first, which are the same layers). With ``arrivals`` (the engine's
+        flag, set while a request waits), the native stack runs every layer in one C call that
+        stops at a point only when the flag is set; without it, one call per run between points.
         """
         length = rows.length
         layers = list(getattr(rows.cache, "layers", []))
@@ -115,12 +121,7 @@ class FastDecode:
         if self.native_stack is not None and len(layers) == len(self.layers):
             buffers = [_reserve(cached, length) for cached in layers]
             tokens = self.native_stack.tokens(positions, batch, length, row_starts)
-            # One C call per run of layers between two of the engine's prefill points.
-            bounds = sorted({0, len(layers)} | {p for p in points if 0 < p < len(layers)})
-            for start, end in zip(bounds, bounds[1:]):
-                if start in points and prefill_point is not None:
-                    prefill_point()
-                hidden = self.native_stack.decode(start, end, hidden, tokens, buffers[start:end])
+            hidden = self._native_layers(hidden, tokens, buffers, points, prefill_point, arrivals)
             for cached, (kbuf, vbuf) in zip(layers, buffers):
                 cached.keys, cached.values = kbuf[:, :, : length + 1], vbuf[:, :, : length + 1]
             return self.model.lm_head(self.inner.norm(hidden)[:, -1:, :])[:, -1, :]
@@ -155,6 +156,31 @@ class FastDecode:
         hidden = self.inner.norm(hidden)
         return self.model.lm_head(hidden[:, -1:, :])[:, -1, :]
 
+
+    def _native_layers(self, hidden: torch.Tensor, tokens: Any, buffers: list[tuple[torch.Tensor, torch.Tensor]],
+                       points: frozenset[int], prefill_point: Callable[[], None] | None,
+                       arrivals: ctypes.c_int32 | None) -> torch.Tensor:
+        stack, count = self.native_stack, len(self.layers)
+        assert stack is not None
+        points = frozenset(p for p in points if 0 < p < count) if prefill_point is not None else frozenset()
+        if points and arrivals is not None:
+            # One C call for the step; it returns early at a point only when a request is waiting.
+            if self._stops is None or self._stops.flag is not arrivals or self._stops.layers != points:
+                self._stops = StopPoints(points, count, arrivals)
+            start = 0
+            while True:
+                hidden, start = stack.decode(start, count, hidden, tokens, buffers[start:], self._stops)
+                if start >= count:
+                    return hidden
+                assert prefill_point is not None
+                prefill_point()
+        # One C call per run of layers between two of the engine's prefill points.
+        bounds = sorted({0, count} | points)
+        for start, end in zip(bounds, bounds[1:]):
+            if start in points and prefill_point is not None:
+                prefill_point()
+            hidden, _ = stack.decode(start, end, hidden, tokens, buffers[start:end])
+        return hidden
 
     @staticmethod
     def _mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:

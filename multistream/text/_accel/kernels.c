@@ -705,24 +705,47 @@ int ms_layer_rest(const ms_layer *l, const ms_shape *s, const ms_tokens *t, cons
     return 0;
 }
 
+// Where a run of layers may stop early: before layer i (of this call, i > 0) when stop_before[i] is
+// set and *pending is nonzero when the threads get there (the engine's flag: a request arrived
+// that it can prefill part-way through this step). Read by one thread, the decision shared by all.
+typedef struct {
+    const volatile int32_t *pending;
+    const uint8_t *stop_before;  // [count] or NULL
+} ms_points;
+
 // Layers in one call, for a caller that owns the KV buffers (the engine's fast step): each layer
 // computes the tokens' q, k, v, writes k and v into layers[i].kv at their columns, attends and
 // finishes the layer; x [count, hidden] is updated in place. The same stages as the two calls above.
+// *done: how many layers ran (count, or where `points` stopped the run; the caller goes on from
+// there), so that an engine's prefill points cost one C call per step, not one per run of layers.
 int ms_layers_forward(const ms_layer *layers, int64_t count, const ms_shape *s, const ms_tokens *t, float *x,
-                      int threads) {
-    if (check_shape(s, t) || count < 0) return -1;
+                      int threads, const ms_points *points, int64_t *done) {
+    if (check_shape(s, t) || count < 0 || !done) return -1;
     for (int64_t i = 0; i < count; i++)
         if (check_layer(layers + i, s) || !layers[i].kv.k || !layers[i].kv.v) return -1;
+    const int stops = points && points->pending && points->stop_before;
+    *done = count;
     if (t->count == 0 || count == 0) return 0;
     layer_scratch w;
     void *base = scratch_alloc(s, t, threads, &w);
     if (!base) return -2;
+    int stop = 0;
+    int64_t stopped_at = count;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t i = 0; i < count; i++) {
+        if (stops && i > 0 && points->stop_before[i]) {
+#pragma omp single
+            if (*points->pending) {  // the single's barrier publishes the decision to every thread
+                stop = 1;
+                stopped_at = i;
+            }
+            if (stop) break;
+        }
         const ms_layer *l = layers + i;
         stage_qkv(l, s, t, x, &w, &l->kv);
         stage_rest(l, s, t, x, w.q, &l->kv, x, &w);  // the layer's output replaces its input
     }
+    *done = stopped_at;
     free(base);
     return 0;
 }

@@ -114,6 +114,10 @@ class _Tokens(ctypes.Structure):
                 ("kv_row", ctypes.c_void_p), ("first", ctypes.c_void_p), ("column", ctypes.c_void_p)]
 
 
+class _Points(ctypes.Structure):
+    _fields_ = [("pending", ctypes.c_void_p), ("stop_before", ctypes.c_void_p)]
+
+
 @dataclass(frozen=True)
 class NativeKernels:
     """The loaded kernels (``cdll``): ``isa`` is what they were built for (``"avx2"`` or ``"portable C"``)."""
@@ -202,7 +206,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.ms_matmul.argtypes = [vp, i64, p(_QMat), vp, i32]
     cdll.ms_layer_qkv.argtypes = [p(_Layer), p(_Shape), p(_Tokens), vp, vp, vp, vp, i32]
     cdll.ms_layer_rest.argtypes = [p(_Layer), p(_Shape), p(_Tokens), vp, vp, p(_KV), vp, i32]
-    cdll.ms_layers_forward.argtypes = [vp, i64, p(_Shape), p(_Tokens), vp, i32]
+    cdll.ms_layers_forward.argtypes = [vp, i64, p(_Shape), p(_Tokens), vp, i32, p(_Points),
+                                       ctypes.POINTER(ctypes.c_int64)]
     cdll.ms_rms_norm.argtypes = [vp, i64, i64, vp, f32, vp]
     for name in ("ms_matmul", "ms_layer_qkv", "ms_layer_rest", "ms_layers_forward", "ms_rms_norm"):
         getattr(cdll, name).restype = ctypes.c_int
@@ -550,14 +555,45 @@ class LayerRun:
                 raise RuntimeError(f"tokens write row {tokens.max_row}, column {tokens.max_column} of KV buffers "
                                    f"{tuple(kv.keys.shape)}")
 
-    def forward(self, start: int, end: int, tokens: Tokens, x: torch.Tensor) -> torch.Tensor:
-        """Layers ``start``..``end - 1`` (each `set` for these tokens) on ``x`` ``[count, hidden]``."""
+    def forward(self, start: int, end: int, tokens: Tokens, x: torch.Tensor,
+                stops: StopPoints | None = None) -> tuple[torch.Tensor, int]:
+        """Layers ``start``..``end - 1`` (each `set` for these tokens) on ``x`` ``[count, hidden]``:
+        ``(out, done)``, ``done`` the first layer not run (``end``, or a stop point of ``stops`` that
+        found its flag set; the caller goes on from there)."""
         out = _fp32_rows(x, self.shape.hidden, "native decoder layers").clone()
         if out.shape[0] != tokens.count:
             raise RuntimeError(f"{out.shape[0]} rows of hidden states for {tokens.count} tokens")
+        done = ctypes.c_int64(0)
+        points = stops.struct(start, end) if stops is not None else None
         status = _cdll().ms_layers_forward(ctypes.addressof(self.array) + start * ctypes.sizeof(_Layer), end - start,
                                            ctypes.byref(self._shape_struct),
                                            ctypes.byref(tokens.struct(self.shape.dim)), out.data_ptr(),
-                                           torch.get_num_threads())
+                                           torch.get_num_threads(), ctypes.byref(points) if points else None,
+                                           ctypes.byref(done))
         _check_status(status, "native decoder layers")
-        return out
+        return out, start + done.value
+
+
+class StopPoints:
+    """Where a `LayerRun` may stop early: before each layer in ``layers`` when ``flag`` (a
+    ``ctypes.c_int32`` that another thread sets) is nonzero as the run gets there. The engine's
+    prefill points, checked inside one C call instead of one call per run of layers.
+
+    Example:
+        >>> flag = ctypes.c_int32(0)
+        >>> stops = StopPoints(frozenset({5, 10}), 30, flag)
+        >>> stops.struct(0, 30).stop_before != 0
+        True
+    """
+
+    def __init__(self, layers: frozenset[int], count: int, flag: ctypes.c_int32) -> None:
+        if not isinstance(flag, ctypes.c_int32):
+            raise TypeError(f"the stop flag must be a ctypes.c_int32, got {type(flag).__name__}")
+        self.flag = flag
+        self.layers = frozenset(layers)
+        self._mask = (ctypes.c_uint8 * max(count, 1))(*(1 if i in self.layers else 0 for i in range(count)))
+
+    def struct(self, start: int, end: int) -> _Points:
+        if not 0 <= start <= end <= len(self._mask):
+            raise ValueError(f"layers {start}..{end} are outside the {len(self._mask)} these stop points cover")
+        return _Points(ctypes.addressof(self.flag), ctypes.addressof(self._mask) + start)

@@ -42,7 +42,17 @@ from typing import Any
 import torch
 
 from .block_layers import Q4Linear, Q8Linear, buffers_generation
-from .kernels import KVBuffers, LayerRun, LayerShape, LayerWeights, Tokens, layer_qkv, layer_rest, native_kernels
+from .kernels import (
+    KVBuffers,
+    LayerRun,
+    LayerShape,
+    LayerWeights,
+    StopPoints,
+    Tokens,
+    layer_qkv,
+    layer_rest,
+    native_kernels,
+)
 from .kernels import rms_norm as native_rms_norm
 
 __all__ = ["NATIVE_MODEL_TYPES", "NativeLayer", "NativeStack", "RotaryTable", "attach_native_layers", "native_layer"]
@@ -197,7 +207,7 @@ class NativeStack:
 
     Example:
         >>> stack = NativeStack([native_layer(layer) for layer in model.model.layers])   # doctest: +SKIP
-        >>> hidden = stack.decode(0, 30, hidden, positions, buffers, length, None)         # doctest: +SKIP
+        >>> hidden, done = stack.decode(0, 30, hidden, tokens, buffers)                   # doctest: +SKIP
     """
 
     def __init__(self, natives: list[NativeLayer]) -> None:
@@ -214,11 +224,15 @@ class NativeStack:
         return Tokens.of_rows(cos, sin, rows=rows, tokens=1, past=length, starts=row_starts)
 
     def decode(self, start: int, end: int, hidden: torch.Tensor, tokens: Tokens,
-               buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Layers ``start``..``end - 1`` on ``hidden`` ``[rows, 1, hidden]``; ``buffers``: their (kbuf, vbuf)."""
+               buffers: list[tuple[torch.Tensor, torch.Tensor]], stops: StopPoints | None = None
+               ) -> tuple[torch.Tensor, int]:
+        """Layers ``start``..``end - 1`` on ``hidden`` ``[rows, 1, hidden]`` (``buffers``: their
+        (kbuf, vbuf)): ``(hidden, done)``, ``done`` the first layer not run (``end`` unless one of
+        ``stops`` found its flag set)."""
         for i, (kbuf, vbuf) in zip(range(start, end), buffers):
             self.run.set(i, self.natives[i].weights(), KVBuffers(kbuf, vbuf), tokens)
-        return self.run.forward(start, end, tokens, hidden.reshape(tokens.count, -1)).view(hidden.shape)
+        out, done = self.run.forward(start, end, tokens, hidden.reshape(tokens.count, -1), stops)
+        return out.view(hidden.shape), done
 
 
 def native_layer(layer: Any) -> NativeLayer | None:
