@@ -53,7 +53,7 @@ def test_rewind_options_are_declared_once() -> None:
              if "option" in f.metadata}
     for name in REWIND_OPTIONS:
         assert fields[name].description == specs[name], name  # the spec's description, not a copy
-    for path in ("multistream/text/_model.py", "multistream/testing.py", "multistream/server/bodies.py"):
+    for path in ("multistream/text/_model.py", "multistream/testing/_text.py", "multistream/server/bodies.py"):
         text = (ROOT / path).read_text(encoding="utf-8")
         assert '"temperature", "top_p", "top_k", "repetition_penalty", "seed"' not in text, path
 
