@@ -8,6 +8,8 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import statistics
 import threading
 from collections.abc import Callable, Sequence
@@ -17,7 +19,7 @@ from .._checks import is_int, is_number
 from ..errors import InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
-from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, StopMatcher, check_prompt, parse_text_options
+from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, StopMatcher, TextOptions, check_prompt, parse_text_options
 from ._scripted import Counters, pause, prompt_text, require, start_stream
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedTextModel"]
@@ -26,6 +28,21 @@ DEFAULT_TOKENS: tuple[str, ...] = (
     "Streams", " carry", " tokens", " one", " by", " one", ",", " and", " previews",
     " step", " by", " step", ":", " the", " reader", " sees", " them", " as", " they", " come", ".",
 )
+
+
+# As the real model, revise() knows the newest 64 finished streams.
+_KEPT_RECORDS = 64
+
+
+@dataclasses.dataclass
+class _Record:
+    """What revise() reuses of one stream: its checked options, its prompt's length, and its
+    answer's tokens (script positions) with the character where each one's text ends."""
+
+    options: TextOptions
+    prompt_tokens: int
+    ids: list[int] = dataclasses.field(default_factory=list)
+    ends: list[int] = dataclasses.field(default_factory=list)
 
 
 class _TextEdits:
@@ -117,7 +134,8 @@ class ScriptedTextModel:
         self.tokenizer: Any = None
         self.calls: list[dict[str, Any]] = []
         self._counters = Counters()
-        self._tops: dict[str, int] = {}  # stream id -> its top_logprobs (-1: none), for revise
+        # stream id -> what revise() reuses of a stream, as the real model keeps its newest 64 finished ones
+        self._records: collections.OrderedDict[str, _Record] = collections.OrderedDict()
 
     @property
     def active(self) -> int:
@@ -148,20 +166,34 @@ class ScriptedTextModel:
         self.calls.append({"prompt": prompt, **{name: getattr(checked, name) for name in TEXT_STREAM_ARGS}, **options})
         self._counters.enter()
         edits = _TextEdits()
+        return self._start(checked, prompt_tokens, edits)
+
+    def _start(self, checked: TextOptions, prompt_tokens: int, edits: _TextEdits, prefix: str = "",
+               kept: tuple[list[int], list[int]] = ([], []), instruction: str | None = None) -> Stream:
+        record = _Record(checked, prompt_tokens)
         top = checked.top_logprobs if checked.wants_logprobs else -1
         stream = start_stream(
             "text",
-            lambda w: self._produce(w, prompt_tokens, checked.max_new_tokens, list(checked.stop), checked.chunk_tokens or 1, edits,
-                                    top=top),
+            lambda w: self._produce(w, prompt_tokens, checked.max_new_tokens, list(checked.stop), checked.chunk_tokens or 1,
+                                    edits, prefix=prefix, instruction=instruction, top=top, kept=kept, record=record),
             edits.handle,
         )
-        self._tops[stream.stream_id] = top
+        self._records[stream.stream_id] = record
+        while len(self._records) > _KEPT_RECORDS:
+            self._records.popitem(last=False)
         return stream
 
     def revise(self, final: Event, offset: int, instruction: str | None = None, *, token_id: int | None = None,
                **options: Any) -> Stream:
         """Regenerate a finished answer from character ``offset``: a new stream whose first event
         is the kept prefix (``offset`` 0, revision 0), then (revision 1) the script from its start.
+
+        As the real model's, a revision keeps the original request's options (``max_new_tokens``,
+        ``stop``, ``chunk_tokens``, ``top_logprobs``, ...; ``options`` override them, beams become
+        1) and its prompt, and ``max_new_tokens`` counts the kept tokens too. Unlike the real
+        model's, the kept prefix is exactly ``offset`` characters (a token cut in two counts as
+        kept), and the final of a stream this fake did not run (or one of more than 64 ago)
+        revises with the default options.
 
         Example:
             >>> llm = ScriptedTextModel(["ab", "cd"])
@@ -177,24 +209,20 @@ class ScriptedTextModel:
                  "instruction must be a non-empty string or None")
         require(token_id is None or (is_int(token_id) and token_id >= 0),
                  f"token_id must be a token id (an integer >= 0), got {token_id!r}")
-        unknown = sorted(set(options) - set(REWIND_OPTIONS) - {"max_new_tokens"})
-        require(not unknown, f"revise() got unknown option(s) {unknown}")
-        parse_text_options(**options)
-        max_new_tokens = options.get("max_new_tokens", 256)
+        old = self._records.get(final.stream_id) or _Record(parse_text_options(), 1)
+        merged = dataclasses.asdict(old.options)
+        merged["num_beams"] = 1  # a revision continues the kept text token by token
+        merged.update(options)
+        checked = parse_text_options(**merged)
+        # The kept tokens: every token of the answer that starts before offset (the last one cut there).
+        k = sum(1 for start in [0, *old.ends[:-1]] if start < offset) if old.ends and offset else 0
+        kept = (old.ids[:k], [*old.ends[: k - 1], offset] if k else [])
         self.calls.append({"revise": True, "offset": offset, "instruction": instruction, **options})
         self._counters.enter()
         edits = _TextEdits()
         if token_id is not None:
             edits.branches[-1] = int(token_id)
-        prefix = text[:offset]
-        top = self._tops.get(final.stream_id, -1)  # as the real model, a revision keeps the options
-        stream = start_stream(
-            "text",
-            lambda w: self._produce(w, 1, max_new_tokens, [], 1, edits, prefix=prefix, instruction=instruction, top=top),
-            edits.handle,
-        )
-        self._tops[stream.stream_id] = top
-        return stream
+        return self._start(checked, old.prompt_tokens, edits, prefix=text[:offset], kept=kept, instruction=instruction)
 
     def generate(self, prompt: str | list[dict[str, str]], on_event: Callable[[Event], Any] | None = None,
                  **kwargs: Any) -> Event:
@@ -217,17 +245,18 @@ class ScriptedTextModel:
 
     def _produce(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
                  chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None,
-                 top: int = -1) -> None:
+                 top: int = -1, kept: tuple[list[int], list[int]] = ([], []), record: _Record | None = None) -> None:
         reason = "error"
         edits.writer = w
         try:
-            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens, edits, prefix, instruction, top)
+            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens, edits, prefix, instruction, top,
+                               kept, record)
         finally:
             self._counters.leave(reason)
 
     def _run(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
              chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None,
-             top: int = -1) -> str:
+             top: int = -1, kept: tuple[list[int], list[int]] = ([], []), record: _Record | None = None) -> str:
         emitted = ""      # text already sent
         held = ""         # text not sent yet (chunking, or a possible start of a stop string)
         held_ids: list[int] = []
@@ -235,9 +264,9 @@ class ScriptedTextModel:
         cursor = 0  # the script position of the next token (a branch moves it)
         if -1 in edits.branches:  # revise(..., token_id=)
             cursor = edits.branches.pop(-1) % len(self.tokens)
-        first_index = 0   # the answer position (in tokens) of the next event's first token
-        ends: list[int] = []  # where each sent token's text ends in the answer (a rewind cuts by them)
-        completion = 0
+        ids, ends = list(kept[0]), list(kept[1])  # each sent token and where its text ends in the answer
+        first_index = len(ids)   # the answer position (in tokens) of the next event's first token
+        completion = len(ids)    # as the real model's, a revision's kept tokens count
         stamps: list[float] = []
         reason: str | None = None
         matcher = StopMatcher(stops)
@@ -245,12 +274,12 @@ class ScriptedTextModel:
         cut: int | None = None  # after a rewind: where the next delta begins
         if prefix:
             # A revise() stream: the kept part first, then the regenerated rest as revision 1.
-            w.text(prefix, [], 0)
+            w.text(prefix, ids, 0, logprobs=[self.logprob_entry(i, top) for i in ids] if top >= 0 else None)
             emitted = prefix
         if prefix or instruction is not None:
             w.new_revision()
             revisions.append({"kind": "revise", "step": 0, "offset": len(prefix), "instruction": instruction})
-        for n in range(max_new_tokens):
+        for n in range(max(max_new_tokens - len(kept[0]), 0)):
             pause(w, self.first_delay_s if n == 0 else self.delay_s)
             if w.cancelled:
                 reason = "cancelled"
@@ -270,7 +299,7 @@ class ScriptedTextModel:
                     matcher = StopMatcher(stops)
                     cut = offset
                     keep = sum(1 for e in ends if e <= offset)
-                    del ends[keep:]
+                    del ends[keep:], ids[keep:]
                     first_index = keep
                 else:
                     offset = len(emitted)
@@ -290,19 +319,27 @@ class ScriptedTextModel:
             if stopped:
                 reason = "stop_sequence"
                 break
-            if completion % chunk_tokens and completion < max_new_tokens:
+            if (completion - len(kept[0])) % chunk_tokens:  # the rest of a chunk goes out on the final, as on the model
                 continue
             if held:
                 w.text(held, held_ids, first_index, offset=cut, logprobs=held_lps if top >= 0 else None)
                 cut = None
                 stamps.append(w.elapsed())
                 for i in held_ids:
+                    ids.append(i)
                     ends.append((ends[-1] if ends else len(prefix)) + len(self.tokens[i]))
                 emitted += held
                 first_index += len(held_ids)
                 held, held_ids, held_lps = "", [], []
         held += matcher.flush()
         emitted += held
+        if record is not None:  # what revise() of this answer keeps
+            for i in held_ids if held else []:
+                ids.append(i)
+                ends.append((ends[-1] if ends else len(prefix)) + len(self.tokens[i]))
+            if ends:
+                ends[-1] = len(emitted)  # a stop string held back shortens the last token
+            record.ids, record.ends = ids, ends
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         duration = w.elapsed()
         metrics = {
