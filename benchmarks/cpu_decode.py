@@ -44,7 +44,7 @@ import multistream as ms
 from multistream.text._accel.compiled_decode import compile_decode
 from multistream.text._accel.quantize import quantize_model
 from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, embedded_gguf_path
-from multistream.text._quality import agreement, greedy_tokens, perplexity
+from multistream.testing._quality import agreement, greedy_tokens, perplexity
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 PROMPT = "Write a long, detailed story about a lighthouse keeper and the sea."

@@ -1,7 +1,7 @@
 """GPU check: what previews cost on a Stable Diffusion 1.5-sized pipeline, fp16, 512x512, 30 steps.
 
 Builds SD 1.5's exact architecture and sizes (UNet 860M parameters, VAE, CLIP ViT-L/14 text
-encoder) from configs written in ``multistream/_random_pipelines.py`` with random weights and an
+encoder) from configs written in ``multistream/testing/_random_pipelines.py`` with random weights and an
 offline CLIP tokenizer (no download), then times, interleaved, median of 3 rounds after a warm-up:
 the plain pipeline call (no callback) and ``.stream()`` with ``preview="latent"``, ``"x0"`` and
 ``"vae"`` every step, and prints each one's ratio to the plain call, plus the time to the first
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from image_stream import compare, print_table
 
     import multistream as ms
-    from multistream.image._random_pipelines import sd15_pipeline
+    from multistream.testing._random_pipelines import sd15_pipeline
 
     if args.tiny:
         device, dtype, scale = torch.device("cpu"), torch.float32, "tiny"

@@ -13,7 +13,7 @@ warm-up round. All runs use the same prompt, seed and step count. Modes:
 
 The model: ``--model`` (a diffusers folder), else the embedded shapes model if it is installed,
 else Stable Diffusion 1.x's architecture with random weights, narrowed so one run takes about a
-second on a small CPU (``multistream.image._random_pipelines.sd15_pipeline("bench")``, 128x128).
+second on a small CPU (``multistream.testing._random_pipelines.sd15_pipeline("bench")``, 128x128).
 
     python benchmarks/image_stream.py
     python benchmarks/image_stream.py --random --threads 1
@@ -118,7 +118,7 @@ def load_model(args: argparse.Namespace) -> Any:
         return ms.load_image_model(device=args.device), "embedded shapes model"
     import torch
 
-    from multistream.image._random_pipelines import sd15_pipeline
+    from multistream.testing._random_pipelines import sd15_pipeline
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from multistream._cli._console import LibraryNoticeFilter, quiet_library_notices, set_library_progress, show_progress
-from multistream._cli.image import out_target
+from multistream.cli._console import LibraryNoticeFilter, quiet_library_notices, set_library_progress, show_progress
+from multistream.cli.image import out_target
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -67,7 +67,7 @@ def test_serve_quantize_reaches_the_text_model_loader() -> None:
     factory, so Ray replicas get it too); 'auto' keeps the name (the library default)."""
     import pickle
 
-    from multistream._cli.serve import text_model_spec
+    from multistream.cli.serve import text_model_spec
     from multistream.text import load_text_model
 
     assert text_model_spec("default") == "default" and text_model_spec("none", "int8") is None

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 import multistream as ms
-from multistream.image import _random_pipelines as rp
+from multistream.testing import _random_pipelines as rp
 from multistream.image import ImageModel
 
 

@@ -9,7 +9,7 @@ import pytest
 from test_image import Lockstep, cancel_at, one_thread  # noqa: F401
 
 import multistream as ms
-from multistream.image import _random_pipelines as rp
+from multistream.testing import _random_pipelines as rp
 from multistream.image import ImageModel
 
 

@@ -10,7 +10,7 @@ import multistream as ms
 
 # tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
 from test_image import one_thread  # noqa: F401
-from multistream.image import _random_pipelines as rp
+from multistream.testing import _random_pipelines as rp
 from multistream.image import _loading as image_module
 from multistream.image import ImageModel
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import multistream as ms
-from multistream.image._random_pipelines import tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
+from multistream.testing._random_pipelines import tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
 from multistream.errors import InvalidArgumentError, StreamFinishedError
 
 BLUE = "a red circle on a blue background"

@@ -145,7 +145,7 @@ def test_tiny_preview_end_to_end_on_the_embedded_model() -> None:
 
 
 def test_tiny_preview_on_a_pipeline_without_a_shipped_decoder_fits_once(monkeypatch) -> None:
-    from multistream.image import _random_pipelines as rp
+    from multistream.testing import _random_pipelines as rp
 
     monkeypatch.setattr(pd, "_DEFAULTS", {**pd._DEFAULTS, **TINY_FIT})
     monkeypatch.setattr(pd.fit_preview_decoder, "__kwdefaults__", {**pd.fit_preview_decoder.__kwdefaults__, **TINY_FIT})
@@ -164,7 +164,7 @@ def _preview_sides(model, preview: str) -> set[int]:
 
 
 def test_x0_uses_a_fitted_decoder_where_one_is_at_hand_else_the_linear_map(monkeypatch) -> None:
-    from multistream.image import _random_pipelines as rp
+    from multistream.testing import _random_pipelines as rp
 
     monkeypatch.setattr(pd, "_DEFAULTS", {**pd._DEFAULTS, **TINY_FIT})
     monkeypatch.setattr(pd.fit_preview_decoder, "__kwdefaults__", {**pd.fit_preview_decoder.__kwdefaults__, **TINY_FIT})

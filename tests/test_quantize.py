@@ -29,7 +29,7 @@ from multistream.text._accel.quantize import (
     quantize_model,
 )
 from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, resolve_quantize
-from multistream.text._quality import agreement, greedy_tokens, perplexity
+from multistream.testing._quality import agreement, greedy_tokens, perplexity
 
 DATA = Path(__file__).parent / "data"
 CPU = torch.device("cpu")

@@ -221,8 +221,8 @@ def test_cancelling_speak_cancels_both(tts):
 
 def test_cli_speak_writes_a_wav_and_an_mp3(tmp_path, capsys, tts, monkeypatch):
     import multistream.speech
-    from multistream._cli.speak import write_audio
     from multistream.cli import main
+    from multistream.cli.speak import write_audio
 
     monkeypatch.setattr(multistream.speech, "load_speech_model", lambda *a, **k: tts)  # the module's voice
 

@@ -62,8 +62,7 @@ import torch
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from ._model import ImageJob, ImageModel
-    from ._run import ImageSteering
+    from ._job import ImageJob, RunContext, SteeringState
 
 __all__ = ["ImageCheckpoint", "RunCheckpoints", "checkpoint_plan"]
 
@@ -311,13 +310,13 @@ def _generators(call_kwargs: dict[str, Any]) -> list[torch.Generator]:
     return []
 
 
-def _request_of(model: ImageModel, job: ImageJob) -> dict[str, Any]:
+def _request_of(context: RunContext, job: ImageJob) -> dict[str, Any]:
     """What a resumed run must share with the run its checkpoint came from."""
     kwargs = job.call_kwargs
     conditioning = json.dumps([kwargs.get("prompt"), kwargs.get("negative_prompt"), kwargs.get("guidance_scale")])
     return {"steps": job.steps, "height": job.height, "width": job.width, "num_images": job.num_images,
-            "seed": job.seed, "scheduler": type(model.pipeline.scheduler).__name__,
-            "pipeline": type(model.pipeline).__name__,
+            "seed": job.seed, "scheduler": type(context.pipeline.scheduler).__name__,
+            "pipeline": type(context.pipeline).__name__,
             "prompt_sha256": hashlib.sha256(conditioning.encode()).hexdigest()[:32]}
 
 
@@ -328,9 +327,9 @@ class RunCheckpoints:
     ``after_step(...)`` takes a checkpoint when one is due and hands it to ``on_checkpoint``.
     """
 
-    def __init__(self, model: ImageModel, job: ImageJob, resume: ImageCheckpoint | None,
+    def __init__(self, context: RunContext, job: ImageJob, resume: ImageCheckpoint | None,
                  on_checkpoint: Callable[[ImageCheckpoint], Any] | None, every: int) -> None:
-        self.request = _request_of(model, job)
+        self.request = _request_of(context, job)
         self.resume = resume
         self.sink = on_checkpoint
         self.every = every
@@ -424,7 +423,7 @@ class RunCheckpoints:
                     "(its denoising loop does not read `interrupt` once per step); start the run afresh")
 
     def after_step(self, step: int, total: int, latents: torch.Tensor | None,
-                   steering: ImageSteering | None) -> None:
+                   steering: SteeringState | None) -> None:
         """Take a checkpoint after ``step`` if one is due, and hand it to ``on_checkpoint``."""
         if self.sink is None or latents is None or step % self.every:
             return
@@ -438,7 +437,7 @@ class RunCheckpoints:
         self.taken += 1
         self.sink(checkpoint)
 
-    def capture(self, step: int, total: int, latents: torch.Tensor, steering: ImageSteering | None) -> ImageCheckpoint:
+    def capture(self, step: int, total: int, latents: torch.Tensor, steering: SteeringState | None) -> ImageCheckpoint:
         if self._reference is None:
             raise _Unsupported("state could not be read (set_timesteps was never called)")
         tensors: dict[str, torch.Tensor] = {}
@@ -468,7 +467,7 @@ class RunCheckpoints:
                                conditioning=conditioning, steers=steers, request=dict(self.request))
 
 
-def checkpoint_plan(model: ImageModel, job: ImageJob, resume_from: Any, on_checkpoint: Any,
+def checkpoint_plan(context: RunContext, job: ImageJob, resume_from: Any, on_checkpoint: Any,
                     checkpoint_every: Any) -> RunCheckpoints | None:
     """Check ``stream()``'s checkpoint arguments; None when the run neither takes nor resumes from one."""
     if on_checkpoint is not None and not callable(on_checkpoint):
@@ -478,8 +477,8 @@ def checkpoint_plan(model: ImageModel, job: ImageJob, resume_from: Any, on_check
         raise InvalidArgumentError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
     if resume_from is None and on_checkpoint is None:
         return None
-    pipe = model.pipeline
-    if "callback_on_step_end" not in model._params:
+    pipe = context.pipeline
+    if "callback_on_step_end" not in context.params:
         raise InvalidArgumentError(
             f"{type(pipe).__name__} has no callback_on_step_end, so its runs cannot be checkpointed or resumed")
     resume: ImageCheckpoint | None = None
@@ -498,7 +497,7 @@ def checkpoint_plan(model: ImageModel, job: ImageJob, resume_from: Any, on_check
         if job.num_images and resume.latents.shape[0] % job.num_images:
             raise InvalidArgumentError(
                 f"resume_from holds {resume.latents.shape[0]} latents; this run makes {job.num_images} images")
-        mine = _request_of(model, job)
+        mine = _request_of(context, job)
         for key, theirs in resume.request.items():
             if key == "seed" and (theirs is None or theirs < 0 or mine["seed"] < 0):
                 continue  # a caller-made generator: its state is the caller's to match
@@ -508,4 +507,4 @@ def checkpoint_plan(model: ImageModel, job: ImageJob, resume_from: Any, on_check
                     f"resume_from was taken from a run with other arguments ({what}; this call has "
                     f"{'others' if key == 'prompt_sha256' else repr(mine.get(key))}): resume with the arguments of "
                     "the run the checkpoint came from")
-    return RunCheckpoints(model, job, resume, on_checkpoint, int(checkpoint_every))
+    return RunCheckpoints(context, job, resume, on_checkpoint, int(checkpoint_every))

@@ -27,15 +27,12 @@ Example (what `ImageRun` does with its pipeline copy):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from greenlet import getcurrent
 
-if TYPE_CHECKING:
-    from ._stepper import ImageStepper
-
-__all__ = ["DenoiserGate", "Parked", "call_together"]
+__all__ = ["DenoiserGate", "Gathering", "Parked", "call_together"]
 
 logger = logging.getLogger("multistream")
 
@@ -67,10 +64,17 @@ class _Failed:
         self.exc = exc
 
 
+class Gathering(Protocol):
+    """What a gate reads of the engine's step scheduler (`ImageStepper`): whether it is gathering
+    a batched step now (else a call runs the denoiser at once)."""
+
+    gathering: bool
+
+
 class DenoiserGate:
     """Stands in for a run's UNet; parks its calls while the engine gathers a batched step."""
 
-    def __init__(self, denoiser: torch.nn.Module, stepper: ImageStepper) -> None:
+    def __init__(self, denoiser: torch.nn.Module, stepper: Gathering) -> None:
         self.denoiser = denoiser
         self.stepper = stepper
 

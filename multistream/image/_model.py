@@ -46,7 +46,6 @@ import random
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -59,40 +58,17 @@ from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
 from ._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
+from ._job import ImageJob, RunContext
 from ._latent_rgb import LatentRGB, detect_family, latent_rgb_for
-from ._options import PreviewPlan, PreviewThrottle, check_size_multiple, parse_image_options, parse_preview
+from ._options import PreviewPlan, check_size_multiple, parse_image_options, parse_preview
 from ._previews import DecoderParts, settle_plan, x0_strategy
 from ._run import ImageRun, ImageSteering
 from ._stepper import ImageRequest, ImageStepper
 from ._taesd import load_taesd
 
-__all__ = ["ImageJob", "ImageModel"]
+__all__ = ["ImageModel"]
 
 logger = logging.getLogger("multistream")
-
-
-@dataclass
-class ImageJob:
-    """One validated `stream()` call."""
-
-    call_kwargs: dict[str, Any]
-    plan: PreviewPlan
-    throttle: PreviewThrottle
-    steps: int | None
-    height: int | None
-    width: int | None
-    seed: int
-    num_images: int
-    preview_format: str
-    preview_quality: int
-    preview_max_side: int | None
-    final_format: str
-    final_quality: int
-    taesd: Any
-    user_callback: Callable[..., Any] | None
-    tensor_inputs: list[str]
-    decoders: DecoderParts  # what `build_decoder` makes ``plan.decoder`` from
-    priority: int = 0
 
 
 class ImageModel:
@@ -386,7 +362,7 @@ class ImageModel:
             ...     ev.image.save(f"step_{ev.step:03d}.png")
         """
         job = self._prepare(prompt, taesd, options)
-        checkpoints = checkpoint_plan(self, job, resume_from, on_checkpoint, checkpoint_every)
+        checkpoints = checkpoint_plan(self._run_context(), job, resume_from, on_checkpoint, checkpoint_every)
         if checkpoints is not None:
             checkpoints.apply_conditioning(job.call_kwargs)  # a resumed run goes on under the steered conditioning
 
@@ -637,6 +613,13 @@ class ImageModel:
             self._preview_net = net.to(self.device)
             return True
 
+    def _run_context(self) -> RunContext:
+        """What a run of this model reads of it (`ImageRun`, `RunCheckpoints` get this, not the model)."""
+        return RunContext(pipeline=self._pipe, device=self.device, params=self._params,
+                          takes_step_callback=self._takes_step_callback,
+                          stepper=self._stepper if self._batch_steps else None,
+                          latent_rgb_if_ready=self._latent_rgb_if_ready)
+
     def _latent_rgb_if_ready(self) -> LatentRGB | None:
         """The map if it is known without fitting (nothing may be decoded after a cancel)."""
         if self._latent_rgb is not None:
@@ -671,12 +654,12 @@ class _ImageRequest(ImageRequest):
 
     def _start(self, yield_step: Callable[[], None]) -> None:
         # Built here, on the engine thread: copying the scheduler copies tensors.
-        self._run = ImageRun(self._model, self._writer, self._job, yield_step, self._steering, self._checkpoints)
+        self._run = ImageRun(self._model._run_context(), self._writer, self._job, yield_step, self._steering, self._checkpoints)
         self._run.execute()
 
     def _cancel(self) -> None:
         if self._steering is not None:
             self._steering.close()
         if self._run is None:
-            self._run = ImageRun(self._model, self._writer, self._job, lambda: None)
+            self._run = ImageRun(self._model._run_context(), self._writer, self._job, lambda: None)
         self._run._emit_cancelled()

@@ -23,7 +23,7 @@ The pipeline object is the request's own shallow copy with its own scheduler (sc
 per-run state: timesteps, step index), so runs can interleave step by step on one set of weights.
 
 Example (what `ImageModel` does on the engine thread):
-    >>> run = ImageRun(model, writer, job, yield_step=lambda: None)   # doctest: +SKIP
+    >>> run = ImageRun(model._run_context(), writer, job, yield_step=lambda: None)   # doctest: +SKIP
     >>> run.execute()                                                 # doctest: +SKIP
 """
 
@@ -65,7 +65,7 @@ from ._previews import (
 
 if TYPE_CHECKING:
     from ._checkpoint import RunCheckpoints
-    from ._model import ImageJob, ImageModel
+    from ._job import ImageJob, RunContext
 
 __all__ = ["ImageRun", "ImageSteering", "RunStats", "steer_layout"]
 
@@ -350,23 +350,23 @@ def _own_pipeline(pipe: Any) -> Any:
 
 
 class ImageRun:
-    """Runs one `ImageJob` of ``model`` and emits its events to ``writer``."""
+    """Runs one `ImageJob` of a model (``context``: what it reads of it) and emits its events to ``writer``."""
 
     def __init__(
-        self, model: ImageModel, writer: StreamWriter, job: ImageJob, yield_step: Callable[[], None],
+        self, context: RunContext, writer: StreamWriter, job: ImageJob, yield_step: Callable[[], None],
         steering: ImageSteering | None = None, checkpoints: RunCheckpoints | None = None,
     ) -> None:  # fmt: skip
-        self.model = model
+        self.context = context
         self.steering = steering
         self.writer = writer
         self.job = job
         self.stats = RunStats(started=time.perf_counter())
-        self.pipe = _own_pipeline(model.pipeline)
+        self.pipe = _own_pipeline(context.pipeline)
         # Offloaded pipelines (accelerate hooks on the UNet) keep a plain UNet: the offload chain
         # is rebuilt from the pipeline's modules, which a gate is not.
-        if model._batch_steps and not hasattr(self.pipe.unet, "_hf_hook"):
+        if context.stepper is not None and not hasattr(self.pipe.unet, "_hf_hook"):
             # Same-shape requests share batched UNet calls (`engine.denoiser_batch`).
-            self.pipe.__dict__["unet"] = DenoiserGate(self.pipe.unet, model._stepper)
+            self.pipe.__dict__["unet"] = DenoiserGate(self.pipe.unet, context.stepper)
         self.yield_step = yield_step
         self.worker: FrameWorker | None = None
         # Taking checkpoints (``on_checkpoint=``) and resuming from one (``resume_from=``).
@@ -388,7 +388,7 @@ class ImageRun:
         tracker = X0Tracker(pipe.scheduler) if has_x0 else None
         # Encoding off the engine thread pays where the denoiser runs elsewhere (a GPU); on a CPU it
         # only competes with the denoiser's own threads, so frames are encoded inline there.
-        inline = self.model.device.type == "cpu"
+        inline = self.context.device.type == "cpu"
         self.worker = worker = FrameWorker(
             self._emit_preview, name=f"multistream-frames-{writer.stream_id[:8]}", inline=inline
         )
@@ -397,7 +397,7 @@ class ImageRun:
             self.steering.apply_before_start(kwargs)
         if self.checkpoints is not None:
             self.checkpoints.install(pipe, kwargs)
-        if self.model._takes_step_callback:
+        if self.context.takes_step_callback:
             kwargs["callback_on_step_end"] = self._make_callback(decoder, tracker)
             kwargs["callback_on_step_end_tensor_inputs"] = job.tensor_inputs
         run.call_at = time.perf_counter()
@@ -559,7 +559,7 @@ class ImageRun:
                 frames.append((pending.step, encode_frame(pixels, job.preview_format, job.preview_quality)))
         elif run.stop_latents is not None:
             spatial = unpack_latents(self.pipe, run.stop_latents, job.height, job.width)
-            lrgb = self.model._latent_rgb_if_ready()
+            lrgb = self.context.latent_rgb_if_ready()
             if lrgb is not None and lrgb.channels == spatial.shape[1]:
                 rgb = LinearDecoder(lrgb).decode(spatial)
             else:

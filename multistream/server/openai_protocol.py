@@ -21,15 +21,14 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field, create_model
 
 from .._spec import body_fields
-from ..image import IMAGE_STREAM_ARGS
+from ..image import IMAGE_STREAM_ARGS, ImageOptions
 from ..text import TEXT_STREAM_ARGS, TextOptions
 from .bodies import LAX_BODY, STRICT_BODY, check_family_options, check_image_limits, check_prompt_limit, validate_body
 from .problems import Problem
 from .settings import ServerSettings
 
-__all__ = ["ChatCompletionRequest", "ImageGenerationRequest", "StreamOptions", "chat_choices", "chat_kwargs",
-           "chat_messages", "check_options",
-           "image_kwargs"]
+__all__ = ["CHAT_OPTION_FIELDS", "ChatCompletionRequest", "IMAGE_OPTION_FIELDS", "ImageGenerationRequest",
+           "StreamOptions", "chat_choices", "chat_kwargs", "chat_messages", "check_options", "image_kwargs"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -106,26 +105,29 @@ _EXTENSIONS = ("top_k", "repetition_penalty", "min_p", "num_beams", "length_pena
                "stop_on_repetition")
 
 
-def _option_fields(names: tuple[str, ...]) -> dict[str, Any]:
+def _option_fields(options: type, names: tuple[str, ...], extensions: tuple[str, ...]) -> dict[str, Any]:
+    """``{name: (annotation, Field)}`` of the ``names`` of the options class ``options``: its type
+    and description (``extensions`` marked as such), a null default, except priority's."""
     out: dict[str, Any] = {}
-    for name, (wire, field) in body_fields(TextOptions).items():
+    for name, (wire, field) in body_fields(options).items():
         if name not in names:
             continue
-        doc = ("extension: " if name in _EXTENSIONS else "") + (field.description or "")
+        doc = ("extension: " if name in extensions else "") + (field.description or "")
         if name == "priority":
             out[name] = (wire, Field(default=field.default, description=doc))
         else:
             out[name] = (Optional[wire], Field(default=None, description=doc))
     missing = set(names) - set(out)
-    assert not missing, f"TextOptions has no {sorted(missing)}"
+    assert not missing, f"{options.__name__} has no {sorted(missing)}"
     return out
 
 
 ChatCompletionRequest = create_model(
     "ChatCompletionRequest", __base__=_ChatCompletionBase, __doc__=_ChatCompletionBase.__doc__,
-    **_option_fields(CHAT_OPTION_FIELDS))
+    **_option_fields(TextOptions, CHAT_OPTION_FIELDS, _EXTENSIONS))
 
-class ImageGenerationRequest(BaseModel):
+
+class _ImageGenerationBase(BaseModel):
     """``POST /v1/images/generations`` (OpenAI)."""
 
     model_config = LAX_BODY
@@ -143,11 +145,6 @@ class ImageGenerationRequest(BaseModel):
     moderation: Optional[str] = Field(default=None, description="accepted and ignored")
     user: Optional[str] = Field(default=None, description="accepted and ignored")
     style: Optional[str] = Field(default=None, description="accepted and ignored")
-    steps: Optional[int] = Field(default=None, description="extension: denoising steps")
-    seed: Optional[int] = Field(default=None, description="extension: an integer")
-    guidance_scale: Optional[float] = Field(default=None, description="extension: a finite number")
-    negative_prompt: Optional[str] = Field(default=None, description="extension: a string")
-    priority: int = Field(default=0, description="extension: an integer; higher runs first")
 
     def to_image_options(self, fmt: str, previews: bool) -> dict[str, Any]:
         """``ImageModel.stream`` keyword arguments (the prompt and `ImageOptions`): OpenAI's names
@@ -173,6 +170,16 @@ class ImageGenerationRequest(BaseModel):
         else:
             kwargs["preview"] = "none"
         return kwargs
+
+
+# The OpenAI image fields that have an `ImageOptions` namesake (all extensions of OpenAI's body),
+# with its type and description: declared once, in the spec. Each defaults to null (the model's own
+# default), except priority, whose default is the spec's.
+IMAGE_OPTION_FIELDS = ("steps", "seed", "guidance_scale", "negative_prompt", "priority")
+
+ImageGenerationRequest = create_model(
+    "ImageGenerationRequest", __base__=_ImageGenerationBase, __doc__=_ImageGenerationBase.__doc__,
+    **_option_fields(ImageOptions, IMAGE_OPTION_FIELDS, IMAGE_OPTION_FIELDS))
 
 
 def _response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ GGUF conversion and weight loading, diffusers' pipeline loading, the preview fit
 terminal and stay out of logs and pipes.
 
 Example:
-    >>> from multistream._cli._console import quiet_library_notices, show_progress
+    >>> from multistream.cli._console import quiet_library_notices, show_progress
     >>> quiet_library_notices()
     >>> show_progress() in (True, False)
     True

@@ -1,1 +1,0 @@
-"""Subcommands of the ``multistream`` command line, one module each (see ``multistream.cli``)."""
