@@ -377,26 +377,30 @@ static void matmul_work(const ms_qmat *m, const float *x, int64_t rows, float *y
     const int64_t k = m->k, n = m->n, blocks = k / BLOCK, tiles = (n + TILE - 1) / TILE;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        int64_t end = (t + 1) * TILE < n ? (t + 1) * TILE : n;
-        for (int64_t j = t * TILE; j < end; j++) {
-            float bias = m->bias ? m->bias[j] : 0.0f;
-            int64_t r = 0;
-            if (!m->acts) {
-                for (; r + GROUP <= rows; r += GROUP) {
+        const int64_t first = t * TILE, end = (t + 1) * TILE < n ? (t + 1) * TILE : n;
+        // Activation rows outside, the tile's weight rows inside: a group of rows is read from L2
+        // once per tile and meets every weight row of it in L1 (the other order read the group again
+        // for each weight row, and prefill ran at L2's bandwidth). Each (row, weight row) pair is
+        // computed by the same code either way: the order changes no value.
+        int64_t r = 0;
+        if (!m->acts) {
+            for (; r + GROUP <= rows; r += GROUP)
+                for (int64_t j = first; j < end; j++) {
                     float v[GROUP];
                     dot_f32_group(m, j, x + r * k, sums + r * blocks, v);
-                    for (int g = 0; g < GROUP; g++) y[(r + g) * n + j] = m->bias ? v[g] + bias : v[g];
+                    for (int g = 0; g < GROUP; g++) y[(r + g) * n + j] = m->bias ? v[g] + m->bias[j] : v[g];
                 }
-                for (; r < rows; r++) {
+            for (; r < rows; r++)
+                for (int64_t j = first; j < end; j++) {
                     float v = dot_f32(m, j, x + r * k, sums + r * blocks);
-                    y[r * n + j] = m->bias ? v + bias : v;
+                    y[r * n + j] = m->bias ? v + m->bias[j] : v;
                 }
-            } else {
-                for (; r < rows; r++) {
+        } else {
+            for (; r < rows; r++)
+                for (int64_t j = first; j < end; j++) {
                     float v = dot_i8(m, j, a8->q + r * k, a8->d + r * blocks, a8->s + r * blocks);
-                    y[r * n + j] = m->bias ? v + bias : v;
+                    y[r * n + j] = m->bias ? v + m->bias[j] : v;
                 }
-            }
         }
     }
 }
