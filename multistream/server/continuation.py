@@ -420,7 +420,8 @@ class Continuer:
         _keep_checkpoints(log, record, plan.checkpoints)
         registry.remote.pop(sid, None)
         self.continued.append(sid)
-        logger.warning("stream %s: continuing it here after its server went away (%d events logged)", sid, len(events))
+        logger.warning("stream %s: continuing it here after its server went away (%d events logged)", sid,
+                       len(record.events))
         for hook in CONTINUED_HOOKS:
             await hook(state, record)
 
