@@ -2,13 +2,19 @@
 killed (-9) mid-generation, started again on the same Redis and port; a client resumes with
 ``Last-Event-ID`` as soon as the port answers.
 
-    python benchmarks/restart_continue.py [--rounds 2] [--model scripted|default]
+    python benchmarks/restart_continue.py [--rounds 2] [--model scripted|default] [--image]
 
 Needs ``redis-server`` (scripts/setup.sh --test). Prints per round: the new process's start to
 its port answering (``/healthz``), restart (process start) to the first continued event, kill to the first continued
 event, and whether the whole text arrived with no gap or duplicate. ``--model scripted`` is a fake
 model (30 ms a token; the server's own start and the claim dominate); ``--model default`` the
 embedded one (``--quantize none``), whose load is part of the figure.
+
+``--image`` also runs an image round per round: the embedded image model (CPU, 20 steps, each
+denoiser call held 0.1 s longer so the kill lands mid-run), killed after its 5th preview; it
+reports the same times, the step the continuation resumed from (its checkpoint), whether the
+events came with no duplicate and the final PNG equals an uninterrupted run's, and the
+checkpoints' cost on the first server's run (writes, bytes, milliseconds per write).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -42,9 +50,23 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def slow_image() -> Any:
+    """The image round's model (``restart_continue:slow_image``): the embedded one, each denoiser
+    call held 0.1 s longer."""
+    import multistream as ms
+
+    model = ms.load_image_model(device="cpu")
+    model.pipeline.unet.register_forward_hook(lambda *args: time.sleep(0.1))
+    return model
+
+
 def _serve(redis_url: str, port: int, model: str) -> subprocess.Popen[bytes]:
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    if model == "image":
+        return subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
+                                 "--text-model", "none", "--image-model", "restart_continue:slow_image",
+                                 "--event-log", redis_url, "--log-level", "warning"], env=env)
     extra = ["--text-model", "restart_continue:scripted"] if model == "scripted" else ["--quantize", "none"]
     return subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
                              "--image-model", "none", "--event-log", redis_url, "--log-level", "warning", *extra],
@@ -106,10 +128,68 @@ def one_round(redis_url: str, model: str) -> dict[str, float | bool]:
         proc.wait(10)
 
 
+def _sse(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            yield json.loads(line[5:])
+
+
+def image_round(redis_url: str) -> dict[str, Any]:
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    body = {"prompt": "a red circle on a blue background", "steps": 20, "seed": 11, "preview": "x0"}
+    proc = _serve(redis_url, port, "image")
+    try:
+        _wait(url, "/readyz")
+        with httpx.Client(timeout=300) as client:
+            with client.stream("POST", url + "/v1/image", json=body) as r:
+                sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+                first: list[dict] = []
+                for ev in _sse(r):
+                    first.append(ev)
+                    if len(first) == 5:
+                        break
+            proc.send_signal(signal.SIGKILL)
+            killed = time.perf_counter()
+            proc.wait(10)
+            proc = _serve(redis_url, port, "image")
+            started = time.perf_counter()
+            _wait(url, "/healthz")
+            listening = time.perf_counter()
+            rest: list[dict] = []
+            got_first = None
+            with client.stream("GET", f"{url}/v1/streams/{sid}/events",
+                               headers={"Last-Event-ID": str(first[-1]["seq"]), "X-Resume-Token": token}) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"resume: {r.status_code} {r.read()[:300]!r}")
+                for ev in _sse(r):
+                    rest.append(ev)
+                    got_first = got_first or time.perf_counter()
+            with client.stream("POST", url + "/v1/image", json=body) as r:
+                whole = list(_sse(r))
+        events = first + rest
+        seqs = [e["seq"] for e in events]
+        steps = [e["step"] for e in events[:-1]]
+        final, reference = events[-1], whole[-1]
+        exact = (seqs == sorted(set(seqs)) and steps == sorted(set(steps)) and final.get("is_final")
+                 and final.get("data") == reference.get("data"))
+        m = reference.get("metrics") or {}
+        return {"listening_s": listening - started, "restart_to_first_s": (got_first or 0) - started,
+                "kill_to_first_s": (got_first or 0) - killed, "exact": bool(exact),
+                "resumed_from_step": (final.get("metrics") or {}).get("resumed_from_step"),
+                "killed_after_step": first[-1]["step"], "steps": body["steps"],
+                "checkpoint_writes": m.get("checkpoint_writes"), "checkpoint_bytes": m.get("checkpoint_bytes"),
+                "checkpoint_write_ms": m.get("checkpoint_write_ms"), "ms_per_step": m.get("ms_per_step")}
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="scripted", choices=["scripted", "default"])
+    ap.add_argument("--image", action="store_true", help="also an image round per round (the embedded image model)")
     args = ap.parse_args()
     redis = shutil.which("redis-server")
     if redis is None:
@@ -125,6 +205,16 @@ def main() -> None:
                 print(f"round {i}: new process start -> listening {r['listening_s']:.2f} s, restart -> first continued event "
                       f"{r['restart_to_first_s']:.2f} s, kill -> first continued event {r['kill_to_first_s']:.2f} s, "
                       f"complete and exact: {r['exact']} (final: {r['final']})", flush=True)
+                if args.image:
+                    g = image_round(f"redis://127.0.0.1:{rport}/0")
+                    print(f"image round {i}: new process start -> listening {g['listening_s']:.2f} s, restart -> first "
+                          f"continued event {g['restart_to_first_s']:.2f} s, kill -> first continued event "
+                          f"{g['kill_to_first_s']:.2f} s; killed after step {g['killed_after_step']}/{g['steps']}, "
+                          f"resumed from checkpoint step {g['resumed_from_step']}; no duplicate and final PNG equal "
+                          f"to an uninterrupted run's: {g['exact']}; checkpoints on an uninterrupted run: "
+                          f"{g['checkpoint_writes']:.0f} writes of {g['checkpoint_bytes']:.0f} B, "
+                          f"{g['checkpoint_write_ms']:.2f} ms each (off the denoising thread; "
+                          f"{g['ms_per_step']:.0f} ms a step)", flush=True)
         finally:
             rproc.terminate()
             rproc.wait(10)

@@ -144,7 +144,8 @@ def test_resume_after_a_restart_of_the_single_process_server() -> None:
                 proc = _serve(redis.url, port)
                 assert _resume(client, url, done_sid, done_token, 2) == done_events[3:]
                 assert done_events[-1]["finish_reason"] == "length"
-                # The interrupted one was cancelled by the shutdown: its log ends with that final.
+                # The interrupted one runs on through the drain (or is handed off to the new server): its log ends
+                # with a final.
                 rest = _resume(client, url, cut_sid, cut_token, cut_first[-1]["seq"])
                 seqs = [e["seq"] for e in cut_first + rest]
                 assert seqs == list(range(len(seqs)))
@@ -218,3 +219,38 @@ def test_bad_event_log_url_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="redis://"):
         RedisEventLog("http://127.0.0.1:1", ServerSettings())
     assert ServerSettings(event_log="memory").event_log == "memory"
+
+
+def test_a_follower_reads_again_after_a_late_answer() -> None:
+    """A read of the log that times out (this process's event loop was busy past its deadline, a
+    model loading, say) is read again, not taken for a Redis outage that ends the reader's stream."""
+    from redis.exceptions import TimeoutError as ReadTimeout
+
+    from multistream.events import TextEvent
+
+    sid = "c" * 32
+    events = [TextEvent(stream_id=sid, seq=i, t=0.01 * i, delta=f" w{i}", token_ids=[i], index=i,
+                        is_final=i == 2, **({"finish_reason": "length", "text": " w0 w1 w2"} if i == 2 else {}))
+              for i in range(3)]
+
+    async def run(url: str) -> list[int]:
+        log = RedisEventLog(url, ServerSettings(), block_ms=100)
+        await log.redis.hset(log.key("m", sid), mapping={"token": "t", "kind": "text", "done": 0, "hb": time.time()})
+        await log.redis.xadd(log.key("s", sid), {"j": events[0].to_json(), "f": 0}, id=entry_id(0))
+        record = await log.load(sid)
+        real, landing = log.redis.xread, events[1:]
+
+        async def xread(*args, **kwargs):  # the first two reads: the event lands, the answer comes too late
+            if landing:
+                ev = landing.pop(0)
+                await log.redis.xadd(log.key("s", sid), {"j": ev.to_json(), "f": int(ev.is_final)}, id=entry_id(ev.seq))
+                raise ReadTimeout("Timeout reading from 127.0.0.1")
+            return await real(*args, **kwargs)
+
+        log.redis.xread = xread
+        seqs = [ev.seq async for ev in record.subscribe(0)]
+        await log.close()
+        return seqs
+
+    with redis_server() as redis:
+        assert asyncio.run(run(redis.url)) == [1, 2]

@@ -43,9 +43,6 @@ def add_parser(subparsers: Any) -> None:
                        help="--ray: image model replicas (0: no image model; default 1)")
     scale.add_argument("--ingress-replicas", type=int, default=1, metavar="K",
                        help="--ray: HTTP ingress replicas (default 1)")
-    scale.add_argument("--image-checkpoint-every", type=int, default=1, metavar="K",
-                       help="--ray with --event-log: image replicas checkpoint a stream every K denoising steps, "
-                       "so a replica taking over continues from there (default 1)")
     scale.add_argument("--autoscale", action="store_true",
                        help="--ray: autoscale model replicas between 1 and the --*-replicas counts")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -124,7 +121,13 @@ def run(args: argparse.Namespace) -> int:
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
     given["api_key"] = given["api_key"] or None  # an empty --api-key "" means open, as unset does
     given["event_log"] = given["event_log"] or None
-    settings = ServerSettings.from_env(**given)
+    from ..errors import InvalidArgumentError
+
+    try:
+        settings = ServerSettings.from_env(**given)
+    except InvalidArgumentError as exc:  # a bad flag or MULTISTREAM_* value: its message, no traceback
+        print(f"multistream serve: {exc}", file=sys.stderr)
+        return 2
 
     def spec(value: str) -> str | None:
         return None if value.lower() in ("none", "off", "") else value
@@ -132,16 +135,11 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         from ..server.ray import serve_ray
 
-        if args.image_checkpoint_every < 1:
-            print(f"multistream serve: --image-checkpoint-every must be >= 1, got {args.image_checkpoint_every}",
-                  file=sys.stderr)
-            return 2
-
         return serve_ray(settings, text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model),
                          text_replicas=args.text_replicas, image_replicas=args.image_replicas,
                          ingress_replicas=args.ingress_replicas, autoscale=args.autoscale, host=args.host,
                          port=args.port, address=args.ray_address,
-                         image_checkpoint_every=args.image_checkpoint_every)
+                         image_checkpoint_every=settings.image_checkpoint_every)
 
     # With keys, the demo page asks for a login (an API key as the password) and runs through the
     # same gates as the API.

@@ -255,8 +255,11 @@ class RemoteRecord:
             skey = log.key("s", self.stream_id)
             # Replay with XRANGE (a fresh read: the log may have grown since it was loaded), then
             # follow with blocking XREAD from the last entry seen.
+            from redis.exceptions import TimeoutError as ReadTimeout
+
             cursor = entry_id(after)
             replay, finishing = True, False
+            slow_since: float | None = None
             while True:
                 try:
                     if replay:
@@ -265,7 +268,15 @@ class RemoteRecord:
                     else:
                         got = await log.redis.xread({skey: cursor}, count=512, block=log.block_ms)
                         entries = got[0][1] if got else []
+                    slow_since = None
                 except Exception as exc:  # noqa: BLE001
+                    now = time.monotonic()
+                    if isinstance(exc, (ReadTimeout, asyncio.TimeoutError)) and now - (slow_since or now) < log.stale_after_s:
+                        # A late answer, not a Redis that is down: this process was busy (a model
+                        # loading, say, so its event loop missed the read's deadline). Read again.
+                        slow_since = slow_since or now
+                        logger.debug("stream %s: reading the event log timed out; reading again", self.stream_id)
+                        continue
                     logger.warning("stream %s: reading the event log failed: %s", self.stream_id, exc)
                     yield self._server_final("the event log (Redis) became unavailable; resume again shortly",
                                              "event_log_unavailable")

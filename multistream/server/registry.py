@@ -105,6 +105,12 @@ class StreamRecord:
         # logged, so the server that continues the stream after a crash (`continuation`) starts
         # exactly after the client's Last-Event-ID. A log that fails stops holding them back.
         self.durable = 0
+        # With a durable log: another process can continue this stream (its request is kept with
+        # the log: `continuation.remember_request`); on SIGTERM it is handed off, not ended.
+        self.continuable = False
+        self.handed_off = False
+        self.checkpoints: Any = None  # an image stream's checkpoint writer (`image_checkpoints`)
+        self._done_callbacks: list[Callable[[StreamRecord], None]] = []
         # Nobody attached yet: if nobody ever does, the grace period still ends the generation.
         # (The full period even for non-resumable streams: their one reader attaches a moment later.)
         self._arm_grace(on_start=True)
@@ -188,6 +194,26 @@ class StreamRecord:
         self.stream.cancel()
         if self._force is None:
             self._force = self._loop.call_later(self._settings.cancel_timeout_s, self.force_finish)
+
+    def hand_off(self) -> None:
+        """Stop the model without ending the stream, for another process to continue it from the
+        shared log (`continuation.hand_off`, on SIGTERM): the final event the model makes now is
+        neither kept nor logged, and the readers here are let go without one (they resume on the
+        next server, which continues the stream after the last logged event)."""
+        if self.done:
+            return
+        self.handed_off = True
+        self.stream.cancel()
+        self.drop_subscribers()
+        if self._force is None:
+            self._force = self._loop.call_later(self._settings.cancel_timeout_s, self.force_finish)
+
+    def when_done(self, callback: Callable[[StreamRecord], None]) -> None:
+        """Call ``callback(record)`` once the stream has ended here (at once if it has)."""
+        if self.finished_at is not None:
+            callback(self)
+        else:
+            self._done_callbacks.append(callback)
 
     def force_finish(self) -> None:
         """End the stream now with a server-written final event (the model did not stop in time)."""
@@ -361,8 +387,17 @@ class StreamRecord:
                           metrics={"duration_ms": round(t * 1000, 3)})
 
     def _append(self, ev: Event) -> None:
+        if self.handed_off and ev.is_final:
+            # Handed off: the stream goes on elsewhere, so this final (a cancel's) is not its end.
+            self.done = True
+            self.finish_reason = "handed_off"
+            self._wake()
+            return
         if ev.seq != len(self.events):
             ev = dataclasses.replace(ev, seq=len(self.events))
+        if self.checkpoints is not None and ev.is_final and isinstance(ev, ImageEvent):
+            # What keeping its checkpoints in the log cost (as a Ray image replica reports it).
+            ev = dataclasses.replace(ev, metrics={**(ev.metrics or {}), **self.checkpoints.metrics()})
         now = time.perf_counter()
         if not self.events:
             self._metrics.ttft.observe(now - self._arrived, kind=self.kind)
@@ -419,10 +454,11 @@ class StreamRecord:
                 handle.cancel()
         self._grace = self._force = None
         self._metrics.finished.inc(kind=self.kind, finish_reason=self.finish_reason or "unknown")
-        try:
-            self._on_done(self)
-        except Exception:  # noqa: BLE001
-            logger.exception("stream %s: on_done callback failed", self.stream_id)
+        for callback in (self._on_done, *self._done_callbacks):
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001
+                logger.exception("stream %s: on_done callback failed", self.stream_id)
 
 
 class Registry:
@@ -500,7 +536,7 @@ class Registry:
 
     def _finished(self, record: StreamRecord) -> None:
         self.live.pop(record.stream_id, None)
-        if record.resumable:
+        if record.resumable and not record.handed_off:  # a handed-off one is read from the log
             self.finished[record.stream_id] = record
             self.retained_bytes += record.bytes
         self.evict()

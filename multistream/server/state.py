@@ -149,6 +149,7 @@ class ServerState:
                       "speech": Admission("speech", 0, settings.queue_size)}
         self.content_filter = content_filter
         self.draining = False
+        self.continuer: Any = None  # with a Redis log: `continuation.Continuer`
         self.drained = asyncio.Event() if _has_loop() else None
         self.started_at = time.time()
         self.loop = asyncio.get_running_loop() if _has_loop() else None
@@ -236,7 +237,15 @@ class ServerState:
                 raise Problem(503, "shutting_down", "the server is shutting down", {"Retry-After": "5"})
             if _takes_priority(model):
                 kwargs["priority"] = priority  # the engine serves higher priorities first at every step
-            stream = model.stream(**kwargs)
+            plan = None
+            if self.registry.log is not None:
+                from .continuation import durable_plan
+
+                # A restart continues it (`continuation`): an image's seed fixed, its checkpoints kept.
+                plan = durable_plan(self.registry.log, kind, model, kwargs, self.settings.image_checkpoint_every,
+                                    resumable)
+                kwargs = plan.kwargs
+            stream = model.stream(**kwargs, **(plan.extra if plan is not None else {}))
         except BaseException as exc:
             gate.release()
             release_quota()
@@ -251,10 +260,10 @@ class ServerState:
                                      model_name=self.models[kind].name, content_filter=self.content_filter,
                                      arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
                                      count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
-        if self.registry.log is not None:
+        if plan is not None:
             from .continuation import remember_request
 
-            remember_request(self.registry.log, record, kwargs)  # a restart continues it (`continuation`)
+            remember_request(self.registry.log, record, kwargs, plan.checkpoints)
         return record
 
     def _take_quota(self, principal: Principal | None) -> Callable[[], None]:
@@ -361,7 +370,8 @@ class ServerState:
     # -- shutdown ------------------------------------------------------------------------------
 
     def begin_drain(self, deadline_s: float | None = None, on_drained: Callable[[], None] | None = None) -> None:
-        """Stop admitting (503), let running streams finish for ``deadline_s``, cancel the rest,
+        """Stop admitting (503), let running streams finish for ``deadline_s``, cancel the rest
+        (with a Redis event log, hand off those another server can continue: `continuation.hand_off`),
         give clients a moment to read their final events, then call ``on_drained``."""
         if self.draining:
             return
@@ -378,6 +388,14 @@ class ServerState:
         end = time.monotonic() + deadline
         while self.registry.live and time.monotonic() < end:
             await asyncio.sleep(0.05)
+        if self.registry.log is not None:
+            # A durable log: what another server can continue is handed off, not ended (`continuation`).
+            from .continuation import hand_off
+
+            try:
+                await hand_off(self)
+            except Exception as exc:  # noqa: BLE001 - Redis away: the next server claims them as orphans
+                logger.warning("draining: handing streams off failed (%s: %s)", type(exc).__name__, exc)
         self.registry.cancel_all("cancelled")
         end = time.monotonic() + self.settings.cancel_timeout_s + 1
         while self.registry.live and time.monotonic() < end:

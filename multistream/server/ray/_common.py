@@ -16,7 +16,6 @@ PREFIX = "ms:"  # the event log's key prefix (`RedisEventLog`)
 MAX_FAILOVERS = 8
 FAILOVER_WINDOW_S = 60.0
 MODEL_WAIT_S = 600.0  # how long an ingress replica waits for its model deployments before it starts
-CHECKPOINT_TTL_S = 600  # an image checkpoint outlives its last write by this much (a stream not ended cleanly)
 
 
 

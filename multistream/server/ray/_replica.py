@@ -9,86 +9,15 @@ import dataclasses
 import inspect
 import logging
 import os
-import threading
-import time
 from typing import Any
 
 from ...engine import capacity_of
 from ...events import ErrorEvent, ImageEvent, TextEvent
 from ...stream import Stream
-from ._common import CHECKPOINT_TTL_S, PREFIX, checkpoint_key, trim_text
+from ..image_checkpoints import CheckpointWriter, already_sent
+from ._common import PREFIX, checkpoint_key, trim_text
 
 logger = logging.getLogger("multistream.server")
-
-class _CheckpointWriter:
-    """Keeps the newest checkpoint of one image stream in Redis (`checkpoint_key`).
-
-    ``put`` runs on the model's engine thread and only hands the checkpoint over; one task on the
-    replica's event loop serializes and writes the newest one (a checkpoint superseded before its
-    turn is never written, so a slow Redis costs checkpoints, never denoising time). ``close``
-    waits for the write in flight and deletes the key: the stream has ended.
-    """
-
-    def __init__(self, client: Any, key: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.client, self.key, self.loop = client, key, loop
-        self._lock = threading.Lock()
-        self._newest: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self.writes = 0
-        self.write_s = 0.0
-        self.nbytes = 0
-        self.failed = 0
-
-    def put(self, checkpoint: Any) -> None:
-        with self._lock:
-            self._newest = checkpoint
-        self.loop.call_soon_threadsafe(self._kick)
-
-    def _kick(self) -> None:
-        if not self._closed and (self._task is None or self._task.done()):
-            self._task = self.loop.create_task(self._drain(), name=f"multistream-ckpt-{self.key[-8:]}")
-
-    async def _drain(self) -> None:
-        while not self._closed:
-            with self._lock:
-                checkpoint, self._newest = self._newest, None
-            if checkpoint is None:
-                return
-            started = time.perf_counter()
-            try:
-                data = checkpoint.to_bytes()
-                await self.client.set(self.key, data, ex=CHECKPOINT_TTL_S)
-            except Exception as exc:  # noqa: BLE001 - a lost checkpoint only makes a failover start earlier
-                self.failed += 1
-                logger.debug("writing image checkpoint %s failed: %s", self.key, exc)
-                continue
-            self.writes += 1
-            self.write_s += time.perf_counter() - started
-            self.nbytes = len(data)
-
-    def metrics(self) -> dict[str, float]:
-        out = {"checkpoint_writes": float(self.writes)}
-        if self.writes:
-            out["checkpoint_write_ms"] = self.write_s * 1e3 / self.writes
-            out["checkpoint_bytes"] = float(self.nbytes)
-        return out
-
-    async def close(self, delete: bool) -> None:
-        """Stop writing; ``delete`` the key once the stream has ended (else it expires)."""
-        self._closed = True
-        task = self._task
-        if task is not None and not task.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(task), 5.0)
-            except Exception:  # noqa: BLE001
-                pass
-        if not delete:
-            return
-        try:
-            await self.client.delete(self.key)
-        except Exception as exc:  # noqa: BLE001 - it expires anyway
-            logger.debug("deleting image checkpoint %s failed: %s", self.key, exc)
 
 
 class ModelReplica:
@@ -196,9 +125,9 @@ class ModelReplica:
                     kwargs["resume_inserted"] = [(min(int(k), len(tokens)), list(ids)) for k, ids in resume["inserted"]]
             else:
                 trim_tokens, trim_chars = len(tokens), int(resume.get("chars", 0))
-        writer: _CheckpointWriter | None = None
+        writer: CheckpointWriter | None = None
         if self.checkpoints and key is not None:
-            writer = _CheckpointWriter(self._client(), checkpoint_key(key), asyncio.get_running_loop())
+            writer = CheckpointWriter(self._client(), checkpoint_key(key), asyncio.get_running_loop())
             kwargs.update(on_checkpoint=writer.put, checkpoint_every=self.checkpoint_every)
             if failover:
                 data = await self._newest_checkpoint(key)
@@ -232,7 +161,7 @@ class ModelReplica:
                     ev = _trim_text(ev, trim_tokens, trim_chars)
                     if ev is None:
                         continue
-                elif isinstance(ev, ImageEvent) and not ev.is_final and ev.finish_reason is None and ev.step <= trim_step:
+                elif already_sent(ev, trim_step):
                     continue
                 if writer is not None and isinstance(ev, ImageEvent) and ev.is_final:
                     ev = dataclasses.replace(ev, metrics={**(ev.metrics or {}), **writer.metrics()})
