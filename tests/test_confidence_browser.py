@@ -46,7 +46,15 @@ def test_web_client_colours_tokens_and_branches_from_an_alternative() -> None:
             # Branch: the third token's third alternative (script token 4, so the answer continues " word4 ...").
             alt = page.locator("#output .ms-tok:nth-of-type(3) .ms-alt").nth(2)
             assert alt.get_attribute("data-token") == "4"
-            alt.click()
+            # The tokens re-render as the answer streams, which can take the tip from under the mouse
+            # on a loaded machine: hover again and retry, as a person would.
+            for attempt in range(10):
+                try:
+                    page.hover("#output .ms-tok:nth-of-type(3)")
+                    alt.click(timeout=3_000)
+                    break
+                except sync_api.TimeoutError:
+                    assert attempt < 9, "the alternative could not be clicked"
             page.wait_for_function("() => window.__ms.finalEvent !== null", timeout=60_000)
             state = page.evaluate("window.__ms")
             assert state["branches"] == 1 and state["revision"] >= 1
