@@ -250,3 +250,49 @@ def test_sigterm_with_the_in_memory_log_still_ends_running_streams() -> None:
         assert proc.wait(30) == 0
     finally:
         _stop(proc)
+
+
+@needs_redis
+async def test_a_websocket_client_is_told_of_a_hand_off_and_resumes_on_the_next_server() -> None:
+    """SIGTERM's drain on server A with a Redis log, server B on the same log: A's WebSocket client
+    gets ``{"type": "handed_off", "after": N, ...}`` instead of silence, sends ``resume`` to B with
+    that ``after``, and gets the rest with no gap or duplicate: the whole script's text."""
+    import json
+
+    import websockets
+
+    from multistream.server import decode_message
+
+    with redis_server() as redis, \
+            make_server(handoff_text_model(), event_log=redis.url, shutdown_deadline_s=0) as a, \
+            make_server(handoff_text_model(), event_log=redis.url) as b:
+        async with websockets.connect(a.ws_url + "/v1/ws", open_timeout=30) as ws:
+            await ws.send(json.dumps({"type": "text", "id": "c1", "prompt": "hi", "max_new_tokens": len(WORDS)}))
+            first: list[Any] = []
+            handed: dict[str, Any] = {}
+            while not handed:
+                msg = decode_message(await asyncio.wait_for(ws.recv(), 60))
+                if isinstance(msg, dict):
+                    if msg["type"] == "handed_off":
+                        handed = msg
+                    else:
+                        assert msg["type"] == "accepted", msg
+                        accepted = msg
+                    continue
+                first.append(msg)
+                assert not msg.is_final, "the stream ended on the draining server"
+                if len(first) == 5:
+                    a.state.loop.call_soon_threadsafe(a.state.begin_drain)
+        assert handed["id"] == "c1" and handed["stream_id"] == accepted["stream_id"]
+        assert handed["after"] == first[-1].seq and handed["resume_token"] == accepted["resume_token"]
+        rest: list[Any] = []
+        async with websockets.connect(b.ws_url + "/v1/ws", open_timeout=30) as ws:
+            await ws.send(json.dumps({"type": "resume", "stream_id": handed["stream_id"], "after": handed["after"],
+                                      "token": handed["resume_token"]}))
+            while not (rest and rest[-1].is_final):
+                msg = decode_message(await asyncio.wait_for(ws.recv(), 60))
+                if not isinstance(msg, dict):
+                    rest.append(msg)
+        events = first + rest
+        assert [e.seq for e in events] == list(range(len(events)))
+        assert events[-1].text == "".join(WORDS) == "".join(e.delta for e in events)

@@ -46,6 +46,11 @@ Server -> client:
   with ``"pending": true`` and a ``note`` when the stream runs in another process that did not
   confirm in time (see ``edits.apply_edit``).
 
+- ``{"type": "handed_off", "id": "c1", "stream_id": "...", "after": 41, "resume_token": "..."}``
+  when this server shut down (SIGTERM) with a Redis log and handed the stream to the next server
+  (``continuation.hand_off``): send ``{"type": "resume", "stream_id": ..., "after": 41, "token":
+  ...}`` to a server on the same log for the rest, with no gap or duplicate.
+
 With a shared event log (``event_log="redis://..."``), ``cancel``, ``resume`` and the edits also
 reach streams that another server process (or Ray ingress replica) runs.
 
@@ -318,8 +323,15 @@ class _Connection:
         try:
             await self.send(json.dumps({"type": "accepted", "id": tag, "stream_id": record.stream_id,
                                         "resume_token": record.token}))
+            last = after
             async for ev in record.subscribe(after):
                 await self.send(ev, record)
+                last = ev.seq
+            if record.handed_off:
+                # Redeploy (SIGTERM with a Redis log): the stream goes on in the next server. Say so,
+                # with what a `resume` there needs, instead of going quiet.
+                await self.send(json.dumps({"type": "handed_off", "id": tag, "stream_id": record.stream_id,
+                                            "after": last, "resume_token": record.token}))
         except (WebSocketDisconnect, RuntimeError):
             pass  # the socket went away: the stream gets its grace period
 
