@@ -85,104 +85,88 @@ def _wait(url: str, path: str, limit: float = 300) -> None:
     raise RuntimeError(f"{path} did not answer")
 
 
-def one_round(redis_url: str, model: str) -> dict[str, float | bool]:
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _serve(redis_url, port, model)
-    try:
-        _wait(url, "/readyz")
-        body = {"prompt": "Tell a long story.", "max_new_tokens": 200 if model == "scripted" else 48, "temperature": 0}
-        with httpx.Client(timeout=120) as client:
-            with client.stream("POST", url + "/v1/text", json=body) as r:
-                sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
-                first: list[dict] = []
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        first.append(json.loads(line[5:]))
-                        if len(first) == 5:
-                            break
-            proc.send_signal(signal.SIGKILL)
-            killed = time.perf_counter()
-            proc.wait(10)
-            proc = _serve(redis_url, port, model)
-            started = time.perf_counter()
-            _wait(url, "/healthz")
-            listening = time.perf_counter()
-            rest: list[dict] = []
-            got_first = None
-            with client.stream("GET", f"{url}/v1/streams/{sid}/events",
-                               headers={"Last-Event-ID": str(first[-1]["seq"]), "X-Resume-Token": token}) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"resume: {r.status_code} {r.read()[:300]!r}")
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        rest.append(json.loads(line[5:]))
-                        got_first = got_first or time.perf_counter()
-        events = first + rest
-        exact = [e["seq"] for e in events] == list(range(len(events))) and \
-            "".join(e.get("delta", "") for e in events) == events[-1].get("text")
-        return {"listening_s": listening - started, "restart_to_first_s": (got_first or 0) - started,
-                "kill_to_first_s": (got_first or 0) - killed, "exact": exact, "final": events[-1].get("finish_reason")}
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
 def _sse(response: httpx.Response) -> Iterator[dict[str, Any]]:
     for line in response.iter_lines():
         if line.startswith("data:"):
             yield json.loads(line[5:])
 
 
-def image_round(redis_url: str) -> dict[str, Any]:
+def _kill_and_resume(redis_url: str, model: str, route: str, body: dict[str, Any], client: httpx.Client
+                     ) -> tuple[dict[str, Any], list[dict], list[dict], str, subprocess.Popen[bytes]]:
+    """A server on a free port, a stream of ``body`` on ``route`` until its 5th event, a kill (-9),
+    the same server again, and the client resuming with ``Last-Event-ID`` as soon as the port answers:
+    (timings, the events before the kill, those after, the url, the running server)."""
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    body = {"prompt": "a red circle on a blue background", "steps": 20, "seed": 11, "preview": "x0"}
-    proc = _serve(redis_url, port, "image")
+    proc = _serve(redis_url, port, model)
     try:
         _wait(url, "/readyz")
-        with httpx.Client(timeout=300) as client:
-            with client.stream("POST", url + "/v1/image", json=body) as r:
-                sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
-                first: list[dict] = []
-                for ev in _sse(r):
-                    first.append(ev)
-                    if len(first) == 5:
-                        break
-            proc.send_signal(signal.SIGKILL)
-            killed = time.perf_counter()
-            proc.wait(10)
-            proc = _serve(redis_url, port, "image")
-            started = time.perf_counter()
-            _wait(url, "/healthz")
-            listening = time.perf_counter()
-            rest: list[dict] = []
-            got_first = None
-            with client.stream("GET", f"{url}/v1/streams/{sid}/events",
-                               headers={"Last-Event-ID": str(first[-1]["seq"]), "X-Resume-Token": token}) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"resume: {r.status_code} {r.read()[:300]!r}")
-                for ev in _sse(r):
-                    rest.append(ev)
-                    got_first = got_first or time.perf_counter()
-            with client.stream("POST", url + "/v1/image", json=body) as r:
-                whole = list(_sse(r))
-        events = first + rest
-        seqs = [e["seq"] for e in events]
-        steps = [e["step"] for e in events[:-1]]
-        final, reference = events[-1], whole[-1]
-        exact = (seqs == sorted(set(seqs)) and steps == sorted(set(steps)) and final.get("is_final")
-                 and final.get("data") == reference.get("data"))
-        m = reference.get("metrics") or {}
-        return {"listening_s": listening - started, "restart_to_first_s": (got_first or 0) - started,
-                "kill_to_first_s": (got_first or 0) - killed, "exact": bool(exact),
-                "resumed_from_step": (final.get("metrics") or {}).get("resumed_from_step"),
-                "killed_after_step": first[-1]["step"], "steps": body["steps"],
-                "checkpoint_writes": m.get("checkpoint_writes"), "checkpoint_bytes": m.get("checkpoint_bytes"),
-                "checkpoint_write_ms": m.get("checkpoint_write_ms"), "ms_per_step": m.get("ms_per_step")}
-    finally:
+        with client.stream("POST", url + route, json=body) as r:
+            sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+            first: list[dict] = []
+            for ev in _sse(r):
+                first.append(ev)
+                if len(first) == 5:
+                    break
+        proc.send_signal(signal.SIGKILL)
+        killed = time.perf_counter()
+        proc.wait(10)
+        proc = _serve(redis_url, port, model)
+        started = time.perf_counter()
+        _wait(url, "/healthz")
+        listening = time.perf_counter()
+        rest: list[dict] = []
+        got_first = None
+        with client.stream("GET", f"{url}/v1/streams/{sid}/events",
+                           headers={"Last-Event-ID": str(first[-1]["seq"]), "X-Resume-Token": token}) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"resume: {r.status_code} {r.read()[:300]!r}")
+            for ev in _sse(r):
+                rest.append(ev)
+                got_first = got_first or time.perf_counter()
+    except BaseException:
         proc.kill()
         proc.wait(10)
+        raise
+    times = {"listening_s": listening - started, "restart_to_first_s": (got_first or 0) - started,
+             "kill_to_first_s": (got_first or 0) - killed}
+    return times, first, rest, url, proc
+
+
+def one_round(redis_url: str, model: str) -> dict[str, float | bool]:
+    body = {"prompt": "Tell a long story.", "max_new_tokens": 200 if model == "scripted" else 48, "temperature": 0}
+    with httpx.Client(timeout=120) as client:
+        times, first, rest, _, proc = _kill_and_resume(redis_url, model, "/v1/text", body, client)
+    proc.kill()
+    proc.wait(10)
+    events = first + rest
+    exact = [e["seq"] for e in events] == list(range(len(events))) and \
+        "".join(e.get("delta", "") for e in events) == events[-1].get("text")
+    return {**times, "exact": exact, "final": events[-1].get("finish_reason")}
+
+
+def image_round(redis_url: str) -> dict[str, Any]:
+    body = {"prompt": "a red circle on a blue background", "steps": 20, "seed": 11, "preview": "x0"}
+    with httpx.Client(timeout=300) as client:
+        times, first, rest, url, proc = _kill_and_resume(redis_url, "image", "/v1/image", body, client)
+        try:
+            with client.stream("POST", url + "/v1/image", json=body) as r:  # the uninterrupted run
+                whole = list(_sse(r))
+        finally:
+            proc.kill()
+            proc.wait(10)
+    events = first + rest
+    seqs = [e["seq"] for e in events]
+    steps = [e["step"] for e in events[:-1]]
+    final, reference = events[-1], whole[-1]
+    exact = (seqs == sorted(set(seqs)) and steps == sorted(set(steps)) and final.get("is_final")
+             and final.get("data") == reference.get("data"))
+    m = reference.get("metrics") or {}
+    return {**times, "exact": bool(exact),
+            "resumed_from_step": (final.get("metrics") or {}).get("resumed_from_step"),
+            "killed_after_step": first[-1]["step"], "steps": body["steps"],
+            "checkpoint_writes": m.get("checkpoint_writes"), "checkpoint_bytes": m.get("checkpoint_bytes"),
+            "checkpoint_write_ms": m.get("checkpoint_write_ms"), "ms_per_step": m.get("ms_per_step")}
 
 
 def main() -> None:

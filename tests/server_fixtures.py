@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -62,6 +65,26 @@ def make_server(text: Any = None, image: Any = None, **settings: Any) -> context
     app = create_app(text_model=text, image_model=image, settings=ServerSettings(**settings),
                      content_filter=content_filter)
     return live_server(app)
+
+
+def serve_subprocess(port: int, *args: str, wait_s: float = 60) -> subprocess.Popen[bytes]:
+    """A real ``multistream serve`` process on 127.0.0.1:``port`` running this checkout's code (and
+    able to import the tests' model factories), returned once ``/readyz`` answers 200."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
+                             "--log-level", "warning", *args], env=env)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "the server exited"
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the server did not become ready")
 
 
 def iter_sse(response: httpx.Response) -> Iterator[dict[str, Any]]:

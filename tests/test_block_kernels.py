@@ -327,12 +327,22 @@ def test_without_a_compiler_quantized_layers_fall_back_to_aten_with_one_log_line
 def test_a_run_of_native_layers_in_one_call_equals_the_models_forward() -> None:
     """FastDecode's NativeStack (one C call per run of layers, writing the engine's own KV buffers)
     against transformers' forward of the same token through the native layers: bit for bit."""
+    fast, reference, rows = _decode_step_case(layers=3)
+    with torch.no_grad():
+        got = fast.step(torch.tensor([[11]]), torch.tensor([[5]]), rows, None, points=frozenset({1}),
+                        prefill_point=lambda: None)
+    assert torch.equal(got[0], reference)
+
+
+def _decode_step_case(layers: int):
+    """A quantized tiny Llama's `FastDecode`, the model's own logits for token 11 after
+    [3, 9, 27, 81, 4], and the cache of those five tokens (the step to take: token 11 at position 5)."""
     from transformers import DynamicCache
 
     from multistream.text._accel.fast_decode import FastDecode
     from multistream.text._kv_rows import RowCache
 
-    model = _tiny_llama(layers=3)
+    model = _tiny_llama(layers=layers)
     quantize_model(model, "int4")
     fast = FastDecode.for_model(model)
     assert fast is not None and fast.native_stack is not None
@@ -341,10 +351,7 @@ def test_a_run_of_native_layers_in_one_call_equals_the_models_forward() -> None:
         reference = model(ids).logits[0, -1]
         cache = DynamicCache()
         model(input_ids=ids[:, :5], cache=cache, use_cache=True)
-        rows = RowCache(cache, torch.ones(1, 5, dtype=torch.long))
-        got = fast.step(torch.tensor([[11]]), torch.tensor([[5]]), rows, None, points=frozenset({1}),
-                        prefill_point=lambda: None)
-    assert torch.equal(got[0], reference)
+    return fast, reference, RowCache(cache, torch.ones(1, 5, dtype=torch.long))
 
 
 @pytest.mark.parametrize("waiting", [False, True])
@@ -354,15 +361,8 @@ def test_prefill_points_stop_the_one_call_only_when_a_request_waits(waiting: boo
     logits are the same bit for bit either way, and equal the model's forward."""
     import ctypes
 
-    from transformers import DynamicCache
-
-    from multistream.text._accel.fast_decode import FastDecode
-    from multistream.text._kv_rows import RowCache
-
-    model = _tiny_llama(layers=4)
-    quantize_model(model, "int4")
-    fast = FastDecode.for_model(model)
-    assert fast is not None and fast.native_stack is not None
+    fast, reference, rows = _decode_step_case(layers=4)
+    assert fast.native_stack is not None
     calls: list[tuple[int, int]] = []
     decode = fast.native_stack.decode
 
@@ -379,12 +379,7 @@ def test_prefill_points_stop_the_one_call_only_when_a_request_waits(waiting: boo
         prefills.append(len(calls))
         flag.value = 0
 
-    ids = torch.tensor([[3, 9, 27, 81, 4, 11]])
     with torch.no_grad():
-        reference = model(ids).logits[0, -1]
-        cache = DynamicCache()
-        model(input_ids=ids[:, :5], cache=cache, use_cache=True)
-        rows = RowCache(cache, torch.ones(1, 5, dtype=torch.long))
         got = fast.step(torch.tensor([[11]]), torch.tensor([[5]]), rows, None, points=frozenset({2, 3}),
                         prefill_point=prefill_point, arrivals=flag)
     assert torch.equal(got[0], reference)

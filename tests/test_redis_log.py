@@ -8,9 +8,7 @@ outage: 503s at once, no hang, recovery when it returns.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import time
 
 import httpx
@@ -19,7 +17,7 @@ import pytest
 from multistream.server import ServerSettings
 from multistream.server.event_log import RedisEventLog, entry_id
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, serve_subprocess
 
 pytestmark = needs_redis
 
@@ -110,22 +108,8 @@ def test_cancel_on_another_server_reaches_the_producer() -> None:
 
 
 def _serve(redis_url: str, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(__file__),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
-                             "--text-model", "server_fixtures:slow_text_model", "--image-model", "none",
-                             "--event-log", redis_url, "--log-level", "warning"], env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, "the server exited"
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the server did not become ready")
+    return serve_subprocess(port, "--text-model", "server_fixtures:slow_text_model", "--image-model", "none",
+                            "--event-log", redis_url)
 
 
 def test_resume_after_a_restart_of_the_single_process_server() -> None:

@@ -9,10 +9,8 @@ re-prefill) shows greedy text equal to an uninterrupted run after a re-prefill o
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -20,7 +18,7 @@ import httpx
 import openai
 import pytest
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedTextModel, iter_events
+from server_fixtures import ScriptedTextModel, iter_events, serve_subprocess
 
 pytestmark = needs_redis
 
@@ -34,22 +32,8 @@ def restart_text_model() -> ScriptedTextModel:
 
 def _serve(redis_url: str, port: int, *extra: str, model: str = "test_restart:restart_text_model",
            wait_s: float = 60) -> subprocess.Popen[bytes]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
-                             "--text-model", model, "--image-model", "none", "--event-log", redis_url,
-                             "--log-level", "warning", *extra], env=env)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, "the server exited"
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the server did not become ready")
+    return serve_subprocess(port, "--text-model", model, "--image-model", "none", "--event-log", redis_url, *extra,
+                            wait_s=wait_s)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:

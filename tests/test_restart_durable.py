@@ -15,17 +15,15 @@ a real ``redis-server``.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
 import httpx
 import pytest
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedTextModel, iter_events, make_server
+from server_fixtures import ScriptedTextModel, iter_events, make_server, serve_subprocess
 
 WORDS = [f" w{i}" for i in range(50)]
 PROMPT = "a red circle on a blue background"
@@ -48,22 +46,7 @@ def restart_image_model() -> Any:
 
 
 def _serve(port: int, *args: str, wait_s: float = 120) -> subprocess.Popen[bytes]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    # This checkout first: the subprocess must run the code under test.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
-                             "--log-level", "warning", *args], env=env)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, "the server exited"
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the server did not become ready")
+    return serve_subprocess(port, *args, wait_s=wait_s)
 
 
 def _rest(client: httpx.Client, url: str, sid: str, token: str, last: int) -> list[dict[str, Any]]:

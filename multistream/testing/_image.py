@@ -19,12 +19,12 @@ from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import Event, ImageEvent
 from ..image import PreviewThrottle, check_size_multiple, encode_frame, parse_image_options, parse_preview
 from ..stream import Stream, StreamWriter
-from ._scripted import Counters, pause, require, start_stream
+from ._scripted import CountedModel, Counters, pause, require, start_stream
 
 __all__ = ["ScriptedImageModel"]
 
 
-class ScriptedImageModel:
+class ScriptedImageModel(CountedModel):
     """A fake image model: a noisy frame that turns into a red circle on blue, step by step.
 
     Each step (``delay_s`` apart) emits a real JPEG preview (unless ``preview="none"``), then the
@@ -65,14 +65,6 @@ class ScriptedImageModel:
         self.pipeline: Any = None
         self.calls: list[dict[str, Any]] = []
         self._counters = Counters()
-
-    @property
-    def active(self) -> int:
-        return self._counters.active
-
-    @property
-    def finish_reasons(self) -> list[str]:
-        return list(self._counters.finish_reasons)
 
     def stream(self, prompt: str, **options: Any) -> Stream:
         """Validate the arguments now (with `parse_image_options`, as the real model does), then

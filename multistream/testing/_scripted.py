@@ -72,3 +72,19 @@ class Counters:
         with self._lock:
             self.active -= 1
             self.finish_reasons.append(reason)
+
+
+class CountedModel:
+    """What the scripted fakes show tests of their `Counters` (``self._counters``)."""
+
+    _counters: Counters
+
+    @property
+    def active(self) -> int:
+        """Generations running right now (their producer thread has not ended)."""
+        return self._counters.active
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """How each generation that ended so far ended, in order."""
+        return list(self._counters.finish_reasons)

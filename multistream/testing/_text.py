@@ -20,7 +20,7 @@ from ..errors import InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
 from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, StopMatcher, TextOptions, check_prompt, parse_text_options
-from ._scripted import Counters, pause, prompt_text, require, start_stream
+from ._scripted import CountedModel, Counters, pause, prompt_text, require, start_stream
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedTextModel"]
 
@@ -90,7 +90,7 @@ class _TextEdits:
             return taken
 
 
-class ScriptedTextModel:
+class ScriptedTextModel(CountedModel):
     """A fake text model that streams a fixed list of tokens, ``delay_s`` apart.
 
     It stops after ``max_new_tokens`` tokens (``finish_reason="length"``) or at the end of the
@@ -136,16 +136,6 @@ class ScriptedTextModel:
         self._counters = Counters()
         # stream id -> what revise() reuses of a stream, as the real model keeps its newest 64 finished ones
         self._records: collections.OrderedDict[str, _Record] = collections.OrderedDict()
-
-    @property
-    def active(self) -> int:
-        """Generations running right now (their producer thread has not ended)."""
-        return self._counters.active
-
-    @property
-    def finish_reasons(self) -> list[str]:
-        """How each generation that ended so far ended, in order."""
-        return list(self._counters.finish_reasons)
 
     def count_tokens(self, prompt: str | list[dict[str, str]]) -> int:
         """Whitespace tokens: good enough to exercise prompt-length limits."""
