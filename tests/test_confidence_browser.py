@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.browser,
 
 def test_web_client_colours_tokens_and_branches_from_an_alternative() -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
-    text = ScriptedTextModel(TOKENS, delay_s=0.12)
+    text = ScriptedTextModel(TOKENS, delay_s=0.2)  # 6 s of answer: time to hover and click on a loaded machine
     ARTIFACTS.mkdir(exist_ok=True)
     with make_server(text, ScriptedImageModel(steps=2)) as srv, sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
@@ -46,15 +46,13 @@ def test_web_client_colours_tokens_and_branches_from_an_alternative() -> None:
             # Branch: the third token's third alternative (script token 4, so the answer continues " word4 ...").
             alt = page.locator("#output .ms-tok:nth-of-type(3) .ms-alt").nth(2)
             assert alt.get_attribute("data-token") == "4"
-            # The tokens re-render as the answer streams, which can take the tip from under the mouse
-            # on a loaded machine: hover again and retry, as a person would.
-            for attempt in range(10):
-                try:
-                    page.hover("#output .ms-tok:nth-of-type(3)")
-                    alt.click(timeout=3_000)
-                    break
-                except sync_api.TimeoutError:
-                    assert attempt < 9, "the alternative could not be clicked"
+            # New tokens are appended without redrawing the ones on screen, so the box under the
+            # mouse stays put while the answer streams: one hover and one click, as a person would.
+            page.eval_on_selector("#output .ms-tok:nth-of-type(3)", "el => { el.dataset.seen = '1'; }")
+            page.wait_for_function("() => document.querySelectorAll('#output .ms-tok').length >= 9", timeout=30_000)
+            assert page.get_attribute("#output .ms-tok:nth-of-type(3)", "data-seen") == "1"  # kept, not redrawn
+            page.hover("#output .ms-tok:nth-of-type(3)")
+            alt.click(timeout=10_000)
             page.wait_for_function("() => window.__ms.finalEvent !== null", timeout=60_000)
             state = page.evaluate("window.__ms")
             assert state["branches"] == 1 and state["revision"] >= 1

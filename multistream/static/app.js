@@ -104,34 +104,51 @@ function applyTokens(ev) {
 function color(p) { return `hsla(${Math.round(120 * Math.max(0, Math.min(1, p)))}, 75%, 62%, 0.45)`; }
 
 // The answer as one span per token (textContent only), with its alternatives in a hover box.
+// Spans already on screen are kept: only new tokens are appended and a rewind removes the cut
+// ones, so the alternatives box under the mouse stays put (and clickable) while the answer streams.
+let drawnTokens = [];   // [{ token, span }] in ui.output, in order
+let restNode = null;    // text after the last token (held back at the end), shown plainly
+
+function tokenSpan(t) {
+  const span = document.createElement("span");
+  const p = Math.exp(t.entry.logprob);
+  span.className = "ms-tok";
+  span.style.background = color(p);
+  span.dataset.offset = t.start;
+  span.dataset.p = p.toFixed(4);
+  span.append(document.createTextNode(t.text));
+  const tip = document.createElement("span");
+  tip.className = "ms-tip";
+  tip.append(document.createTextNode(`${JSON.stringify(t.entry.token)} ${(100 * p).toFixed(1)}%`));
+  for (const alt of t.entry.top_logprobs || []) {
+    const b = document.createElement("button");
+    b.className = "ms-alt" + (alt.token_id === t.entry.token_id ? " ms-chosen" : "");
+    b.dataset.offset = t.start;
+    b.dataset.token = alt.token_id;
+    b.textContent = `${JSON.stringify(alt.token)} ${(100 * Math.exp(alt.logprob)).toFixed(1)}%`;
+    tip.append(b);
+  }
+  span.append(tip);
+  return span;
+}
+
 function renderTokens() {
-  const nodes = state.tokens.map((t) => {
-    const span = document.createElement("span");
-    const p = Math.exp(t.entry.logprob);
-    span.className = "ms-tok";
-    span.style.background = color(p);
-    span.dataset.offset = t.start;
-    span.dataset.p = p.toFixed(4);
-    span.append(document.createTextNode(t.text));
-    const tip = document.createElement("span");
-    tip.className = "ms-tip";
-    tip.append(document.createTextNode(`${JSON.stringify(t.entry.token)} ${(100 * p).toFixed(1)}%`));
-    for (const alt of t.entry.top_logprobs || []) {
-      const b = document.createElement("button");
-      b.className = "ms-alt" + (alt.token_id === t.entry.token_id ? " ms-chosen" : "");
-      b.dataset.offset = t.start;
-      b.dataset.token = alt.token_id;
-      b.textContent = `${JSON.stringify(alt.token)} ${(100 * Math.exp(alt.logprob)).toFixed(1)}%`;
-      tip.append(b);
-    }
-    span.append(tip);
-    return span;
-  });
-  // Text after the last token (held back at the end) is shown plainly.
-  const covered = state.tokens.length ? state.tokens[state.tokens.length - 1].start +
-                  Array.from(state.tokens[state.tokens.length - 1].text).length : 0;
-  const rest = Array.from(state.text).slice(covered).join("");
-  ui.output.replaceChildren(...nodes, document.createTextNode(rest));
+  if (!restNode || restNode.parentNode !== ui.output) {   // a new run (or plain text drawn before): start over
+    drawnTokens = [];
+    restNode = document.createTextNode("");
+    ui.output.replaceChildren(restNode);
+  }
+  let keep = 0;
+  while (keep < drawnTokens.length && keep < state.tokens.length && drawnTokens[keep].token === state.tokens[keep]) keep++;
+  for (const gone of drawnTokens.splice(keep)) gone.span.remove();
+  for (const t of state.tokens.slice(keep)) {
+    const span = tokenSpan(t);
+    ui.output.insertBefore(span, restNode);
+    drawnTokens.push({ token: t, span });
+  }
+  const last = state.tokens[state.tokens.length - 1];
+  const covered = last ? last.start + Array.from(last.text).length : 0;
+  restNode.textContent = Array.from(state.text).slice(covered).join("");
 }
 
 // Clicking an alternative: regenerate from that token's place, starting with the alternative.
