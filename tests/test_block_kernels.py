@@ -191,37 +191,65 @@ def test_one_openmp_runtime_is_loaded() -> None:
     assert len(runtimes) == 1, runtimes
 
 
-def test_the_portable_c_build_computes_what_the_vector_build_does(tmp_path: Path) -> None:
-    """Machines without AVX2 (ARM, old x86) get the same source's portable C: build it here without
-    -march=native and compare, layers included."""
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# Each instruction set the source has code for, built explicitly (the -march=native build picks one):
+# the suite checks all that this CPU can run, whichever one the machine's own build is.
+_ISA_BUILDS = {
+    "portable C": (["-O2"], set()),
+    "avx2": (["-O3", "-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "avx512": (["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f"], {"avx2", "fma", "f16c", "avx512f"}),
+}
+
+
+@pytest.mark.parametrize("isa", list(_ISA_BUILDS))
+def test_every_instruction_set_build_computes_what_the_machine_build_does(tmp_path: Path, isa: str) -> None:
+    """Machines without AVX2 (ARM, old x86) get the same source's portable C, AVX2 machines the
+    8-lane kernels, AVX-512 ones 16-lane products: build each one this CPU runs and compare them
+    with the loaded build, layers included (builds differ by float rounding only)."""
+    flags, needs = _ISA_BUILDS[isa]
+    missing = needs - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)}")
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
-    portable = tmp_path / "portable.so"
-    subprocess.run([compiler, "-O2", "-ffp-contract=off", "-fPIC", "-shared", str(SOURCE), "-o", str(portable), "-lm"],
+    built = tmp_path / "kernels.so"
+    subprocess.run([compiler, *flags, "-ffp-contract=off", "-fPIC", "-shared", str(SOURCE), "-o", str(built), "-lm"],
                    check=True)
-    library = ctypes.CDLL(str(portable))
+    library = ctypes.CDLL(str(built))
     native._declare(library)
-    assert library.ms_kernel_isa() == b"portable C"
+    assert library.ms_kernel_isa() == isa.encode()
     for kind, layer_class in ((4, Q4Linear), (8, Q8Linear)):
         weight, scales = layer_class.quantize_weight(_weight(48, 160, seed=kind))
         matrix = QuantizedMatrix(kind, weight, scales)
         x = torch.randn(5, 160)
-        out = torch.empty(5, 48)
+        out, one_by_one = torch.empty(5, 48), torch.empty(5, 48)
         qmat = matrix.struct()
         assert library.ms_matmul(x.data_ptr(), 5, ctypes.byref(qmat), out.data_ptr(), 1) == 0
         assert torch.allclose(out, matmul(x, matrix), rtol=1e-5, atol=1e-6)
+        for r in range(5):  # one arithmetic within the build: a row alone equals that row in a group
+            assert library.ms_matmul(x[r:].data_ptr(), 1, ctypes.byref(qmat), one_by_one[r:].data_ptr(), 2) == 0
+        assert torch.equal(out, one_by_one)
     model = _tiny_llama()
     quantize_model(model, "int4")
     ids = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        vector = model(ids).logits
+        machine = model(ids).logits
         original = native._loaded
-        native._loaded = native.NativeKernels(library, portable, "portable C")
+        native._loaded = native.NativeKernels(library, built, isa)
         try:
-            scalar = model(ids).logits
+            other = model(ids).logits
         finally:
             native._loaded = original
-    assert torch.allclose(vector, scalar, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(machine, other, rtol=1e-4, atol=1e-5)
 
 
 # -- native decoder layers ------------------------------------------------------------------------

@@ -16,8 +16,9 @@
 // the compiler cannot fuse a multiply and an add in one place and not in another.
 //
 // One plain C file, no torch headers; built by multistream at first use (multistream/text/_accel/
-// kernels.py) with -march=native: AVX2 + FMA intrinsics where the compiler targets them, portable
-// C elsewhere. Each entry point runs one OpenMP parallel region (its stages separated by barriers)
+// kernels.py) with -march=native: AVX2 + FMA intrinsics where the compiler targets them (and the
+// fp32 block products in AVX-512 where it has that too), portable C elsewhere. A build computes
+// the same values on every path; builds for different instruction sets differ by float rounding. Each entry point runs one OpenMP parallel region (its stages separated by barriers)
 // rather than one per matmul.
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +27,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MS_AVX2 1
+#if defined(__AVX512F__)
+// The fp32-activation products in 16-lane registers (a block of 32 is two of them); everything
+// else stays on the AVX2 code, which an AVX-512 CPU runs as well.
+#define MS_AVX512 1
+#endif
 #endif
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -170,6 +176,31 @@ static inline __m256 block_dot(const __m256 *f, const float *xb) {
     __m256 b = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[1], _mm256_loadu_ps(xb + 8)));
     return _mm256_add_ps(a, b);
 }
+
+#ifdef MS_AVX512
+// The same with 16 lanes: a Q4_1 block's low nibbles (values 0..15) and high nibbles (16..31),
+// each widened to 16 int32 lanes and converted; a Q8_0 block's two halves likewise.
+static inline void q4_floats16(const uint8_t *packed16, __m512 *f) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)packed16), mask = _mm_set1_epi8(0x0F);
+    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
+    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+}
+
+static inline void q8_floats16(const int8_t *w32, __m512 *f) {
+    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w32)));
+    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w32 + 16))));
+}
+
+// sum(q * x) over a block, per lane i: q[i] x[i] + q[16 + i] x[16 + i] (the same tree in every caller).
+static inline __m512 block_dot16(const __m512 *f, const float *xb) {
+    return _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
+}
+
+// A fixed reduction tree (halves added, then hsum256), so every caller sums the lanes alike.
+static inline float hsum512(__m512 v) {
+    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+#endif
 #endif
 
 // A weight row's fp16 scales as floats (exact), 8 at a time where F16C is there: one conversion per
@@ -203,7 +234,25 @@ static float dot_f32(const ms_qmat *m, int64_t j, const float *x, const float *s
     const int64_t blocks = m->k / BLOCK;
     float buffer[MAX_ROW_SCALES];
     const float *sc = scales_of(m, j, buffer);
-#ifdef MS_AVX2
+#if defined(MS_AVX512)
+    __m512 acc = _mm512_setzero_ps(), f[2];
+    float mins = 0.0f;
+    if (m->kind == 4) {
+        const uint8_t *w = (const uint8_t *)m->w + j * (m->k / 2);
+        for (int64_t b = 0; b < blocks; b++) {
+            q4_floats16(w + b * 16, f);
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(m, j, sc, 2 * b)), block_dot16(f, x + b * BLOCK), acc);
+        }
+        for (int64_t b = 0; b < blocks; b++) mins += scale_at(m, j, sc, 2 * b + 1) * sums[b];
+    } else {
+        const int8_t *w = (const int8_t *)m->w + j * m->k;
+        for (int64_t b = 0; b < blocks; b++) {
+            q8_floats16(w + b * BLOCK, f);
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(m, j, sc, b)), block_dot16(f, x + b * BLOCK), acc);
+        }
+    }
+    return hsum512(acc) + mins;
+#elif defined(MS_AVX2)
     __m256 acc = _mm256_setzero_ps(), f[4];
     float mins = 0.0f;
     if (m->kind == 4) {
@@ -246,7 +295,34 @@ static float dot_f32(const ms_qmat *m, int64_t j, const float *x, const float *s
 // GROUP activation rows (x: row r at x + r * k) against weight row j: dot_f32 for each row.
 static void dot_f32_group(const ms_qmat *m, int64_t j, const float *x, const float *sums, float *out) {
     const int64_t k = m->k, blocks = k / BLOCK;
-#ifdef MS_AVX2
+#if defined(MS_AVX512)
+    float buffer[MAX_ROW_SCALES];
+    const float *sc = scales_of(m, j, buffer);
+    __m512 acc[GROUP], f[2];
+    float mins[GROUP];
+    for (int r = 0; r < GROUP; r++) {
+        acc[r] = _mm512_setzero_ps();
+        mins[r] = 0.0f;
+    }
+    if (m->kind == 4) {
+        const uint8_t *w = (const uint8_t *)m->w + j * (k / 2);
+        for (int64_t b = 0; b < blocks; b++) {
+            q4_floats16(w + b * 16, f);
+            __m512 d = _mm512_set1_ps(scale_at(m, j, sc, 2 * b));
+            for (int r = 0; r < GROUP; r++) acc[r] = _mm512_fmadd_ps(d, block_dot16(f, x + r * k + b * BLOCK), acc[r]);
+        }
+        for (int r = 0; r < GROUP; r++)
+            for (int64_t b = 0; b < blocks; b++) mins[r] += scale_at(m, j, sc, 2 * b + 1) * sums[r * blocks + b];
+    } else {
+        const int8_t *w = (const int8_t *)m->w + j * k;
+        for (int64_t b = 0; b < blocks; b++) {
+            q8_floats16(w + b * BLOCK, f);
+            __m512 d = _mm512_set1_ps(scale_at(m, j, sc, b));
+            for (int r = 0; r < GROUP; r++) acc[r] = _mm512_fmadd_ps(d, block_dot16(f, x + r * k + b * BLOCK), acc[r]);
+        }
+    }
+    for (int r = 0; r < GROUP; r++) out[r] = hsum512(acc[r]) + mins[r];
+#elif defined(MS_AVX2)
     float buffer[MAX_ROW_SCALES];
     const float *sc = scales_of(m, j, buffer);
     __m256 acc[GROUP], f[4];
@@ -845,7 +921,9 @@ int ms_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float
 
 // Which instruction set this build uses (for the log line and the tests).
 const char *ms_kernel_isa(void) {
-#ifdef MS_AVX2
+#if defined(MS_AVX512)
+    return "avx512";
+#elif defined(MS_AVX2)
     return "avx2";
 #else
     return "portable C";

@@ -23,7 +23,7 @@ each call uses ``torch.get_num_threads()`` threads. Without a compiler, or if th
 
 Example:
     >>> kernels = native_kernels()
-    >>> kernels is None or kernels.isa in ("avx2", "portable C")
+    >>> kernels is None or kernels.isa in ("avx512", "avx2", "portable C")
     True
 """
 
@@ -120,7 +120,8 @@ class _Points(ctypes.Structure):
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded kernels (``cdll``): ``isa`` is what they were built for (``"avx2"`` or ``"portable C"``)."""
+    """The loaded kernels (``cdll``): ``isa`` is what they were built for (``"avx512"``, ``"avx2"``
+    or ``"portable C"``)."""
 
     cdll: ctypes.CDLL
     path: Path
