@@ -26,9 +26,10 @@ prompts, perplexity within 0.5 %. Run it on a quiet machine (``uptime`` load und
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -38,13 +39,15 @@ from typing import Any
 # Measure the checkout this file is in, whichever multistream is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import llama_cpp_stream  # noqa: E402  (beside this file)
 import torch
+from llama_cpp_stream import percentile  # noqa: E402
 
 import multistream as ms
+from multistream.testing._quality import agreement, greedy_tokens, perplexity
 from multistream.text._accel.compiled_decode import compile_decode
 from multistream.text._accel.quantize import quantize_model
 from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, embedded_gguf_path
-from multistream.testing._quality import agreement, greedy_tokens, perplexity
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 PROMPT = "Write a long, detailed story about a lighthouse keeper and the sea."
@@ -78,13 +81,6 @@ def prompts() -> list[str]:
 
 def paragraphs() -> list[str]:
     return [p.strip() for p in (DATA / "paragraphs.txt").read_text().split("\n\n") if p.strip()]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def one_stream(llm: ms.TextModel, n: int) -> dict[str, float]:
@@ -125,31 +121,45 @@ def concurrent(llm: ms.TextModel, n: int, streams: int) -> dict[str, float]:
     return {"agg": tokens / wall, "p50": percentile(gaps, 0.5), "p95": percentile(gaps, 0.95), "tokens": tokens}
 
 
-def llama_cpp_runner(n: int) -> Any:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
+ALONE = "llama.cpp, own process (no torch)"
+
+
+def llama_cpp_prompt() -> str:
     chat = ms.load_text_model(quantize=None)
     text = chat.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
                                               add_generation_prompt=True)
     chat.close()
+    return text
+
+
+def llama_cpp_runner(n: int) -> Any:
+    """llama.cpp in this process, or None when ``llama_cpp`` is not importable."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
     # As many threads as torch uses, so both sides get the same cores.
-    model = Llama(model_path=str(embedded_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    return llama_cpp_stream.runner(str(embedded_gguf_path()), llama_cpp_prompt(), n, torch.get_num_threads())
+
+
+def llama_cpp_alone(n: int) -> Any:
+    """llama.cpp in a process of its own (no torch: how its users run it), as a function that times
+    one run there (interleaved with this process's rounds), or None if it did not start."""
+    script = Path(__file__).with_name("llama_cpp_stream.py")
+    child = subprocess.Popen([sys.executable, str(script), str(embedded_gguf_path()), llama_cpp_prompt(), str(n),
+                              str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    if not json.loads(child.stdout.readline() or "{}").get("ready"):
+        print("llama.cpp in its own process did not start")
+        return None
 
     def run() -> dict[str, float]:
-        # llama-cpp-python keeps the last prompt's KV and reuses a matching prefix: without a
-        # reset every round after the first would time a cache hit, not a prefill.
-        model.reset()
-        start = time.perf_counter()
-        times = []
-        for _ in model.create_completion(text, max_tokens=n, temperature=0.0, stream=True):
-            times.append(time.perf_counter())
-        gaps = [(b - a) * 1000 for a, b in itertools.pairwise(times)]
-        span = times[-1] - times[0] if len(times) > 1 else float("nan")
-        return {"tok_s": (len(times) - 1) / span, "ttft": (times[0] - start) * 1000, "p50": percentile(gaps, 0.5),
-                "p95": percentile(gaps, 0.95), "tokens": len(times)}
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("run\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
 
+    run.close = child.kill  # type: ignore[attr-defined]
     return run
 
 
@@ -200,7 +210,7 @@ def main() -> None:
         print(f"loaded {name}: {models[name].quantization.describe()}{note} ({time.perf_counter() - started:.1f} s)")
     llama = llama_cpp_runner(n)
     print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads "
-          f"({torch.backends.cpu.get_cpu_capability()}), prompt {len(models['fp32'].encode_prompt(PROMPT))} tokens, "
+          f"({torch.backends.cpu.get_cpu_capability()}), prompt {len(next(iter(models.values())).encode_prompt(PROMPT))} tokens, "
           f"{n} greedy tokens, {args.rounds} interleaved rounds")
     if llama is None:
         print("llama.cpp: not importable, skipped (pip install llama-cpp-python: a source build, ~11 min on 2 cores)")
@@ -221,6 +231,9 @@ def speed(models: dict[str, ms.TextModel], llama: Any, args: argparse.Namespace)
     if llama is not None:
         llama()
         single["llama.cpp (Q4_1 GGUF)"] = []
+    alone = llama_cpp_alone(n) if llama is not None else None
+    if alone is not None:
+        single[ALONE] = []
     multi: dict[tuple[str, int], list[dict[str, float]]] = {
         (name, c): [] for c in args.concurrency for name in args.concurrent_modes if name in models}
     for _ in range(args.rounds):
@@ -228,20 +241,27 @@ def speed(models: dict[str, ms.TextModel], llama: Any, args: argparse.Namespace)
             single[name].append(one_stream(llm, n))
         if llama is not None:
             single["llama.cpp (Q4_1 GGUF)"].append(llama())
+        if alone is not None:
+            single[ALONE].append(alone())
         for (name, c), runs in multi.items():
             runs.append(concurrent(models[name], n, c))
+    if alone is not None:
+        alone.close()
 
     def med(runs: list[dict[str, float]], key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
-    base = med(single["fp32"], "tok_s")
+    def ratio(runs: list[dict[str, float]], name: str) -> str:
+        return f"{med(runs, 'tok_s') / med(single[name], 'tok_s'):.2f}x" if name in single else "-"
+
     print("\nsingle stream (llm.stream, greedy):")
-    print("| mode | decode tok/s | vs fp32 | TTFT ms | inter-token p50 ms | p95 ms | tokens |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | decode tok/s | vs fp32 | vs llama.cpp here | vs llama.cpp alone | TTFT ms | inter-token p50 ms | "
+          "p95 ms | tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, runs in single.items():
         mark = " *" if name == DEFAULT else ""
-        print(f"| {name}{mark} | {med(runs, 'tok_s'):.1f} | {med(runs, 'tok_s') / base:.2f}x | {med(runs, 'ttft'):.0f} | "
-              f"{med(runs, 'p50'):.1f} | {med(runs, 'p95'):.1f} | {med(runs, 'tokens'):.0f} |")
+        print(f"| {name}{mark} | {med(runs, 'tok_s'):.1f} | {ratio(runs, 'fp32')} | {ratio(runs, 'llama.cpp (Q4_1 GGUF)')} | {ratio(runs, ALONE)} | "
+              f"{med(runs, 'ttft'):.0f} | {med(runs, 'p50'):.1f} | {med(runs, 'p95'):.1f} | {med(runs, 'tokens'):.0f} |")
     if multi:
         print("\nconcurrent streams (one engine, batched decode steps):")
         print("| mode | streams | aggregate tok/s | vs fp32 | inter-token p50 ms | p95 ms |")

@@ -75,6 +75,75 @@ def test_each_row_is_computed_as_alone_whatever_the_batch_and_threads(kind: int,
     assert torch.equal(matmul(x, matrix, threads=3), batch)
 
 
+# -- the kernels' thread team ---------------------------------------------------------------------
+
+
+def _team_case() -> tuple[QuantizedMatrix, torch.Tensor, torch.Tensor]:
+    weight_q, scales = Q4Linear.quantize_weight(_weight(256, 256, seed=7))
+    matrix = QuantizedMatrix(4, weight_q, scales)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(7))
+    return matrix, x, matmul(x, matrix, threads=1)
+
+
+def test_calls_from_several_threads_at_once_each_get_their_own_answer() -> None:
+    """The team runs one call at a time; concurrent callers (two engines in one process) take turns."""
+    import concurrent.futures
+
+    matrix, x, expected = _team_case()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda t: matmul(x, matrix, threads=t), [2, 3, 2, 4] * 10))
+    assert all(torch.equal(r, expected) for r in results)
+
+
+def test_more_threads_than_cpus_still_compute_the_same_values() -> None:
+    """Barriers that spin must not stall when the team outnumbers the CPUs (they yield)."""
+    matrix, x, expected = _team_case()
+    for threads in (2, 5, 2 * (os.cpu_count() or 1) + 1):
+        assert torch.equal(matmul(x, matrix, threads=threads), expected)
+
+
+def test_a_forked_child_makes_its_own_workers() -> None:
+    """fork() copies only the calling thread: the child must not wait for its parent's workers."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork() on this platform")
+    matrix, x, expected = _team_case()
+    matmul(x, matrix, threads=2)  # the parent's workers exist now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, report, leave without running the parent's cleanup
+        ok = False
+        try:
+            ok = torch.equal(matmul(x, matrix, threads=2), expected)
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    import select
+
+    ready, _, _ = select.select([read], [], [], 60)
+    answer = os.read(read, 1) if ready else b""
+    os.close(read)
+    if not ready:
+        os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    assert answer == b"1", "the forked child hung or computed another answer"
+
+
+def test_idle_workers_sleep_instead_of_spinning() -> None:
+    """After a call the workers wait a few milliseconds for the next one, then sleep: an idle
+    process costs no CPU."""
+    matrix, x, _ = _team_case()
+    matmul(x, matrix, threads=2)
+    import time
+
+    time.sleep(0.3)
+    before = os.times()
+    time.sleep(1.0)
+    after = os.times()
+    used = (after.user - before.user) + (after.system - before.system)
+    assert used < 0.3, f"the process used {used:.2f} s of CPU in 1 s of idling"
+
+
 def test_q4_and_q8_hold_gguf_weights_exactly() -> None:
     """Weights that lie on GGUF's Q4_1 grid (w = q * d + m, fp16 d and m) or Q8_0 grid come back
     bit for bit: the embedded model loses nothing to its re-quantization."""
@@ -185,7 +254,8 @@ def test_the_library_is_loaded_only_from_a_private_folder(tmp_path: Path) -> Non
 
 
 def test_one_openmp_runtime_is_loaded() -> None:
-    """The kernels link the libgomp torch loaded (pytorch#98836: two runtimes in one process)."""
+    """The kernels bring no OpenMP runtime beside torch's (pytorch#98836: two in one process); they
+    run on their own thread team."""
     native_kernels()
     runtimes = native.openmp_runtimes()
     assert len(runtimes) == 1, runtimes
@@ -222,8 +292,8 @@ def test_every_instruction_set_build_computes_what_the_machine_build_does(tmp_pa
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
     built = tmp_path / "kernels.so"
-    subprocess.run([compiler, *flags, "-ffp-contract=off", "-fPIC", "-shared", str(SOURCE), "-o", str(built), "-lm"],
-                   check=True)
+    subprocess.run([compiler, *flags, "-pthread", "-ffp-contract=off", "-fPIC", "-shared", str(SOURCE), "-o", str(built),
+                    "-lm"], check=True)
     library = ctypes.CDLL(str(built))
     native._declare(library)
     assert library.ms_kernel_isa() == isa.encode()

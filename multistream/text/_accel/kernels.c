@@ -3,8 +3,9 @@
 // Weights are in blocks of 32 input channels, GGUF's formats with fp16 scales: Q4_1 (kind 4: a
 // scale d and a minimum m per block, w = q * d + m, q in 0..15) and Q8_0 (kind 8: w = q * d, q in
 // -127..127). Activations are fp32 by default (acts 0): each block is dequantized in registers
-// and multiplied with FMA, d * sum(q * x) + m * sum(x) per block, so a product equals the fp32
-// product with the same weights to float rounding. acts 1 is llama.cpp's arithmetic instead: the
+// (w = q * d + m, one FMA per value, shared by every activation row of a pass) and multiplied
+// with the activations by FMA, so a product is the fp32 product of the same weights to float
+// rounding. acts 1 is llama.cpp's arithmetic instead: the
 // activations quantized per block to int8 (GGUF's Q8_1) and products summed in int32 (an opt-in).
 //
 // ONE ARITHMETIC. Every value a token gets (its norms, projections, rotary embedding, attention
@@ -18,7 +19,8 @@
 // One plain C file, no torch headers; built by multistream at first use (multistream/text/_accel/
 // kernels.py) with -march=native: AVX2 + FMA intrinsics where the compiler targets them (and the
 // fp32 block products in AVX-512 where it has that too), portable C elsewhere. A build computes
-// the same values on every path; builds for different instruction sets differ by float rounding. Each entry point runs one OpenMP parallel region (its stages separated by barriers)
+// the same values on every path; builds for different instruction sets differ by float rounding.
+// Each entry point is one call of the file's own thread team (its stages separated by barriers)
 // rather than one per matmul.
 #include <math.h>
 #include <stdint.h>
@@ -36,12 +38,21 @@
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+#define MS_THREADS 1
 #endif
 
 #define BLOCK 32
 #define GROUP 4  // activation rows per pass over a weight block (prefill, batched decode)
+#ifdef MS_AVX512
+#define WIDE_GROUP 8  // and 8 where 32 vector registers hold their accumulators
+#else
+#define WIDE_GROUP GROUP
+#endif
 #define SILU_PIECE 64  // SiLU values per task
 #define TILE 8   // output rows per task: a tile of weights stays in L1 while every activation row reads it
 
@@ -89,6 +100,186 @@ typedef struct {
 } acts8;
 
 // ---------------------------------------------------------------------------------------------
+// The team: this file's own worker threads (pthreads), instead of OpenMP's.
+//
+// Why not OpenMP: libgomp spins at a barrier only while the process has no more OpenMP threads
+// than CPUs. torch's pool on the thread that loaded the model plus the engine thread's pool is
+// already more than 2 CPUs have, and from then on every barrier sleeps in the kernel and is woken
+// (a futex round trip; tens of microseconds in a VM): a decode step's 270 barriers made 2 threads
+// slower than one. The team spins at its barriers, and between calls its workers spin for up to
+// TEAM_SPIN_NS (the next decode step usually comes sooner), yielding the core to any other
+// runnable thread, then sleep until the next call. One call runs at a time (calls from several
+// threads take turns), and a forked child starts with no workers (they are made again on use).
+//
+// Inside a call: `team_id`/`team_size` name this thread's part, `share_lo`/`share_hi` are a static split
+// of a loop (each index computed by one thread, so no value depends on the split), `team_barrier`
+// waits for all of the team. Every shared loop below is followed by a barrier.
+
+#define TEAM_MAX 64
+#define TEAM_SPIN_NS 3000000L  // how long idle workers wait for the next call before sleeping
+
+static _Thread_local int team_id = 0, team_size = 1;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+// This thread's part [share_lo, share_hi) of `count` iterations (a static split).
+static inline int64_t share_lo(int64_t count) {
+    const int64_t base = count / team_size, extra = count % team_size;
+    return team_id * base + (team_id < extra ? team_id : extra);
+}
+
+static inline int64_t share_hi(int64_t count) {
+    return share_lo(count) + count / team_size + (team_id < count % team_size ? 1 : 0);
+}
+
+#ifdef MS_THREADS
+typedef struct {
+    pthread_mutex_t call_lock;   // one call at a time
+    pthread_mutex_t lock;        // with `wake`: idle workers sleep here
+    pthread_cond_t wake;
+    pthread_t workers[TEAM_MAX];
+    unsigned first_call[TEAM_MAX];  // the `call` a worker was made before (it waits for the next)
+    int started;                 // workers made so far (ids 1..started)
+    void (*job)(void *);
+    void *arg;
+    int size;                    // threads in the current call (the caller is id 0)
+    atomic_uint call;            // +1 per call: workers wait for it to change
+    atomic_int finished;         // workers done with the current call
+    atomic_int arrived;          // barrier: threads arrived
+    atomic_uint passed;          // barrier: +1 each time all have arrived
+} ms_team;
+
+static ms_team team = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+                       .wake = PTHREAD_COND_INITIALIZER};
+
+static void team_barrier(void) {
+    if (team_size <= 1) return;
+    const unsigned passed = atomic_load(&team.passed);
+    if (atomic_fetch_add(&team.arrived, 1) == team_size - 1) {
+        atomic_store(&team.arrived, 0);
+        atomic_fetch_add(&team.passed, 1);
+        return;
+    }
+    for (unsigned spins = 0; atomic_load(&team.passed) == passed; spins++) {
+        if (spins < 20000)
+            cpu_relax();
+        else
+            sched_yield();  // a teammate was preempted: let it run
+    }
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *team_worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    unsigned seen = team.first_call[id];  // not team.call: this thread may start after the bump
+    for (;;) {
+        // Wait for the next call: spin, then yield, then sleep.
+        int64_t since = 0;
+        for (unsigned spins = 0; atomic_load(&team.call) == seen; spins++) {
+            if (spins < 2000) {
+                cpu_relax();
+                continue;
+            }
+            if (!since) since = now_ns();
+            if (now_ns() - since < TEAM_SPIN_NS) {
+                sched_yield();
+                continue;
+            }
+            pthread_mutex_lock(&team.lock);
+            while (atomic_load(&team.call) == seen) pthread_cond_wait(&team.wake, &team.lock);
+            pthread_mutex_unlock(&team.lock);
+        }
+        seen = atomic_load(&team.call);
+        if (id < team.size) {
+            team_id = id;
+            team_size = team.size;
+            team.job(team.arg);
+        }
+        atomic_fetch_add(&team.finished, 1);
+    }
+    return NULL;
+}
+
+static void team_forget(void) {  // in a forked child: the parent's workers do not exist here
+    pthread_mutex_init(&team.call_lock, NULL);
+    pthread_mutex_init(&team.lock, NULL);
+    pthread_cond_init(&team.wake, NULL);
+    team.started = 0;
+}
+
+// job(arg) on `threads` threads (the caller and threads - 1 workers). Returns 0, or -2 if no
+// worker could be made (the job then ran on the caller alone).
+static int team_run(void (*job)(void *), void *arg, int threads) {
+    if (threads > TEAM_MAX) threads = TEAM_MAX;
+    if (threads <= 1) {
+        team_id = 0;
+        team_size = 1;
+        job(arg);
+        return 0;
+    }
+    pthread_mutex_lock(&team.call_lock);
+    static int registered = 0;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, team_forget);
+        registered = 1;
+    }
+    while (team.started < threads - 1) {
+        team.first_call[team.started + 1] = atomic_load(&team.call);
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&team.workers[team.started], &attr, team_worker, (void *)(intptr_t)(team.started + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        team.started++;
+    }
+    if (team.started < threads - 1) threads = team.started + 1;
+    team.job = job;
+    team.arg = arg;
+    team.size = threads;
+    atomic_store(&team.finished, 0);
+    atomic_store(&team.arrived, 0);
+    const int workers = team.started;
+    pthread_mutex_lock(&team.lock);
+    atomic_fetch_add(&team.call, 1);
+    pthread_cond_broadcast(&team.wake);
+    pthread_mutex_unlock(&team.lock);
+    team_id = 0;
+    team_size = threads;
+    job(arg);
+    for (unsigned spins = 0; atomic_load(&team.finished) < workers; spins++) {
+        if (spins < 20000)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+    team_size = 1;
+    pthread_mutex_unlock(&team.call_lock);
+    return 0;
+}
+#else
+static void team_barrier(void) {}
+static int team_run(void (*job)(void *), void *arg, int threads) {
+    (void)threads;
+    team_id = 0;
+    team_size = 1;
+    job(arg);
+    return 0;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // Scalars and small helpers.
 
 static inline float half_to_float(uint16_t h) {
@@ -126,22 +317,6 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
-// Sum of the 32 values of each block of one activation row (the minimum's term of Q4_1).
-static void block_sums(const float *x, int64_t blocks, float *sums) {
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *xb = x + b * BLOCK;
-#ifdef MS_AVX2
-        __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
-        sums[b] = hsum256(t);
-#else
-        float t = 0.0f;
-        for (int j = 0; j < BLOCK; j++) t += xb[j];
-        sums[b] = t;
-#endif
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // fp32 activations: one (activation row, weight row) pair. The group forms below repeat these
 // operations for each row, in the same order, with the weight block dequantized once for all.
@@ -170,13 +345,6 @@ static inline void q8_floats(const int8_t *w32, __m256 *f) {
         f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w32 + 8 * i))));
 }
 
-// sum(q * x) over a block: two chains of two products, added (the same tree in every caller).
-static inline __m256 block_dot(const __m256 *f, const float *xb) {
-    __m256 a = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
-    __m256 b = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[1], _mm256_loadu_ps(xb + 8)));
-    return _mm256_add_ps(a, b);
-}
-
 #ifdef MS_AVX512
 // The same with 16 lanes: a Q4_1 block's low nibbles (values 0..15) and high nibbles (16..31),
 // each widened to 16 int32 lanes and converted; a Q8_0 block's two halves likewise.
@@ -189,11 +357,6 @@ static inline void q4_floats16(const uint8_t *packed16, __m512 *f) {
 static inline void q8_floats16(const int8_t *w32, __m512 *f) {
     f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w32)));
     f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w32 + 16))));
-}
-
-// sum(q * x) over a block, per lane i: q[i] x[i] + q[16 + i] x[16 + i] (the same tree in every caller).
-static inline __m512 block_dot16(const __m512 *f, const float *xb) {
-    return _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f[0], _mm512_loadu_ps(xb)));
 }
 
 // A fixed reduction tree (halves added, then hsum256), so every caller sums the lanes alike.
@@ -230,127 +393,93 @@ static inline float scale_at(const ms_qmat *m, int64_t j, const float *scales, i
     return scales ? scales[i] : half_to_float(m->s[j * per_row + i]);
 }
 
-static float dot_f32(const ms_qmat *m, int64_t j, const float *x, const float *sums) {
-    const int64_t blocks = m->k / BLOCK;
-    float buffer[MAX_ROW_SCALES];
-    const float *sc = scales_of(m, j, buffer);
+// Weight block b of row j dequantized in registers, w = q * d + m (Q4_1: one FMA per lane) or
+// q * d (Q8_0), once for every activation row that meets it; then each row adds its products
+// with the block to its accumulator: acc + (w[0:] x[0:] + w[16:] x[16:]) per lane (AVX-512), or
+// acc + ((w0 x0 + w2 x2) + (w1 x1 + w3 x3)) over 8-lane quarters (AVX2). Folding the minimum into
+// the weights is the fp32 product of the dequantized weights, with no per-block sums of x.
 #if defined(MS_AVX512)
-    __m512 acc = _mm512_setzero_ps(), f[2];
-    float mins = 0.0f;
+static inline void block_weights(const ms_qmat *m, int64_t j, const float *sc, int64_t b, __m512 *w) {
     if (m->kind == 4) {
-        const uint8_t *w = (const uint8_t *)m->w + j * (m->k / 2);
-        for (int64_t b = 0; b < blocks; b++) {
-            q4_floats16(w + b * 16, f);
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(m, j, sc, 2 * b)), block_dot16(f, x + b * BLOCK), acc);
-        }
-        for (int64_t b = 0; b < blocks; b++) mins += scale_at(m, j, sc, 2 * b + 1) * sums[b];
+        q4_floats16((const uint8_t *)m->w + j * (m->k / 2) + b * 16, w);
+        const __m512 d = _mm512_set1_ps(scale_at(m, j, sc, 2 * b)), mn = _mm512_set1_ps(scale_at(m, j, sc, 2 * b + 1));
+        w[0] = _mm512_fmadd_ps(w[0], d, mn);
+        w[1] = _mm512_fmadd_ps(w[1], d, mn);
     } else {
-        const int8_t *w = (const int8_t *)m->w + j * m->k;
-        for (int64_t b = 0; b < blocks; b++) {
-            q8_floats16(w + b * BLOCK, f);
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(m, j, sc, b)), block_dot16(f, x + b * BLOCK), acc);
-        }
+        q8_floats16((const int8_t *)m->w + j * m->k + b * BLOCK, w);
+        const __m512 d = _mm512_set1_ps(scale_at(m, j, sc, b));
+        w[0] = _mm512_mul_ps(w[0], d);
+        w[1] = _mm512_mul_ps(w[1], d);
     }
-    return hsum512(acc) + mins;
-#elif defined(MS_AVX2)
-    __m256 acc = _mm256_setzero_ps(), f[4];
-    float mins = 0.0f;
-    if (m->kind == 4) {
-        const uint8_t *w = (const uint8_t *)m->w + j * (m->k / 2);
-        for (int64_t b = 0; b < blocks; b++) {
-            q4_floats(w + b * 16, f);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(m, j, sc, 2 * b)), block_dot(f, x + b * BLOCK), acc);
-        }
-        for (int64_t b = 0; b < blocks; b++) mins += scale_at(m, j, sc, 2 * b + 1) * sums[b];
-    } else {
-        const int8_t *w = (const int8_t *)m->w + j * m->k;
-        for (int64_t b = 0; b < blocks; b++) {
-            q8_floats(w + b * BLOCK, f);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(m, j, sc, b)), block_dot(f, x + b * BLOCK), acc);
-        }
-    }
-    return hsum256(acc) + mins;
-#else
-    float total = 0.0f, mins = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *xb = x + b * BLOCK;
-        float t = 0.0f;
-        if (m->kind == 4) {
-            const uint8_t *w = (const uint8_t *)m->w + j * (m->k / 2) + b * 16;
-            for (int i = 0; i < 16; i++) t += (float)(w[i] & 0x0F) * xb[i];
-            for (int i = 0; i < 16; i++) t += (float)(w[i] >> 4) * xb[i + 16];
-            total += scale_at(m, j, sc, 2 * b) * t;
-        } else {
-            const int8_t *w = (const int8_t *)m->w + j * m->k + b * BLOCK;
-            for (int i = 0; i < BLOCK; i++) t += (float)w[i] * xb[i];
-            total += scale_at(m, j, sc, b) * t;
-        }
-    }
-    if (m->kind == 4)
-        for (int64_t b = 0; b < blocks; b++) mins += scale_at(m, j, sc, 2 * b + 1) * sums[b];
-    return total + mins;
-#endif
 }
 
-// GROUP activation rows (x: row r at x + r * k) against weight row j: dot_f32 for each row.
-static void dot_f32_group(const ms_qmat *m, int64_t j, const float *x, const float *sums, float *out) {
-    const int64_t k = m->k, blocks = k / BLOCK;
-#if defined(MS_AVX512)
-    float buffer[MAX_ROW_SCALES];
-    const float *sc = scales_of(m, j, buffer);
-    __m512 acc[GROUP], f[2];
-    float mins[GROUP];
-    for (int r = 0; r < GROUP; r++) {
-        acc[r] = _mm512_setzero_ps();
-        mins[r] = 0.0f;
-    }
-    if (m->kind == 4) {
-        const uint8_t *w = (const uint8_t *)m->w + j * (k / 2);
-        for (int64_t b = 0; b < blocks; b++) {
-            q4_floats16(w + b * 16, f);
-            __m512 d = _mm512_set1_ps(scale_at(m, j, sc, 2 * b));
-            for (int r = 0; r < GROUP; r++) acc[r] = _mm512_fmadd_ps(d, block_dot16(f, x + r * k + b * BLOCK), acc[r]);
-        }
-        for (int r = 0; r < GROUP; r++)
-            for (int64_t b = 0; b < blocks; b++) mins[r] += scale_at(m, j, sc, 2 * b + 1) * sums[r * blocks + b];
-    } else {
-        const int8_t *w = (const int8_t *)m->w + j * k;
-        for (int64_t b = 0; b < blocks; b++) {
-            q8_floats16(w + b * BLOCK, f);
-            __m512 d = _mm512_set1_ps(scale_at(m, j, sc, b));
-            for (int r = 0; r < GROUP; r++) acc[r] = _mm512_fmadd_ps(d, block_dot16(f, x + r * k + b * BLOCK), acc[r]);
-        }
-    }
-    for (int r = 0; r < GROUP; r++) out[r] = hsum512(acc[r]) + mins[r];
+static inline __m512 block_acc(__m512 acc, const __m512 *w, const float *xb) {
+    return _mm512_add_ps(acc, _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xb))));
+}
+#define VEC __m512
+#define VEC_PARTS 2
+#define VEC_ZERO _mm512_setzero_ps
+#define VEC_SUM hsum512
 #elif defined(MS_AVX2)
+static inline void block_weights(const ms_qmat *m, int64_t j, const float *sc, int64_t b, __m256 *w) {
+    if (m->kind == 4) {
+        q4_floats((const uint8_t *)m->w + j * (m->k / 2) + b * 16, w);
+        const __m256 d = _mm256_set1_ps(scale_at(m, j, sc, 2 * b)), mn = _mm256_set1_ps(scale_at(m, j, sc, 2 * b + 1));
+        for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(w[i], d, mn);
+    } else {
+        q8_floats((const int8_t *)m->w + j * m->k + b * BLOCK, w);
+        const __m256 d = _mm256_set1_ps(scale_at(m, j, sc, b));
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], d);
+    }
+}
+
+static inline __m256 block_acc(__m256 acc, const __m256 *w, const float *xb) {
+    __m256 a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), _mm256_mul_ps(w[0], _mm256_loadu_ps(xb)));
+    __m256 b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8)));
+    return _mm256_add_ps(acc, _mm256_add_ps(a, b));
+}
+#define VEC __m256
+#define VEC_PARTS 4
+#define VEC_ZERO _mm256_setzero_ps
+#define VEC_SUM hsum256
+#else
+// Portable C: value i of block b, dequantized (the same value in every caller).
+static inline float block_weight(const ms_qmat *m, int64_t j, const float *sc, int64_t b, int i) {
+    if (m->kind == 4) {
+        const uint8_t byte = ((const uint8_t *)m->w)[j * (m->k / 2) + b * 16 + (i & 15)];
+        const float q = (float)(i < 16 ? byte & 0x0F : byte >> 4);
+        return q * scale_at(m, j, sc, 2 * b) + scale_at(m, j, sc, 2 * b + 1);
+    }
+    return (float)((const int8_t *)m->w)[j * m->k + b * BLOCK + i] * scale_at(m, j, sc, b);
+}
+#endif
+
+// `rows` activation rows (row r at x + r * k) against weight row j, each weight block dequantized
+// once for all of them. Every caller inlines it with a constant `rows` (1, GROUP or WIDE_GROUP):
+// one function, so a row's arithmetic is the same alone or in a group.
+static inline __attribute__((always_inline)) void dot_f32_rows(const ms_qmat *m, int64_t j, const float *x,
+                                                               float *out, const int rows) {
+    const int64_t k = m->k, blocks = k / BLOCK;
     float buffer[MAX_ROW_SCALES];
     const float *sc = scales_of(m, j, buffer);
-    __m256 acc[GROUP], f[4];
-    float mins[GROUP];
-    for (int r = 0; r < GROUP; r++) {
-        acc[r] = _mm256_setzero_ps();
-        mins[r] = 0.0f;
+#ifdef VEC
+    VEC acc[WIDE_GROUP], w[VEC_PARTS];
+    for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
+    for (int64_t b = 0; b < blocks; b++) {
+        block_weights(m, j, sc, b, w);
+        for (int r = 0; r < rows; r++) acc[r] = block_acc(acc[r], w, x + r * k + b * BLOCK);
     }
-    if (m->kind == 4) {
-        const uint8_t *w = (const uint8_t *)m->w + j * (k / 2);
-        for (int64_t b = 0; b < blocks; b++) {
-            q4_floats(w + b * 16, f);
-            __m256 d = _mm256_set1_ps(scale_at(m, j, sc, 2 * b));
-            for (int r = 0; r < GROUP; r++) acc[r] = _mm256_fmadd_ps(d, block_dot(f, x + r * k + b * BLOCK), acc[r]);
-        }
-        for (int r = 0; r < GROUP; r++)
-            for (int64_t b = 0; b < blocks; b++) mins[r] += scale_at(m, j, sc, 2 * b + 1) * sums[r * blocks + b];
-    } else {
-        const int8_t *w = (const int8_t *)m->w + j * k;
-        for (int64_t b = 0; b < blocks; b++) {
-            q8_floats(w + b * BLOCK, f);
-            __m256 d = _mm256_set1_ps(scale_at(m, j, sc, b));
-            for (int r = 0; r < GROUP; r++) acc[r] = _mm256_fmadd_ps(d, block_dot(f, x + r * k + b * BLOCK), acc[r]);
-        }
-    }
-    for (int r = 0; r < GROUP; r++) out[r] = hsum256(acc[r]) + mins[r];
+    for (int r = 0; r < rows; r++) out[r] = VEC_SUM(acc[r]);
 #else
-    for (int r = 0; r < GROUP; r++) out[r] = dot_f32(m, j, x + r * k, sums + r * blocks);
+    for (int r = 0; r < rows; r++) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            float t = 0.0f;
+            for (int i = 0; i < BLOCK; i++) t += block_weight(m, j, sc, b, i) * x[r * k + b * BLOCK + i];
+            total += t;
+        }
+        out[r] = total;
+    }
 #endif
 }
 
@@ -432,28 +561,23 @@ static float dot_i8(const ms_qmat *m, int64_t j, const int8_t *q, const float *d
 }
 
 // ---------------------------------------------------------------------------------------------
-// The matmul, as work shared by the threads of an enclosing parallel region (orphaned `omp for`s:
-// each call site is inside one). y[r, j] = x[r, :] . W[j, :] (+ bias[j]).
+// The matmul, as work shared by the team of the call it is in (`team_run`): y[r, j] = x[r, :] . W[j, :]
+// (+ bias[j]).
 
-// Per-row preparation: the block sums (fp32) or the int8 quantization (acts 1), into the scratch.
-static inline void prepare_row(const ms_qmat *m, const float *x, int64_t r, float *sums, acts8 *a8) {
+// Per-row preparation: the int8 quantization (acts 1) into the scratch; fp32 rows need none.
+static inline void prepare_row(const ms_qmat *m, const float *x, int64_t r, acts8 *a8) {
     const int64_t k = m->k, blocks = k / BLOCK;
-    if (m->acts)
-        quantize_row(x + r * k, k, a8->q + r * k, a8->d + r * blocks, a8->s + r * blocks);
-    else
-        block_sums(x + r * k, blocks, sums + r * blocks);
+    if (m->acts) quantize_row(x + r * k, k, a8->q + r * k, a8->d + r * blocks, a8->s + r * blocks);
 }
 
-static void prepare_rows(const ms_qmat *m, const float *x, int64_t rows, float *sums, acts8 *a8) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) prepare_row(m, x, r, sums, a8);
+static void prepare_rows(const ms_qmat *m, const float *x, int64_t rows, acts8 *a8) {
+    for (int64_t r = share_lo(rows), hi = share_hi(rows); r < hi; r++) prepare_row(m, x, r, a8);
+    team_barrier();
 }
 
-static void matmul_work(const ms_qmat *m, const float *x, int64_t rows, float *y, const float *sums,
-                        const acts8 *a8) {
+static void matmul_work(const ms_qmat *m, const float *x, int64_t rows, float *y, const acts8 *a8) {
     const int64_t k = m->k, n = m->n, blocks = k / BLOCK, tiles = (n + TILE - 1) / TILE;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
+    for (int64_t t = share_lo(tiles), hi = share_hi(tiles); t < hi; t++) {
         const int64_t first = t * TILE, end = (t + 1) * TILE < n ? (t + 1) * TILE : n;
         // Activation rows outside, the tile's weight rows inside: a group of rows is read from L2
         // once per tile and meets every weight row of it in L1 (the other order read the group again
@@ -461,16 +585,23 @@ static void matmul_work(const ms_qmat *m, const float *x, int64_t rows, float *y
         // computed by the same code either way: the order changes no value.
         int64_t r = 0;
         if (!m->acts) {
+            float v[WIDE_GROUP];
+#if WIDE_GROUP > GROUP
+            for (; r + WIDE_GROUP <= rows; r += WIDE_GROUP)
+                for (int64_t j = first; j < end; j++) {
+                    dot_f32_rows(m, j, x + r * k, v, WIDE_GROUP);
+                    for (int g = 0; g < WIDE_GROUP; g++) y[(r + g) * n + j] = m->bias ? v[g] + m->bias[j] : v[g];
+                }
+#endif
             for (; r + GROUP <= rows; r += GROUP)
                 for (int64_t j = first; j < end; j++) {
-                    float v[GROUP];
-                    dot_f32_group(m, j, x + r * k, sums + r * blocks, v);
+                    dot_f32_rows(m, j, x + r * k, v, GROUP);
                     for (int g = 0; g < GROUP; g++) y[(r + g) * n + j] = m->bias ? v[g] + m->bias[j] : v[g];
                 }
             for (; r < rows; r++)
                 for (int64_t j = first; j < end; j++) {
-                    float v = dot_f32(m, j, x + r * k, sums + r * blocks);
-                    y[r * n + j] = m->bias ? v + m->bias[j] : v;
+                    dot_f32_rows(m, j, x + r * k, v, 1);
+                    y[r * n + j] = m->bias ? v[0] + m->bias[j] : v[0];
                 }
         } else {
             for (; r < rows; r++)
@@ -480,43 +611,40 @@ static void matmul_work(const ms_qmat *m, const float *x, int64_t rows, float *y
                 }
         }
     }
+    team_barrier();
 }
 
-// Scratch for a matmul of `rows` rows of width k: block sums (fp32) or the int8 rows and scales.
+// Scratch for a matmul of `rows` rows of width k: the int8 rows and their scales (acts 1).
 static size_t scratch_bytes(int64_t rows, int64_t k) {
-    return (size_t)(rows * k) + sizeof(float) * (size_t)(3 * rows * (k / BLOCK)) + 64;
+    return (size_t)(rows * k) + sizeof(float) * (size_t)(2 * rows * (k / BLOCK)) + 64;
 }
 
-static void scratch_split(void *base, int64_t rows, int64_t k, float **sums, acts8 *a8) {
+static void scratch_split(void *base, int64_t rows, int64_t k, acts8 *a8) {
     const int64_t blocks = k / BLOCK;
-    *sums = (float *)base;
-    a8->d = *sums + rows * blocks;
+    a8->d = (float *)base;
     a8->s = a8->d + rows * blocks;
     a8->q = (int8_t *)(a8->s + rows * blocks);
 }
 
 static void matmul_shared(const ms_qmat *m, const float *x, int64_t rows, float *y, void *scratch) {
-    float *sums;
     acts8 a8;
-    scratch_split(scratch, rows, m->k, &sums, &a8);
-    prepare_rows(m, x, rows, sums, &a8);  // ends with a barrier
-    matmul_work(m, x, rows, y, sums, &a8);
+    scratch_split(scratch, rows, m->k, &a8);
+    if (m->acts) prepare_rows(m, x, rows, &a8);  // ends with a barrier (every thread takes the same branch)
+    matmul_work(m, x, rows, y, &a8);
 }
 
 // The same, for rows whose preparation the caller did already (prepare_scratch_row, in the loop
 // that produced them: one barrier fewer).
 static void matmul_prepared(const ms_qmat *m, const float *x, int64_t rows, float *y, void *scratch) {
-    float *sums;
     acts8 a8;
-    scratch_split(scratch, rows, m->k, &sums, &a8);
-    matmul_work(m, x, rows, y, sums, &a8);
+    scratch_split(scratch, rows, m->k, &a8);
+    matmul_work(m, x, rows, y, &a8);
 }
 
 static inline void prepare_scratch_row(const ms_qmat *m, const float *x, int64_t rows, int64_t r, void *scratch) {
-    float *sums;
     acts8 a8;
-    scratch_split(scratch, rows, m->k, &sums, &a8);
-    prepare_row(m, x, r, sums, &a8);
+    scratch_split(scratch, rows, m->k, &a8);
+    prepare_row(m, x, r, &a8);
 }
 
 static int check_qmat(const ms_qmat *m) {
@@ -525,14 +653,27 @@ static int check_qmat(const ms_qmat *m) {
     return 0;
 }
 
+typedef struct {
+    const ms_qmat *m;
+    const float *x;
+    int64_t rows;
+    float *y;
+    void *scratch;
+} matmul_call;
+
+static void matmul_job(void *arg) {
+    const matmul_call *c = (const matmul_call *)arg;
+    matmul_shared(c->m, c->x, c->rows, c->y, c->scratch);
+}
+
 // Status codes: 0 ok, -1 a shape or argument the kernels do not take, -2 out of memory.
 int ms_matmul(const float *x, int64_t rows, const ms_qmat *m, float *y, int threads) {
     if (check_qmat(m) || rows < 0 || !x || !y) return -1;
     if (rows == 0) return 0;
     void *scratch = malloc(scratch_bytes(rows, m->k));
     if (!scratch) return -2;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    matmul_shared(m, x, rows, y, scratch);
+    matmul_call call = {m, x, rows, y, scratch};
+    team_run(matmul_job, &call, threads);
     free(scratch);
     return 0;
 }
@@ -705,18 +846,14 @@ static int64_t max_span(const ms_tokens *t) {
 static void attend_tokens(const ms_shape *s, const ms_tokens *t, const float *q, const ms_kv *kv, float *out,
                           float *scores, int64_t span) {
     const int64_t heads = s->heads, group = s->heads / s->kv_heads, dim = s->dim;
-#ifdef _OPENMP
-    float *mine = scores + (int64_t)omp_get_thread_num() * span;
-#else
-    float *mine = scores;
-#endif
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < t->count * heads; task++) {
+    float *mine = scores + (int64_t)team_id * span;
+    for (int64_t task = share_lo(t->count * heads), hi = share_hi(t->count * heads); task < hi; task++) {
         int64_t i = task / heads, h = task % heads, g = h / group, row = t->kv_row[i];
         attend_one(q + (i * heads + h) * dim, kv->k + row * kv->ks[0] + g * kv->ks[1],
                    kv->v + row * kv->vs[0] + g * kv->vs[1], kv->ks[2], kv->vs[2], t->first[i], t->column[i],
                    s->scaling, dim, mine, out + (i * heads + h) * dim);
     }
+    team_barrier();
 }
 
 // Scratch of one layer call: normed input, fused q/k/v, q/k/v, attention, h, normed h, gate/up,
@@ -759,18 +896,18 @@ static void write_kv(const ms_shape *s, const ms_tokens *t, const ms_kv *kv, con
 static void stage_qkv(const ms_layer *l, const ms_shape *s, const ms_tokens *t, const float *x, layer_scratch *w,
                       const ms_kv *kv) {
     const int64_t width = (s->heads + 2 * s->kv_heads) * s->dim;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < t->count; i++) {
+    for (int64_t i = share_lo(t->count), hi = share_hi(t->count); i < hi; i++) {
         rms_norm_row(x + i * s->hidden, l->norm1_w, l->eps1, w->normed + i * s->hidden, s->hidden);
         prepare_scratch_row(&l->qkv, w->normed, t->count, i, w->mm);
     }
+    team_barrier();
     matmul_prepared(&l->qkv, w->normed, t->count, w->qkv, w->mm);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < t->count; i++) {
+    for (int64_t i = share_lo(t->count), hi = share_hi(t->count); i < hi; i++) {
         split_rotate(s, w->qkv + i * width, t->cos + i * s->dim, t->sin + i * s->dim, w->q + i * s->heads * s->dim,
                      w->k + i * s->kv_heads * s->dim, w->v + i * s->kv_heads * s->dim);
         if (kv) write_kv(s, t, kv, w, i);
     }
+    team_barrier();
 }
 
 // Token i's k and v into its column of the KV buffers.
@@ -790,26 +927,26 @@ static void stage_rest(const ms_layer *l, const ms_shape *s, const ms_tokens *t,
     const int64_t n = t->count, hidden = s->hidden, inter = s->intermediate;
     attend_tokens(s, t, q, kv, w->attn, w->scores, w->span);
     matmul_shared(&l->o, w->attn, n, w->h, w->mm);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = share_lo(n), hi = share_hi(n); i < hi; i++) {
         for (int64_t c = 0; c < hidden; c++) w->h[i * hidden + c] += x[i * hidden + c];
         rms_norm_row(w->h + i * hidden, l->norm2_w, l->eps2, w->normed2 + i * hidden, hidden);
         prepare_scratch_row(&l->gate_up, w->normed2, n, i, w->mm);
     }
+    team_barrier();
     matmul_prepared(&l->gate_up, w->normed2, n, w->gu, w->mm);
     // SiLU(gate) * up, in pieces of SILU_PIECE values (split over the threads even for one token;
     // a value is the same in a vector lane or a tail).
     const int64_t pieces = (inter + SILU_PIECE - 1) / SILU_PIECE;
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < n * pieces; task++) {
+    for (int64_t task = share_lo(n * pieces), hi = share_hi(n * pieces); task < hi; task++) {
         const int64_t i = task / pieces, c = (task % pieces) * SILU_PIECE;
         const int64_t count = inter - c < SILU_PIECE ? inter - c : SILU_PIECE;
         silu_mul(w->gu + i * 2 * inter + c, w->gu + i * 2 * inter + inter + c, w->act + i * inter + c, count);
     }
+    team_barrier();
     // `out` may be `x` itself (ms_layers_forward): x is not read after the first residual above.
     matmul_shared(&l->down, w->act, n, out, w->mm);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n * hidden; i++) out[i] += w->h[i];
+    for (int64_t i = share_lo(n * hidden), hi = share_hi(n * hidden); i < hi; i++) out[i] += w->h[i];
+    team_barrier();
 }
 
 static int check_layer(const ms_layer *l, const ms_shape *s) {
@@ -833,6 +970,39 @@ static int check_shape(const ms_shape *s, const ms_tokens *t) {
     return 0;
 }
 
+// Where a run of layers may stop early: before layer i (of this call, i > 0) when stop_before[i] is
+// set and *pending is nonzero when the threads get there (the engine's flag: a request arrived
+// that it can prefill part-way through this step). Read by one thread, the decision shared by all.
+typedef struct {
+    const volatile int32_t *pending;
+    const uint8_t *stop_before;  // [count] or NULL
+} ms_points;
+
+// One call's arguments, for the team's job functions below.
+typedef struct {
+    const ms_layer *layers;
+    int64_t count;  // layers
+    const ms_shape *s;
+    const ms_tokens *t;
+    const float *x, *q;
+    const ms_kv *kv;
+    float *out;
+    layer_scratch *w;
+    const ms_points *points;  // ms_layers_forward: where it may stop (or NULL)
+    int stop;                 // set by thread 0 before a barrier, read by all after it
+    int64_t stopped_at;
+} layers_call;
+
+static void qkv_job(void *arg) {
+    const layers_call *c = (const layers_call *)arg;
+    stage_qkv(c->layers, c->s, c->t, c->x, c->w, NULL);
+}
+
+static void rest_job(void *arg) {
+    const layers_call *c = (const layers_call *)arg;
+    stage_rest(c->layers, c->s, c->t, c->x, c->q, c->kv, c->out, c->w);
+}
+
 // q, k, v of `tokens` (x [count, hidden] -> q [count, heads, dim], k and v [count, kv_heads, dim]):
 // the first half of a layer, for a caller whose cache appends k and v itself (transformers' cache).
 int ms_layer_qkv(const ms_layer *l, const ms_shape *s, const ms_tokens *t, const float *x, float *q, float *k,
@@ -842,8 +1012,8 @@ int ms_layer_qkv(const ms_layer *l, const ms_shape *s, const ms_tokens *t, const
     layer_scratch w;
     void *base = scratch_alloc(s, t, threads, &w);
     if (!base) return -2;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    stage_qkv(l, s, t, x, &w, NULL);
+    layers_call call = {.layers = l, .count = 1, .s = s, .t = t, .x = x, .w = &w};
+    team_run(qkv_job, &call, threads);
     const int64_t n = t->count;
     memcpy(q, w.q, sizeof(float) * (size_t)(n * s->heads * s->dim));
     memcpy(k, w.k, sizeof(float) * (size_t)(n * s->kv_heads * s->dim));
@@ -861,19 +1031,29 @@ int ms_layer_rest(const ms_layer *l, const ms_shape *s, const ms_tokens *t, cons
     layer_scratch w;
     void *base = scratch_alloc(s, t, threads, &w);
     if (!base) return -2;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    stage_rest(l, s, t, x, q, kv, out, &w);
+    layers_call call = {.layers = l, .count = 1, .s = s, .t = t, .x = x, .q = q, .kv = kv, .out = out, .w = &w};
+    team_run(rest_job, &call, threads);
     free(base);
     return 0;
 }
 
-// Where a run of layers may stop early: before layer i (of this call, i > 0) when stop_before[i] is
-// set and *pending is nonzero when the threads get there (the engine's flag: a request arrived
-// that it can prefill part-way through this step). Read by one thread, the decision shared by all.
-typedef struct {
-    const volatile int32_t *pending;
-    const uint8_t *stop_before;  // [count] or NULL
-} ms_points;
+static void layers_job(void *arg) {
+    layers_call *c = (layers_call *)arg;
+    for (int64_t i = 0; i < c->count; i++) {
+        if (c->points && i > 0 && c->points->stop_before[i]) {
+            if (team_id == 0 && *c->points->pending) {  // the barrier publishes the decision to every thread
+                c->stop = 1;
+                c->stopped_at = i;
+            }
+            team_barrier();
+            if (c->stop) break;
+        }
+        const ms_layer *l = c->layers + i;
+        float *x = (float *)c->x;
+        stage_qkv(l, c->s, c->t, x, c->w, &l->kv);
+        stage_rest(l, c->s, c->t, x, c->w->q, &l->kv, x, c->w);  // the layer's output replaces its input
+    }
+}
 
 // Layers in one call, for a caller that owns the KV buffers (the engine's fast step): each layer
 // computes the tokens' q, k, v, writes k and v into layers[i].kv at their columns, attends and
@@ -891,23 +1071,10 @@ int ms_layers_forward(const ms_layer *layers, int64_t count, const ms_shape *s, 
     layer_scratch w;
     void *base = scratch_alloc(s, t, threads, &w);
     if (!base) return -2;
-    int stop = 0;
-    int64_t stopped_at = count;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t i = 0; i < count; i++) {
-        if (stops && i > 0 && points->stop_before[i]) {
-#pragma omp single
-            if (*points->pending) {  // the single's barrier publishes the decision to every thread
-                stop = 1;
-                stopped_at = i;
-            }
-            if (stop) break;
-        }
-        const ms_layer *l = layers + i;
-        stage_qkv(l, s, t, x, &w, &l->kv);
-        stage_rest(l, s, t, x, w.q, &l->kv, x, &w);  // the layer's output replaces its input
-    }
-    *done = stopped_at;
+    layers_call call = {.layers = layers, .count = count, .s = s, .t = t, .x = x, .w = &w,
+                        .points = stops ? points : NULL, .stopped_at = count};
+    team_run(layers_job, &call, threads);
+    *done = call.stopped_at;
     free(base);
     return 0;
 }

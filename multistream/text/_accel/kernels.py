@@ -12,14 +12,20 @@ Every token is computed by the same code in the same order whether it is decoded
 or prefilled with others, on any number of threads (the C file's header says how): that is what
 lets a re-prefill after an edit, a failover or ``llm.score`` land on the logits the stream had.
 
-Building: once per machine and source with ``cc -O3 -march=native -fopenmp -ffp-contract=off``
+Building: once per machine and source with ``cc -O3 -march=native -pthread -ffp-contract=off``
 (``$CC`` if set; about a second), into ``<cache_dir>/kernels`` when that folder belongs to this
 user and nobody else can write to it, else into a private temporary folder (loading a library from
 a path others can write is running their code). Loaded with ctypes; no torch headers are needed.
-OpenMP comes from the runtime torch already loaded (the library links ``libgomp.so.1``, the name
-torch's CPU build bundles), so one process has one OpenMP runtime (`openmp_runtimes` checks it);
-each call uses ``torch.get_num_threads()`` threads. Without a compiler, or if the build fails,
-`native_kernels()` is None, `native_problem()` says why, and quantized layers use ATen's kernels.
+
+Threads: each call uses ``torch.get_num_threads()`` threads of the C file's own team (pthreads),
+not OpenMP: libgomp stops spinning at its barriers once a process has more OpenMP threads than
+CPUs (torch's pool on the loading thread plus the engine thread's are already more than two CPUs
+have), and a decode step's barriers then each cost a sleep and a wake-up (2 threads ran slower
+than one). The team spins at its barriers, and its idle workers wait up to 3 ms for the next call
+(yielding the CPU to any other runnable thread) before they sleep. So the library loads no
+OpenMP runtime of its own (`openmp_runtimes` lists what is mapped: torch's only). Without a
+compiler, or if the build fails, `native_kernels()` is None, `native_problem()` says why, and
+quantized layers use ATen's kernels.
 
 Example:
     >>> kernels = native_kernels()
@@ -73,7 +79,7 @@ BLOCK = 32  # values per quantization block, as in GGUF's Q4_1, Q8_0 and Q8_1
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: the compiler may not fuse a multiply and an add in one copy of the arithmetic
 # and not in another (the C file's "one arithmetic").
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-O3", "-fopenmp", "-ffp-contract=off"],
+_FLAG_SETS = (["-O3", "-march=native", "-pthread", "-ffp-contract=off"], ["-O3", "-pthread", "-ffp-contract=off"],
               ["-O3", "-ffp-contract=off"])
 
 
@@ -230,10 +236,6 @@ def _load() -> tuple[NativeKernels | None, str | None]:
     except OSError as exc:
         return None, f"could not load {target}: {exc}"
     _declare(cdll)
-    runtimes = openmp_runtimes()
-    if len(runtimes) > 1:  # pytorch#98836: two OpenMP runtimes in one process oversubscribe and may crash
-        logger.warning("two OpenMP runtimes are loaded (%s); the CPU kernels share torch's when they can",
-                       ", ".join(runtimes))
     return NativeKernels(cdll, target, cdll.ms_kernel_isa().decode()), None
 
 
