@@ -8,7 +8,8 @@ Needs ``redis-server`` (scripts/setup.sh --test). Prints per round: the new proc
 its port answering (``/healthz``), restart (process start) to the first continued event, kill to the first continued
 event, and whether the whole text arrived with no gap or duplicate. ``--model scripted`` is a fake
 model (30 ms a token; the server's own start and the claim dominate); ``--model default`` the
-embedded one (``--quantize none``), whose load is part of the figure.
+embedded one on its defaults (int4 kernels: one arithmetic makes the re-prefilled continuation
+exact), whose load is part of the figure.
 
 ``--image`` also runs an image round per round: the embedded image model (CPU, 20 steps, each
 denoiser call held 0.1 s longer so the kill lands mid-run), killed after its 5th preview; it
@@ -67,7 +68,7 @@ def _serve(redis_url: str, port: int, model: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
                                  "--text-model", "none", "--image-model", "restart_continue:slow_image",
                                  "--event-log", redis_url, "--log-level", "warning"], env=env)
-    extra = ["--text-model", "restart_continue:scripted"] if model == "scripted" else ["--quantize", "none"]
+    extra = ["--text-model", "restart_continue:scripted"] if model == "scripted" else []
     return subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
                              "--image-model", "none", "--event-log", redis_url, "--log-level", "warning", *extra],
                             env=env)

@@ -99,7 +99,7 @@ def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind:
             after_kill: Any = None, kill_when: Any = None) -> tuple[str, str, list[dict], float | None]:
     """POST /v1/{kind}; once ``kill_when(client, stream_id, token, events)`` says so (or after
     ``kill_after`` events; an image: once a preview of step ``kill_after`` or later arrived), kill
-    the replica serving it and drop the connection (then call ``after_kill(stream_id)``); then read
+    the replica serving it and drop the connection (then call ``after_kill(stream_id, replica)``); then read
     the rest with a resume (Last-Event-ID). Returns the events and the gap."""
     if kill_when is None and kill_after is not None:
         def kill_when(client: Any, sid: str, token: str, events: list[dict]) -> bool:
@@ -127,7 +127,7 @@ def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind:
         ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
         killed = time.perf_counter()
         if after_kill is not None:
-            after_kill(sid)
+            after_kill(sid, replica)
         with client.stream("GET", f"{url}/v1/streams/{sid}/events",
                            headers={"Last-Event-ID": str(events[-1]["seq"]), "X-Resume-Token": token}) as r:
             assert r.status_code == 200, r.read()
@@ -238,8 +238,19 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     assert plain["checkpoint_writes"] >= 1 and plain["checkpoint_bytes"] < 16_000
     assert "resumed_from_step" not in plain
 
-    def spoil(sid: str) -> None:  # the dead replica writes no more: what the next one reads is this
-        store.set(checkpoint_key(sid), b"not a checkpoint")
+    # ray.kill returns before the replica is dead, and it writes checkpoints until it is: spoil the
+    # key over and over until the actor is gone, so the replica that takes over (after the death)
+    # reads this, not a checkpoint the dying one wrote after a single spoil.
+    def spoil(sid: str, replica: str) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            store.set(checkpoint_key(sid), b"not a checkpoint")
+            try:
+                ray.get_actor(replica, namespace="serve")
+            except ValueError:  # dead: it writes no more
+                store.set(checkpoint_key(sid), b"not a checkpoint")
+                return
+            time.sleep(0.002)
 
     sid, _, events, _ = _stream(cluster, IMAGE, kill_after=6, kind="image",
                                 after_kill=spoil if checkpoint == "corrupt" else None)
