@@ -225,7 +225,7 @@ def load_text_model(
     does (an opt-in; README, "Speed on a CPU", says what it gains and costs). Without
     a C compiler, and on CUDA, they are weight-only formats on ATen's packed-weight kernels
     (bf16 activations). ``"auto"``, the default, is `AUTO_QUANTIZE_EMBEDDED_CPU` (int4) for the
-    embedded model on a CPU, where it streams about 4x faster than fp32 with fp32's greedy text
+    embedded model on a CPU, where it streams about 8x faster than fp32 with fp32's greedy text
     and perplexity (README, "Speed on a CPU"), and None for other models and on
     CUDA (a mode's quality is measured on the embedded model only). ``None`` keeps the weights as
     loaded: the exact fp32 path on a CPU, bit for bit transformers' forward. Under ``"auto"`` a
