@@ -121,46 +121,46 @@ def concurrent(llm: ms.TextModel, n: int, streams: int) -> dict[str, float]:
     return {"agg": tokens / wall, "p50": percentile(gaps, 0.5), "p95": percentile(gaps, 0.95), "tokens": tokens}
 
 
+HERE = "llama.cpp (Q4_1 GGUF)"
 ALONE = "llama.cpp, own process (no torch)"
 
 
-def llama_cpp_prompt() -> str:
-    chat = ms.load_text_model(quantize=None)
-    text = chat.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
-                                              add_generation_prompt=True)
-    chat.close()
-    return text
+def llama_cpp_prompt(llm: ms.TextModel) -> str:
+    """The prompt as llama.cpp gets it: our chat template's text (any loaded mode has the tokenizer)."""
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                             add_generation_prompt=True)
 
 
-def llama_cpp_runner(n: int) -> Any:
+def llama_cpp_runner(n: int, text: str) -> Any:
     """llama.cpp in this process, or None when ``llama_cpp`` is not importable."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         return None
     # As many threads as torch uses, so both sides get the same cores.
-    return llama_cpp_stream.runner(str(embedded_gguf_path()), llama_cpp_prompt(), n, torch.get_num_threads())
+    return llama_cpp_stream.runner(str(embedded_gguf_path()), text, n, torch.get_num_threads())
 
 
-def llama_cpp_alone(n: int) -> Any:
-    """llama.cpp in a process of its own (no torch: how its users run it), as a function that times
-    one run there (interleaved with this process's rounds), or None if it did not start."""
+def llama_cpp_alone(n: int, text: str) -> subprocess.Popen[str] | None:
+    """llama.cpp in a process of its own (no torch: how its users run it), loaded and ready for
+    `run_alone`, or None if it did not start."""
     script = Path(__file__).with_name("llama_cpp_stream.py")
-    child = subprocess.Popen([sys.executable, str(script), str(embedded_gguf_path()), llama_cpp_prompt(), str(n),
+    child = subprocess.Popen([sys.executable, str(script), str(embedded_gguf_path()), text, str(n),
                               str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert child.stdin is not None and child.stdout is not None
+    assert child.stdout is not None
     if not json.loads(child.stdout.readline() or "{}").get("ready"):
         print("llama.cpp in its own process did not start")
+        child.kill()
         return None
+    return child
 
-    def run() -> dict[str, float]:
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write("run\n")
-        child.stdin.flush()
-        return json.loads(child.stdout.readline())
 
-    run.close = child.kill  # type: ignore[attr-defined]
-    return run
+def run_alone(child: subprocess.Popen[str]) -> dict[str, float]:
+    """One timed run in the llama.cpp process (interleaved with this process's rounds)."""
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write("run\n")
+    child.stdin.flush()
+    return json.loads(child.stdout.readline())
 
 
 def engine_tokens(llm: ms.TextModel, prompt: str, n: int) -> list[int]:
@@ -208,7 +208,8 @@ def main() -> None:
         compiled = models[name].compiled
         note = f", decode step compiled in {compiled.seconds:.0f} s" if compiled and compiled.compiled else ""
         print(f"loaded {name}: {models[name].quantization.describe()}{note} ({time.perf_counter() - started:.1f} s)")
-    llama = llama_cpp_runner(n)
+    prompt_text = llama_cpp_prompt(next(iter(models.values())))
+    llama = llama_cpp_runner(n, prompt_text)
     print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads "
           f"({torch.backends.cpu.get_cpu_capability()}), prompt {len(next(iter(models.values())).encode_prompt(PROMPT))} tokens, "
           f"{n} greedy tokens, {args.rounds} interleaved rounds")
@@ -216,22 +217,22 @@ def main() -> None:
         print("llama.cpp: not importable, skipped (pip install llama-cpp-python: a source build, ~11 min on 2 cores)")
 
     if not args.no_speed:
-        speed(models, llama, args)
+        speed(models, llama, prompt_text, args)
     if args.quality:
         quality(models)
     for llm in models.values():
         llm.close()
 
 
-def speed(models: dict[str, ms.TextModel], llama: Any, args: argparse.Namespace) -> None:
+def speed(models: dict[str, ms.TextModel], llama: Any, prompt_text: str, args: argparse.Namespace) -> None:
     n = args.tokens
     for llm in models.values():  # warm-up: first calls allocate and pick kernels
         llm.generate(PROMPT, max_new_tokens=8)
     single: dict[str, list[dict[str, float]]] = {name: [] for name in models}
     if llama is not None:
         llama()
-        single["llama.cpp (Q4_1 GGUF)"] = []
-    alone = llama_cpp_alone(n) if llama is not None else None
+        single[HERE] = []
+    alone = llama_cpp_alone(n, prompt_text) if llama is not None else None
     if alone is not None:
         single[ALONE] = []
     multi: dict[tuple[str, int], list[dict[str, float]]] = {
@@ -240,13 +241,13 @@ def speed(models: dict[str, ms.TextModel], llama: Any, args: argparse.Namespace)
         for name, llm in models.items():
             single[name].append(one_stream(llm, n))
         if llama is not None:
-            single["llama.cpp (Q4_1 GGUF)"].append(llama())
+            single[HERE].append(llama())
         if alone is not None:
-            single[ALONE].append(alone())
+            single[ALONE].append(run_alone(alone))
         for (name, c), runs in multi.items():
             runs.append(concurrent(models[name], n, c))
     if alone is not None:
-        alone.close()
+        alone.kill()
 
     def med(runs: list[dict[str, float]], key: str) -> float:
         return statistics.median(r[key] for r in runs)
@@ -260,7 +261,7 @@ def speed(models: dict[str, ms.TextModel], llama: Any, args: argparse.Namespace)
     print("|---|---|---|---|---|---|---|---|---|")
     for name, runs in single.items():
         mark = " *" if name == DEFAULT else ""
-        print(f"| {name}{mark} | {med(runs, 'tok_s'):.1f} | {ratio(runs, 'fp32')} | {ratio(runs, 'llama.cpp (Q4_1 GGUF)')} | {ratio(runs, ALONE)} | "
+        print(f"| {name}{mark} | {med(runs, 'tok_s'):.1f} | {ratio(runs, 'fp32')} | {ratio(runs, HERE)} | {ratio(runs, ALONE)} | "
               f"{med(runs, 'ttft'):.0f} | {med(runs, 'p50'):.1f} | {med(runs, 'p95'):.1f} | {med(runs, 'tokens'):.0f} |")
     if multi:
         print("\nconcurrent streams (one engine, batched decode steps):")

@@ -143,7 +143,6 @@ typedef struct {
     pthread_mutex_t call_lock;   // one call at a time
     pthread_mutex_t lock;        // with `wake`: idle workers sleep here
     pthread_cond_t wake;
-    pthread_t workers[TEAM_MAX];
     unsigned first_call[TEAM_MAX];  // the `call` a worker was made before (it waits for the next)
     int started;                 // workers made so far (ids 1..started)
     void (*job)(void *);
@@ -218,15 +217,15 @@ static void team_forget(void) {  // in a forked child: the parent's workers do n
     team.started = 0;
 }
 
-// job(arg) on `threads` threads (the caller and threads - 1 workers). Returns 0, or -2 if no
-// worker could be made (the job then ran on the caller alone).
-static int team_run(void (*job)(void *), void *arg, int threads) {
+// job(arg) on `threads` threads: the caller and threads - 1 workers (fewer if the system would
+// not make more threads; the job's split adapts to team_size).
+static void team_run(void (*job)(void *), void *arg, int threads) {
     if (threads > TEAM_MAX) threads = TEAM_MAX;
     if (threads <= 1) {
         team_id = 0;
         team_size = 1;
         job(arg);
-        return 0;
+        return;
     }
     pthread_mutex_lock(&team.call_lock);
     static int registered = 0;
@@ -236,10 +235,11 @@ static int team_run(void (*job)(void *), void *arg, int threads) {
     }
     while (team.started < threads - 1) {
         team.first_call[team.started + 1] = atomic_load(&team.call);
+        pthread_t worker;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int failed = pthread_create(&team.workers[team.started], &attr, team_worker, (void *)(intptr_t)(team.started + 1));
+        int failed = pthread_create(&worker, &attr, team_worker, (void *)(intptr_t)(team.started + 1));
         pthread_attr_destroy(&attr);
         if (failed) break;
         team.started++;
@@ -266,16 +266,14 @@ static int team_run(void (*job)(void *), void *arg, int threads) {
     }
     team_size = 1;
     pthread_mutex_unlock(&team.call_lock);
-    return 0;
 }
 #else
 static void team_barrier(void) {}
-static int team_run(void (*job)(void *), void *arg, int threads) {
+static void team_run(void (*job)(void *), void *arg, int threads) {
     (void)threads;
     team_id = 0;
     team_size = 1;
     job(arg);
-    return 0;
 }
 #endif
 
