@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from gradio_fixtures import set_number
 from server_fixtures import make_server
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -90,9 +91,7 @@ def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(text_mod
         pg.wait_for_selector("#ms-chat-input textarea")
         pg.get_by_text("Sampling").click()
         for elem_id, value in (("ms-chat-max-tokens", 48), ("ms-chat-beams", 4)):
-            box = pg.locator(f"#{elem_id} input[type=number]")
-            box.fill(str(value))
-            box.press("Enter")
+            set_number(pg, elem_id, value)
         pg.fill("#ms-chat-input textarea", QUESTION)
         pg.click("#ms-chat-send")
 

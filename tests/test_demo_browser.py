@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gradio_fixtures import set_number
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -81,12 +82,6 @@ def page() -> Iterator[Any]:
             demo.close()
 
 
-def _set_number(pg: Any, elem_id: str, value: float) -> None:
-    box = pg.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
-
-
 def _poll_states(pg: Any, js: str, until: Any, timeout: float = 180.0) -> list[str]:
     states: list[str] = []
     deadline = time.monotonic() + timeout
@@ -111,8 +106,8 @@ def test_chat_answer_grows_live(page: Any) -> None:
     pg = page
     pg.click("#ms-chat-stop")  # no run yet: harmless
     pg.get_by_text("Sampling").click()
-    _set_number(pg, "ms-chat-max-tokens", 40)
-    _set_number(pg, "ms-chat-temperature", 0)
+    set_number(pg, "ms-chat-max-tokens", 40)
+    set_number(pg, "ms-chat-temperature", 0)
     # A long answer: the default model streams a short one ("The capital of France is Paris.") in
     # under 200 ms, faster than the page can be sampled growing.
     pg.fill("#ms-chat-input textarea", "Write a short story about a lighthouse keeper and the sea.")
@@ -135,7 +130,7 @@ def test_chat_answer_grows_live(page: Any) -> None:
 
 def test_chat_stop_ends_the_answer_early(page: Any) -> None:
     pg = page
-    _set_number(pg, "ms-chat-max-tokens", 400)
+    set_number(pg, "ms-chat-max-tokens", 400)
     pg.fill("#ms-chat-input textarea", "Write a very long story about a dragon who learns to paint.")
     pg.click("#ms-chat-send")
     deadline = time.monotonic() + 120
@@ -179,7 +174,7 @@ def test_image_previews_change_then_final(page: Any) -> None:
 
 def test_image_stop_ends_the_run(page: Any) -> None:
     pg = page
-    _set_number(pg, "ms-image-steps", 100)
+    set_number(pg, "ms-image-steps", 100)
     pg.click("#ms-image-go")
     deadline = time.monotonic() + 60
     while not pg.inner_text("#ms-image-preview .ms-step").startswith("step ") and time.monotonic() < deadline:
@@ -191,7 +186,7 @@ def test_image_stop_ends_the_run(page: Any) -> None:
     pg.screenshot(path=str(ARTIFACTS / "demo_image_stopped.png"))
     line = pg.inner_text("#ms-image-preview .ms-step")
     assert line.startswith("cancelled"), line
-    _set_number(pg, "ms-image-steps", 20)
+    set_number(pg, "ms-image-steps", 20)
 
 
 def test_prompt_to_picture(page: Any) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gradio_fixtures import set_number
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -167,9 +168,7 @@ def test_screenshots_after_apply_now_and_steer(served: tuple) -> None:
             # Image: Apply now mid-generation.
             pg.get_by_role("tab", name="Image").click()
             pg.wait_for_selector("#ms-image-go")
-            box = pg.locator("#ms-image-steps input[type=number]")
-            box.fill("60")
-            box.press("Enter")
+            set_number(pg, "ms-image-steps", 60)
             pg.click("#ms-image-go")
             _wait(lambda: pg.inner_text("#ms-image-preview .ms-step").startswith("step "))
             pg.wait_for_timeout(600)

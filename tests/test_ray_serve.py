@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -96,11 +97,13 @@ def test_every_ingress_replica_that_answers_is_ready(cluster: str) -> None:
 
 
 def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind: str = "text",
-            after_kill: Any = None, kill_when: Any = None) -> tuple[str, str, list[dict], float | None]:
+            before_kill: Any = None, after_kill: Any = None, kill_when: Any = None
+            ) -> tuple[str, str, list[dict], float | None]:
     """POST /v1/{kind}; once ``kill_when(client, stream_id, token, events)`` says so (or after
     ``kill_after`` events; an image: once a preview of step ``kill_after`` or later arrived), kill
-    the replica serving it and drop the connection (then call ``after_kill(stream_id, replica)``); then read
-    the rest with a resume (Last-Event-ID). Returns the events and the gap."""
+    the replica serving it and drop the connection (``before_kill(stream_id, replica)`` and
+    ``after_kill(stream_id, replica)`` around the kill); then read the rest with a resume
+    (Last-Event-ID). Returns the events and the gap."""
     if kill_when is None and kill_after is not None:
         def kill_when(client: Any, sid: str, token: str, events: list[dict]) -> bool:
             ev = events[-1]
@@ -124,6 +127,8 @@ def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind:
             if replica:
                 break
         assert replica, "no ingress knows the replica serving the stream"
+        if before_kill is not None:
+            before_kill(sid, replica)
         ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
         killed = time.perf_counter()
         if after_kill is not None:
@@ -238,22 +243,34 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     assert plain["checkpoint_writes"] >= 1 and plain["checkpoint_bytes"] < 16_000
     assert "resumed_from_step" not in plain
 
-    # ray.kill returns before the replica is dead, and it writes checkpoints until it is: spoil the
-    # key over and over until the actor is gone, so the replica that takes over (after the death)
-    # reads this, not a checkpoint the dying one wrote after a single spoil.
-    def spoil(sid: str, replica: str) -> None:
+    # The key is spoiled every millisecond from before the kill until the killed replica is gone:
+    # the ingress may hand the stream over before ray.kill even returns, and the dying replica
+    # writes checkpoints until it is dead. Once it is, nothing but the new replica writes.
+    spoiling = threading.Event()
+
+    def spoil(sid: str) -> None:
+        while spoiling.is_set():
+            store.set(checkpoint_key(sid), b"not a checkpoint")
+            time.sleep(0.001)
+
+    def start_spoiling(sid: str, replica: str) -> None:
+        spoiling.set()
+        threading.Thread(target=spoil, args=(sid,), daemon=True).start()
+
+    def stop_spoiling_once_dead(sid: str, replica: str) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            store.set(checkpoint_key(sid), b"not a checkpoint")
             try:
                 ray.get_actor(replica, namespace="serve")
             except ValueError:  # dead: it writes no more
-                store.set(checkpoint_key(sid), b"not a checkpoint")
-                return
-            time.sleep(0.002)
+                break
+            time.sleep(0.005)
+        spoiling.clear()
 
+    corrupt = checkpoint == "corrupt"
     sid, _, events, _ = _stream(cluster, IMAGE, kill_after=6, kind="image",
-                                after_kill=spoil if checkpoint == "corrupt" else None)
+                                before_kill=start_spoiling if corrupt else None,
+                                after_kill=stop_spoiling_once_dead if corrupt else None)
     # No duplicate and nothing out of order. A resume may skip the seq of a preview that a newer
     # preview replaced while the client was away (the log keeps the newest preview of a live image).
     seqs = [e["seq"] for e in events]
