@@ -11,9 +11,10 @@ Few tests, one cluster for the module: starting Ray and loading the models take 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
-import threading
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -143,6 +144,22 @@ def _stream(url: str, body: dict[str, Any], kill_after: int | None = None, kind:
     return sid, token, events, gap
 
 
+_PIDS: dict[str, int] = {}
+
+
+def _replica_pid(url: str, sid: str, cached: bool = False) -> int:
+    """The process of the model replica serving stream ``sid`` (the ingress's test hook)."""
+    if cached and sid in _PIDS:
+        return _PIDS[sid]
+    with httpx.Client(timeout=30) as client:
+        for _ in range(50):  # 2 ingress replicas: ask until the one running the stream answers
+            pid = client.get(f"{url}/v1/_test/replica/{sid}").json().get("replica_pid")
+            if pid:
+                _PIDS[sid] = int(pid)
+                return int(pid)
+    raise AssertionError(f"no ingress knows the process serving stream {sid}")
+
+
 def _check(events: list[dict]) -> None:
     assert [e["seq"] for e in events] == list(range(len(events))), "gap or duplicate"
     assert events[-1]["is_final"] and sum(e["is_final"] for e in events) == 1
@@ -243,34 +260,25 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     assert plain["checkpoint_writes"] >= 1 and plain["checkpoint_bytes"] < 16_000
     assert "resumed_from_step" not in plain
 
-    # The key is spoiled every millisecond from before the kill until the killed replica is gone:
-    # the ingress may hand the stream over before ray.kill even returns, and the dying replica
-    # writes checkpoints until it is dead. Once it is, nothing but the new replica writes.
-    spoiling = threading.Event()
+    # Deterministic spoiling: the replica serving the stream is frozen (SIGSTOP) before the key is
+    # spoiled, so it cannot write a good checkpoint after the spoil; then it is killed. (Spoiling in a
+    # loop while the replica still ran raced: a checkpoint written between two spoils could be read.)
+    def freeze_and_spoil(sid: str, replica: str) -> None:
+        pid = _replica_pid(cluster, sid)
+        os.kill(pid, signal.SIGSTOP)
+        # A write the replica sent before it stopped is in Redis's socket buffer: a round trip of
+        # ours lets Redis read it first, so the spoil below is the last write to the key.
+        store.ping()
+        store.set(checkpoint_key(sid), b"not a checkpoint")
 
-    def spoil(sid: str) -> None:
-        while spoiling.is_set():
-            store.set(checkpoint_key(sid), b"not a checkpoint")
-            time.sleep(0.001)
-
-    def start_spoiling(sid: str, replica: str) -> None:
-        spoiling.set()
-        threading.Thread(target=spoil, args=(sid,), daemon=True).start()
-
-    def stop_spoiling_once_dead(sid: str, replica: str) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                ray.get_actor(replica, namespace="serve")
-            except ValueError:  # dead: it writes no more
-                break
-            time.sleep(0.005)
-        spoiling.clear()
+    def kill_frozen(sid: str, replica: str) -> None:
+        with contextlib.suppress(ProcessLookupError):  # ray.kill may have ended it already
+            os.kill(_replica_pid(cluster, sid, cached=True), signal.SIGKILL)
 
     corrupt = checkpoint == "corrupt"
     sid, _, events, _ = _stream(cluster, IMAGE, kill_after=6, kind="image",
-                                before_kill=start_spoiling if corrupt else None,
-                                after_kill=stop_spoiling_once_dead if corrupt else None)
+                                before_kill=freeze_and_spoil if corrupt else None,
+                                after_kill=kill_frozen if corrupt else None)
     # No duplicate and nothing out of order. A resume may skip the seq of a preview that a newer
     # preview replaced while the client was away (the log keeps the newest preview of a live image).
     seqs = [e["seq"] for e in events]

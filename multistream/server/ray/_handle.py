@@ -45,6 +45,7 @@ class RemoteModel:
         self._redis: Any = None
         self.name = name or kind
         self.replica_of: dict[str, str] = {}  # stream id -> replica serving it now (for tests, metrics)
+        self.replica_pid: dict[str, int] = {}  # stream id -> that replica's process (test hooks)
         self.failovers = 0
         self.capacity = DEFAULT_CAPACITY
 
@@ -127,6 +128,7 @@ class RemoteModel:
                             inserted.append({**edit, "revision": base + int(edit.get("revision") or 0)})
                         elif "replica" in item:
                             self.replica_of[w.stream_id] = item.get("replica", "")
+                            self.replica_pid[w.stream_id] = int(item.get("pid") or 0)
                         continue
                     ev: Event = item
                     if isinstance(ev, TextEvent):

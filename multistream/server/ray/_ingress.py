@@ -92,7 +92,8 @@ class Ingress:
 
                 for model in self.remote.values():
                     if stream_id in model.replica_of:
-                        return JSONResponse({"replica": model.replica_of[stream_id], "pid": os.getpid()})
+                        return JSONResponse({"replica": model.replica_of[stream_id], "pid": os.getpid(),
+                                             "replica_pid": model.replica_pid.get(stream_id)})
                 return JSONResponse({"replica": None, "pid": os.getpid()}, status_code=404)
 
             app.add_api_route("/v1/_test/replica/{stream_id}", replica_of, methods=["GET"], include_in_schema=False)

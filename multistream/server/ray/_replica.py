@@ -108,7 +108,7 @@ class ModelReplica:
         ``key`` (the ingress's stream id) names the generation for edits forwarded here and its
         checkpoints."""
         self._listen()
-        yield {"replica": self.replica}
+        yield {"replica": self.replica, "pid": os.getpid()}
         resume = resume or {}
         tokens = list(resume.get("tokens") or [])
         kwargs = dict(kwargs)
