@@ -87,6 +87,15 @@ def serve_subprocess(port: int, *args: str, wait_s: float = 60) -> subprocess.Po
     raise RuntimeError("the server did not become ready")
 
 
+def wait_until(predicate: Any, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until it is true (a test waits for a condition, never for a fixed time)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
 def iter_sse(response: httpx.Response) -> Iterator[dict[str, Any]]:
     """Parse SSE incrementally: yields {"id", "event", "data", "comment"} per event or comment."""
     fields: dict[str, Any] = {}

@@ -130,13 +130,17 @@ def test_chat_answer_grows_live(page: Any) -> None:
 
 def test_chat_stop_ends_the_answer_early(page: Any) -> None:
     pg = page
+    if not pg.locator("#ms-chat-max-tokens input[type=number]").is_visible():
+        pg.get_by_text("Sampling").click()  # closed when this test runs alone (the one above opens it)
     set_number(pg, "ms-chat-max-tokens", 400)
     pg.fill("#ms-chat-input textarea", "Write a very long story about a dragon who learns to paint.")
     pg.click("#ms-chat-send")
     deadline = time.monotonic() + 120
     while "streaming" not in _stats(pg) and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(1.0)
+    # Stop mid-answer: once some words are on the page (a condition, not a fixed wait).
+    while len(pg.evaluate(BOT_TEXT)) < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
     pg.click("#ms-chat-stop")
     deadline = time.monotonic() + 60
     while not _stats(pg).startswith("cancelled") and time.monotonic() < deadline:

@@ -17,7 +17,8 @@ import pytest
 from multistream.server import ServerSettings
 from multistream.server.event_log import RedisEventLog, entry_id
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, serve_subprocess
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, serve_subprocess, \
+    wait_until
 
 pytestmark = needs_redis
 
@@ -86,9 +87,10 @@ def test_a_server_that_read_a_live_stream_earlier_resumes_it_at_a_later_event() 
                         assert not info["done"]
                     if len(events) == 8:
                         break
-            time.sleep(0.2)  # A's log writer has the 8th event in Redis by now
-            info = client.get(f"{b.url}/v1/streams/{sid}", headers={"X-Resume-Token": token}).json()
-            assert info["events"] >= 8
+            # A's log writer puts the 8th event in Redis soon: B sees it there.
+            wait_until(lambda: client.get(f"{b.url}/v1/streams/{sid}",
+                                          headers={"X-Resume-Token": token}).json()["events"] >= 8,
+                       what="the 8th event in the shared log")
             rest = _resume(client, b.url, sid, token, events[-1]["seq"])
             events += rest
             assert [e["seq"] for e in events] == list(range(len(events)))

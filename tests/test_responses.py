@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel
-from server_fixtures import ScriptedTextModel, make_server
+from server_fixtures import ScriptedTextModel, make_server, wait_until
 
 CALL = ['<tool_call>', '{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}', '</tool_call>']
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
@@ -143,7 +142,8 @@ def test_background_retrieve_stream_starting_after(slow) -> None:  # type: ignor
     client = _client(slow)
     r = client.responses.create(model="m", input="hi", background=True, max_output_tokens=12)
     assert r.background and r.status in ("queued", "in_progress")
-    time.sleep(1.0)  # nobody reads it, past the grace period: a background response runs on
+    # Nobody reads it, past the grace period (0.5 s; its 12 tokens take 0.6 s): it runs on to its end.
+    wait_until(lambda: client.responses.retrieve(r.id).status == "incomplete", what="the background response's end")
     with client.responses.retrieve(r.id, stream=True, starting_after=5) as tail:
         events = list(tail)
     assert [e.sequence_number for e in events] == list(range(6, 6 + len(events)))
@@ -157,7 +157,7 @@ def test_background_retrieve_stream_starting_after(slow) -> None:  # type: ignor
 def test_cancel_background(slow) -> None:  # type: ignore[no-untyped-def]
     client = _client(slow)
     r = client.responses.create(model="m", input="hi", background=True)
-    time.sleep(0.3)
+    wait_until(lambda: client.responses.retrieve(r.id).output_text, what="the first words")  # cancel mid-answer
     cancelled = client.responses.cancel(r.id)
     assert cancelled.status == "cancelled"
     assert 0 < len(cancelled.output_text) < len("".join(f" w{i}" for i in range(40)))

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedTextModel, iter_events, serve_subprocess
+from server_fixtures import ScriptedTextModel, iter_events, serve_subprocess, wait_until
 
 pytestmark = needs_redis
 
@@ -70,7 +70,8 @@ def test_killed_server_native_sse_and_background_response_continue() -> None:
                 oa = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
                 bg = oa.responses.create(model="m", input="hi", background=True, max_output_tokens=50)
                 sid, token, first = _first(client, url, {"prompt": "hi", "max_new_tokens": 50}, 5)
-                time.sleep(0.3)
+                # Kill mid-answer: the background response has words in the log too.
+                wait_until(lambda: oa.responses.retrieve(bg.id).output_text, what="the background response's words")
                 _kill(proc)
                 killed_at = time.monotonic()
                 proc = _serve(redis.url, port)

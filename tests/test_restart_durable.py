@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedTextModel, iter_events, make_server, serve_subprocess
+from server_fixtures import ScriptedTextModel, iter_events, make_server, serve_subprocess, wait_until
 
 WORDS = [f" w{i}" for i in range(50)]
 PROMPT = "a red circle on a blue background"
@@ -102,7 +102,8 @@ def test_killed_image_generation_continues_from_its_checkpoint() -> None:
                         if len(first) == 4:
                             break
                 assert not first[-1]["is_final"] and first[-1]["step"] < STEPS
-                time.sleep(0.2)  # a checkpoint write on its way lands (any step will do)
+                # A checkpoint lands in Redis (any step will do) before the kill.
+                wait_until(lambda: _redis(redis.url, "exists", f"ms:ckpt:{sid}"), what="a checkpoint in Redis")
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
                 proc = _serve(port, "--event-log", redis.url, *args)

@@ -10,26 +10,17 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, iter_sse, make_server
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, iter_sse, make_server, wait_until
 
 from multistream import event_from_dict
 from multistream.server import STOP
 
 TOKENS = [f" w{i}" for i in range(12)]
-
-
-def wait_until(predicate: Any, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def check_sequence(events: list[dict[str, Any]]) -> None:

@@ -8,7 +8,6 @@ import json
 import logging
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +15,13 @@ import httpx
 import openai
 import pytest
 import websockets
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, wait_until
 
 from multistream.server import Blocklist, decode_message
 from multistream.server.filtering import OutputFilter
 
 JSON = {"content-type": "application/json"}
 STATIC = Path(__file__).resolve().parent.parent / "multistream" / "static"
-
-
-def wait_until(predicate: Any, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class TemplateError(Exception):
@@ -392,6 +383,7 @@ def test_blocklist_catches_split_words_on_every_route(tmp_path: Path) -> None:
 
 def test_demo_goes_through_the_gates_and_never_blocks_the_loop(tmp_path: Path) -> None:
     import gradio_client
+    from gradio_client.utils import Status
 
     from multistream.server import ServerSettings, create_app
     from server_fixtures import live_server
@@ -411,7 +403,8 @@ def test_demo_goes_through_the_gates_and_never_blocks_the_loop(tmp_path: Path) -
         client = gradio_client.Client(s.url + "/demo/", verbose=False)
         job = client.submit("hello", [], 32, 0.0, 1.0, -1, api_name="/chat")
         wait_until(lambda: s.state.models["text"].state == "loading")
-        time.sleep(0.5)  # the page's request is now waiting for the model
+        # The page's request is running (so waiting for the model) before the loop is probed.
+        wait_until(lambda: job.status().code in (Status.PROCESSING, Status.ITERATING), what="the demo request")
         # The event loop is free: health answers while the demo request waits for the model.
         assert httpx.get(s.url + "/healthz", timeout=10).json()["models"]["text"]["state"] == "loading"
         loaded.set()
