@@ -20,7 +20,9 @@ import time
 from typing import Any
 
 from ..errors import MultistreamError
+from ._checks import integer
 from ._console import set_library_progress, show_progress
+from ._files import check_output_file
 
 
 def add_parser(subparsers: Any) -> None:
@@ -30,12 +32,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, ... (default: auto)")
     p.add_argument("--out", default=None, metavar="FILE.safetensors", help="also write the decoder to this file")
     p.add_argument("--force", action="store_true", help="fit again even if the cache has a fit for this VAE")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the library's)")
-    p.add_argument("--x0-prompts", type=int, default=32, metavar="N",
+    p.add_argument("--steps", type=integer(1), default=None, help="training steps (default: the library's)")
+    p.add_argument("--x0-prompts", type=integer(0), default=32, metavar="N",
                    help="also train on the model's x0 estimates at every step of N runs (the inputs previews really "
                         "get; shapes captions for the embedded model, generic prompts otherwise); 0: VAE only (default: 32)")
-    p.add_argument("--x0-steps", type=int, default=20, help="steps of those runs (default: 20)")
-    p.set_defaults(func=run)
+    p.add_argument("--x0-steps", type=integer(1), default=20, help="steps of those runs (default: 20)")
+    # --out before the VAE loads (save_preview_decoder writes it atomically).
+    p.set_defaults(func=run, check_paths=lambda args: args.out is None or check_output_file(
+        args.out, "--out", {".safetensors": "safetensors"}, "a decoder file"))
 
 
 def run(args: argparse.Namespace) -> int:
