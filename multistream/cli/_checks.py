@@ -35,7 +35,11 @@ from typing import Any, NoReturn
 from .._spec import add_cli_options, cli_values, info, option_fields
 from ..errors import InvalidArgumentError
 
-__all__ = ["OneLineParser", "check_arguments", "declare_options", "flag_of", "integer", "number", "refuse"]
+__all__ = ["OneLineParser", "check_arguments", "declare_options", "device", "flag_of", "integer", "number", "refuse"]
+
+# torch's device types (c10's DeviceType names), so a --device typo is refused without importing torch.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hip", "meta", "hpu", "mtia", "maia", "xla", "lazy", "ipu", "ve",
+                "vulkan", "privateuseone")
 
 #: ``(args, given options) -> anything``: the family's parse function, for the checks that span options.
 Finish = Callable[[argparse.Namespace, dict[str, Any]], Any]
@@ -127,6 +131,28 @@ def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
 
     parse.__name__ = want
     return parse
+
+
+def device(text: str) -> str:
+    """An argparse ``type=`` for ``--device``: ``auto`` or a torch device (``cpu``, ``cuda``,
+    ``cuda:1``, ``mps``, ...), checked by its spelling before torch is imported; whether the
+    machine has it is the loader's to say.
+
+    Example:
+        >>> device("cuda:1")
+        'cuda:1'
+        >>> device("gpu")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: unknown device 'gpu'; use auto, cpu, cuda or cuda:N (or mps, xpu, ...)
+    """
+    kind, _, index = text.partition(":")
+    if text == "auto" or (kind in DEVICE_TYPES and (not _ or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N (or mps, xpu, ...)")
+
+
+device.__name__ = "a device"
 
 
 def refuse(command: str, exc: Exception) -> int:

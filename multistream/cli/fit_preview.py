@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ..errors import MultistreamError
-from ._checks import integer
+from ._checks import device, integer
 from ._console import set_library_progress, show_progress
 from ._files import check_output_file
 
@@ -29,7 +29,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("fit-preview", help="fit a tiny preview decoder to a model's VAE (cached per VAE)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("model", nargs="?", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, ... (default: auto)")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA when present), cpu, cuda, ... (default: auto)")
     p.add_argument("--out", default=None, metavar="FILE.safetensors", help="also write the decoder to this file")
     p.add_argument("--force", action="store_true", help="fit again even if the cache has a fit for this VAE")
     p.add_argument("--steps", type=integer(1), default=None, help="training steps (default: the library's)")

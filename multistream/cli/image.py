@@ -22,7 +22,7 @@ from typing import Any
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ..image import ImageOptions, parse_image_options
-from ._checks import declare_options, integer
+from ._checks import declare_options, device, integer
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_image
 
@@ -61,7 +61,7 @@ def add_parser(subparsers: Any) -> None:
                    "ending in .png/.jpg/.jpeg/.webp for the final image only "
                    "(default: ./multistream-image; with --json and no --out, nothing is written)")  # fmt: skip
     p.add_argument("--model", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
-    p.add_argument("--device", default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
     # Every generation option, generated from ImageOptions (defaults and help are Python's) and
     # checked by it before the model loads; the older short spellings of the preview encoding stay.
     declare_options(

@@ -146,8 +146,12 @@ def run(args: argparse.Namespace) -> int:
     # With keys, the demo page asks for a login (an API key as the password) and runs through the
     # same gates as the API.
     demo_path = None if args.no_demo else "/demo"
-    app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
-                     demo_path=demo_path, speech_model=spec(args.speech_model))
+    try:  # reads --keys-file and --blocklist-file (models load later, in serve())
+        app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
+                         demo_path=demo_path, speech_model=spec(args.speech_model))
+    except InvalidArgumentError as exc:
+        print(f"multistream serve: {exc}", file=sys.stderr)
+        return 2
     code = serve(app, host=args.host, port=args.port, log_level=args.log_level) or 0
     if code != 0:
         # A model failed to load: exit now. Another model may still be loading in its thread, and

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import MultistreamError
 from ..speech import SpeechOptions, parse_speech_options
-from ._checks import declare_options
+from ._checks import declare_options, device
 from ._files import atomic_write, check_output_file
 
 
@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
     # Every speech option (--voice, --speed, --priority), generated from SpeechOptions.
     declare_options(p, p.add_argument_group("speech options (SpeechModel.stream)"), SpeechOptions,
                     lambda args, given: parse_speech_options(args.text, **given))
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", type=device, default="auto", help="auto, cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON)")
     p.set_defaults(func=run, check_paths=lambda args: check_audio_path(args.out, "--out"))
 

@@ -15,7 +15,7 @@ from typing import Any
 from .._spec import cli_values
 from ..errors import MultistreamError
 from ..text import TextOptions, parse_text_options
-from ._checks import declare_options
+from ._checks import declare_options, device
 from ._console import set_library_progress, show_progress
 from .speak import AudioSoFar, check_audio_path
 
@@ -25,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the prompt (sent as one user message when the model has a chat template)")
     p.add_argument("--model", default=None, help="model id or local folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="quantization of the linear layers (default auto: int4 for the embedded model on a CPU, on "
                    "multistream's native block kernels where a C compiler builds them)")
