@@ -177,5 +177,6 @@ def atomic_write(path: str, data: bytes | Iterable[bytes]) -> None:
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
             fh.write(chunk)
-        fh.flush()
-        os.fsync(fh.fileno())  # the bytes are on disk before the name points at them
+    # No fsync: what this guards against is the process stopping (Ctrl-C, a crash, a full disk),
+    # after which the kernel still holds every byte written; an fsync per preview would cost a
+    # disk flush per denoising step.

@@ -17,7 +17,7 @@ from ..errors import MultistreamError
 from ..text import TextOptions, parse_text_options
 from ._checks import declare_options, device
 from ._console import set_library_progress, show_progress
-from .speak import AudioSoFar, check_audio_path
+from .speak import AudioSoFar, check_audio_path, write_audio
 
 
 def add_parser(subparsers: Any) -> None:
@@ -93,8 +93,6 @@ def run(args: argparse.Namespace) -> int:
     final = text_final if spoken is not None and spoken.final is not None and spoken.final.type != "error" \
         else (spoken or stream).final
     if spoken is not None and spoken.final is not None and spoken.final.type == "audio":
-        from .speak import write_audio
-
         try:
             write_audio(args.speak, spoken.final)
         except (OSError, MultistreamError) as exc:
