@@ -190,7 +190,12 @@ def _interrupt_after_first_audio(args: list[str], cwd: Path) -> tuple[int, list[
             proc.send_signal(signal.SIGINT)
             break
     rest, err = proc.communicate(timeout=120)
-    events += [json.loads(line) for line in rest.splitlines() if line.strip()]
+    lines = [line for line in rest.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # the interrupt may cut the line being printed; only the last one
+            assert i == len(lines) - 1, line
     return proc.returncode, events, err
 
 
