@@ -13,10 +13,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
+from ..errors import InvalidArgumentError
 from . import demo, fit_preview, image, serve, speak, text
+from ._checks import OneLineParser, check_arguments, refuse
 from ._console import quiet_library_notices
+from ._files import WriteError
 
 __all__ = ["build_parser", "main"]
 
@@ -31,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["text", "hi"]).prompt
         'hi'
     """
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="multistream",
         description="Stream text tokens and image previews from generative models.",
     )
@@ -54,6 +58,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        # Every argument and output path, before any command loads a model (seconds) or makes anything.
+        check_arguments(args)
+    except InvalidArgumentError as exc:
+        return refuse(args.command, exc)
+    try:
         return int(args.func(args) or 0)
+    except WriteError as exc:  # an output file, mid-run (a full disk): one line, the file left as it was
+        print(f"multistream {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

@@ -12,18 +12,19 @@ import sys
 from typing import Any
 
 from ..errors import MultistreamError
+from ._checks import device, integer, number
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="start the Gradio demo page", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--port", type=integer(0, 65535), default=7860, help="port to listen on (default 7860)")
     p.add_argument("--text-model", default=None, help="text model id or folder (default: the embedded one)")
     p.add_argument("--image-model", default=None, help="image model id or folder (default: the embedded one)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, ...")
-    p.add_argument("--max-fps", type=float, default=15.0, help="page updates per second per stream (default 15)")
-    p.add_argument("--concurrency", type=int, default=4, help="generations running at once (default 4)")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA when present), cpu, cuda, ...")
+    p.add_argument("--max-fps", type=number(0, above=True), default=15.0, help="page updates per second per stream (default 15)")
+    p.add_argument("--concurrency", type=integer(1), default=4, help="generations running at once (default 4)")
     p.set_defaults(func=run)
 
 

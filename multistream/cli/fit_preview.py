@@ -20,22 +20,26 @@ import time
 from typing import Any
 
 from ..errors import MultistreamError
+from ._checks import device, integer
 from ._console import set_library_progress, show_progress
+from ._files import check_output_file
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("fit-preview", help="fit a tiny preview decoder to a model's VAE (cached per VAE)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("model", nargs="?", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, ... (default: auto)")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA when present), cpu, cuda, ... (default: auto)")
     p.add_argument("--out", default=None, metavar="FILE.safetensors", help="also write the decoder to this file")
     p.add_argument("--force", action="store_true", help="fit again even if the cache has a fit for this VAE")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the library's)")
-    p.add_argument("--x0-prompts", type=int, default=32, metavar="N",
+    p.add_argument("--steps", type=integer(1), default=None, help="training steps (default: the library's)")
+    p.add_argument("--x0-prompts", type=integer(0), default=32, metavar="N",
                    help="also train on the model's x0 estimates at every step of N runs (the inputs previews really "
                         "get; shapes captions for the embedded model, generic prompts otherwise); 0: VAE only (default: 32)")
-    p.add_argument("--x0-steps", type=int, default=20, help="steps of those runs (default: 20)")
-    p.set_defaults(func=run)
+    p.add_argument("--x0-steps", type=integer(1), default=20, help="steps of those runs (default: 20)")
+    # --out before the VAE loads (save_preview_decoder writes it atomically).
+    p.set_defaults(func=run, check_paths=lambda args: args.out is None or check_output_file(
+        args.out, "--out", {".safetensors": "safetensors"}, "a decoder file"))
 
 
 def run(args: argparse.Namespace) -> int:

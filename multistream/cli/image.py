@@ -19,10 +19,12 @@ import os
 import sys
 from typing import Any
 
-from .._spec import add_cli_options, cli_values
-from ..errors import MultistreamError
-from ..image import ImageOptions
+from .._spec import cli_values
+from ..errors import InvalidArgumentError, MultistreamError
+from ..image import ImageOptions, parse_image_options
+from ._checks import declare_options, device, integer
 from ._console import set_library_progress, show_progress
+from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_image
 
 _EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
 # A --out ending in one of these is the final image's file (its format from the suffix); else a folder.
@@ -46,7 +48,7 @@ def out_target(out: str | None, final_format: str | None) -> tuple[str | None, s
         return out, None, final_format or "png"
     wanted = IMAGE_SUFFIXES[suffix]
     if final_format is not None and final_format.lower().replace("jpg", "jpeg") != wanted:
-        raise ValueError(f"--out {out} is a {wanted} file but --final-format is {final_format}; "
+        raise InvalidArgumentError(f"--out {out} is a {wanted} file but --final-format is {final_format}; "
                          "drop --final-format (the suffix decides) or change the suffix")
     return None, out, wanted
 
@@ -59,21 +61,49 @@ def add_parser(subparsers: Any) -> None:
                    "ending in .png/.jpg/.jpeg/.webp for the final image only "
                    "(default: ./multistream-image; with --json and no --out, nothing is written)")  # fmt: skip
     p.add_argument("--model", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
-    p.add_argument("--device", default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
-    # Every generation option, generated from ImageOptions (defaults and help are Python's); the
-    # older short spellings of the preview encoding stay.
-    p.set_defaults(option_names=add_cli_options(
-        p.add_argument_group("generation options (ImageModel.stream)",
-                             "an --out file's suffix (.png, .jpg, .webp) sets the final format"), ImageOptions,
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
+    # Every generation option, generated from ImageOptions (defaults and help are Python's) and
+    # checked by it before the model loads; the older short spellings of the preview encoding stay.
+    declare_options(
+        p, p.add_argument_group("generation options (ImageModel.stream)",
+                                "an --out file's suffix (.png, .jpg, .webp) sets the final format"), ImageOptions,
+        lambda args, given: parse_image_options(args.prompt, **given),
         flags={"preview_format": ("--format",), "preview_quality": ("--quality",), "preview_max_side": ("--max-side",)},
-        exclude=("priority",)))
+        exclude=("priority",))
     p.add_argument("--taesd", default=None, help="folder with TAESD (AutoencoderTiny) weights, for --preview taesd")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
     p.add_argument("--strip", default=None, metavar="FILE.png",
                    help="also write one picture: the previews in a row, from noise to the final image")
-    p.add_argument("--strip-frames", type=int, default=8, metavar="N",
+    p.add_argument("--strip-frames", type=integer(1), default=8, metavar="N",
                    help="previews in the strip, evenly spread over the run (default: 8)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check_paths=check_paths)
+
+
+def default_out(args: argparse.Namespace) -> str | None:
+    """Where the previews and the final image go: ``--out``, else ./multistream-image, unless the
+    run prints its events (``--json``) or writes only a strip (``--strip``): then nowhere."""
+    if args.out is not None:
+        return args.out  # type: ignore[no-any-return]
+    return None if args.json or args.strip else "multistream-image"
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """``--out``, ``--strip`` and ``--taesd`` before the model loads: a suffix that is an image
+    format multistream does not write (``final.gif``) is refused, not taken for a folder name."""
+    out, out_file, _ = out_target(default_out(args), args.final_format)
+    suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
+    if out_file is not None:
+        check_output_file(out_file, "--out", IMAGE_SUFFIXES, "an image file")
+    elif out is not None:
+        if looks_like_image(out):
+            raise InvalidArgumentError(
+                f"--out {out}: {os.path.splitext(out)[1]} is not a format this command writes; give a file ending "
+                f"in {suffixes} for the final image only, or a folder name (no suffix) for the previews and the "
+                "final image")
+        check_output_folder(out, "--out", f"(or a file ending in {suffixes} for the final image only)")
+    if args.strip is not None:
+        check_output_file(args.strip, "--strip", IMAGE_SUFFIXES, "an image file")
+    check_input_folder(args.taesd, "--taesd")
 
 
 def write_strip(frames: list[Any], final: Any, path: str, count: int, tile: int = 96) -> None:
@@ -90,7 +120,11 @@ def write_strip(frames: list[Any], final: Any, path: str, count: int, tile: int 
     strip = Image.new("RGB", (len(tiles) * (tile + gap) - gap, tile), (255, 255, 255))
     for i, img in enumerate(tiles):
         strip.paste(img, (i * (tile + gap), 0))
-    strip.save(path)
+    import io
+
+    data = io.BytesIO()
+    strip.save(data, format=IMAGE_SUFFIXES.get(os.path.splitext(path)[1].lower(), "png"))
+    atomic_write(path, data.getvalue())
 
 
 def _progress(line: str, final: bool = False) -> None:
@@ -106,12 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
     set_library_progress(show_progress())
-    try:
-        out, out_file, final_format = out_target(
-            args.out if args.out is not None else (None if args.json else "multistream-image"), args.final_format)
-    except ValueError as exc:
-        print(f"multistream: {exc}", file=sys.stderr)
-        return 2
+    out, out_file, final_format = out_target(default_out(args), args.final_format)  # checked (check_paths)
     try:
         model = load_image_model(args.model, device=args.device, taesd=args.taesd)
         stream = model.stream(args.prompt, **{**cli_values(args, args.option_names), "final_format": final_format})
@@ -120,8 +149,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if out is not None:
         os.makedirs(out, exist_ok=True)
-    elif out_file is not None and os.path.dirname(out_file):
-        os.makedirs(os.path.dirname(out_file), exist_ok=True)
     last_t, last_step = 0.0, 0
     previews: list[Any] = []
     with stream:
@@ -135,11 +162,9 @@ def run(args: argparse.Namespace) -> int:
                 name = "final" if ev.is_final else f"step_{ev.step:03d}"
                 if ev.index:
                     name += f"_{ev.index}"
-                with open(os.path.join(out, f"{name}.{ext}"), "wb") as fh:
-                    fh.write(ev.data)
+                atomic_write(os.path.join(out, f"{name}.{ext}"), ev.data)
             elif out_file is not None and ev.is_final and not ev.index:
-                with open(out_file, "wb") as fh:
-                    fh.write(ev.data)
+                atomic_write(out_file, ev.data)
             if not ev.is_final and ev.index == 0:
                 if args.strip:
                     previews.append(ev)

@@ -12,12 +12,14 @@ import argparse
 import sys
 from typing import Any
 
+from ._checks import integer
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve streams over HTTP (SSE, WebSocket, OpenAI API, web client)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="port (default 8000)")
     p.add_argument("--text-model", default="default",
                    help="'default' (embedded), a hub id or path, 'module:factory', or 'none' (default: default)")
     p.add_argument("--image-model", default="default", help="like --text-model, for the image model")
@@ -37,11 +39,11 @@ def add_parser(subparsers: Any) -> None:
                        help="serve as a Ray Serve application: an ingress and one deployment per model kind")
     scale.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="an existing Ray cluster (default: start a local one)")
-    scale.add_argument("--text-replicas", type=int, default=1, metavar="N",
+    scale.add_argument("--text-replicas", type=integer(0), default=1, metavar="N",
                        help="--ray: text model replicas (0: no text model; default 1)")
-    scale.add_argument("--image-replicas", type=int, default=1, metavar="M",
+    scale.add_argument("--image-replicas", type=integer(0), default=1, metavar="M",
                        help="--ray: image model replicas (0: no image model; default 1)")
-    scale.add_argument("--ingress-replicas", type=int, default=1, metavar="K",
+    scale.add_argument("--ingress-replicas", type=integer(1), default=1, metavar="K",
                        help="--ray: HTTP ingress replicas (default 1)")
     scale.add_argument("--autoscale", action="store_true",
                        help="--ray: autoscale model replicas between 1 and the --*-replicas counts")
@@ -144,8 +146,12 @@ def run(args: argparse.Namespace) -> int:
     # With keys, the demo page asks for a login (an API key as the password) and runs through the
     # same gates as the API.
     demo_path = None if args.no_demo else "/demo"
-    app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
-                     demo_path=demo_path, speech_model=spec(args.speech_model))
+    try:  # reads --keys-file and --blocklist-file (models load later, in serve())
+        app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
+                         demo_path=demo_path, speech_model=spec(args.speech_model))
+    except InvalidArgumentError as exc:
+        print(f"multistream serve: {exc}", file=sys.stderr)
+        return 2
     code = serve(app, host=args.host, port=args.port, log_level=args.log_level) or 0
     if code != 0:
         # A model failed to load: exit now. Another model may still be loading in its thread, and

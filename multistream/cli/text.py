@@ -12,10 +12,12 @@ import argparse
 import sys
 from typing import Any
 
-from .._spec import add_cli_options, cli_values
+from .._spec import cli_values
 from ..errors import MultistreamError
-from ..text import TextOptions
+from ..text import TextOptions, parse_text_options
+from ._checks import declare_options, device
 from ._console import set_library_progress, show_progress
+from .speak import AudioSoFar, check_audio_path, write_audio
 
 
 def add_parser(subparsers: Any) -> None:
@@ -23,22 +25,23 @@ def add_parser(subparsers: Any) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the prompt (sent as one user message when the model has a chat template)")
     p.add_argument("--model", default=None, help="model id or local folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="quantization of the linear layers (default auto: int4 for the embedded model on a CPU, on "
                    "multistream's native block kernels where a C compiler builds them)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step on ATen's quantized kernels first (~50 s on 2 cores; then about 1.2x "
                    "their tokens/s); skipped where the native decoder layers run")
-    # Every generation option, generated from TextOptions (defaults and help are Python's).
-    p.set_defaults(option_names=add_cli_options(p.add_argument_group("generation options (TextModel.stream)"),
-                                                TextOptions, exclude=("chat", "parallel_tool_calls")))
+    # Every generation option, generated from TextOptions (defaults and help are Python's), checked
+    # by TextOptions before the model loads.
+    declare_options(p, p.add_argument_group("generation options (TextModel.stream)"), TextOptions,
+                    lambda args, given: parse_text_options(**given), exclude=("chat", "parallel_tool_calls"))
     p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON)")
     p.add_argument("--speak", default=None, metavar="FILE",
                    help="also speak the answer with the embedded voice, sentence by sentence while it is written, "
-                   "into FILE (.wav, .mp3, ...; needs the `speech` extra)")
-    p.set_defaults(func=run)
+                   "into FILE (.wav, .mp3, ...; needs the `speech` extra); Ctrl-C writes what was spoken so far")
+    p.set_defaults(func=run, check_paths=lambda args: check_audio_path(args.speak, "--speak"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +49,15 @@ def run(args: argparse.Namespace) -> int:
 
     # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
     set_library_progress(show_progress())
+    voice = None
+    if args.speak:
+        from ..speech import load_speech_model, speak
+
+        try:  # the voice first: it loads in a moment, and a missing `speech` extra shows before the text model
+            voice = load_speech_model()
+        except MultistreamError as exc:
+            print(f"multistream: {exc}", file=sys.stderr)
+            return 2
     try:
         llm = load_text_model(args.model, device=args.device, quantize=args.quantize, compile=args.compile)
         stream = llm.stream(args.prompt, chat=False if args.raw else None, **cli_values(args, args.option_names))
@@ -53,30 +65,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2
     spoken = None
-    if args.speak:
-        from ..speech import load_speech_model, speak
-
+    if voice is not None:
         try:
-            spoken = speak(stream, load_speech_model())
+            spoken = speak(stream, voice)
         except MultistreamError as exc:
             stream.cancel()
             print(f"multistream: {exc}", file=sys.stderr)
             return 2
     text_final = None
-    with spoken or stream:
-        for ev in spoken or stream:
-            if args.json:
-                print(ev.to_json(), flush=True)
-            elif ev.type == "text":
-                sys.stdout.write(ev.delta)
-                sys.stdout.flush()
-            if ev.type == "text" and ev.finish_reason is not None:
-                text_final = ev
+    kept = AudioSoFar()
+    try:
+        with spoken or stream:
+            for ev in spoken or stream:
+                kept.add(ev)
+                if args.json:
+                    print(ev.to_json(), flush=True)
+                elif ev.type == "text":
+                    sys.stdout.write(ev.delta)
+                    sys.stdout.flush()
+                if ev.type == "text" and ev.finish_reason is not None:
+                    text_final = ev
+    except KeyboardInterrupt:
+        if spoken is None:
+            raise
+        kept.write_interrupted(args.speak, prefix="\n")
+        return 130
     final = text_final if spoken is not None and spoken.final is not None and spoken.final.type != "error" \
         else (spoken or stream).final
     if spoken is not None and spoken.final is not None and spoken.final.type == "audio":
-        from .speak import write_audio
-
         try:
             write_audio(args.speak, spoken.final)
         except (OSError, MultistreamError) as exc:

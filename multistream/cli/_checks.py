@@ -1,0 +1,161 @@
+"""Every argument checked before a model loads, in one place for every command.
+
+Loading a model takes seconds (the embedded text model 5-14 s on a busy machine); a newcomer's
+``--temperature -1``, ``--steps 0`` or ``--preview foo`` used to be refused only after it. Now
+`multistream.cli.main` calls `check_arguments` right after parsing, before any command runs:
+
+- the generation options (the flags `add_cli_options` made from a family's spec, declared with
+  `declare_options`) go through the spec's own check of each option, so the message names the flag,
+  then through the family's parse function (the very one the model runs), for the checks that span
+  options (``--num-beams 2 --temperature 0.7``, a speech text that is empty or too long);
+- each command's own checks (its output paths: `multistream.cli._files`) run next.
+
+A bad value is an `InvalidArgumentError`; `main` prints it on one line and exits with status 2. The
+flags that are not options of a spec (``--port``, ``--strip-frames``) check their value in argparse
+with `integer` and `number`, and argparse errors are one line too (`OneLineParser`).
+
+Example:
+    >>> import argparse
+    >>> from multistream.text import TextOptions, parse_text_options
+    >>> p = argparse.ArgumentParser()
+    >>> _ = declare_options(p, p, TextOptions, lambda args, given: parse_text_options(**given))
+    >>> check_arguments(p.parse_args(["--temperature", "-1"]))
+    Traceback (most recent call last):
+    ...
+    multistream.errors.InvalidArgumentError: --temperature: temperature must be a number >= 0 (0 means greedy), got -1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from .._spec import add_cli_options, cli_values, info, option_fields
+from ..errors import InvalidArgumentError
+
+__all__ = ["OneLineParser", "check_arguments", "declare_options", "device", "flag_of", "integer", "number", "refuse"]
+
+# torch's device types (c10's DeviceType names), so a --device typo is refused without importing torch.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hip", "meta", "hpu", "mtia", "maia", "xla", "lazy", "ipu", "ve",
+                "vulkan", "privateuseone")
+
+#: ``(args, given options) -> anything``: the family's parse function, for the checks that span options.
+Finish = Callable[[argparse.Namespace, dict[str, Any]], Any]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line (the problem, then where the help is), exit
+    status 2 as before, instead of a usage block followed by the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see '{self.prog} --help')\n")
+
+
+def flag_of(name: str) -> str:
+    """The flag of option ``name``: ``--max-new-tokens`` for ``max_new_tokens``."""
+    return "--" + name.replace("_", "-")
+
+
+def declare_options(parser: argparse.ArgumentParser, group: Any, cls: type, finish: Finish, **kwargs: Any) -> list[str]:
+    """`add_cli_options` for ``cls`` on ``group`` (a parser or an argument group of ``parser``),
+    recorded on ``parser`` so `check_arguments` checks the given values before the command runs;
+    ``finish`` is the family's parse function, called with the given options."""
+    names = add_cli_options(group, cls, **kwargs)
+    parser.set_defaults(option_names=names, option_spec=cls, option_finish=finish)
+    return names
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Each given option through its spec's check, then all of them through the family's parse."""
+    cls = getattr(args, "option_spec", None)
+    if cls is None:
+        return
+    given = cli_values(args, args.option_names)
+    fields = {f.name: f for f in option_fields(cls)}
+    for name, value in given.items():
+        check = info(fields[name]).check
+        if check is None:
+            continue
+        try:
+            check(value)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{flag_of(name)}: {exc}") from None
+    args.option_finish(args, given)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every check a command has, before it loads anything: its options, then its own
+    ``check_paths(args)`` (set with ``parser.set_defaults``). Raises `InvalidArgumentError`."""
+    check_options(args)
+    paths = getattr(args, "check_paths", None)
+    if paths is not None:
+        paths(args)
+
+
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in ``[minimum, maximum]``.
+
+    Example:
+        >>> integer(1)("3"), integer(0, 65535).__name__
+        (3, 'an integer from 0 to 65535')
+    """
+    want = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give {want}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; give {want}")
+        return value
+
+    parse.__name__ = want  # argparse names the type by it in its own messages
+    return parse
+
+
+def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number ``>= minimum`` (``> minimum`` with ``above``)."""
+    want = f"a number {'>' if above else '>='} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {want}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {want}")
+        return value
+
+    parse.__name__ = want
+    return parse
+
+
+def device(text: str) -> str:
+    """An argparse ``type=`` for ``--device``: ``auto`` or a torch device (``cpu``, ``cuda``,
+    ``cuda:1``, ``mps``, ...), checked by its spelling before torch is imported; whether the
+    machine has it is the loader's to say.
+
+    Example:
+        >>> device("cuda:1")
+        'cuda:1'
+        >>> device("gpu")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: unknown device 'gpu'; use auto, cpu, cuda or cuda:N (or mps, xpu, ...)
+    """
+    kind, _, index = text.partition(":")
+    if text == "auto" or (kind in DEVICE_TYPES and (not _ or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N (or mps, xpu, ...)")
+
+
+device.__name__ = "a device"
+
+
+def refuse(command: str, exc: Exception) -> int:
+    """Print a refused argument on one line and return exit status 2."""
+    print(f"multistream {command}: {exc}", file=sys.stderr)
+    return 2

@@ -1,0 +1,182 @@
+"""The command line's output paths: checked before any model loads, written atomically.
+
+A newcomer's ``speak --out missing/x.wav`` or ``text --speak x.xyz`` failed only after the audio (or
+the whole answer) was made; ``image --out final.gif`` silently became a folder. So every output
+flag is checked when the command starts (`check_output_file`, `check_output_folder`): the suffix
+names a format the command writes, the path is a file or a folder as the flag means, and the
+nearest existing folder above it can be written in (folders missing below it are made when the
+file is written, as ``image --out new/o.png`` always did). And every file is written through a
+temporary file in the same folder, moved over the target with `os.replace` (atomic on POSIX and
+Windows), so a Ctrl-C, a full disk or a crash never leaves a half-written file: the target is the
+old file or the new one (`atomic_write`, `atomic_path`).
+
+Example:
+    >>> import tempfile, os
+    >>> folder = tempfile.mkdtemp()
+    >>> check_output_file(os.path.join(folder, "a.wav"), "--out", {".wav": "wav"}, "an audio file")
+    'wav'
+    >>> atomic_write(os.path.join(folder, "a.wav"), b"RIFF")
+    >>> sorted(os.listdir(folder))
+    ['a.wav']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mimetypes
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+
+from ..errors import InvalidArgumentError, MultistreamError
+
+__all__ = ["WriteError", "atomic_path", "atomic_write", "check_input_folder", "check_output_file",
+           "check_output_folder", "looks_like_image"]
+
+
+class WriteError(MultistreamError, OSError):
+    """An output file could not be written (a full disk, a folder removed during the run); the
+    target is left as it was."""
+
+_PART = ".part"  # the temporary files' suffix; they start with "." so a folder listing hides them
+
+
+def _suffixes(formats: Mapping[str, str]) -> str:
+    return ", ".join(sorted(formats))
+
+
+def _check_parent(path: str, what: str) -> None:
+    """The nearest existing folder above ``path`` is a folder this process can write in; ``what``
+    starts the error message (the flag and the path as given)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    if not os.path.isdir(parent):
+        raise InvalidArgumentError(f"{what}: {parent} is a file, not a folder; choose a path in a folder")
+    _probe(parent, what)
+
+
+def _probe(folder: str, what: str) -> None:
+    """Create (and at once remove) a file in ``folder``: the one test of writability that holds for
+    root, read-only mounts and special file systems alike, where `os.access` can say yes."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise InvalidArgumentError(f"{what}: cannot write in {folder} ({reason}); choose a folder you can write in") \
+            from None
+
+
+def looks_like_image(path: str) -> bool:
+    """Whether ``path``'s suffix is an image type by the system's MIME table (``final.gif``,
+    ``a.bmp``), so a flag that takes a folder or an image file can tell a format it does not write
+    from a folder name (``out``, ``out.d``, ``run-2``).
+
+    Example:
+        >>> looks_like_image("final.gif"), looks_like_image("out.d"), looks_like_image("runs")
+        (True, False, False)
+    """
+    return (mimetypes.guess_type(os.path.basename(path))[0] or "").startswith("image/")
+
+
+def check_output_file(path: str, flag: str, formats: Mapping[str, str], what: str, *,
+                      default: str | None = None) -> str:
+    """The format ``path`` will be written in (from its suffix, a key of ``formats``), or
+    `InvalidArgumentError` naming the problem and the fix; ``default`` is the format of a path
+    without a suffix (None: a suffix is required).
+
+    Example:
+        >>> check_output_file("t.xyz", "--out", {".wav": "wav", ".mp3": "mp3"}, "an audio file")
+        Traceback (most recent call last):
+        ...
+        multistream.errors.InvalidArgumentError: --out t.xyz: .xyz is not a format this command writes; give an audio file ending in .mp3, .wav
+    """
+    if not path:
+        raise InvalidArgumentError(f"{flag} is empty; give {what} ending in {_suffixes(formats)}")
+    suffix = os.path.splitext(path)[1].lower()
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise InvalidArgumentError(f"{flag} {path} is a folder; give {what} (e.g. {os.path.join(path, 'out')}"
+                                   f"{next(iter(formats))})")
+    if suffix in formats:
+        fmt = formats[suffix]
+    elif not suffix and default is not None:
+        fmt = default
+    else:
+        what_suffix = f"{suffix} is not a format this command writes" if suffix else "the file name has no suffix"
+        raise InvalidArgumentError(f"{flag} {path}: {what_suffix}; give {what} ending in {_suffixes(formats)}")
+    _check_parent(path, f"{flag} {path}")
+    return fmt
+
+
+def check_output_folder(path: str, flag: str, file_hint: str = "") -> None:
+    """``path`` is (or can be made as) a folder this process can write in."""
+    if not path:
+        raise InvalidArgumentError(f"{flag} is empty; give a folder name")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InvalidArgumentError(f"{flag} {path} is an existing file, not a folder; give a folder name"
+                                   + (f" {file_hint}" if file_hint else ""))
+    if os.path.isdir(path):
+        _probe(path, f"{flag} {path}")
+        return
+    _check_parent(os.path.join(path, "x"), f"{flag} {path}")
+
+
+def check_input_folder(path: str | None, flag: str) -> None:
+    """An input folder the command will read (e.g. ``--taesd``) exists."""
+    if path is not None and not os.path.isdir(path):
+        raise InvalidArgumentError(f"{flag} {path}: no such folder; give the folder that holds the files")
+
+
+def _mode() -> int:
+    """The permissions a new file gets (0o666 less the umask), as `open` would give it;
+    `tempfile` makes 0o600 files, which `os.replace` would keep."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A temporary path beside ``path`` to write to; moved over ``path`` when the block ends
+    without an error, removed when it raises (Ctrl-C included), so ``path`` is never half written.
+
+    Example:
+        >>> import tempfile, os
+        >>> target = os.path.join(tempfile.mkdtemp(), "d.bin")
+        >>> with atomic_path(target) as tmp:
+        ...     _ = open(tmp, "wb").write(b"x")
+        >>> open(target, "rb").read()
+        b'x'
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=_PART)
+        os.close(fd)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    try:
+        yield tmp
+        os.chmod(tmp, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else _mode())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, MultistreamError):
+            raise WriteError(f"cannot write {path}: {exc.strerror or exc} (left as it was)") from exc
+        raise
+
+
+def atomic_write(path: str, data: bytes | Iterable[bytes]) -> None:
+    """Write ``data`` (bytes, or chunks of them) to ``path`` through a temporary file in the
+    same folder and `os.replace`: ``path`` holds the old content or all of the new, never a part."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+            fh.write(chunk)
+    # No fsync: what this guards against is the process stopping (Ctrl-C, a crash, a full disk),
+    # after which the kernel still holds every byte written; an fsync per preview would cost a
+    # disk flush per denoising step.
