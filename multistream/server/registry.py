@@ -52,6 +52,11 @@ __all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]  # STOP, Content
 logger = logging.getLogger("multistream.server")
 
 
+def new_token() -> str:
+    """A resume token: what lets a client on an open server read, resume or cancel its stream."""
+    return secrets.token_urlsafe(18)
+
+
 class StreamRecord:
     """One stream on the server: its event log, subscribers, grace timer and pump task."""
 
@@ -59,11 +64,11 @@ class StreamRecord:
                  on_done: Callable[[StreamRecord], None], resumable: bool = True, model_name: str = "",
                  content_filter: ContentFilter | None = None, arrived_at: float | None = None,
                  count_prompt_tokens: Callable[[], int] | None = None, owner: str | None = None,
-                 owner_keyed: bool = False) -> None:
+                 owner_keyed: bool = False, token: str | None = None) -> None:
         self.stream = stream
         self.owner = owner
         self.owner_keyed = owner_keyed
-        self.token = secrets.token_urlsafe(18)
+        self.token = token or new_token()
         self.stream_id = stream.stream_id
         self.kind = kind
         self.model_name = model_name

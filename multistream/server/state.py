@@ -6,6 +6,7 @@ Routes get it through FastAPI's ``Depends(get_state)`` and the caller through ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 from starlette.requests import HTTPConnection, Request
 
 from ..engine import capacity_of
-from ..stream import Stream, StreamWriter
+from ..stream import Stream, StreamWriter, reserved_stream_id
 from .admission import Admission
 from .filtering import STOP, ContentFilter
 from .metrics import Metrics
@@ -199,8 +200,14 @@ class ServerState:
 
     async def open_stream(self, kind: str, kwargs: dict[str, Any], *, priority: int = 0,
                           request: Request | None = None, resumable: bool = True,
-                          arrived_at: float | None = None, principal: Principal | None = None) -> StreamRecord:
-        """Admit a request (quota, queue, limits), start the model, register the stream; raises `Problem`."""
+                          arrived_at: float | None = None, principal: Principal | None = None,
+                          on_queued: Callable[[int, int], None] | None = None,
+                          reserved: tuple[str, str] | None = None) -> StreamRecord:
+        """Admit a request (quota, queue, limits), start the model, register the stream; raises `Problem`.
+
+        ``on_queued(position, queued)`` is told where the request stands while it waits for a slot
+        (`Admission.acquire`); ``reserved`` = (stream id, resume token) the stream gets, handed to
+        the client before it was admitted (`sse.queued_sse_response`)."""
         arrived_at = arrived_at if arrived_at is not None else time.perf_counter()
         if self.draining:
             raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
@@ -225,7 +232,7 @@ class ServerState:
         gate = self.gates[kind]
         waited = time.perf_counter()
         try:
-            await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s), request,
+            await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s, on_queued), request,
                                       on_abandoned=gate.release)
         except BaseException:
             release_quota()
@@ -245,7 +252,8 @@ class ServerState:
                 plan = durable_plan(self.registry.log, kind, model, kwargs, self.settings.image_checkpoint_every,
                                     resumable)
                 kwargs = plan.kwargs
-            stream = model.stream(**kwargs, **(plan.extra if plan is not None else {}))
+            with reserved_stream_id(reserved[0]) if reserved else contextlib.nullcontext():
+                stream = model.stream(**kwargs, **(plan.extra if plan is not None else {}))
         except BaseException as exc:
             gate.release()
             release_quota()
@@ -259,6 +267,7 @@ class ServerState:
         record = self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable,
                                      model_name=self.models[kind].name, content_filter=self.content_filter,
                                      arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
+                                     token=reserved[1] if reserved else None,
                                      count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
         if plan is not None:
             from .continuation import remember_request
