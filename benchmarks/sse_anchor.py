@@ -12,13 +12,14 @@ Rounds are interleaved (server order alternates each round) at every client coun
 machine slows both alike; the report is the median over rounds of each TTFT p50/p95 and of the
 per-round ratio multistream / anchor (the target is <= 1.1).
 
-    python benchmarks/sse_anchor.py                         # 10, 50, 200 clients, 5 rounds
+    python benchmarks/sse_anchor.py                          # 10, 50, 200 clients, 5 rounds
     python benchmarks/sse_anchor.py --clients 200 --rounds 3
-    PYTHONPATH=/work/main python benchmarks/sse_anchor.py   # another checkout's server code
-    python benchmarks/sse_anchor.py --profile prof.out      # cProfile of the multistream server
+    python benchmarks/sse_anchor.py --baseline /work/main    # + that checkout's server: before/after
+    PYTHONPATH=/work/main python benchmarks/sse_anchor.py    # another checkout's server code only
+    python benchmarks/sse_anchor.py --profile prof.out       # cProfile of the server's loop thread
 
-The server code comes from ``PYTHONPATH`` when set (to measure a checkout before a change), else
-from this one.
+The multistream server's code comes from ``PYTHONPATH`` when set, else from this checkout. Server
+CPU per stream (from /proc) is the steadiest figure on a busy machine.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class TickerModel:
 
 
 def serve_multistream(port: int, tokens: int, delay: float, profile: str | None, model_kind: str) -> None:
-    from multistream.server import ServerSettings, create_app, serve as run
+    from multistream.server import ServerSettings, create_app
+    from multistream.server import serve as run
     from multistream.testing import ScriptedTextModel
 
     model: object = (TickerModel(_script(tokens), delay) if model_kind == "ticker"
@@ -141,7 +143,8 @@ def _run(app: object, port: int, profile: str | None, start: object) -> None:
     import cProfile
     import signal
 
-    prof = cProfile.Profile()
+    # The event loop thread's CPU time: what the loop spent, without the waits for the GIL.
+    prof = cProfile.Profile(time.thread_time)
 
     def dump(*_: object) -> None:
         prof.disable()
@@ -151,6 +154,12 @@ def _run(app: object, port: int, profile: str | None, start: object) -> None:
     signal.signal(signal.SIGUSR1, dump)
     prof.enable()
     start()  # type: ignore[operator]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -184,8 +193,10 @@ async def run_level(url: str, n: int, tokens: int) -> tuple[float, float, int]:
     return pct(ttfts, 0.5), pct(ttfts, 0.95), sum(r[1] for r in results)
 
 
-def start_server(which: str, tokens: int, delay: float, profile: str | None,
-                 model: str = "scripted") -> tuple[subprocess.Popen[bytes], str]:
+def start_server(which: str, tokens: int, delay: float, profile: str | None, model: str = "scripted",
+                 code: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """The ``which`` server ("multistream" or "anchor") in a subprocess, the multistream code
+    from ``code`` (a checkout's root) or this one; returns it once ``/healthz`` says ready."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -193,8 +204,7 @@ def start_server(which: str, tokens: int, delay: float, profile: str | None,
            "--delay", str(delay), "--model", model]
     if profile:
         cmd += ["--profile", profile]
-    pythonpath = os.environ.get("PYTHONPATH") or str(ROOT)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": code or str(ROOT)})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -227,7 +237,9 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.005, help="seconds per token")
     ap.add_argument("--model", choices=["scripted", "ticker"], default="scripted",
                     help="scripted: ScriptedTextModel (a thread per stream); ticker: one thread for all streams")
-    ap.add_argument("--profile", help="cProfile the multistream server into this file (skews its figures)")
+    ap.add_argument("--baseline", metavar="CHECKOUT",
+                    help="also run the multistream server of this checkout (e.g. /work/main), interleaved: before/after")
+    ap.add_argument("--profile", help="cProfile the multistream server's loop thread into this file (skews its figures)")
     ap.add_argument("--serve", choices=["multistream", "anchor"], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -238,33 +250,46 @@ def main() -> None:
         serve_anchor(args.port, args.tokens, args.delay, None)
         return
 
-    servers = {"multistream": start_server("multistream", args.tokens, args.delay, args.profile, args.model),
-               "anchor": start_server("anchor", args.tokens, args.delay, None)}
+    code = os.environ.get("PYTHONPATH") or str(ROOT)
+    servers = {"multistream": start_server("multistream", args.tokens, args.delay, args.profile, args.model, code)}
+    if args.baseline:
+        servers["baseline"] = start_server("multistream", args.tokens, args.delay, None, args.model, args.baseline)
+    servers["anchor"] = start_server("anchor", args.tokens, args.delay, None)
+    names = list(servers)
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
     counts: dict[str, list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
+    med = statistics.median
     try:
         print(f"uptime: {os.popen('uptime').read().strip()}")
-        print(f"server code: {os.environ.get('PYTHONPATH') or ROOT}; {os.cpu_count()} CPUs; scripted model, "
-              f"{args.model} model, {args.tokens} tokens x {args.delay * 1000:g} ms; {args.rounds} interleaved rounds")
+        print(f"multistream: {code}" + (f"; baseline: {args.baseline}" if args.baseline else "") +
+              f"; {os.cpu_count()} CPUs; {args.model} model, {args.tokens} tokens x {args.delay * 1000:g} ms; "
+              f"{args.rounds} interleaved rounds")
         for _, url in servers.values():
             asyncio.run(run_level(url, 10, args.tokens))  # warm-up
         for r in range(args.rounds):
             for n in args.clients:
-                order = ["multistream", "anchor"] if (r + n) % 2 == 0 else ["anchor", "multistream"]
-                for which in order:
-                    p50, p95, events = asyncio.run(run_level(servers[which][1], n, args.tokens))
+                shift = (r + n) % len(names)
+                for which in names[shift:] + names[:shift]:  # each server goes first in turn
+                    proc, url = servers[which]
+                    before = cpu_s(proc.pid)
+                    p50, p95, events = asyncio.run(run_level(url, n, args.tokens))
                     results.setdefault((which, n), []).append((p50, p95))
+                    cpu.setdefault((which, n), []).append((cpu_s(proc.pid) - before) / n * 1000)
                     counts.setdefault(which, []).append(events / n)
-        print(f"{'clients':>8} {'multistream p50/p95 ms':>24} {'anchor p50/p95 ms':>20} {'ratio p50/p95':>15}")
+        print("median over rounds; ratio = the median of each round's server / anchor ratio; CPU = server "
+              "process CPU ms per stream")
+        print(f"{'clients':>7} {'server':>12} {'TTFT p50 ms':>12} {'p95 ms':>8} {'ratio p50':>10} {'p95':>6} {'CPU ms':>7}")
         for n in args.clients:
-            ms, an = results[("multistream", n)], results[("anchor", n)]
-            ratios50 = [a[0] / b[0] for a, b in zip(ms, an)]
-            ratios95 = [a[1] / b[1] for a, b in zip(ms, an)]
-            med = statistics.median
-            print(f"{n:>8} {med(x[0] for x in ms):>11.1f} / {med(x[1] for x in ms):<10.1f} "
-                  f"{med(x[0] for x in an):>9.1f} / {med(x[1] for x in an):<8.1f} "
-                  f"{med(ratios50):>6.2f}x / {med(ratios95):.2f}x")
-        print("events per stream: " + ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in counts.items()))
+            an = results[("anchor", n)]
+            for which in names:
+                mine = results[(which, n)]
+                r50 = med(a[0] / b[0] for a, b in zip(mine, an))
+                r95 = med(a[1] / b[1] for a, b in zip(mine, an))
+                print(f"{n:>7} {which:>12} {med(x[0] for x in mine):>12.1f} {med(x[1] for x in mine):>8.1f} "
+                      f"{r50:>9.2f}x {r95:>5.2f}x {med(cpu[(which, n)]):>7.2f}")
+        print("events per stream (text deltas merge when a reader lags): "
+              + ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in counts.items()))
         print(f"uptime: {os.popen('uptime').read().strip()}")
     finally:
         for which, (proc, _) in servers.items():

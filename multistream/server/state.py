@@ -514,8 +514,9 @@ def _event_log(settings: ServerSettings) -> Any:
     return RedisEventLog(url, settings)
 
 
-def get_principal(conn: HTTPConnection) -> Principal:
-    """FastAPI dependency: who is calling (set by the security middleware)."""
+async def get_principal(conn: HTTPConnection) -> Principal:
+    """FastAPI dependency: who is calling (set by the security middleware). Async, so FastAPI
+    calls it on the loop rather than through a worker thread (a thread hop per request)."""
     principal = getattr(conn.state, "principal", None)
     if principal is None:  # an app used without its middleware (should not happen)
         client = conn.client
