@@ -550,11 +550,13 @@ class Registry:
         """Drop finished streams past the retention window or beyond the count/byte bounds."""
         s = self.settings
         now = time.monotonic()
+        live: int | None = None  # summed over the live streams at most once a call (a call per request)
         while self.finished:
             oldest = next(iter(self.finished.values()))
             expired = oldest.finished_at is not None and now - oldest.finished_at > s.retention_s
-            over_bytes = self.retained_bytes + self.live_bytes() > s.max_retained_bytes
-            if not (expired or len(self.finished) > s.max_retained_streams or over_bytes):
-                break
+            if not (expired or len(self.finished) > s.max_retained_streams):
+                live = self.live_bytes() if live is None else live
+                if self.retained_bytes + live <= s.max_retained_bytes:
+                    break
             self.finished.popitem(last=False)
             self.retained_bytes -= oldest.bytes

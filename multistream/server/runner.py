@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from types import FrameType
 from typing import Any
@@ -70,6 +71,7 @@ class DrainingServer(uvicorn.Server):
                 if settled:
                     if failed:
                         logger.warning("serving degraded: %s", "; ".join(failed.values()))
+                    _freeze_startup_objects()
                     return
             await asyncio.sleep(0.1)
 
@@ -87,6 +89,16 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
         self._loop.call_soon_threadsafe(lambda: state.begin_drain(on_drained=stop))
+
+
+def _freeze_startup_objects() -> None:
+    """Once the models are loaded: move what start-up made (modules, the models' weights and
+    tokenizers, the app) out of the garbage collector's sight, as gunicorn and Instagram do
+    (`gc.freeze`). A full collection then walks only what serving made, so its pauses (measured:
+    up to 0.1 s on the event loop at 200 SSE clients of the scripted model) stop landing on
+    streams' first tokens. Start-up's garbage is collected first, not frozen with the rest."""
+    gc.collect()
+    gc.freeze()
 
 
 def _find_state(app: Any) -> Any:

@@ -11,6 +11,7 @@ import importlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -529,7 +530,22 @@ def _capacity(model: Any, kind: str) -> int:
     return capacity_of(model)
 
 
+_PRIORITY_AWARE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def _takes_priority(model: Any) -> bool:
+    """Does ``model.stream`` take ``priority``? Asked once per model (inspect.signature costs
+    about 50 us, and this is on every request's path)."""
+    try:
+        return _PRIORITY_AWARE[model]
+    except KeyError:
+        known = _PRIORITY_AWARE[model] = _signature_takes_priority(model)
+        return known
+    except TypeError:  # not weakly referenceable (or unhashable): ask each time
+        return _signature_takes_priority(model)
+
+
+def _signature_takes_priority(model: Any) -> bool:
     import inspect
 
     try:
