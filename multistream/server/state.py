@@ -253,11 +253,18 @@ class ServerState:
                 plan = durable_plan(self.registry.log, kind, model, kwargs, self.settings.image_checkpoint_every,
                                     resumable)
                 kwargs = plan.kwargs
-            with reserved_stream_id(reserved[0]) if reserved else contextlib.nullcontext():
-                stream = model.stream(**kwargs, **(plan.extra if plan is not None else {}))
+            extra = plan.extra if plan is not None else {}
+
+            def start() -> Stream:
+                with reserved_stream_id(reserved[0]) if reserved else contextlib.nullcontext():
+                    return model.stream(**kwargs, **extra)  # type: ignore[no-any-return]
+
+            stream = await _off_loop(start)
         except BaseException as exc:
             gate.release()
             release_quota()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise _start_problem(kind, exc) from None
 
         def on_done(record: StreamRecord) -> None:
@@ -465,6 +472,23 @@ def _filtered_stream() -> Stream:
         w.finish_text("", [], 0, finish_reason="content_filter", text="",
                       usage={"prompt_tokens": 0, "completion_tokens": 0}, metrics={})
     return Stream(producer, kind="text")
+
+
+async def _off_loop(start: Callable[[], Stream]) -> Stream:
+    """``start()`` (a model's ``.stream(...)``) on a worker thread, not on the event loop: it
+    tokenizes the prompt (a real model) or starts a thread and waits until it runs (the scripted
+    fakes: about 2 ms of a busy loop per request at 200 SSE clients), and every other stream's
+    events wait meanwhile. A caller cancelled meanwhile has the stream closed once it exists."""
+    task = asyncio.ensure_future(asyncio.to_thread(start))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def close(done: asyncio.Future[Stream]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                done.result().close()
+
+        task.add_done_callback(close)
+        raise
 
 
 async def _until_disconnected(
