@@ -6,6 +6,7 @@ Routes get it through FastAPI's ``Depends(get_state)`` and the caller through ``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -259,7 +260,8 @@ class ServerState:
                 with reserved_stream_id(reserved[0]) if reserved else contextlib.nullcontext():
                     return model.stream(**kwargs, **extra)  # type: ignore[no-any-return]
 
-            stream = await _off_loop(start)
+            # A model whose .stream() needs the event loop (the Ray handle schedules its pump on it) says so.
+            stream = start() if getattr(model, "stream_needs_loop", False) else await _off_loop(start)
         except BaseException as exc:
             gate.release()
             release_quota()
@@ -474,12 +476,17 @@ def _filtered_stream() -> Stream:
     return Stream(producer, kind="text")
 
 
+# Threads of their own: the default executor also runs long model calls (`run_admitted`), and a
+# stream's start must not queue behind them.
+_STARTERS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="multistream-start")
+
+
 async def _off_loop(start: Callable[[], Stream]) -> Stream:
     """``start()`` (a model's ``.stream(...)``) on a worker thread, not on the event loop: it
     tokenizes the prompt (a real model) or starts a thread and waits until it runs (the scripted
     fakes: about 2 ms of a busy loop per request at 200 SSE clients), and every other stream's
     events wait meanwhile. A caller cancelled meanwhile has the stream closed once it exists."""
-    task = asyncio.ensure_future(asyncio.to_thread(start))
+    task = asyncio.get_running_loop().run_in_executor(_STARTERS, start)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
