@@ -20,6 +20,19 @@ per-round ratio multistream / anchor (the target is <= 1.1).
 
 The multistream server's code comes from ``PYTHONPATH`` when set, else from this checkout. Server
 CPU per stream (from /proc) is the steadiest figure on a busy machine.
+
+Where the time went (issue 35, profiled with ``--profile``: cProfile on the loop thread's CPU
+time, and GC callbacks), 200 clients, before the fixes: h11's pure-Python parsing and writing of
+every request and SSE chunk (14% of the loop's CPU; the anchor's uvicorn uses httptools); the
+cyclic GC walking start-up's objects (14%, pauses up to 0.1 s); ``model.stream()`` on the loop,
+where the scripted fake's ``Thread.start()`` waits for its thread under 200 busy ones (~2 ms of
+loop wall time per request); per event ``to_json`` through ``dataclasses.fields`` and a new
+JSONEncoder, `ServerSentEvent.encode`'s regex and StringIO, prometheus ``labels()`` lookups;
+``inspect.signature`` per request; a worker-thread hop for the sync ``get_principal``
+dependency. What is left is FastAPI's routing and dependencies, sse-starlette's task group per
+response, and the two hops per event (model thread -> pump task -> subscriber) that a model in
+its own threads needs; ``--model ticker`` (one producer thread, as the real engine) shows the
+server apart from the scripted fake's thread per stream.
 """
 
 from __future__ import annotations
