@@ -1,9 +1,10 @@
 """The native routes: ``POST /v1/text``, ``POST /v1/image`` (SSE), resume, info, cancel and edits.
 
-A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``; while it waits for a slot,
-``event: queued`` with ``{"position", "queued"}`` comes first (not a protocol event: see `sse`). Reading, resuming,
-cancelling or editing a stream later needs the key that created it (with API keys) or that token
-(an open server: ``X-Resume-Token`` header or ``?token=``, which EventSource can send).
+A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``; while it waits for a
+slot, ``event: queued`` with ``{"position", "queued"}`` comes first (not a protocol event: see
+`sse`). Reading, resuming, cancelling or editing a stream later needs the key that created it
+(with API keys) or that token (an open server: ``X-Resume-Token`` header or ``?token=``, which
+EventSource can send).
 
 Edits of a running stream (all answer `EditResult`; the effect shows in the stream's events):
 
