@@ -48,6 +48,9 @@ TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_
 IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter", "finished_early")
 AUDIO_FINISH_REASONS = ("stop", "cancelled")
 _BYTES_FIELDS = ("data", "audio")  # carried as base64 in the wire form
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # each event class's field names, in order (`to_dict`)
+# The compact wire encoder, made once (json.dumps with options builds a new encoder per call).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +69,11 @@ class _BaseEvent:
         Optional fields that are ``None`` are left out, so non-final events stay small.
         """
         wire: dict[str, Any] = {"type": self.type}
-        for f in fields(self):
-            value = getattr(self, f.name)
+        names = _FIELD_NAMES.get(type(self))
+        if names is None:  # dataclasses.fields() on every event costs more than the rest of this loop
+            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in fields(self))
+        for name in names:
+            value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bytes):
@@ -76,12 +82,12 @@ class _BaseEvent:
                 value = list(value)
             elif isinstance(value, dict):
                 value = dict(value)
-            wire[f.name] = value
+            wire[name] = value
         return wire
 
     def to_json(self) -> str:
         """The wire form as one line of compact JSON (no newline), e.g. for NDJSON or SSE."""
-        return json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":"))
+        return _ENCODER.encode(self.to_dict())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,13 +21,15 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import StreamConsumedError
@@ -38,6 +40,28 @@ __all__ = ["Stream", "StreamWriter"]
 logger = logging.getLogger("multistream")
 
 _NEW, _ITERATING, _DONE, _CLOSED = "new", "iterating", "done", "closed"
+
+# A stream id handed out before the model's `.stream()` runs (a server tells a queued client its
+# stream's id before the model is called): the next `Stream` made in this context takes it.
+_RESERVED_ID: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("multistream_reserved_id",
+                                                                                default=None)
+
+
+@contextlib.contextmanager
+def reserved_stream_id(stream_id: str) -> Iterator[None]:
+    """The first `Stream` created inside the block (in this thread or task) gets ``stream_id``.
+
+    Example:
+        >>> with reserved_stream_id("abc"):
+        ...     s = Stream(lambda w: None)
+        >>> s.stream_id
+        'abc'
+    """
+    token = _RESERVED_ID.set([stream_id])
+    try:
+        yield
+    finally:
+        _RESERVED_ID.reset(token)
 
 
 class _Pending:
@@ -459,7 +483,8 @@ class Stream:
     ) -> None:
         if (producer is None) == (submit is None):
             raise TypeError("Stream needs exactly one of producer= (runs in its own thread) or submit= (an engine)")
-        self.stream_id = stream_id or uuid.uuid4().hex
+        reserved = _RESERVED_ID.get() if stream_id is None else None
+        self.stream_id = stream_id or (reserved.pop() if reserved else uuid.uuid4().hex)
         self.kind = kind
         self.final: Event | None = None
         self.exception: BaseException | None = None

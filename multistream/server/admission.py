@@ -4,6 +4,10 @@ A request either runs at once (a free slot and nobody queued), waits in the queu
 ``priority`` first, then first come first served), or is refused with `QueueFull` (HTTP 429 with a
 ``Retry-After`` estimated from recent generation times). Pure asyncio, no I/O.
 
+A waiter can ask to be told where it stands (``on_move``): ``on_move(position, queued)`` is
+called when it joins the queue and each time its position changes (position 1 = next to run;
+``queued`` = how many wait in all), e.g. a higher priority arrives ahead of it or one ahead leaves.
+
 Example:
     >>> import asyncio
     >>> async def demo():
@@ -24,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import math
+from collections.abc import Callable
 
 from .problems import Problem
 
@@ -50,19 +56,28 @@ class Admission:
         self._order = itertools.count()
         self._avg_duration_s: float | None = None
         self._closed: Problem | None = None
+        # Waiters that asked for their position: future -> [on_move, last position told].
+        self._watchers: dict[asyncio.Future[None], list[object]] = {}
 
     @property
     def queued(self) -> int:
         return sum(1 for _, _, fut in self._heap if not fut.done())
+
+    def would_wait(self) -> bool:
+        """True when a request now would queue (or be refused) rather than run at once."""
+        return self._closed is not None or not (self.running < self.concurrency and not self.queued)
 
     def retry_after(self) -> int:
         """Seconds until a queue slot likely frees: queue length x average duration / slots."""
         avg = self._avg_duration_s or 1.0
         return max(1, math.ceil(avg * (self.queued + 1) / self.concurrency))
 
-    async def acquire(self, priority: int = 0, timeout: float | None = None) -> None:
+    async def acquire(self, priority: int = 0, timeout: float | None = None,
+                      on_move: Callable[[int, int], None] | None = None) -> None:
         """Wait for a slot. Raises `QueueFull` at once when the queue is full, a 503 `Problem`
-        after ``timeout`` seconds in the queue or when the server is shutting down."""
+        after ``timeout`` seconds in the queue or when the server is shutting down.
+        ``on_move(position, queued)``: called (before the first suspension) when the request
+        joins the queue, then each time its position changes; never when it runs at once."""
         if self._closed is not None:
             raise self._closed
         if self.running < self.concurrency and not self.queued:
@@ -72,6 +87,10 @@ class Admission:
             raise QueueFull(self.name, self.queued, self.retry_after())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (-priority, next(self._order), fut))
+        if on_move is not None:
+            self._watchers[fut] = [on_move, 0]
+        if self._watchers:
+            self._tell_positions()
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         except BaseException as exc:
@@ -85,6 +104,8 @@ class Admission:
                               f"waited {timeout:g} s in the {self.name} queue without getting a slot; retry later",
                               {"Retry-After": str(self.retry_after())}) from None
             raise
+        finally:
+            self._watchers.pop(fut, None)
 
     def release(self, duration_s: float | None = None) -> None:
         """Free a slot (hand it to the best waiter). ``duration_s`` feeds the Retry-After estimate."""
@@ -97,6 +118,9 @@ class Admission:
             if not fut.done():
                 self.running += 1
                 fut.set_result(None)
+                self._watchers.pop(fut, None)
+        if self._watchers:
+            self._tell_positions()
 
     def close(self, problem: Problem) -> None:
         """Refuse new requests and fail every waiter with ``problem`` (graceful shutdown)."""
@@ -109,3 +133,18 @@ class Admission:
     def _compact(self) -> None:
         self._heap = [e for e in self._heap if not e[2].done()]
         heapq.heapify(self._heap)
+        if self._watchers:
+            self._tell_positions()
+
+    def _tell_positions(self) -> None:
+        """Call ``on_move`` of every watching waiter whose position changed (the queue is at most
+        ``queue_size`` long, so sorting it on each change is cheap)."""
+        waiting = sorted(e for e in self._heap if not e[2].done())
+        for position, (_, _, fut) in enumerate(waiting, 1):
+            watcher = self._watchers.get(fut)
+            if watcher is not None and watcher[1] != position:
+                watcher[1] = position
+                try:
+                    watcher[0](position, len(waiting))  # type: ignore[operator]
+                except Exception:  # noqa: BLE001 - a listener must not break the queue
+                    logging.getLogger("multistream.server").exception("a queue position listener failed")

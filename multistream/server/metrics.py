@@ -35,12 +35,22 @@ class _Labeled:
 
     def __init__(self, metric: Any) -> None:
         self.metric = metric
+        # The labelled children, looked up once: `labels()` validates and locks on every call,
+        # and some of these are counted per event sent.
+        self._children: dict[tuple[tuple[str, str], ...], Any] = {}
+
+    def _child(self, labels: dict[str, str]) -> Any:
+        key = tuple(labels.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.metric.labels(**labels)
+        return child
 
     def observe(self, value: float, **labels: str) -> None:
-        self.metric.labels(**labels).observe(value)
+        self._child(labels).observe(value)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self.metric.labels(**labels).inc(amount)
+        self._child(labels).inc(amount)
 
     def value(self, **labels: str) -> float:
         return float(self.metric.labels(**labels)._value.get())

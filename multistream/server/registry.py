@@ -52,6 +52,11 @@ __all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]  # STOP, Content
 logger = logging.getLogger("multistream.server")
 
 
+def new_token() -> str:
+    """A resume token: what lets a client on an open server read, resume or cancel its stream."""
+    return secrets.token_urlsafe(18)
+
+
 class StreamRecord:
     """One stream on the server: its event log, subscribers, grace timer and pump task."""
 
@@ -59,11 +64,11 @@ class StreamRecord:
                  on_done: Callable[[StreamRecord], None], resumable: bool = True, model_name: str = "",
                  content_filter: ContentFilter | None = None, arrived_at: float | None = None,
                  count_prompt_tokens: Callable[[], int] | None = None, owner: str | None = None,
-                 owner_keyed: bool = False) -> None:
+                 owner_keyed: bool = False, token: str | None = None) -> None:
         self.stream = stream
         self.owner = owner
         self.owner_keyed = owner_keyed
-        self.token = secrets.token_urlsafe(18)
+        self.token = token or new_token()
         self.stream_id = stream.stream_id
         self.kind = kind
         self.model_name = model_name
@@ -545,11 +550,13 @@ class Registry:
         """Drop finished streams past the retention window or beyond the count/byte bounds."""
         s = self.settings
         now = time.monotonic()
+        live: int | None = None  # summed over the live streams at most once a call (a call per request)
         while self.finished:
             oldest = next(iter(self.finished.values()))
             expired = oldest.finished_at is not None and now - oldest.finished_at > s.retention_s
-            over_bytes = self.retained_bytes + self.live_bytes() > s.max_retained_bytes
-            if not (expired or len(self.finished) > s.max_retained_streams or over_bytes):
-                break
+            if not (expired or len(self.finished) > s.max_retained_streams):
+                live = self.live_bytes() if live is None else live
+                if self.retained_bytes + live <= s.max_retained_bytes:
+                    break
             self.finished.popitem(last=False)
             self.retained_bytes -= oldest.bytes

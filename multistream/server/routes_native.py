@@ -1,8 +1,10 @@
 """The native routes: ``POST /v1/text``, ``POST /v1/image`` (SSE), resume, info, cancel and edits.
 
-A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``. Reading, resuming,
-cancelling or editing a stream later needs the key that created it (with API keys) or that token
-(an open server: ``X-Resume-Token`` header or ``?token=``, which EventSource can send).
+A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``; while it waits for a
+slot, ``event: queued`` with ``{"position", "queued"}`` comes first (not a protocol event: see
+`sse`). Reading, resuming, cancelling or editing a stream later needs the key that created it
+(with API keys) or that token (an open server: ``X-Resume-Token`` header or ``?token=``, which
+EventSource can send).
 
 Edits of a running stream (all answer `EditResult`; the effect shows in the stream's events):
 
@@ -53,7 +55,7 @@ from .edits import apply_edit
 from .problems import Problem
 from .registry import StreamRecord
 from .security import Principal
-from .sse import sse_response
+from .sse import new_stream_sse, sse_response
 from .state import ServerState, get_principal, get_state
 
 __all__ = ["router"]
@@ -102,20 +104,14 @@ async def read_body(request: Request, state: ServerState) -> Any:
                       f"{state.settings.body_timeout_s:g} s (body_timeout_s); send it at once") from None
 
 
-def _created(record: StreamRecord, response: Response) -> Response:
-    response.headers["X-Resume-Token"] = record.token
-    return response
-
-
 @router.post("/v1/text", responses={200: _SSE, **_ERRORS}, openapi_extra=_body(TextRequest),
              summary="Stream text", description="Body: `TextModel.stream` arguments (+ `priority`).")
 async def post_text(request: Request, state: ServerState = Depends(get_state),
                     principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
     kwargs, priority = parse_text_body(await read_body(request, state), state.settings)
-    record = await state.open_stream("text", kwargs, priority=priority, request=request, arrived_at=arrived,
-                                     principal=principal)
-    return _created(record, sse_response(record, state.settings))
+    return await new_stream_sse(state, "text", kwargs, priority=priority, request=request, arrived_at=arrived,
+                                principal=principal)
 
 
 @router.post("/v1/image", responses={200: _SSE, **_ERRORS}, openapi_extra=_body(ImageRequest),
@@ -124,9 +120,8 @@ async def post_image(request: Request, state: ServerState = Depends(get_state),
                      principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
     kwargs, priority = parse_image_body(await read_body(request, state), state.settings)
-    record = await state.open_stream("image", kwargs, priority=priority, request=request, arrived_at=arrived,
-                                     principal=principal)
-    return _created(record, sse_response(record, state.settings))
+    return await new_stream_sse(state, "image", kwargs, priority=priority, request=request, arrived_at=arrived,
+                                principal=principal)
 
 
 def owned_record(state: ServerState, stream_id: str, request: Request, principal: Principal) -> StreamRecord:

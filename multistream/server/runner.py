@@ -18,12 +18,17 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:  # uvicorn's C parser (httptools): several times cheaper per request and per SSE chunk than h11
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HttpProtocol
+except ImportError:  # pragma: no cover - httptools not installed: the pure-Python h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _HttpProtocol  # type: ignore[assignment]
 
 __all__ = ["DrainingServer", "serve", "uvicorn_config"]
 
@@ -66,6 +71,7 @@ class DrainingServer(uvicorn.Server):
                 if settled:
                     if failed:
                         logger.warning("serving degraded: %s", "; ".join(failed.values()))
+                    _freeze_startup_objects()
                     return
             await asyncio.sleep(0.1)
 
@@ -85,6 +91,16 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: state.begin_drain(on_drained=stop))
 
 
+def _freeze_startup_objects() -> None:
+    """Once the models are loaded: move what start-up made (modules, the models' weights and
+    tokenizers, the app) out of the garbage collector's sight, as gunicorn and Instagram do
+    (`gc.freeze`). A full collection then walks only what serving made, so its pauses (measured:
+    up to 0.1 s on the event loop at 200 SSE clients of the scripted model) stop landing on
+    streams' first tokens. Start-up's garbage is collected first, not frozen with the rest."""
+    gc.collect()
+    gc.freeze()
+
+
 def _find_state(app: Any) -> Any:
     """Find the multistream ServerState under uvicorn's middleware wrappers."""
     seen = 0
@@ -97,9 +113,10 @@ def _find_state(app: Any) -> Any:
     return None
 
 
-class _HeadTimeoutProtocol(H11Protocol):
-    """h11 with a deadline for the request head: a client that trickles its headers (slowloris)
-    is disconnected after ``header_timeout_s`` instead of holding a connection forever."""
+class _HeadTimeoutProtocol(_HttpProtocol):  # type: ignore[valid-type,misc]
+    """uvicorn's HTTP protocol (httptools, else h11) with a deadline for the request head: a
+    client that trickles its headers (slowloris) is disconnected after ``header_timeout_s``
+    instead of holding a connection forever."""
 
     header_timeout_s = 10.0
 

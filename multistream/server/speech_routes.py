@@ -46,7 +46,7 @@ from .bodies import LAX_BODY, STRICT_BODY, ErrorResponse, OpenAIErrorResponse, v
 from .problems import Problem
 from .routes_native import read_body
 from .security import Principal
-from .sse import sse_response
+from .sse import new_stream_sse
 from .state import ServerState, get_principal, get_state
 
 __all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "SpeechRequest", "chat_with_audio", "router",
@@ -221,10 +221,8 @@ async def post_speech(request: Request, state: ServerState = Depends(get_state),
     kwargs, priority = parse_speech_body(await read_body(request, state))
     model = _speech_model(state)
     kwargs["voice"] = speech_voice(model, kwargs["voice"])
-    record = await state.open_stream("speech", kwargs, priority=priority, request=request, principal=principal)
-    response = sse_response(record, state.settings)
-    response.headers["X-Resume-Token"] = record.token
-    return response
+    return await new_stream_sse(state, "speech", kwargs, priority=priority, request=request,
+                                arrived_at=time.perf_counter(), principal=principal)
 
 
 # -- chat completions with modalities=["text", "audio"] -------------------------------------------

@@ -6,17 +6,20 @@ Routes get it through FastAPI's ``Depends(get_state)`` and the caller through ``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import importlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
 from ..engine import capacity_of
-from ..stream import Stream, StreamWriter
+from ..stream import Stream, StreamWriter, reserved_stream_id
 from .admission import Admission
 from .filtering import STOP, ContentFilter
 from .metrics import Metrics
@@ -199,8 +202,14 @@ class ServerState:
 
     async def open_stream(self, kind: str, kwargs: dict[str, Any], *, priority: int = 0,
                           request: Request | None = None, resumable: bool = True,
-                          arrived_at: float | None = None, principal: Principal | None = None) -> StreamRecord:
-        """Admit a request (quota, queue, limits), start the model, register the stream; raises `Problem`."""
+                          arrived_at: float | None = None, principal: Principal | None = None,
+                          on_queued: Callable[[int, int], None] | None = None,
+                          reserved: tuple[str, str] | None = None) -> StreamRecord:
+        """Admit a request (quota, queue, limits), start the model, register the stream; raises `Problem`.
+
+        ``on_queued(position, queued)`` is told where the request stands while it waits for a slot
+        (`Admission.acquire`); ``reserved`` = (stream id, resume token) the stream gets, handed to
+        the client before it was admitted (`sse.queued_sse_response`)."""
         arrived_at = arrived_at if arrived_at is not None else time.perf_counter()
         if self.draining:
             raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
@@ -225,7 +234,7 @@ class ServerState:
         gate = self.gates[kind]
         waited = time.perf_counter()
         try:
-            await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s), request,
+            await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s, on_queued), request,
                                       on_abandoned=gate.release)
         except BaseException:
             release_quota()
@@ -245,10 +254,19 @@ class ServerState:
                 plan = durable_plan(self.registry.log, kind, model, kwargs, self.settings.image_checkpoint_every,
                                     resumable)
                 kwargs = plan.kwargs
-            stream = model.stream(**kwargs, **(plan.extra if plan is not None else {}))
+            extra = plan.extra if plan is not None else {}
+
+            def start() -> Stream:
+                with reserved_stream_id(reserved[0]) if reserved else contextlib.nullcontext():
+                    return model.stream(**kwargs, **extra)  # type: ignore[no-any-return]
+
+            # A model whose .stream() needs the event loop (the Ray handle schedules its pump on it) says so.
+            stream = start() if getattr(model, "stream_needs_loop", False) else await _off_loop(start)
         except BaseException as exc:
             gate.release()
             release_quota()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise _start_problem(kind, exc) from None
 
         def on_done(record: StreamRecord) -> None:
@@ -259,6 +277,7 @@ class ServerState:
         record = self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable,
                                      model_name=self.models[kind].name, content_filter=self.content_filter,
                                      arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
+                                     token=reserved[1] if reserved else None,
                                      count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
         if plan is not None:
             from .continuation import remember_request
@@ -457,6 +476,28 @@ def _filtered_stream() -> Stream:
     return Stream(producer, kind="text")
 
 
+# Threads of their own: the default executor also runs long model calls (`run_admitted`), and a
+# stream's start must not queue behind them.
+_STARTERS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="multistream-start")
+
+
+async def _off_loop(start: Callable[[], Stream]) -> Stream:
+    """``start()`` (a model's ``.stream(...)``) on a worker thread, not on the event loop: it
+    tokenizes the prompt (a real model) or starts a thread and waits until it runs (the scripted
+    fakes: about 2 ms of a busy loop per request at 200 SSE clients), and every other stream's
+    events wait meanwhile. A caller cancelled meanwhile has the stream closed once it exists."""
+    task = asyncio.get_running_loop().run_in_executor(_STARTERS, start)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def close(done: asyncio.Future[Stream]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                done.result().close()
+
+        task.add_done_callback(close)
+        raise
+
+
 async def _until_disconnected(
     awaitable: Any, request: Request | None, on_abandoned: Callable[[], Any] | None = None
 ) -> Any:
@@ -505,8 +546,9 @@ def _event_log(settings: ServerSettings) -> Any:
     return RedisEventLog(url, settings)
 
 
-def get_principal(conn: HTTPConnection) -> Principal:
-    """FastAPI dependency: who is calling (set by the security middleware)."""
+async def get_principal(conn: HTTPConnection) -> Principal:
+    """FastAPI dependency: who is calling (set by the security middleware). Async, so FastAPI
+    calls it on the loop rather than through a worker thread (a thread hop per request)."""
     principal = getattr(conn.state, "principal", None)
     if principal is None:  # an app used without its middleware (should not happen)
         client = conn.client
@@ -519,7 +561,22 @@ def _capacity(model: Any, kind: str) -> int:
     return capacity_of(model)
 
 
+_PRIORITY_AWARE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def _takes_priority(model: Any) -> bool:
+    """Does ``model.stream`` take ``priority``? Asked once per model (inspect.signature costs
+    about 50 us, and this is on every request's path)."""
+    try:
+        return _PRIORITY_AWARE[model]
+    except KeyError:
+        known = _PRIORITY_AWARE[model] = _signature_takes_priority(model)
+        return known
+    except TypeError:  # not weakly referenceable (or unhashable): ask each time
+        return _signature_takes_priority(model)
+
+
+def _signature_takes_priority(model: Any) -> bool:
     import inspect
 
     try:

@@ -27,6 +27,9 @@ once; messages are at most ``max_body_bytes`` bytes.
 
 Server -> client:
 
+- ``{"type": "queued", "id": "c1", "position": 2, "queued": 3}`` while a new stream waits for a
+  slot: when it joins the queue and each time it moves (position 1 = next; ``queued`` waiting in
+  all). Not a protocol event (no ``seq``; never replayed by a resume).
 - ``{"type": "accepted", "id": "c1", "stream_id": "...", "resume_token": "..."}`` once a stream is
   admitted; then its
   events: ``text`` and ``error`` events as JSON text messages in the wire form.
@@ -139,6 +142,7 @@ class _Connection:
         self.principal = principal
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.notices: set[asyncio.Task[None]] = set()  # queued notices on their way
         self.mine: set[str] = set()  # streams this socket started
         self.closed = False
 
@@ -300,6 +304,13 @@ class _Connection:
         except (WebSocketDisconnect, RuntimeError):
             pass
 
+    def _tell(self, message: str) -> None:
+        """Send a notice soon, from a synchronous callback (in order: the send lock is fair).
+        Not one of ``tasks``, which count the streams in flight."""
+        task = asyncio.get_running_loop().create_task(self._send_quietly(message))
+        self.notices.add(task)
+        task.add_done_callback(self.notices.discard)
+
     def _check_room(self) -> None:
         if len(self.tasks) >= self.settings.ws_max_streams:
             raise Problem(429, "too_many_streams", f"this socket already has {len(self.tasks)} streams in flight "
@@ -312,7 +323,10 @@ class _Connection:
 
     async def _start(self, tag: Any, kind: str, kwargs: dict[str, Any], priority: int) -> None:
         try:
-            record = await self.state.open_stream(kind, kwargs, priority=priority, principal=self.principal)
+            record = await self.state.open_stream(kind, kwargs, priority=priority, principal=self.principal,
+                                                  on_queued=lambda position, queued: self._tell(json.dumps(
+                                                      {"type": "queued", "id": tag, "position": position,
+                                                       "queued": queued})))
         except Exception as exc:  # noqa: BLE001 - every refusal goes back to the client
             await self.reject(tag, problem_from_exception(exc))
             return

@@ -38,6 +38,10 @@ class RemoteModel:
     """The ingress's stand-in for a model: ``.stream(**kwargs)`` streams from the model deployment,
     failing over to another replica when one dies."""
 
+    # `.stream()` creates its pump task on the running loop: the server calls it there, not on a
+    # worker thread as it does a local model's (`state._off_loop`).
+    stream_needs_loop = True
+
     def __init__(self, kind: str, handle: Any, name: str = "", event_log: str | None = None) -> None:
         self.kind = kind
         self.handle = handle

@@ -1,0 +1,81 @@
+"""SSE delivery: the frames on the wire are exactly sse-starlette's encoding, and a model's slow
+``.stream()`` call (a real model tokenizes there) never holds up the other streams' events.
+(Speed itself is measured in benchmarks/sse_anchor.py, not asserted here.)"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+from server_fixtures import ScriptedTextModel, make_server
+from sse_starlette import ServerSentEvent
+from test_server import check_sequence, wait_until
+
+from multistream.server.runner import uvicorn_config
+
+TOKENS = [f" w{i}" for i in range(12)]
+
+
+def test_frames_are_sse_starlettes_encoding_byte_for_byte() -> None:
+    with make_server(ScriptedTextModel(TOKENS)) as srv:
+        with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 4}, timeout=30) as r:
+            body = r.read()
+        frames = [f for f in body.split(b"\r\n\r\n") if f and not f.startswith(b":")]
+        events = [json.loads(f.split(b"\r\ndata: ", 1)[1]) for f in frames]
+        check_sequence(events)
+        # Each frame is what ServerSentEvent(data, event, id).encode() makes of the event.
+        expected = b"".join(ServerSentEvent(data=json.dumps(ev, ensure_ascii=False, separators=(",", ":")),
+                                            event=ev["type"], id=str(ev["seq"])).encode() for ev in events)
+        assert b"".join(f + b"\r\n\r\n" for f in frames) == expected
+
+
+class _HeldModel(ScriptedTextModel):
+    """``.stream("hold")`` blocks (as a long prompt's tokenization would) until released."""
+
+    def __init__(self) -> None:
+        super().__init__(TOKENS)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.returned = threading.Event()
+
+    def stream(self, prompt: Any, **options: Any) -> Any:
+        if prompt == "hold":
+            self.entered.set()
+            self.release.wait(60)
+            self.returned.set()
+        return super().stream(prompt, **options)
+
+
+def test_a_slow_stream_call_does_not_hold_up_other_streams() -> None:
+    model = _HeldModel()
+    with make_server(model, text_concurrency=4) as srv:
+        held: list[Any] = []
+
+        def post_held() -> None:
+            with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "hold", "max_new_tokens": 2},
+                              timeout=90) as r:
+                held.extend(json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:"))
+
+        thread = threading.Thread(target=post_held, daemon=True)
+        thread.start()
+        wait_until(lambda: model.entered.is_set(), what="the held .stream() call")
+        # While that call blocks its thread, another stream runs start to end on the same server.
+        with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "free", "max_new_tokens": 3},
+                          timeout=90) as r:
+            free = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        assert not model.returned.is_set(), "the other stream waited for the held .stream() call"
+        check_sequence(free)
+        model.release.set()
+        thread.join(60)
+        check_sequence(held)
+
+
+def test_the_server_speaks_httptools_with_the_head_deadline() -> None:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    with make_server(ScriptedTextModel(TOKENS), header_timeout_s=3.0) as srv:
+        protocol = uvicorn_config(srv.app).http
+    assert isinstance(protocol, type) and issubclass(protocol, HttpToolsProtocol)
+    assert protocol.header_timeout_s == 3.0  # type: ignore[attr-defined]
