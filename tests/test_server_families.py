@@ -335,3 +335,58 @@ def test_every_ref_in_the_openapi_document_resolves(all_families):
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
     assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+
+
+# -- the content filter on a text stream continued after a restart -------------------------------
+
+
+def test_a_text_stream_continued_after_a_restart_is_still_filtered(tmp_path):
+    """Before: a restarted server continued an orphaned text stream without the content filter,
+    so its blocklisted words reached the clients resuming it."""
+    import asyncio
+    import time
+
+    from redis_fixtures import REDIS, redis_server
+    from server_fixtures import make_server
+
+    from multistream.server.event_log import RedisEventLog, entry_id
+
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (scripts/setup.sh --test)")
+    words = tmp_path / "words.txt"
+    words.write_text("w7\n", encoding="utf-8")
+    sid, token = "c" * 32, "tok"
+    first = {"type": "text", "stream_id": sid, "seq": 0, "t": 0.0, "is_final": False, "delta": " w0",
+             "token_ids": [0], "index": 0}
+
+    async def orphan(url: str) -> None:  # a stream whose server died after its first token
+        log = RedisEventLog(url, ServerSettings())
+        await log.redis.hset(log.key("m", sid), mapping={
+            "token": token, "owner": "", "proc": "gone", "keyed": 0, "kind": "text", "model": "default", "resumable": 1,
+            "created": time.time(), "done": 0, "hb": time.time(), "restarts": 0,
+            "req": json.dumps({"prompt": "hi", "max_new_tokens": 10})})
+        await log.redis.xadd(log.key("s", sid), {"j": json.dumps(first), "f": 0}, id=entry_id(0))
+        await log.redis.sadd(log.key("live"), sid)
+        await log.close()
+
+    with redis_server() as redis:
+        asyncio.run(orphan(redis.url))
+        model = ScriptedTextModel([f" w{i}" for i in range(10)])
+        with make_server(model, event_log=redis.url, blocklist_file=str(words)) as srv, \
+                httpx.Client(timeout=30) as client:
+            for _ in range(300):
+                if sid in srv.app.state.continuer.continued:
+                    break
+                time.sleep(0.05)
+            assert sid in srv.app.state.continuer.continued
+            with client.stream("GET", f"{srv.url}/v1/streams/{sid}/events",
+                               headers={"Last-Event-ID": "0", "X-Resume-Token": token}) as r:
+                assert r.status_code == 200
+                rest = list(iter_events(r))
+    final = rest[-1]
+    assert final["is_final"] and final["finish_reason"] == "length"
+    assert final["text"] == " w0 w1 w2 w3 w4 w5 w6 ** w8 w9"
+    text = " w0"
+    for ev in rest:
+        text = text[: ev.get("offset", len(text))] + ev["delta"]
+    assert text == final["text"]
