@@ -390,3 +390,32 @@ def test_a_text_stream_continued_after_a_restart_is_still_filtered(tmp_path):
     for ev in rest:
         text = text[: ev.get("offset", len(text))] + ev["delta"]
     assert text == final["text"]
+
+
+# -- the content filter over an edit's new instruction -------------------------------------------
+
+
+def test_steer_and_rewind_instructions_go_through_the_content_filter():
+    """A steer's or rewind's instruction is input too: redacted like the prompt, or a 400."""
+    from server_fixtures import make_server
+
+    def content_filter(text, part):
+        return STOP if "forbidden" in text else text.replace("bananas", "*******")
+
+    model = ScriptedTextModel([f" t{i}" for i in range(40)], delay_s=0.03)
+    with make_server(model, content_filter=content_filter) as srv, httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{srv.url}/v1/text", json={"prompt": "hi", "max_new_tokens": 30}) as r:
+            sid, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
+            headers = {"X-Resume-Token": token}
+            events, answers = [], {}
+            for ev in iter_events(r):
+                events.append(ev)
+                if len(events) == 3:
+                    answers["stop"] = c.post(f"{srv.url}/v1/streams/{sid}/rewind", headers=headers,
+                                             json={"offset": 2, "instruction": "a forbidden topic"})
+                    answers["steer"] = c.post(f"{srv.url}/v1/streams/{sid}/steer", headers=headers,
+                                              json={"instruction": "talk about bananas"})
+    assert answers["stop"].status_code == 400 and answers["stop"].json()["error"]["type"] == "content_filter"
+    assert answers["steer"].status_code == 200 and answers["steer"].json()["accepted"]
+    final = events[-1]
+    assert [(e["kind"], e["instruction"]) for e in final["revisions"]] == [("steer", "talk about *******")]

@@ -16,6 +16,7 @@ from typing import Any
 
 from .bodies import parse_rewind_body, parse_steer_body
 from .event_log import CONTROL_WAIT_S, apply_command
+from .filtering import STOP
 from .problems import Problem
 from .settings import ServerSettings
 
@@ -35,6 +36,28 @@ def parse_edit(command: str, body: Any, settings: ServerSettings) -> tuple[list[
         offset, kwargs = parse_rewind_body(body if body is not None else {}, settings)
         return [offset], kwargs
     raise Problem(400, "invalid_message", f"unknown command {command!r}")  # pragma: no cover
+
+
+def _filter_edit(record: Any, command: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """An edit's new text (a steer's or rewind's instruction, an image steer's prompts) goes
+    through the stream's content filter, as its first input did: redacted, or a 400."""
+    run = getattr(record, "input_filter", None)
+    if run is None or command not in ("steer", "rewind"):
+        return args, kwargs
+
+    def filtered(text: Any, name: str) -> Any:
+        if not isinstance(text, str):
+            return text
+        out = run(text)
+        if out is STOP:
+            raise Problem(400, "content_filter", f"the {command}'s {name!r} was rejected by the content filter",
+                          param=name)
+        return out if isinstance(out, str) else text
+
+    if command == "steer" and args:
+        args = [filtered(args[0], "instruction"), *args[1:]]
+    kwargs = {k: filtered(v, k) if k in ("instruction", "prompt", "negative_prompt") else v for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _finished_problem(record: Any, command: str) -> Problem:
@@ -63,6 +86,7 @@ async def apply_parsed_edit(record: Any, command: str, args: list[Any], kwargs: 
     """`apply_edit` after the body was checked (the owner side of a forwarded edit starts here).
     ``log`` is the server's event log (it forwards edits of streams that run in another process)."""
     sid = record.stream_id
+    args, kwargs = _filter_edit(record, command, args, kwargs)
     if record.done:
         if command == "finish":
             return 200, {"stream_id": sid, "command": command, "accepted": False}

@@ -82,6 +82,12 @@ class Family:
         return f"{self.name}_concurrency"
 
     @property
+    def resumes_from_tokens(self) -> bool:
+        """A continuation (restart, Ray failover) re-prefills its logged tokens (else it resumes
+        from a checkpoint, or is not continued)."""
+        return self.continues and not self.checkpoints
+
+    @property
     def route(self) -> str:
         """Its native route."""
         return f"/v1/{self.name}"

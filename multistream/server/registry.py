@@ -97,6 +97,9 @@ class StreamRecord:
         self._deadline = self._loop.call_later(settings.request_timeout_s, self.cancel)
         self._drop_epoch = 0
         self.request: dict[str, Any] = {}  # the model's arguments (after the content filter), when known
+        # The content filter over input text (text -> text, None or STOP), for the edits' new
+        # instructions and prompts (`edits.apply_parsed_edit`); set by `ServerState.open_stream`.
+        self.input_filter: Callable[[str], Any] | None = None
         self._text = ""          # text as sent (after the filter), for finals the server writes
         self._n_tokens = 0
         self._last_text_at: float | None = None

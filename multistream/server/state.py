@@ -277,6 +277,8 @@ class ServerState:
                                      arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
                                      count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
         record.request = kwargs  # as the model got it (after the filter): a final the server writes reads it
+        if self.content_filter is not None:
+            record.input_filter = self._run_filter  # a steer's or rewind's new instruction is input too
         if plan is not None:
             from .continuation import remember_request
 

@@ -14,6 +14,7 @@ from typing import Any
 from ...engine import DEFAULT_CAPACITY
 from ...events import Event, ImageEvent, TextEvent
 from ...stream import Stream, StreamWriter
+from ..families import family
 from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, PREFIX, retryable_errors
 
 logger = logging.getLogger("multistream.server")
@@ -51,7 +52,7 @@ class RemoteModel:
     def stream(self, **kwargs: Any) -> Stream:
         _check_here(self.kind, kwargs)
         loop = asyncio.get_running_loop()
-        if self.kind == "image" and kwargs.get("seed") is None and "generator" not in kwargs:
+        if family(self.kind).checkpoints and kwargs.get("seed") is None and "generator" not in kwargs:
             # Fixed here, once: a replica that takes the stream over must draw the same noise.
             kwargs = {**kwargs, "seed": random.randrange(2**31)}
 
@@ -163,7 +164,7 @@ class RemoteModel:
             except asyncio.CancelledError:
                 gen.cancel()
                 if not w.finished:
-                    if self.kind == "text":
+                    if family(self.kind).resumes_from_tokens:
                         w.finish_text("", [], len(ids), finish_reason="cancelled", text=text,
                                       usage={"prompt_tokens": 0, "completion_tokens": len(ids)}, metrics={})
                     else:
@@ -181,7 +182,7 @@ class RemoteModel:
                     return
                 logger.warning("stream %s: %s replica %s failed (%s); resuming on another replica after %s",
                                w.stream_id, self.kind, self.replica_of.get(w.stream_id, "?"), type(exc).__name__,
-                               f"{len(ids)} tokens" if self.kind == "text" else f"step {max(step, 0)}")
+                               f"{len(ids)} tokens" if family(self.kind).resumes_from_tokens else f"step {max(step, 0)}")
                 await asyncio.sleep(min(0.5, 0.02 * 2 ** (len(failures) - 1)))
             except Exception as exc:  # noqa: BLE001
                 w.fail(exc)
