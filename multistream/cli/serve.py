@@ -176,6 +176,11 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         from ..server.ray import serve_ray
 
+        for fam in FAMILIES:
+            if not fam.on_ray and models[fam.name] is not None and getattr(args, f"{fam.name}_model") != "auto":
+                print(f"multistream serve: --ray does not serve a {fam.name} model yet; --{fam.name}-model is ignored",
+                      file=sys.stderr)
+
         return serve_ray(settings, text_model=models["text"], image_model=models["image"],
                          text_replicas=args.text_replicas, image_replicas=args.image_replicas,
                          ingress_replicas=args.ingress_replicas, autoscale=args.autoscale, host=args.host,

@@ -47,7 +47,7 @@ import signal
 import threading
 from typing import Any
 
-from ..families import family
+from ..families import FAMILIES, family
 from ..settings import ServerSettings
 from ._common import APP_NAME, checkpoint_key
 from ._handle import RemoteModel
@@ -108,7 +108,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     own = {k: args.pop(k) for k in ("text_model", "image_model", "text_replicas", "image_replicas",
                                     "ingress_replicas", "text_actor_options", "image_actor_options",
                                     "image_checkpoint_every") if k in args}
-    for kind in ("text_model", "image_model"):
+    for kind in (f"{f.name}_model" for f in FAMILIES if f.on_ray):
         if str(own.get(kind, "default")).lower() in ("none", "off", ""):
             own[kind] = None
     return build_app(ServerSettings.from_env(**args), **own)
