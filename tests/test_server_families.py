@@ -42,6 +42,12 @@ def test_the_table_names_each_family_once_and_its_old_spellings():
     assert {f.name: f.filter_fields for f in FAMILIES} == {
         "text": ("prompt",), "image": ("prompt", "negative_prompt"), "speech": ("text",)}
     assert [f.concurrency_setting for f in FAMILIES] == ["text_concurrency", "image_concurrency", "speech_concurrency"]
+    # Each family checks its own arguments where its model is not (a Ray ingress), with its own messages.
+    for name, bad, message in (("text", {"prompt": "hi", "temperature": -1}, "temperature"),
+                               ("image", {"prompt": "x", "steps": 0}, "steps"),
+                               ("speech", {"text": "Hi.", "speed": 9}, "0.25 to 4")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            family(name).check(bad)
     # One name everywhere a client sees the family: a speech model's streams say "speech" too.
     tts = ScriptedSpeechModel()
     try:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .bodies import parse_rewind_body, parse_steer_body
 from .event_log import CONTROL_WAIT_S, apply_command
+from .families import family
 from .filtering import STOP
 from .problems import Problem
 from .settings import ServerSettings
@@ -62,8 +63,7 @@ def _filter_edit(record: Any, command: str, args: list[Any], kwargs: dict[str, A
 
 def _finished_problem(record: Any, command: str) -> Problem:
     return Problem(409, "stream_finished", f"stream {record.stream_id} has already ended, so it cannot {command}; "
-                   + ("start a new stream (or revise the finished answer)" if record.kind == "text"
-                      else "start a new stream"))
+                   + family(record.kind).after_end)
 
 
 _PENDING_NOTE = ("forwarded to the process that runs this stream, which did not confirm within {wait:g} s; "

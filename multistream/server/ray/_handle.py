@@ -24,15 +24,9 @@ def _check_here(kind: str, kwargs: dict[str, Any]) -> None:
     bad argument is a 400 there, as on a single server, not an error event in a 200 stream. What
     needs the model (a prompt longer than its context, a size its VAE cannot make) is checked on
     the replica."""
-    if kind == "image":
-        from ...image import parse_image_options
-
-        parse_image_options(**kwargs)
-    elif kind == "text":
-        from ...text import TEXT_STREAM_ARGS, check_prompt, parse_text_options
-
-        check_prompt(kwargs.get("prompt"))
-        parse_text_options(**{k: v for k, v in kwargs.items() if k in TEXT_STREAM_ARGS})
+    check = family(kind).check
+    if check is not None:
+        check(kwargs)
 
 
 class RemoteModel:
