@@ -43,11 +43,11 @@ def one(client: httpx.Client, url: str, route: str, n: int) -> tuple[float, floa
     """(seconds, seconds to the first delta, SSE bytes, text deltas, CPU seconds of this process:
     server and client) of one streamed request."""
     if route == "chat":
-        path, body = "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Tell a story"}],
+        path, body = "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "Tell a story"}],
                                               "max_tokens": n, "stream": True, "temperature": 0}
         marker = '"content":"'
     else:
-        path, body = "/v1/responses", {"model": "m", "input": "Tell a story", "max_output_tokens": n, "stream": True,
+        path, body = "/v1/responses", {"model": "default", "input": "Tell a story", "max_output_tokens": n, "stream": True,
                                        "temperature": 0}
         marker = '"response.output_text.delta"'
     start, cpu = time.perf_counter(), time.process_time()

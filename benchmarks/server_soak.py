@@ -120,7 +120,7 @@ class Soak:
         self.kinds[f"{kind}:{mode}"] += 1
         if mode == "openai":
             r = client.post(self.url + "/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "user": "soak"})
+                "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "user": "soak"})
             self.record(r.status_code)
             return
         with client.stream("POST", f"{self.url}/v1/{kind}", json=body) as r:

@@ -189,8 +189,9 @@ class AudioEvent(_BaseEvent):
     The final event has no samples of its own (``data`` empty, ``sample_offset`` the total) and
     carries ``audio`` (the whole utterance as WAV bytes: exactly the chunks put together),
     ``duration_s``, ``finish_reason`` ("stop" | "cancelled"), ``usage`` (``input_characters``,
-    ``audio_seconds``) and ``metrics`` (``ttfa_ms``: time to the first audio, ``rtf``: synthesis
-    time over audio duration, and more).
+    ``audio_seconds``), ``metrics`` (``ttfa_ms``: time to the first audio, ``rtf``: synthesis
+    time over audio duration, and more) and ``text``: the input as it was spoken (on a server,
+    after its content filter), so captions match the audio; ``text_span`` indexes into it.
 
     Example:
         >>> ev = AudioEvent(stream_id="s", seq=0, t=0.05, data=b"\\x00\\x00" * 4, sample_rate=22050,
@@ -211,6 +212,7 @@ class AudioEvent(_BaseEvent):
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     metrics: dict[str, float] | None = None
+    text: str | None = None
 
     @property
     def samples(self) -> Any:
@@ -281,6 +283,8 @@ def event_from_dict(wire: dict[str, Any]) -> Event:
             _check(isinstance(value, (list, tuple)) and len(value) == 2 and all(is_int(v) for v in value),
                    "'text_span' must be a list of two integers [start, end]")
             value = (int(value[0]), int(value[1]))
+        elif name == "text" and cls is AudioEvent:
+            _check(isinstance(value, str), "an audio event's 'text' must be a string")
         kwargs[name] = value
     _check(isinstance(kwargs.get("stream_id"), str), "'stream_id' must be a string")
     _check(is_int(kwargs.get("seq")) and kwargs["seq"] >= 0, "'seq' must be an integer >= 0")
@@ -435,6 +439,7 @@ def event_json_schema() -> dict[str, Any]:
                 "required": ["input_characters", "audio_seconds"],
             },
             "metrics": metrics,
+            "text": {"type": "string"},
         },
         "required": ["type", "stream_id", "seq", "t", "is_final", "data", "sample_rate", "sample_offset",
                      "num_samples", "text_span"],

@@ -412,13 +412,14 @@ class StreamWriter:
 
     def finish_audio(self, *, sample_rate: int, sample_offset: int, text_span: tuple[int, int], mime: str,
                      audio: bytes, duration_s: float, finish_reason: str, usage: dict[str, Any],
-                     metrics: dict[str, float]) -> None:
-        """Emit the final audio event: no samples of its own, the whole utterance as ``audio`` (WAV)."""
+                     metrics: dict[str, float], text: str | None = None) -> None:
+        """Emit the final audio event: no samples of its own, the whole utterance as ``audio`` (WAV),
+        and ``text``, the input as it was spoken."""
         self._channel.put(AudioEvent, {
             "data": b"", "sample_rate": sample_rate, "sample_offset": sample_offset, "num_samples": 0,
             "text_span": tuple(text_span), "mime": mime, "is_final": True, "audio": audio,
             "duration_s": duration_s, "finish_reason": finish_reason, "usage": dict(usage),
-            "metrics": dict(metrics),
+            "metrics": dict(metrics), "text": text,
         })
 
     def forward(self, ev: Event, *, is_final: bool | None = None) -> None:

@@ -84,4 +84,4 @@ def test_serve_quantize_reaches_the_text_model_loader() -> None:
         m.setattr(server_pkg, "create_app", lambda **kwargs: seen.update(kwargs) or "app")
         m.setattr(server_pkg, "serve", lambda app, **kw: None)
         assert cli.main(["serve", "--quantize", "int8", "--image-model", "none"]) == 0
-    assert seen["text_model"].keywords == {"quantize": "int8", "compile": False}
+    assert seen["models"]["text"].keywords == {"quantize": "int8", "compile": False}

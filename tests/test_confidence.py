@@ -304,7 +304,7 @@ def test_openai_sdk_chat_logprobs_streamed_and_not(srv: Any, llm: Any) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=srv.url + "/v1", api_key="unused")
-    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=10, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(model="default", messages=MSGS, max_tokens=10, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert "".join(t.token for t in content) == r.choices[0].message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)
@@ -312,7 +312,7 @@ def test_openai_sdk_chat_logprobs_streamed_and_not(srv: Any, llm: Any) -> None:
                                                                           add_special_tokens=False)["input_ids"])
     assert abs(content[0].logprob - ref[len(llm.encode_prompt(MSGS)) - 1].max().item()) < 2e-3
     streamed = []
-    for chunk in client.chat.completions.create(model="m", messages=MSGS, max_tokens=10, logprobs=True,
+    for chunk in client.chat.completions.create(model="default", messages=MSGS, max_tokens=10, logprobs=True,
                                                 top_logprobs=3, stream=True):
         for c in chunk.choices:
             if c.logprobs is not None and c.logprobs.content:
@@ -320,12 +320,12 @@ def test_openai_sdk_chat_logprobs_streamed_and_not(srv: Any, llm: Any) -> None:
     assert streamed == [(t.token, round(t.logprob, 3)) for t in content]
     # n=3 streams three interleaved choices.
     by_index: dict[int, str] = {}
-    for chunk in client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, n=3, temperature=1.0,
+    for chunk in client.chat.completions.create(model="default", messages=MSGS, max_tokens=8, n=3, temperature=1.0,
                                                 seed=5, stream=True):
         for c in chunk.choices:
             by_index[c.index] = by_index.get(c.index, "") + (c.delta.content or "")
     assert sorted(by_index) == [0, 1, 2] and all(by_index.values())
-    r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, n=3, temperature=1.0, seed=5)
+    r = client.chat.completions.create(model="default", messages=MSGS, max_tokens=8, n=3, temperature=1.0, seed=5)
     assert [c.message.content for c in r.choices] == [by_index[i] for i in range(3)]
 
 
@@ -335,7 +335,7 @@ def test_openai_sdk_completions_echo_scores_the_prompt(srv: Any, llm: Any) -> No
 
     client = OpenAI(base_url=srv.url + "/v1", api_key="unused")
     text = "The capital of France is Paris"
-    r = client.completions.create(model="m", prompt=text, max_tokens=0, echo=True, logprobs=1)
+    r = client.completions.create(model="default", prompt=text, max_tokens=0, echo=True, logprobs=1)
     lp = r.choices[0].logprobs
     ids = llm.encode_prompt(text, chat=False)
     ref = forward_logprobs(llm, ids)
@@ -343,19 +343,19 @@ def test_openai_sdk_completions_echo_scores_the_prompt(srv: Any, llm: Any) -> No
     assert all(abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 2e-3 for i in range(1, len(ids)))
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
     # Generation, a list of prompts, n, stop, seed; streamed and not.
-    r = client.completions.create(model="m", prompt=["One, two,", "Monday, Tuesday,"], max_tokens=6, n=2,
+    r = client.completions.create(model="default", prompt=["One, two,", "Monday, Tuesday,"], max_tokens=6, n=2,
                                   temperature=0.8, seed=1, logprobs=2, stop=["\n"])
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in r.choices)
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
-        model="m", prompt="One, two,", max_tokens=6, stream=True) if ch.choices)
-    assert streamed == client.completions.create(model="m", prompt="One, two,", max_tokens=6).choices[0].text
+        model="default", prompt="One, two,", max_tokens=6, stream=True) if ch.choices)
+    assert streamed == client.completions.create(model="default", prompt="One, two,", max_tokens=6).choices[0].text
 
 
 @pytest.mark.model
 def test_langchain_chat_openai_streams_logprobs(srv: Any) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
-    chat = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused", model="m", max_tokens=8,
+    chat = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused", model="default", max_tokens=8,
                                        logprobs=True, top_logprobs=2, temperature=0)
     chunks = list(chat.stream("Name three colours."))
     logprobs = [t for c in chunks for t in (c.response_metadata.get("logprobs") or {}).get("content", [])]

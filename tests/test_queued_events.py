@@ -193,7 +193,7 @@ def test_openai_routes_never_send_queued_events() -> None:
         raw: list[dict[str, Any]] = []
 
         def chat() -> None:
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+            body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
             with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
                 raw.extend(m for m in iter_sse(r) if "comment" not in m)
 
@@ -201,7 +201,7 @@ def test_openai_routes_never_send_queued_events() -> None:
 
         def sdk() -> None:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            for chunk in client.chat.completions.create(model="m", messages=[{"role": "user", "content": "yo"}],
+            for chunk in client.chat.completions.create(model="default", messages=[{"role": "user", "content": "yo"}],
                                                          max_tokens=2, stream=True):
                 if chunk.choices and chunk.choices[0].delta.content:
                     sdk_text.append(chunk.choices[0].delta.content)

@@ -190,7 +190,7 @@ def test_replica_killed_mid_stream_output_is_exact(cluster: str, sampling: dict[
 def test_openai_and_metrics_through_the_ingress(cluster: str) -> None:
     with httpx.Client(timeout=120) as client:
         r = client.post(f"{cluster}/v1/chat/completions", json={
-            "model": "any", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
+            "model": "default", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         assert "multistream:event_log_up" in client.get(f"{cluster}/metrics").text

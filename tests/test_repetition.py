@@ -61,7 +61,7 @@ def test_the_embedded_model_loops_on_tokyo_and_stops(text_model) -> None:  # typ
 def test_server_counts_loops_and_responses_say_incomplete(text_model) -> None:  # type: ignore[no-untyped-def]
     with make_server(text_model) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        r = client.responses.create(model="m", input="Describe Tokyo.", max_output_tokens=160, temperature=0,
+        r = client.responses.create(model="default", input="Describe Tokyo.", max_output_tokens=160, temperature=0,
                                     text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
                                     extra_body={"stop_on_repetition": True})
         assert r.status == "incomplete" and r.incomplete_details.reason == "repetition"

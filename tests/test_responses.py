@@ -48,7 +48,7 @@ def _client(server: Any, key: str = "unused") -> openai.OpenAI:
 
 
 def test_create_not_streamed(srv) -> None:  # type: ignore[no-untyped-def]
-    r = _client(srv).responses.create(model="m", input="hi", max_output_tokens=16, metadata={"k": "v"})
+    r = _client(srv).responses.create(model="default", input="hi", max_output_tokens=16, metadata={"k": "v"})
     assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
     assert r.output_text == "Hello there." and r.metadata == {"k": "v"}
     assert r.usage is not None and r.usage.output_tokens == 4 and r.usage.total_tokens == r.usage.input_tokens + 4
@@ -58,7 +58,7 @@ def test_create_not_streamed(srv) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_create_streamed_typed_events(srv) -> None:  # type: ignore[no-untyped-def]
-    events = list(_client(srv).responses.create(model="m", input="hi", stream=True, max_output_tokens=3))
+    events = list(_client(srv).responses.create(model="default", input="hi", stream=True, max_output_tokens=3))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     types = [e.type for e in events]
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -71,7 +71,7 @@ def test_create_streamed_typed_events(srv) -> None:  # type: ignore[no-untyped-d
 
 
 def test_stream_helper(srv) -> None:  # type: ignore[no-untyped-def]
-    with _client(srv).responses.stream(model="m", input=[{"role": "user", "content": "hi"}]) as stream:
+    with _client(srv).responses.stream(model="default", input=[{"role": "user", "content": "hi"}]) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == "Hello there."
@@ -79,8 +79,8 @@ def test_stream_helper(srv) -> None:  # type: ignore[no-untyped-def]
 
 def test_previous_response_id_carries_the_conversation(srv) -> None:  # type: ignore[no-untyped-def]
     client = _client(srv)
-    first = client.responses.create(model="m", input="hi", instructions="Be brief.")
-    second = client.responses.create(model="m", input="and then?", previous_response_id=first.id)
+    first = client.responses.create(model="default", input="hi", instructions="Be brief.")
+    second = client.responses.create(model="default", input="and then?", previous_response_id=first.id)
     assert second.previous_response_id == first.id
     prompt = srv.state.models["text"].model.calls[-1]["prompt"]
     # OpenAI's rule: the earlier instructions are not carried on, the conversation is.
@@ -89,15 +89,15 @@ def test_previous_response_id_carries_the_conversation(srv) -> None:  # type: ig
     items = list(client.responses.input_items.list(second.id))
     assert [i.content[0].text for i in items] == ["and then?"]
     with pytest.raises(openai.NotFoundError):
-        client.responses.create(model="m", input="x", previous_response_id="resp_nope")
+        client.responses.create(model="default", input="x", previous_response_id="resp_nope")
 
 
 def test_store_false_and_delete(srv) -> None:  # type: ignore[no-untyped-def]
     client = _client(srv)
-    r = client.responses.create(model="m", input="hi", store=False)
+    r = client.responses.create(model="default", input="hi", store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
-    kept = client.responses.create(model="m", input="hi")
+    kept = client.responses.create(model="default", input="hi")
     client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
@@ -106,14 +106,14 @@ def test_store_false_and_delete(srv) -> None:  # type: ignore[no-untyped-def]
 def test_bad_bodies_get_openai_errors(srv) -> None:  # type: ignore[no-untyped-def]
     client = _client(srv)
     with pytest.raises(openai.BadRequestError) as bad:
-        client.responses.create(model="m", input="hi", temperature=-1)
+        client.responses.create(model="default", input="hi", temperature=-1)
     assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError) as tool:
-        client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])
+        client.responses.create(model="default", input="hi", tools=[{"type": "web_search"}])
     assert tool.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="m", input="hi", background=True, store=False)
-    raw = httpx.post(srv.url + "/v1/responses", json={"model": "m"})
+        client.responses.create(model="default", input="hi", background=True, store=False)
+    raw = httpx.post(srv.url + "/v1/responses", json={"model": "default"})
     assert raw.status_code == 400 and raw.json()["error"]["param"] == "input"
     assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -121,17 +121,17 @@ def test_bad_bodies_get_openai_errors(srv) -> None:  # type: ignore[no-untyped-d
 def test_function_tool_streamed_and_not() -> None:
     with make_server(ToolThenAnswer()) as server:
         client = _client(server)
-        r = client.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER])
+        r = client.responses.create(model="default", input="Weather in Paris?", tools=[WEATHER])
         call = r.output[0]
         assert call.type == "function_call" and call.name == "get_weather"
         assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id
-        events = list(client.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER], stream=True))
+        events = list(client.responses.create(model="default", input="Weather in Paris?", tools=[WEATHER], stream=True))
         fragments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
         done = next(e for e in events if e.type == "response.function_call_arguments.done")
         assert json.loads(fragments) == json.loads(done.arguments) == {"city": "Paris"}
         assert events[-1].type == "response.completed"
         # The tool's answer goes back as a function_call_output item; the model then answers.
-        follow = client.responses.create(model="m", previous_response_id=r.id, tools=[WEATHER], input=[
+        follow = client.responses.create(model="default", previous_response_id=r.id, tools=[WEATHER], input=[
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
         assert follow.output_text == "It is sunny."
         prompt = server.state.models["text"].model.calls[-1]["prompt"]
@@ -140,7 +140,7 @@ def test_function_tool_streamed_and_not() -> None:
 
 def test_background_retrieve_stream_starting_after(slow) -> None:  # type: ignore[no-untyped-def]
     client = _client(slow)
-    r = client.responses.create(model="m", input="hi", background=True, max_output_tokens=12)
+    r = client.responses.create(model="default", input="hi", background=True, max_output_tokens=12)
     assert r.background and r.status in ("queued", "in_progress")
     # Nobody reads it, past the grace period (0.5 s; its 12 tokens take 0.6 s): it runs on to its end.
     wait_until(lambda: client.responses.retrieve(r.id).status == "incomplete", what="the background response's end")
@@ -156,7 +156,7 @@ def test_background_retrieve_stream_starting_after(slow) -> None:  # type: ignor
 
 def test_cancel_background(slow) -> None:  # type: ignore[no-untyped-def]
     client = _client(slow)
-    r = client.responses.create(model="m", input="hi", background=True)
+    r = client.responses.create(model="default", input="hi", background=True)
     wait_until(lambda: client.responses.retrieve(r.id).output_text, what="the first words")  # cancel mid-answer
     cancelled = client.responses.cancel(r.id)
     assert cancelled.status == "cancelled"
@@ -168,7 +168,7 @@ def test_owner_only_on_a_keyed_server(tmp_path) -> None:  # type: ignore[no-unty
     keys = tmp_path / "keys"
     keys.write_text("k-alice name=alice\nk-bob name=bob\n")
     with make_server(ScriptedTextModel(["a"]), keys_file=str(keys)) as server:
-        r = _client(server, "k-alice").responses.create(model="m", input="hi")
+        r = _client(server, "k-alice").responses.create(model="default", input="hi")
         assert _client(server, "k-alice").responses.retrieve(r.id).output_text == "a"
         with pytest.raises(openai.NotFoundError):
             _client(server, "k-bob").responses.retrieve(r.id)
@@ -215,14 +215,14 @@ def real(text_model):  # type: ignore[no-untyped-def]
 
 @pytest.mark.model
 def test_json_schema_parse_on_the_embedded_model(real) -> None:  # type: ignore[no-untyped-def]
-    r = _client(real).responses.parse(model="m", input="Name a city in France.", text_format=City,
+    r = _client(real).responses.parse(model="default", input="Name a city in France.", text_format=City,
                                       max_output_tokens=60, temperature=0)
     assert isinstance(r.output_parsed, City) and r.output_parsed.name
 
 
 @pytest.mark.model
 def test_function_tool_on_the_embedded_model(real) -> None:  # type: ignore[no-untyped-def]
-    r = _client(real).responses.create(model="m", input="What is the weather in Paris?", tools=[WEATHER],
+    r = _client(real).responses.create(model="default", input="What is the weather in Paris?", tools=[WEATHER],
                                        tool_choice="required", max_output_tokens=60, temperature=0)
     call = next(item for item in r.output if item.type == "function_call")
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)

@@ -68,7 +68,7 @@ def test_killed_server_native_sse_and_background_response_continue() -> None:
         try:
             with httpx.Client(timeout=30) as client:
                 oa = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-                bg = oa.responses.create(model="m", input="hi", background=True, max_output_tokens=50)
+                bg = oa.responses.create(model="default", input="hi", background=True, max_output_tokens=50)
                 sid, token, first = _first(client, url, {"prompt": "hi", "max_new_tokens": 50}, 5)
                 # Kill mid-answer: the background response has words in the log too.
                 wait_until(lambda: oa.responses.retrieve(bg.id).output_text, what="the background response's words")
@@ -114,7 +114,7 @@ def test_a_generation_that_keeps_killing_its_server_ends_with_an_error() -> None
     async def orphan(url: str) -> None:
         log = RedisEventLog(url, ServerSettings())
         await log.redis.hset(log.key("m", sid), mapping={
-            "token": token, "owner": "", "proc": "gone", "keyed": 0, "kind": "text", "model": "m", "resumable": 1,
+            "token": token, "owner": "", "proc": "gone", "keyed": 0, "kind": "text", "model": "default", "resumable": 1,
             "created": time.time(), "done": 0, "hb": time.time(), "restarts": MAX_RESTARTS,
             "req": json.dumps({"prompt": "hi", "max_new_tokens": 50})})
         await log.redis.xadd(log.key("s", sid), {"j": json.dumps(first), "f": 0}, id=entry_id(0))

@@ -83,7 +83,7 @@ def test_bad_image_values_and_openai_size(srv: Any) -> None:
         client.images.generate(prompt="x", size="²x64")  # type: ignore[arg-type]
     assert "size" in str(info.value)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[{"role": "assistant", "content": "hi"}])
+        client.chat.completions.create(model="default", messages=[{"role": "assistant", "content": "hi"}])
 
 
 def test_internal_errors_say_nothing_of_internals() -> None:
@@ -177,7 +177,7 @@ def test_openapi_describes_the_bodies_and_docs_are_served(srv: Any) -> None:
 def test_openai_sdk_extras_are_accepted_and_unsupported_ones_refused(srv: Any) -> None:
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     chunks = list(client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=3, user="u-1", tools=[],
+        model="default", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=3, user="u-1", tools=[],
         logit_bias={}, n=1, seed=3, stream_options={"include_usage": True}, metadata={"a": "b"}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t0 t1 t2"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
@@ -187,7 +187,7 @@ def test_openai_sdk_extras_are_accepted_and_unsupported_ones_refused(srv: Any) -
     for kwargs in ({"n": 9}, {"tools": [bad_tool]}, {"logit_bias": {"x": 5}}, {"top_logprobs": 2},
                    {"response_format": {"type": "xml"}}):
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], **kwargs)
+            client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], **kwargs)
         assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"]  # type: ignore[index]
 
 
@@ -359,10 +359,10 @@ def test_blocklist_catches_split_words_on_every_route(tmp_path: Path) -> None:
         assert all(e["token_ids"] == [] for e in events if e["delta"] and e["delta"] not in tokens)
         assert model.calls[-1]["prompt"] == "tell me the ******"  # the prompt too
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-        out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a secret"}])
+        out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "a secret"}])
         assert out.choices[0].message.content == "The ****** is the ********."
         assert model.calls[-1]["prompt"][0]["content"] == "a ******"
-        chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+        chunks = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The ****** is the ********."
 
         async def over_ws() -> str:

@@ -28,7 +28,7 @@ def client(srv):  # type: ignore[no-untyped-def]
 
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(
-        model="whatever", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=4,
+        model="default", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=4,
         stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Hello, world!"
@@ -41,7 +41,7 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
 
 
 def test_chat_non_stream_and_stop(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model="m", messages=[{"role": "system", "content": "be brief"},
+    out = client.chat.completions.create(model="default", messages=[{"role": "system", "content": "be brief"},
                                                               {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                                          stop=[" world"], seed=1, temperature=0.5, top_p=0.9)
     assert out.choices[0].message.content == "Hello,"
@@ -51,17 +51,17 @@ def test_chat_non_stream_and_stop(client: openai.OpenAI) -> None:
 
 def test_chat_errors_use_openai_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
     assert "max_new_tokens" in str(info.value)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[], stream=True)
+        client.chat.completions.create(model="default", messages=[], stream=True)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=9)  # 1..8 are built
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], n=9)  # 1..8 are built
     assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
 def test_image_stream_with_partial_images(client: openai.OpenAI) -> None:
-    events = list(client.images.generate(prompt="a red circle", model="x", size="32x32", stream=True, partial_images=2))
+    events = list(client.images.generate(prompt="a red circle", model="gpt-image-1", size="32x32", stream=True, partial_images=2))
     kinds = [e.type for e in events]
     assert kinds == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:-1]] == [0, 1]
@@ -95,7 +95,7 @@ def test_non_streaming_client_that_times_out_cancels_the_generation() -> None:
     with make_server(model) as s:
         sdk = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=1.0)
         with pytest.raises(openai.APITimeoutError):
-            sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=400)
+            sdk.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=400)
         deadline = time.monotonic() + 15
         while model.active and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -121,7 +121,7 @@ def test_echo_scoring_queues_for_a_slot_like_a_stream() -> None:
     the slot is free it is served."""
     model = _ScoringModel(tokens=[f" w{i}" for i in range(40)], delay_s=0.05)
     with make_server(model, text_concurrency=1, queue_timeout_s=0.5) as srv:
-        body = {"model": "m", "prompt": "The capital of France", "max_tokens": 0, "echo": True, "logprobs": 1}
+        body = {"model": "default", "prompt": "The capital of France", "max_tokens": 0, "echo": True, "logprobs": 1}
         with httpx.Client(timeout=30) as client:
             with client.stream("POST", srv.url + "/v1/text", json={"prompt": "busy", "max_new_tokens": 30}) as busy:
                 lines = busy.iter_lines()

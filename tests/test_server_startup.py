@@ -105,7 +105,7 @@ def test_allow_partial_serves_the_models_that_loaded_and_readyz_says_degraded() 
 
 def test_allow_partial_still_exits_when_no_model_loaded() -> None:
     proc = _serve(_free_port(), "--allow-partial", "--text-model", "server_fixtures:missing_module_model",
-                  "--image-model", "none")
+                  "--image-model", "none", "--speech-model", "none")
     try:
         assert proc.wait(60) == 1
     finally:

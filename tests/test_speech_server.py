@@ -101,7 +101,7 @@ def test_refusals_are_openai_errors(client, server):
         client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", speed=9)
     with pytest.raises(openai.BadRequestError, match="unknown voice"):
         client.audio.speech.create(model="tts-1", voice="nobody", input="Hi.")
-    with pytest.raises(openai.NotFoundError, match="no speech model"):
+    with pytest.raises(openai.NotFoundError, match="the model .whisper-9. does not exist"):
         client.audio.speech.create(model="whisper-9", voice="alloy", input="Hi.")
     with pytest.raises(openai.BadRequestError, match="empty"):
         client.audio.speech.create(model="tts-1", voice="alloy", input="  ")

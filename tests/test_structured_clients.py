@@ -56,7 +56,7 @@ def _collect_tool_deltas(chunks: list) -> tuple[dict[int, dict], list[str | None
 
 
 def test_tools_required_and_named_stream_as_tool_calls(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+    chunks = list(client.chat.completions.create(model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                                  parallel_tool_calls=False, stream=True, max_tokens=60, temperature=0))
     calls, finishes = _collect_tool_deltas(chunks)
     assert finishes == ["tool_calls"] and list(calls) == [0]
@@ -65,7 +65,7 @@ def test_tools_required_and_named_stream_as_tool_calls(client: openai.OpenAI) ->
     assert len(calls[0]["fragments"]) > 2  # the arguments arrive in pieces, as they are generated
     json.loads("".join(calls[0]["fragments"]))
     named = list(client.chat.completions.create(
-        model="m", messages=ASK, tools=[WEATHER, TIME], stream=True, max_tokens=60, temperature=0,
+        model="default", messages=ASK, tools=[WEATHER, TIME], stream=True, max_tokens=60, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False))
     calls, finishes = _collect_tool_deltas(named)
     assert finishes == ["tool_calls"] and calls[0]["first"].function.name == "get_time"
@@ -73,13 +73,13 @@ def test_tools_required_and_named_stream_as_tool_calls(client: openai.OpenAI) ->
 
 
 def test_a_follow_up_with_the_tool_result_is_answered(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
+    out = client.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], tool_choice="required",
                                          parallel_tool_calls=False, max_tokens=60, temperature=0)
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "tool_calls" and message.content is None
     call = message.tool_calls[0]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
-    follow = client.chat.completions.create(model="m", max_tokens=40, temperature=0, tools=[WEATHER], messages=[
+    follow = client.chat.completions.create(model="default", max_tokens=40, temperature=0, tools=[WEATHER], messages=[
         *ASK, message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "sunny"}'}])
     assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
@@ -87,11 +87,11 @@ def test_a_follow_up_with_the_tool_result_is_answered(client: openai.OpenAI) -> 
 
 def test_the_sdk_parse_and_stream_helpers_return_parsed_objects(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "Name a city in Italy as JSON."}]
-    parsed = client.chat.completions.parse(model="m", messages=msgs, response_format=City, max_tokens=60,
+    parsed = client.chat.completions.parse(model="default", messages=msgs, response_format=City, max_tokens=60,
                                            temperature=0)
     city = parsed.choices[0].message.parsed
     assert isinstance(city, City) and city.name
-    with client.chat.completions.stream(model="m", messages=msgs, response_format=City, max_tokens=60,
+    with client.chat.completions.stream(model="default", messages=msgs, response_format=City, max_tokens=60,
                                         temperature=0) as stream:
         kinds = [ev.type for ev in stream]
         final = stream.get_final_completion()
@@ -101,7 +101,7 @@ def test_the_sdk_parse_and_stream_helpers_return_parsed_objects(client: openai.O
 def test_langchain_structured_output_and_bound_tools_streaming(srv) -> None:  # type: ignore[no-untyped-def]
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=srv.url + "/v1", api_key="unused", model="m", temperature=0, max_tokens=60,
+    llm = ChatOpenAI(base_url=srv.url + "/v1", api_key="unused", model="default", temperature=0, max_tokens=60,
                      max_retries=0, timeout=300)
     city = llm.with_structured_output(City, method="json_schema").invoke("Name a city in France as JSON.")
     assert isinstance(city, City) and city.name

@@ -253,13 +253,13 @@ def test_sse_and_openai_routes_give_the_same_final_text(text_model: Any) -> None
         ws_events = asyncio.run(over_websocket())
         assert check_committed(ws_events) == sse_text
         sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        chunks = list(sdk.chat.completions.create(model="m", messages=prompt, stream=True, max_tokens=MAX_NEW,
+        chunks = list(sdk.chat.completions.create(model="default", messages=prompt, stream=True, max_tokens=MAX_NEW,
                                                   extra_body={"num_beams": 4}))
         pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
-        whole = sdk.chat.completions.create(model="m", messages=prompt, max_tokens=MAX_NEW,
+        whole = sdk.chat.completions.create(model="default", messages=prompt, max_tokens=MAX_NEW,
                                             extra_body={"num_beams": 4})
         with pytest.raises(openai.BadRequestError, match="temperature"):
-            sdk.chat.completions.create(model="m", messages=prompt, max_tokens=4, temperature=0.9,
+            sdk.chat.completions.create(model="default", messages=prompt, max_tokens=4, temperature=0.9,
                                         extra_body={"num_beams": 4})
     assert sse_text == "".join(pieces) == whole.choices[0].message.content == reference(text_model, PROMPTS[1], 4)
 

@@ -20,12 +20,7 @@ def add_parser(subparsers: Any) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port (default 8000)")
-    p.add_argument("--text-model", default="default",
-                   help="'default' (embedded), a hub id or path, 'module:factory', or 'none' (default: default)")
-    p.add_argument("--image-model", default="default", help="like --text-model, for the image model")
-    p.add_argument("--speech-model", default="none",
-                   help="'default' (the embedded Piper voice; the `speech` extra), a Piper .onnx voice, a transformers "
-                   "VitsModel id or path, or 'none' (default: none). Serves /v1/audio/speech and /v1/speech")
+    _add_model_flags(p)
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="quantization of a --text-model by name (load_text_model(quantize=); "
                    "default auto: int4 for the embedded model on a CPU)")
@@ -58,6 +53,52 @@ ALIASES = {
     "grace_period_s": ["--grace-period"], "shutdown_deadline_s": ["--shutdown-deadline"], "heartbeat_s": ["--heartbeat"],
     "keys_file": ["--keys"], "blocklist_file": ["--blocklist"],
 }
+
+
+# What each family's --<family>-model flag names besides 'default', 'auto' and 'none' (one flag per
+# entry of the server's family table, `multistream.server.families.FAMILIES`).
+_MODEL_HELP = {
+    "text": "a hub id or path of a causal LM, or 'module:factory'",
+    "image": "a diffusers pipeline id or path, or 'module:factory'",
+    "speech": "a Piper .onnx voice, a transformers VitsModel id or path, or 'module:factory'; 'default' is the "
+              "embedded Piper voice (the `speech` extra). Serves /v1/audio/speech and /v1/speech",
+}
+
+
+def _add_model_flags(parser: Any) -> None:
+    from ..server.families import FAMILIES
+
+    for fam in FAMILIES:
+        parser.add_argument(f"--{fam.name}-model", default="auto", metavar="MODEL",
+                            help=f"the {fam.name} model: 'default' (the embedded one), "
+                            f"{_MODEL_HELP.get(fam.name, 'a name or path, or module:factory')}, or 'none' (not served). "
+                            "Default 'auto': the embedded one when what it needs is installed, else none")
+
+
+def model_spec(name: str, value: str) -> str | None:
+    """What ``--<name>-model VALUE`` serves: None for 'none' (or 'auto' when the family's embedded
+    model needs a package that is not installed), 'default' for 'auto' otherwise, else the value.
+
+    Example:
+        >>> model_spec("text", "none"), model_spec("text", "auto"), model_spec("image", "my/pipeline")
+        (None, 'default', 'my/pipeline')
+    """
+    from ..server.families import family, installed
+
+    low = value.strip().lower()
+    if low in ("none", "off", ""):
+        return None
+    if low == "auto":
+        if installed(family(name)):
+            return "default"
+        import logging
+
+        logging.getLogger("multistream.server").warning(
+            "not serving a %s model: its embedded model needs %s, not all installed (pip install "
+            "'multistream[%s]', or ./scripts/setup.sh); --%s-model none silences this", name,
+            ", ".join(family(name).requires), name, name)
+        return None
+    return value
 
 
 def _setting_help(name: str) -> str:
@@ -104,7 +145,7 @@ def text_model_spec(value: str, quantize: str = "auto", compile: bool = False) -
         >>> text_model_spec("default", "none").keywords
         {'quantize': 'none', 'compile': False}
     """
-    name = None if value.lower() in ("none", "off", "") else value
+    name = model_spec("text", value)
     if name is None or ":" in name or (quantize == "auto" and not compile):
         return name
     import functools
@@ -119,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from ..server import ServerSettings, create_app, serve
+    from ..server.families import FAMILIES
 
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
     given["api_key"] = given["api_key"] or None  # an empty --api-key "" means open, as unset does
@@ -131,13 +173,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"multistream serve: {exc}", file=sys.stderr)
         return 2
 
-    def spec(value: str) -> str | None:
-        return None if value.lower() in ("none", "off", "") else value
-
+    models = {f.name: model_spec(f.name, getattr(args, f"{f.name}_model")) for f in FAMILIES}
+    models["text"] = text_model_spec(args.text_model, args.quantize, args.compile)
     if args.ray:
         from ..server.ray import serve_ray
 
-        return serve_ray(settings, text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model),
+        for fam in FAMILIES:
+            if not fam.on_ray and models[fam.name] is not None and getattr(args, f"{fam.name}_model") != "auto":
+                print(f"multistream serve: --ray does not serve a {fam.name} model yet; --{fam.name}-model is ignored",
+                      file=sys.stderr)
+
+        return serve_ray(settings, text_model=models["text"], image_model=models["image"],
                          text_replicas=args.text_replicas, image_replicas=args.image_replicas,
                          ingress_replicas=args.ingress_replicas, autoscale=args.autoscale, host=args.host,
                          port=args.port, address=args.ray_address,
@@ -147,8 +193,7 @@ def run(args: argparse.Namespace) -> int:
     # same gates as the API.
     demo_path = None if args.no_demo else "/demo"
     try:  # reads --keys-file and --blocklist-file (models load later, in serve())
-        app = create_app(text_model=text_model_spec(args.text_model, args.quantize, args.compile), image_model=spec(args.image_model), settings=settings,
-                         demo_path=demo_path, speech_model=spec(args.speech_model))
+        app = create_app(settings=settings, demo_path=demo_path, models=models)
     except InvalidArgumentError as exc:
         print(f"multistream serve: {exc}", file=sys.stderr)
         return 2

@@ -52,12 +52,8 @@ from . import (
     speech_routes,
     websocket,
 )
-from .bodies import (
-    ErrorResponse,
-    ImageRequest,
-    OpenAIErrorResponse,
-    TextRequest,
-)
+from .bodies import ErrorResponse, OpenAIErrorResponse, RewindRequest, SteerRequest
+from .families import FAMILIES
 from .filtering import ContentFilter, chain, load_blocklist
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
 from .problems import Problem
@@ -71,9 +67,12 @@ __all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("multistream.server")
 
-_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses")
-_BODY_MODELS = (TextRequest, ImageRequest, ChatCompletionRequest, ImageGenerationRequest, ErrorResponse,
-                OpenAIErrorResponse, ResponsesRequest, speech_routes.SpeechRequest, speech_routes.AudioSpeechRequest)
+_OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses")
+# Every body a route's OpenAPI names by `$ref` (`openapi_extra`): the document must define each one.
+_BODY_MODELS = tuple(dict.fromkeys((
+    *(f.body for f in FAMILIES), ChatCompletionRequest, openai_completions.CompletionRequest, ImageGenerationRequest,
+    SteerRequest, RewindRequest, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
+    speech_routes.AudioSpeechRequest)))
 
 
 def create_app(
@@ -84,6 +83,7 @@ def create_app(
     content_filter: ContentFilter | None = None,
     demo_path: str | None = None,
     speech_model: Any = None,
+    models: dict[str, Any] | None = None,
 ) -> FastAPI:
     """Build the ASGI app serving ``text_model`` and/or ``image_model``.
 
@@ -91,7 +91,8 @@ def create_app(
     model, a hub id or path, ``"module:factory"``, or a zero-argument callable; names are loaded
     in a background thread at startup (``/readyz`` says when they are ready). ``None`` = not served.
     ``speech_model`` likewise (``"default"``: the embedded Piper voice) serves ``/v1/audio/speech``
-    and ``/v1/speech``.
+    and ``/v1/speech``. ``models`` gives them by family name instead (``{"text": ..., "speech":
+    ...}``, one entry per family of `multistream.server.families.FAMILIES`; it wins over the keywords).
 
     ``content_filter(text, part)`` sees each prompt and chat message (``part="prompt"``) and the
     output accumulated so far (``part="output"``, again as it grows; the server holds back the
@@ -111,6 +112,10 @@ def create_app(
         >>> app = create_app(ScriptedTextModel(), content_filter=lambda text, part: text.replace("secret", "***"))
     """
     settings = settings or ServerSettings()
+    specs = {"text": text_model, "image": image_model, "speech": speech_model, **(models or {})}
+    unknown = sorted(set(specs) - {f.name for f in FAMILIES})
+    if unknown:
+        raise InvalidArgumentError(f"no model family {unknown[0]!r}; the families are {[f.name for f in FAMILIES]}")
     if content_filter is not None and not callable(content_filter):
         raise InvalidArgumentError("content_filter must be a function (text, part) -> str | None | STOP")
     blocklist = load_blocklist(settings.blocklist_file) if settings.blocklist_file else None
@@ -120,7 +125,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = ServerState(settings, text_model, image_model, content_filter, keyring, speech_model=speech_model)
+        state = ServerState(settings, content_filter=content_filter, keyring=keyring, models=specs)
         app.state.multistream = state
         for slot in state.models.values():
             slot.start_loading()
@@ -216,7 +221,7 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
 
     if demo_path:
-        _mount_demo(app, demo_path, image_model, keyring, speech=speech_model is not None)
+        _mount_demo(app, demo_path, specs["image"], keyring, speech=specs["speech"] is not None)
     app.add_middleware(SecurityMiddleware, settings=settings, keyring=keyring, demo_path=demo_path)
     app.multistream_settings = settings  # type: ignore[attr-defined]  # read by runner.uvicorn_config
     return app

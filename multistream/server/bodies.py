@@ -28,16 +28,17 @@ from starlette.requests import Request
 from .._spec import body_fields
 from ..errors import InvalidArgumentError
 from ..image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
+from ..speech import MAX_INPUT_CHARACTERS, SpeechOptions, parse_speech_options
 from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, parse_text_options
 from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = [
     "ChatMessage", "EditResult", "ErrorBody", "ErrorResponse",
-    "ImageRequest", "OpenAIErrorBody", "OpenAIErrorResponse", "RewindRequest", "SteerRequest", "TextRequest",
-    "ToolCall", "ToolCallFunction",
-    "parse_image_body", "parse_json_object", "parse_rewind_body", "parse_steer_body", "parse_text_body", "read_json",
-    "validate_body",
+    "ImageRequest", "OPENAI_VOICES", "OpenAIErrorBody", "OpenAIErrorResponse", "RewindRequest", "SpeechRequest",
+    "SteerRequest", "TextRequest", "ToolCall", "ToolCallFunction",
+    "parse_image_body", "parse_json_object", "parse_rewind_body", "parse_speech_body", "parse_steer_body",
+    "parse_text_body", "read_json", "speech_voice", "validate_body",
 ]
 
 STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -97,6 +98,15 @@ ImageRequest = create_model(
     __doc__="``POST /v1/image`` (and a WebSocket ``{\"type\": \"image\", ...}`` message): `ImageModel.stream` arguments.",
     prompt=(str, Field(description="a string describing the image")),
     **body_fields(ImageOptions),
+)
+
+SpeechRequest = create_model(
+    "SpeechRequest",
+    __base__=_StrictBody,
+    __doc__="``POST /v1/speech`` (and a WebSocket ``{\"type\": \"speech\", ...}`` message): `SpeechModel.stream` "
+    "arguments.",
+    text=(str, Field(description=f"the text to speak (at most {MAX_INPUT_CHARACTERS} characters)")),
+    **body_fields(SpeechOptions),
 )
 
 
@@ -318,21 +328,29 @@ def check_family_options(kind: str, body: Any) -> None:
     ``TextModel.stream()`` / ``ImageModel.stream()`` would raise, as a 400 naming the option."""
     if not isinstance(body, dict):
         return
-    names = TEXT_STREAM_ARGS if kind == "text" else IMAGE_STREAM_ARGS
+    names, check, body_model = _OPTION_CHECKS[kind]
     given = {k: v for k, v in body.items() if k in names}
     try:
-        if kind == "text":
-            parse_text_options(**given)
-        elif isinstance(body.get("prompt"), str):
-            parse_image_options(body["prompt"], **given)
+        check(body, given)
     except InvalidArgumentError as exc:
         message = str(exc)
         param = next((n for n in given if message.startswith(n) or f" {n}" in message[:40]), None)
-        body_model = TextRequest if kind == "text" else ImageRequest
         kind_of = "invalid_argument"
         if param is not None and not _json_type_fits(body_model, param, given[param]):
             kind_of = "invalid_type"  # e.g. a string where a number goes; the message is still the model's
         raise Problem(400, kind_of, message, param=param) from None
+
+
+def _check_image_options(body: dict[str, Any], given: dict[str, Any]) -> None:
+    if isinstance(body.get("prompt"), str):
+        parse_image_options(body["prompt"], **given)
+
+
+# Per family: its option names, the family's own check of them and the body they belong to.
+_OPTION_CHECKS: dict[str, tuple[tuple[str, ...], Any, type[BaseModel]]] = {
+    "text": (TEXT_STREAM_ARGS, lambda body, given: parse_text_options(**given), TextRequest),
+    "image": (IMAGE_STREAM_ARGS, _check_image_options, ImageRequest),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,6 +385,43 @@ def parse_text_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any]
     if len(stops) > 16 or any(len(s) > 256 for s in stops):
         raise Problem(400, "limit_exceeded", "'stop' allows at most 16 strings of at most 256 characters", param="stop")
     return kwargs, priority
+
+
+#: OpenAI's voice names: each means the served speech model's default voice.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+
+
+def speech_voice(model: Any, voice: str | None) -> str | None:
+    """A voice a client named: one of the model's own (``model.voices``), or an OpenAI voice name
+    (None: the model's default voice); anything else is a 400 listing both."""
+    voices = tuple(getattr(model, "voices", ()))
+    if voice is None or voice in voices:
+        return voice
+    if voice.lower() in OPENAI_VOICES:
+        return None
+    raise Problem(400, "invalid_argument", f"unknown voice {voice!r}; use an OpenAI voice name ({', '.join(OPENAI_VOICES)}: "
+                  f"the default voice) or one of this model's: {list(voices)}", param="voice")
+
+
+def check_speech_options(text: str, **options: Any) -> None:
+    """The speech family's own checks, first: a bad value gets the very message ``tts.stream()``
+    would raise, as a 400 naming the option."""
+    try:
+        parse_speech_options(text, **options)
+    except InvalidArgumentError as exc:
+        message = str(exc)
+        param = next((n for n in ("speed", "voice", "priority") if message.startswith(n)), "input")
+        raise Problem(400, "invalid_argument", message, param=param) from None
+
+
+def parse_speech_body(body: Any, settings: ServerSettings | None = None) -> tuple[dict[str, Any], int]:
+    """``POST /v1/speech`` body (and a WebSocket ``{"type": "speech", ...}`` message) ->
+    (``SpeechModel.stream`` keyword arguments, priority)."""
+    if isinstance(body, dict) and isinstance(body.get("text"), str):
+        check_speech_options(body["text"], **{k: body[k] for k in ("voice", "speed", "priority") if k in body})
+    req = validate_body(SpeechRequest, body, "POST /v1/speech")
+    return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
 
 
 def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:

@@ -58,6 +58,7 @@ from typing import Any
 from ..events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
 from ..stream import Stream, StreamWriter
 from .event_log import entry_id
+from .families import FAMILIES, family
 from .image_checkpoints import CheckpointWriter, already_sent
 
 __all__ = ["CONTINUED_HOOKS", "KINDS", "LIVENESS_TTL_S", "MAX_RESTARTS", "SCAN_EVERY_S", "Continuer", "DurablePlan",
@@ -68,7 +69,7 @@ logger = logging.getLogger("multistream.server")
 LIVENESS_TTL_S = 5.0  # a live process stalled (GIL, GC, a slow Redis) this long looks dead
 SCAN_EVERY_S = 0.5
 MAX_RESTARTS = 2
-KINDS = ("text", "image")  # the families whose generations are continued
+KINDS = tuple(f.name for f in FAMILIES if f.continues)  # the families whose generations are continued
 
 _PUMPS: set[asyncio.Task[None]] = set()
 # Called with (state, record) for each stream continued here: the Responses route keeps a
@@ -114,7 +115,7 @@ def durable_plan(log: Any, kind: str, model: Any, kwargs: dict[str, Any], checkp
     `CheckpointWriter` that keeps its newest checkpoint in Redis every ``checkpoint_every`` steps.
     A stream that is not ``resumable`` (an OpenAI-route one) is not continued: nothing changes."""
     kwargs = dict(kwargs)
-    if kind != "image" or not resumable:
+    if not family(kind).checkpoints or not resumable:
         return DurablePlan(kwargs)
     names, var_kw = _parameters(model.stream)
     if kwargs.get("seed") is None and "generator" not in kwargs and ("seed" in names or var_kw):
@@ -382,9 +383,10 @@ class Continuer:
         events = list(logged.values())
         if any(ev.is_final for ev in events):
             return
-        model = state.models[kind].get()
+        fam = family(kind)
+        model = state.models[fam.name].get()
         plan = DurablePlan(kwargs)
-        if kind == "text":
+        if not fam.checkpoints:  # continued from its tokens: re-prefilled
             stream = continuation_stream(model, kwargs, events, sid)
         else:
             try:
@@ -395,9 +397,11 @@ class Continuer:
             plan = durable_plan(log, kind, model, kwargs, state.settings.image_checkpoint_every)
             stream = image_continuation_stream(model, plan.kwargs, events, sid, bytes(raw) if raw else None, plan.extra)
         registry = state.registry
-        record = registry.start(stream, kind=kind, resumable=True, model_name=state.models[kind].name,
-                                owner=remote.owner, owner_keyed=remote.owner_keyed)
-        # (No content filter on a continuation: its holdback would start from an empty text.)
+        # The content filter goes on reading the output (primed below with what was sent before).
+        record = registry.start(stream, kind=fam.name, resumable=True, model_name=state.models[fam.name].name,
+                                owner=remote.owner, owner_keyed=remote.owner_keyed,
+                                content_filter=state.content_filter if fam.filters_output else None)
+        record.request = dict(kwargs)
         # Before the pump's first event (it runs at the next await): the logged events come first,
         # at their own seq (an image log keeps only its newest preview: the older ones are holes).
         record.token = remote.token
@@ -408,9 +412,9 @@ class Continuer:
         # (The registry's estimate, so dropping a logged preview for a newer one keeps it right.)
         record.bytes = sum(len(ev.data) * 2 + 300 if isinstance(ev, ImageEvent) else
                            len(getattr(ev, "delta", "")) * 2 + 200 for ev in events)
-        if kind == "text":
+        if not fam.checkpoints:
             ids, text = _answer(events)
-            record._n_tokens, record._text = len(ids), text
+            record.continue_text(len(ids), text)
         else:
             newest = {ev.index: seq for seq, ev in logged.items() if isinstance(ev, ImageEvent) and not ev.is_final}
             record._newest_preview = dict(newest)

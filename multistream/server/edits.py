@@ -16,6 +16,8 @@ from typing import Any
 
 from .bodies import parse_rewind_body, parse_steer_body
 from .event_log import CONTROL_WAIT_S, apply_command
+from .families import family
+from .filtering import STOP
 from .problems import Problem
 from .settings import ServerSettings
 
@@ -37,10 +39,31 @@ def parse_edit(command: str, body: Any, settings: ServerSettings) -> tuple[list[
     raise Problem(400, "invalid_message", f"unknown command {command!r}")  # pragma: no cover
 
 
+def _filter_edit(record: Any, command: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """An edit's new text (a steer's or rewind's instruction, an image steer's prompts) goes
+    through the stream's content filter, as its first input did: redacted, or a 400."""
+    run = getattr(record, "input_filter", None)
+    if run is None or command not in ("steer", "rewind"):
+        return args, kwargs
+
+    def filtered(text: Any, name: str) -> Any:
+        if not isinstance(text, str):
+            return text
+        out = run(text)
+        if out is STOP:
+            raise Problem(400, "content_filter", f"the {command}'s {name!r} was rejected by the content filter",
+                          param=name)
+        return out if isinstance(out, str) else text
+
+    if command == "steer" and args:
+        args = [filtered(args[0], "instruction"), *args[1:]]
+    kwargs = {k: filtered(v, k) if k in ("instruction", "prompt", "negative_prompt") else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
 def _finished_problem(record: Any, command: str) -> Problem:
     return Problem(409, "stream_finished", f"stream {record.stream_id} has already ended, so it cannot {command}; "
-                   + ("start a new stream (or revise the finished answer)" if record.kind == "text"
-                      else "start a new stream"))
+                   + family(record.kind).after_end)
 
 
 _PENDING_NOTE = ("forwarded to the process that runs this stream, which did not confirm within {wait:g} s; "
@@ -63,6 +86,7 @@ async def apply_parsed_edit(record: Any, command: str, args: list[Any], kwargs: 
     """`apply_edit` after the body was checked (the owner side of a forwarded edit starts here).
     ``log`` is the server's event log (it forwards edits of streams that run in another process)."""
     sid = record.stream_id
+    args, kwargs = _filter_edit(record, command, args, kwargs)
     if record.done:
         if command == "finish":
             return 200, {"stream_id": sid, "command": command, "accepted": False}

@@ -57,7 +57,7 @@ class CompletionRequest(BaseModel):
     """``POST /v1/completions`` (OpenAI's legacy completions; see the module docstring)."""
 
     model_config = LAX_BODY
-    model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
+    model: Optional[str] = Field(default=None, description="the served text model: its name (GET /v1/models), \"default\" or \"text\"; another name is 404 model_not_found")
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(description="a string or a list of strings")
     suffix: Optional[str] = Field(default=None, description="not supported (insertion)")
     max_tokens: Optional[int] = Field(default=16, description="an integer >= 0 (0: only score the prompt, with echo)")
@@ -205,6 +205,7 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
     arrived = time.perf_counter()
     settings = state.settings
     req = parse_completion(await read_body(request, state), settings)
+    state.check_model_name("text", req.model)
     prompts = req.prompts()
     n = req.n if req.n is not None else 1
     kwargs_list = [req.to_text_options(p, settings) for p in prompts]

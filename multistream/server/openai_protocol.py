@@ -50,7 +50,7 @@ class _ChatCompletionBase(BaseModel):
     ``tools`` run under the grammar engine (docs/constrained.md)."""
 
     model_config = LAX_BODY  # SDKs add fields over time; unknown ones are logged and ignored
-    model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
+    model: Optional[str] = Field(default=None, description="the served text model: its name (GET /v1/models), \"default\" or \"text\"; another name is 404 model_not_found")
     messages: list[dict[str, Any]] = Field(description="a non-empty list of chat messages", min_length=1)
     max_tokens: Optional[int] = Field(default=None, description="an integer >= 1")
     max_completion_tokens: Optional[int] = Field(default=None, description="an integer >= 1 (wins over max_tokens)")
@@ -132,7 +132,7 @@ class _ImageGenerationBase(BaseModel):
 
     model_config = LAX_BODY
     prompt: str = Field(description="a string describing the image")
-    model: Optional[str] = Field(default=None, description="any name")
+    model: Optional[str] = Field(default=None, description="the served image model: its name, \"default\", \"image\", gpt-image-1 or dall-e-2/3; another name is 404 model_not_found")
     n: Optional[int] = Field(default=None, description="an integer >= 1: images")
     size: Optional[str] = Field(default=None, description="'WIDTHxHEIGHT' (e.g. '64x64') or 'auto'")
     stream: Optional[bool] = Field(default=None, description="true: server-sent events")

@@ -293,6 +293,7 @@ async def create_response(request: Request, state: ServerState = Depends(get_sta
         raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
     history = await _history(state, body.get("previous_response_id"), request, principal)
     req, kwargs = parse_responses_body(body, state.settings, history)
+    state.check_model_name("text", req.model)
     record = await state.open_stream("text", kwargs, priority=req.priority, request=request, arrived_at=arrived,
                                      principal=principal)
     view = {**request_view(req), "created_at": int(time.time())}

@@ -64,6 +64,7 @@ from starlette.responses import JSONResponse, Response
 from ..events import ErrorEvent, ImageEvent, TextEvent
 from ..text import ToolCallParser, parse_tool_calls
 from .bodies import OpenAIErrorResponse
+from .families import family, served_model_names
 from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
 from .problems import Problem
@@ -110,12 +111,29 @@ def _error_body(ev: ErrorEvent) -> dict[str, Any]:
 router = APIRouter(tags=["openai"])
 
 
+def _model_entries(state: ServerState) -> list[dict[str, Any]]:
+    """One entry per served model: its name as ``id``, its family as ``kind``, and the other
+    ``model`` names the OpenAI routes take for it (``aliases``: "default", the family, ``tts-1``...)."""
+    return [{"id": slot.name, "object": "model", "created": int(state.started_at), "owned_by": "multistream",
+             "kind": kind, "state": slot.state,
+             "aliases": [n for n in served_model_names(family(kind), slot.name) if n != slot.name]}
+            for kind, slot in state.models.items() if slot.state != "disabled"]
+
+
 @router.get("/v1/models", responses=_ERRORS)
 async def models(state: ServerState = Depends(get_state)) -> Response:
-    data = [{"id": slot.name, "object": "model", "created": int(state.started_at), "owned_by": "multistream",
-             "kind": kind, "state": slot.state}
-            for kind, slot in state.models.items() if slot.state != "disabled"]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": _model_entries(state)})
+
+
+@router.get("/v1/models/{model:path}", responses=_ERRORS)
+async def model(model: str, state: ServerState = Depends(get_state)) -> Response:
+    """One served model, by its name or an alias; 404 ``model_not_found`` otherwise."""
+    for entry in _model_entries(state):
+        if model == entry["id"] or model in entry["aliases"]:
+            return JSONResponse(entry)
+    served = ", ".join(repr(e["id"]) for e in _model_entries(state))
+    raise Problem(404, "model_not_found", f"the model {model[:200]!r} does not exist on this server; it serves "
+                  f"{served or 'no model'} (GET /v1/models lists them with their aliases)", param="model")
 
 @router.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=_body(ChatCompletionRequest))
 async def chat(request: Request, state: ServerState = Depends(get_state),
@@ -123,6 +141,7 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
     arrived = time.perf_counter()
     settings = state.settings
     body = await read_body(request, state)
+    state.check_model_name("text", body.get("model") if isinstance(body, dict) else None)
     if wants_audio(body):  # modalities=["text", "audio"]: the answer spoken while it is written
         return await chat_with_audio(request, state, principal, body)
     kwargs, priority, stream, include_usage = chat_kwargs(body, settings)
@@ -244,7 +263,9 @@ async def images(request: Request, state: ServerState = Depends(get_state),
                  principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
     settings = state.settings
-    kwargs, priority, stream, partial, fmt = image_kwargs(await read_body(request, state), settings)
+    body = await read_body(request, state)
+    state.check_model_name("image", body.get("model") if isinstance(body, dict) else None)
+    kwargs, priority, stream, partial, fmt = image_kwargs(body, settings)
     record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
                                      arrived_at=arrived, principal=principal)
     n = kwargs["num_images"]

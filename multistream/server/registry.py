@@ -42,6 +42,7 @@ from typing import Any
 from .. import errors as error_types
 from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
+from .families import family
 from .filtering import STOP, ContentFilter, OutputFilter
 from .metrics import Metrics
 from .problems import Problem
@@ -100,6 +101,10 @@ class StreamRecord:
         self._force: asyncio.TimerHandle | None = None
         self._deadline = self._loop.call_later(settings.request_timeout_s, self.cancel)
         self._drop_epoch = 0
+        self.request: dict[str, Any] = {}  # the model's arguments (after the content filter), when known
+        # The content filter over input text (text -> text, None or STOP), for the edits' new
+        # instructions and prompts (`edits.apply_parsed_edit`); set by `ServerState.open_stream`.
+        self.input_filter: Callable[[str], Any] | None = None
         self._text = ""          # text as sent (after the filter), for finals the server writes
         self._n_tokens = 0
         self._last_text_at: float | None = None
@@ -345,7 +350,25 @@ class StreamRecord:
         last = self.events[-1].t if self.events else 0.0
         return max(last, time.perf_counter() - self._started)
 
-    def _prompt_tokens(self) -> int:
+    @property
+    def sent_text(self) -> str:
+        """A text stream's answer as its clients got it (after the content filter and any rewind)."""
+        return self._text
+
+    @property
+    def tokens_sent(self) -> int:
+        """Tokens of the answer the model generated so far."""
+        return self._n_tokens
+
+    def continue_text(self, n_tokens: int, text: str) -> None:
+        """A text stream continued after a restart: ``text`` (``n_tokens`` tokens) was sent
+        already, after the content filter, which goes on from there."""
+        self._n_tokens, self._text = n_tokens, text
+        if self._filter is not None:
+            self._filter.raw = self._filter.emitted = text
+
+    def prompt_tokens(self) -> int:
+        """The prompt's token count, counted only when asked (a final the server writes)."""
         if self._count_prompt_tokens is None:
             return 0
         try:
@@ -354,42 +377,8 @@ class StreamRecord:
             return 0
 
     def _server_final(self, reason: str) -> Event:
-        seq, t = len(self.events), self._t()
-        if self.kind == "text":
-            duration = t * 1000
-            return TextEvent(
-                stream_id=self.stream_id, seq=seq, t=t, delta="", token_ids=[], index=self._n_tokens,
-                is_final=True, finish_reason=reason, text=self._text,
-                usage={"prompt_tokens": self._prompt_tokens(), "completion_tokens": self._n_tokens},
-                metrics={"ttft_ms": None, "itl_ms_p50": None, "itl_ms_p95": None,  # type: ignore[dict-item]
-                         "duration_ms": round(duration, 3),
-                         "tokens_per_s": round(self._n_tokens / t, 3) if t > 0 else None},
-            )
-        if self.kind == "speech":
-            return self._speech_final(reason, seq, t)
-        frame = next((e for e in reversed(self.events) if isinstance(e, ImageEvent)), None)
-        if frame is not None and reason in ("cancelled", "content_filter"):
-            # The best image we have: the newest preview, marked as cut short.
-            return dataclasses.replace(frame, seq=seq, t=t, is_final=True, finish_reason=reason,
-                                       metrics={"duration_ms": round(t * 1000, 3)})
-        return ErrorEvent(stream_id=self.stream_id, seq=seq, t=t,
-                          error={"type": "Cancelled", "message": f"the stream was ended by the server ({reason})"})
-
-    def _speech_final(self, reason: str, seq: int, t: float) -> Event:
-        """A speech stream the server ends: what was spoken so far, as the final's WAV."""
-        from ..speech import wav_bytes
-
-        chunks = [e for e in self.events if isinstance(e, AudioEvent)]
-        rate = chunks[0].sample_rate if chunks else 22050
-        samples = sum(e.num_samples for e in chunks)
-        end = chunks[-1].text_span[1] if chunks else 0
-        return AudioEvent(stream_id=self.stream_id, seq=seq, t=t, is_final=True, data=b"", sample_rate=rate,
-                          sample_offset=samples, num_samples=0, text_span=(0, end),
-                          mime=chunks[0].mime if chunks else f"audio/pcm;rate={rate};bits=16;channels=1",
-                          audio=wav_bytes(b"".join(e.data for e in chunks), rate), duration_s=samples / rate,
-                          finish_reason="cancelled",  # any server-side end cuts the speech short
-                          usage={"input_characters": 0, "audio_seconds": round(samples / rate, 4)},
-                          metrics={"duration_ms": round(t * 1000, 3)})
+        """The final the server writes itself: what the stream's family makes of what was sent."""
+        return family(self.kind).server_final(self, reason, len(self.events), self._t())
 
     def _append(self, ev: Event) -> None:
         if self.handed_off and ev.is_final:

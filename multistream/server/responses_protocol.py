@@ -54,7 +54,7 @@ class ResponsesRequest(BaseModel):
     Built-in tools (web search, file search, ...) are refused: this server has none."""
 
     model_config = LAX_BODY  # SDKs add fields over time; unknown ones are logged and ignored
-    model: Optional[str] = Field(default=None, description="any name; this server serves one text model")
+    model: Optional[str] = Field(default=None, description="the served text model: its name (GET /v1/models), \"default\" or \"text\"; another name is 404 model_not_found")
     input: Union[str, list[dict[str, Any]]] = Field(description="a string, or a list of input items (messages, "
                                                     "function_call, function_call_output)")
     instructions: Optional[str] = Field(default=None, description="a system message for this response only "

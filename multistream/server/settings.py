@@ -37,9 +37,10 @@ class ServerSettings:
         shutdown_deadline_s: on SIGTERM, running streams get this long to finish; the rest are
             cancelled.
     Admission:
-        text_concurrency / image_concurrency: generations running at once per model (None:
-            the model's engine capacity, ``model.capacity``: a text model's ``max_batch`` rows,
-            an image model's interleaved requests).
+        text_concurrency / image_concurrency / speech_concurrency: generations running at once per
+            model, one setting per family (None: the model's engine capacity, ``model.capacity``: a
+            text model's ``max_batch`` rows, an image model's interleaved requests, a speech
+            model's streams taking turns by sentence).
         queue_size: requests waiting per model; beyond it, 429 with Retry-After.
     Per-request limits (a 4xx names the limit): max_new_tokens, default_max_new_tokens,
         max_prompt_chars, max_steps, max_image_side, max_images, max_body_bytes.
@@ -83,6 +84,7 @@ class ServerSettings:
     shutdown_deadline_s: float = 20.0
     text_concurrency: int | None = None
     image_concurrency: int | None = None
+    speech_concurrency: int | None = None
     queue_size: int = 64
     max_new_tokens: int = 4096
     default_max_new_tokens: int = 256
@@ -123,7 +125,7 @@ class ServerSettings:
                     raise InvalidArgumentError(f"ServerSettings.{f.name} must be a list of strings, got {value!r}")
                 object.__setattr__(self, f.name, tuple(value))
                 continue
-            if f.name in ("text_concurrency", "image_concurrency") and value is None:
+            if f.name.endswith("_concurrency") and f.name != "client_concurrency" and value is None:
                 continue
             if f.name in ("max_priority", "filter_holdback_chars"):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:

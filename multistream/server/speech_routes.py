@@ -33,16 +33,25 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .._spec import body_fields
-from ..errors import InvalidArgumentError
 from ..events import AudioEvent, ErrorEvent
-from ..speech import MAX_INPUT_CHARACTERS, SpeechOptions, parse_speech_options
-from .bodies import LAX_BODY, STRICT_BODY, ErrorResponse, OpenAIErrorResponse, validate_body
+from ..speech import MAX_INPUT_CHARACTERS
+from .bodies import (
+    LAX_BODY,
+    OPENAI_VOICES,
+    ErrorResponse,
+    OpenAIErrorResponse,
+    SpeechRequest,
+    check_speech_options,
+    parse_speech_body,
+    speech_voice,
+    validate_body,
+)
+from .families import family
 from .problems import Problem
 from .routes_native import read_body
 from .security import Principal
@@ -71,25 +80,9 @@ def _spec(body: type, errors: type, audio: bool) -> dict[str, Any]:
             "schema": {"$ref": f"#/components/schemas/{errors.__name__}"}}}}
     return out
 
-#: OpenAI's speech model names: each means the served speech model.
-OPENAI_SPEECH_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts")
-#: OpenAI's voice names: each means the served model's default voice.
-OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
-                 "shimmer", "verse")
+#: OpenAI's speech model names: each means the served speech model (the family table's entry).
+OPENAI_SPEECH_MODELS = family("speech").openai_models
 _OPENAI_PCM_RATE = 24000
-
-
-class _Strict(BaseModel):
-    model_config = STRICT_BODY
-
-
-SpeechRequest = create_model(
-    "SpeechRequest",
-    __base__=_Strict,
-    __doc__="``POST /v1/speech``: `SpeechModel.stream` arguments.",
-    text=(str, Field(description=f"the text to speak (at most {MAX_INPUT_CHARACTERS} characters)")),
-    **body_fields(SpeechOptions),
-)
 
 
 class AudioSpeechRequest(BaseModel):
@@ -108,37 +101,7 @@ class AudioSpeechRequest(BaseModel):
 
 
 def _speech_model(state: ServerState) -> Any:
-    slot = state.models.get("speech")
-    if slot is None:
-        raise Problem(404, "model_not_served", "this server has no speech model; start it with "
-                      "`multistream serve --speech-model default`")
-    return slot.get()
-
-
-def _voice(model: Any, voice: str) -> str | None:
-    voices = tuple(getattr(model, "voices", ()))
-    if voice in voices:
-        return voice
-    if voice.lower() in OPENAI_VOICES:
-        return None
-    raise Problem(400, "invalid_argument", f"unknown voice {voice!r}; use an OpenAI voice name ({', '.join(OPENAI_VOICES)}: "
-                  f"the default voice) or one of this model's: {list(voices)}", param="voice")
-
-
-def speech_voice(model: Any, voice: str | None) -> str | None:
-    """A voice of the native bodies: the model's own names, or OpenAI's (the default voice)."""
-    if voice is None or voice in tuple(getattr(model, "voices", ())):
-        return voice
-    return _voice(model, voice)
-
-
-def _check(text: str, **options: Any) -> None:
-    try:
-        parse_speech_options(text, **options)
-    except InvalidArgumentError as exc:
-        message = str(exc)
-        param = next((n for n in ("speed", "voice", "priority") if message.startswith(n)), "input")
-        raise Problem(400, "invalid_argument", message, param=param) from None
+    return state.model_for("speech")
 
 
 @router.post("/v1/audio/speech", summary="OpenAI speech", tags=["openai"],
@@ -148,15 +111,12 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
                        principal: Principal = Depends(get_principal)) -> Response:
     body = validate_body(AudioSpeechRequest, await read_body(request, state), "POST /v1/audio/speech")
     model = _speech_model(state)
-    served = state.models["speech"].name
-    if body.model not in OPENAI_SPEECH_MODELS and body.model not in (served, "default"):
-        raise Problem(404, "model_not_found", f"no speech model {body.model!r} here; use {served!r} or an OpenAI "
-                      f"name ({', '.join(OPENAI_SPEECH_MODELS)})", param="model")
+    state.check_model_name("speech", body.model)
     if body.instructions:
         raise Problem(400, "unsupported_parameter", "this speech model cannot follow `instructions` (it has no "
                       "style control); leave `instructions` out", param="instructions")
-    voice = _voice(model, body.voice)
-    _check(body.input, voice=voice, speed=body.speed)
+    voice = speech_voice(model, body.voice)
+    check_speech_options(body.input, voice=voice, speed=body.speed)
     kwargs = {"text": body.input, "voice": voice, "speed": body.speed}
     record = await state.open_stream("speech", kwargs, priority=body.priority, request=request, resumable=False,
                                      principal=principal)
@@ -204,23 +164,11 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
     return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
 
 
-def parse_speech_body(body: Any) -> tuple[dict[str, Any], int]:
-    """``POST /v1/speech`` body (and a WebSocket ``{"type": "speech", ...}`` message) ->
-    (``SpeechModel.stream`` keyword arguments, priority); the family's checks first, so a bad
-    value gets the very message ``tts.stream()`` would raise."""
-    if isinstance(body, dict) and isinstance(body.get("text"), str):
-        _check(body["text"], **{k: body[k] for k in ("voice", "speed", "priority") if k in body})
-    req = validate_body(SpeechRequest, body, "POST /v1/speech")
-    return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
-
-
 @router.post("/v1/speech", summary="Stream speech", openapi_extra=_spec(SpeechRequest, ErrorResponse, audio=False),
              description="Body: `SpeechModel.stream` arguments (`text`, `voice`, `speed`, `priority`).")
 async def post_speech(request: Request, state: ServerState = Depends(get_state),
                       principal: Principal = Depends(get_principal)) -> Response:
     kwargs, priority = parse_speech_body(await read_body(request, state))
-    model = _speech_model(state)
-    kwargs["voice"] = speech_voice(model, kwargs["voice"])
     return await new_stream_sse(state, "speech", kwargs, priority=priority, request=request,
                                 arrived_at=time.perf_counter(), principal=principal)
 
@@ -269,7 +217,7 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
     if body.get("n") not in (None, 1):
         raise Problem(400, "invalid_argument", "n must be 1 with audio output", param="n")
     tts = _speech_model(state)
-    voice = _voice(tts, audio_opts["voice"])
+    voice = speech_voice(tts, audio_opts["voice"])
     text_body = {k: v for k, v in body.items() if k not in ("modalities", "audio")}
     kwargs, priority, _, include_usage = chat_kwargs(text_body, state.settings)
     record = await state.open_stream("text", kwargs, priority=priority, request=request, resumable=False,

@@ -21,6 +21,7 @@ from starlette.requests import HTTPConnection, Request
 from ..engine import capacity_of
 from ..stream import Stream, StreamWriter, reserved_stream_id
 from .admission import Admission
+from .families import FAMILIES, Family, check_model_name, family
 from .filtering import STOP, ContentFilter
 from .metrics import Metrics
 from .problems import Problem, problem_from_exception
@@ -90,7 +91,7 @@ class ModelSlot:
             return self.model
         if self.state == "disabled":
             raise Problem(404, "model_not_served", f"this server has no {self.kind} model; start it with "
-                          f"`multistream serve --{self.kind}-model ...`")
+                          f"`multistream serve --{self.kind}-model default` (or a model name)")
         if self.state == "failed":
             raise Problem(503, "model_failed", f"the {self.kind} model failed to load ({self.error}); "
                           "the server log has the details")
@@ -136,20 +137,19 @@ def load_model(kind: str, spec: Any) -> Any:
 class ServerState:
     """Everything the routes share: settings, models, admission gates, the stream registry."""
 
-    def __init__(self, settings: ServerSettings, text_model: Any, image_model: Any,
-                 content_filter: ContentFilter | None, keyring: KeyRing | None = None, *,
-                 speech_model: Any = None) -> None:
+    def __init__(self, settings: ServerSettings, text_model: Any = None, image_model: Any = None,
+                 content_filter: ContentFilter | None = None, keyring: KeyRing | None = None, *,
+                 speech_model: Any = None, models: dict[str, Any] | None = None) -> None:
+        """``models``: a model spec per family name (`families.FAMILIES`); ``text_model``,
+        ``image_model`` and ``speech_model`` are the same, by keyword. A family left out is not served."""
         self.settings = settings
         self.keyring = keyring or KeyRing(settings)
         self.metrics = Metrics()
         self.registry = Registry(settings, self.metrics, _event_log(settings))
-        self.models = {"text": ModelSlot("text", text_model), "image": ModelSlot("image", image_model)}
-        if speech_model is not None:
-            self.models["speech"] = ModelSlot("speech", speech_model)
+        specs = {"text": text_model, "image": image_model, "speech": speech_model, **(models or {})}
+        self.models = {f.name: ModelSlot(f.name, specs.get(f.name)) for f in FAMILIES}
         # Concurrency left as None follows the model's engine capacity once the model is loaded.
-        self.gates = {"text": Admission("text", settings.text_concurrency or 0, settings.queue_size),
-                      "image": Admission("image", settings.image_concurrency or 0, settings.queue_size),
-                      "speech": Admission("speech", 0, settings.queue_size)}
+        self.gates = {f.name: Admission(f.name, f.concurrency(settings) or 0, settings.queue_size) for f in FAMILIES}
         self.content_filter = content_filter
         self.draining = False
         self.continuer: Any = None  # with a Redis log: `continuation.Continuer`
@@ -195,6 +195,16 @@ class ServerState:
 
     # -- opening streams -----------------------------------------------------------------------
 
+    def model_for(self, kind: str) -> Any:
+        """The loaded model of family ``kind``; a `Problem` when it is not served, loading or failed."""
+        return self.models[family(kind).name].get()
+
+    def check_model_name(self, kind: str, requested: Any) -> None:
+        """An OpenAI body's ``model`` must name the family's served model (or an alias): else 404
+        ``model_not_found``."""
+        fam = family(kind)
+        check_model_name(fam, requested, self.models[fam.name].name)
+
     def cap_priority(self, priority: int, principal: Principal | None) -> int:
         """The client's priority, clamped to its ceiling (per key, or the server default)."""
         ceiling = principal.max_priority if principal is not None else self.settings.max_priority
@@ -214,7 +224,9 @@ class ServerState:
         if self.draining:
             raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
                           {"Retry-After": "5"})
-        slot = self.models.get(kind) or ModelSlot(kind, None)
+        fam = family(kind)
+        kind = fam.name
+        slot = self.models[kind]
         model = slot.get()
         await self.registry.check_log()  # a 503 now rather than a stream nobody could resume elsewhere
         gate = self.gates[kind]
@@ -222,13 +234,17 @@ class ServerState:
             gate.concurrency = _capacity(model, kind)
         priority = self.cap_priority(priority, principal)
         kwargs = dict(kwargs)
+        if fam.adapt is not None:
+            kwargs = fam.adapt(model, kwargs)
         owner = principal.id if principal is not None else None
         keyed = bool(principal is not None and principal.keyed)
-        if self.content_filter is not None and self._filter_prompt(kwargs):
-            if kind != "text":
-                raise Problem(400, "content_filter", "the prompt was rejected by the content filter")
-            return self.registry.start(_filtered_stream(), kind=kind, resumable=resumable,
-                                       model_name=self.models[kind].name, arrived_at=arrived_at, owner=owner,
+        if self.content_filter is not None and self._filter_input(fam, kwargs):
+            if fam.refuse_filtered:
+                field = " and ".join(f"'{name}'" for name in fam.filter_fields)
+                raise Problem(400, "content_filter", f"the request's {field} was rejected by the content filter",
+                              param=fam.filter_fields[0])
+            return self.registry.start(_filtered_stream(kind), kind=kind, resumable=resumable,
+                                       model_name=slot.name, arrived_at=arrived_at, owner=owner,
                                        owner_keyed=keyed)
         release_quota = self._take_quota(principal)
         gate = self.gates[kind]
@@ -247,7 +263,7 @@ class ServerState:
             if _takes_priority(model):
                 kwargs["priority"] = priority  # the engine serves higher priorities first at every step
             plan = None
-            if self.registry.log is not None:
+            if self.registry.log is not None and fam.continues:
                 from .continuation import durable_plan
 
                 # A restart continues it (`continuation`): an image's seed fixed, its checkpoints kept.
@@ -274,11 +290,14 @@ class ServerState:
             release_quota()
 
         count = getattr(model, "count_tokens", None)
-        record = self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable,
-                                     model_name=self.models[kind].name, content_filter=self.content_filter,
+        record = self.registry.start(stream, kind=kind, on_done=on_done, resumable=resumable, model_name=slot.name,
+                                     content_filter=self.content_filter if fam.filters_output else None,
                                      arrived_at=arrived_at, owner=owner, owner_keyed=keyed,
                                      token=reserved[1] if reserved else None,
                                      count_prompt_tokens=(lambda: count(kwargs["prompt"])) if count else None)
+        record.request = kwargs  # as the model got it (after the filter): a final the server writes reads it
+        if self.content_filter is not None:
+            record.input_filter = self._run_filter  # a steer's or rewind's new instruction is input too
         if plan is not None:
             from .continuation import remember_request
 
@@ -322,6 +341,7 @@ class ServerState:
         if self.draining:
             raise Problem(503, "shutting_down", "the server is shutting down; retry on another instance",
                           {"Retry-After": "5"})
+        kind = family(kind).name
         model = self.models[kind].get()
         gate = self.gates[kind]
         if not gate.concurrency:
@@ -340,10 +360,11 @@ class ServerState:
             gate.release(time.perf_counter() - started)
             release_quota()
 
-    def _filter_prompt(self, kwargs: dict[str, Any]) -> bool:
-        """Run the content filter over the prompt(s); True when it says stop."""
+    def _filter_input(self, fam: Family, kwargs: dict[str, Any]) -> bool:
+        """Run the content filter over the request's input (the family's ``filter_fields``: each
+        prompt, each chat message, the text to speak), redacting in place; True when it says stop."""
         assert self.content_filter is not None
-        for key in ("prompt", "negative_prompt"):
+        for key in fam.filter_fields:
             value = kwargs.get(key)
             if isinstance(value, str):
                 out = self._run_filter(value)
@@ -469,11 +490,12 @@ def _start_problem(kind: str, exc: BaseException) -> Problem:
     return problem
 
 
-def _filtered_stream() -> Stream:
+def _filtered_stream(kind: str) -> Stream:
+    """A text answer the content filter stopped before it began: an empty final."""
     def producer(w: StreamWriter) -> None:
         w.finish_text("", [], 0, finish_reason="content_filter", text="",
                       usage={"prompt_tokens": 0, "completion_tokens": 0}, metrics={})
-    return Stream(producer, kind="text")
+    return Stream(producer, kind=kind)
 
 
 # Threads of their own: the default executor also runs long model calls (`run_admitted`), and a

@@ -78,12 +78,12 @@ from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..events import AudioEvent, Event, ImageEvent, event_from_dict
-from .bodies import parse_image_body, parse_json_object, parse_text_body
+from .bodies import parse_json_object
 from .edits import apply_edit
+from .families import FAMILIES, find_family
 from .problems import Problem, problem_from_exception
 from .registry import StreamRecord
 from .security import Principal
-from .speech_routes import parse_speech_body, speech_voice
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
 
@@ -257,23 +257,16 @@ class _Connection:
                 # (A local one is found without suspending, so messages keep their order.)
                 self._spawn(self._control(tag, kind, body))
                 return
-            if kind == "text":
-                kwargs, priority = parse_text_body(body, self.settings)
-            elif kind == "image":
-                kwargs, priority = parse_image_body(body, self.settings)
-            elif kind == "speech":
-                kwargs, priority = parse_speech_body(body)
-                slot = self.state.models.get("speech")
-                if slot is not None and slot.state == "ready":
-                    kwargs["voice"] = speech_voice(slot.model, kwargs["voice"])
-            elif kind == "auth":
-                raise Problem(400, "invalid_message", "already authenticated")
-            else:
-                raise Problem(400, "invalid_message",
-                              "'type' must be 'text', 'image', 'speech', 'cancel', 'resume', 'finish', 'steer' or 'rewind', "
-                              f"got {str(kind)[:40]!r}")
+            fam = find_family(kind)  # a new stream of a family (its older spellings too: "audio")
+            if fam is None:
+                if kind == "auth":
+                    raise Problem(400, "invalid_message", "already authenticated")
+                names = ", ".join(f"'{f.name}'" for f in FAMILIES)
+                raise Problem(400, "invalid_message", f"'type' must be {names}, 'cancel', 'resume', 'finish', 'steer' "
+                              f"or 'rewind', got {str(kind)[:40]!r}")
+            kwargs, priority = fam.parse(body, self.settings)
             self._check_room()
-            self._spawn(self._start(tag, kind, kwargs, priority))
+            self._spawn(self._start(tag, fam.name, kwargs, priority))
         except Problem as problem:
             self._spawn(self.reject(tag, problem))
 

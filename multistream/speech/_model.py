@@ -132,7 +132,7 @@ class SpeechModel:
         def submit(writer: StreamWriter) -> None:
             self._engine.submit(SpeechRequest(writer, opts.text, voice=voice, speed=opts.speed, priority=opts.priority))
 
-        return Stream(submit=submit, kind="audio")
+        return Stream(submit=submit, kind="speech")
 
     def open_stream(self, *, voice: str | None = None, speed: float = 1.0, priority: int = 0) -> tuple[Stream, SpeechFeed]:
         """A speech stream whose text comes later: ``(stream, feed)``; ``feed.feed(delta)`` as the
@@ -151,7 +151,7 @@ class SpeechModel:
             holder.append(req)
             self._engine.submit(req)
 
-        stream = Stream(submit=submit, kind="audio")
+        stream = Stream(submit=submit, kind="speech")
         return stream, SpeechFeed(holder[0], self)
 
     def generate(self, text: str, *, on_event: Callable[[Event], Any] | None = None, **options: Any) -> Event:

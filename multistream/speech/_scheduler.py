@@ -197,6 +197,7 @@ class SpeechScheduler:
             audio=wav_bytes(pcm, sr), duration_s=duration, finish_reason=reason,
             usage={"input_characters": len(req.text), "audio_seconds": round(duration, 4)},
             metrics=metrics,  # type: ignore[arg-type]
+            text=req.text,  # what was spoken (on a server: after its content filter), for captions
         )
 
     def fail_all(self, exc: BaseException) -> None:

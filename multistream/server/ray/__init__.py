@@ -47,6 +47,7 @@ import signal
 import threading
 from typing import Any
 
+from ..families import FAMILIES, family
 from ..settings import ServerSettings
 from ._common import APP_NAME, checkpoint_key
 from ._handle import RemoteModel
@@ -85,7 +86,7 @@ def build_app(settings: ServerSettings, *, text_model: Any = "default", image_mo
         dep = serve.deployment(ModelReplica).options(
             name=kind, ray_actor_options=options or {"num_cpus": 1}, max_ongoing_requests=64,
             health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5, **scale)
-        return dep.bind(kind, spec, settings.event_log, image_checkpoint_every if kind == "image" else 1)
+        return dep.bind(kind, spec, settings.event_log, image_checkpoint_every if family(kind).checkpoints else 1)
 
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="ingress", num_replicas=ingress_replicas, ray_actor_options={"num_cpus": 0},
@@ -107,7 +108,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     own = {k: args.pop(k) for k in ("text_model", "image_model", "text_replicas", "image_replicas",
                                     "ingress_replicas", "text_actor_options", "image_actor_options",
                                     "image_checkpoint_every") if k in args}
-    for kind in ("text_model", "image_model"):
+    for kind in (f"{f.name}_model" for f in FAMILIES if f.on_ray):
         if str(own.get(kind, "default")).lower() in ("none", "off", ""):
             own[kind] = None
     return build_app(ServerSettings.from_env(**args), **own)

@@ -14,6 +14,7 @@ from typing import Any
 from ...engine import DEFAULT_CAPACITY
 from ...events import Event, ImageEvent, TextEvent
 from ...stream import Stream, StreamWriter
+from ..families import family
 from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, PREFIX, retryable_errors
 
 logger = logging.getLogger("multistream.server")
@@ -23,15 +24,9 @@ def _check_here(kind: str, kwargs: dict[str, Any]) -> None:
     bad argument is a 400 there, as on a single server, not an error event in a 200 stream. What
     needs the model (a prompt longer than its context, a size its VAE cannot make) is checked on
     the replica."""
-    if kind == "image":
-        from ...image import parse_image_options
-
-        parse_image_options(**kwargs)
-    elif kind == "text":
-        from ...text import TEXT_STREAM_ARGS, check_prompt, parse_text_options
-
-        check_prompt(kwargs.get("prompt"))
-        parse_text_options(**{k: v for k, v in kwargs.items() if k in TEXT_STREAM_ARGS})
+    check = family(kind).check
+    if check is not None:
+        check(kwargs)
 
 
 class RemoteModel:
@@ -56,7 +51,7 @@ class RemoteModel:
     def stream(self, **kwargs: Any) -> Stream:
         _check_here(self.kind, kwargs)
         loop = asyncio.get_running_loop()
-        if self.kind == "image" and kwargs.get("seed") is None and "generator" not in kwargs:
+        if family(self.kind).checkpoints and kwargs.get("seed") is None and "generator" not in kwargs:
             # Fixed here, once: a replica that takes the stream over must draw the same noise.
             kwargs = {**kwargs, "seed": random.randrange(2**31)}
 
@@ -169,7 +164,7 @@ class RemoteModel:
             except asyncio.CancelledError:
                 gen.cancel()
                 if not w.finished:
-                    if self.kind == "text":
+                    if family(self.kind).resumes_from_tokens:
                         w.finish_text("", [], len(ids), finish_reason="cancelled", text=text,
                                       usage={"prompt_tokens": 0, "completion_tokens": len(ids)}, metrics={})
                     else:
@@ -187,7 +182,7 @@ class RemoteModel:
                     return
                 logger.warning("stream %s: %s replica %s failed (%s); resuming on another replica after %s",
                                w.stream_id, self.kind, self.replica_of.get(w.stream_id, "?"), type(exc).__name__,
-                               f"{len(ids)} tokens" if self.kind == "text" else f"step {max(step, 0)}")
+                               f"{len(ids)} tokens" if family(self.kind).resumes_from_tokens else f"step {max(step, 0)}")
                 await asyncio.sleep(min(0.5, 0.02 * 2 ** (len(failures) - 1)))
             except Exception as exc:  # noqa: BLE001
                 w.fail(exc)

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ...engine import DEFAULT_CAPACITY
+from ..families import FAMILIES
 from ..settings import ServerSettings
 from ._common import APP_NAME, MODEL_WAIT_S
 from ._handle import RemoteModel
@@ -60,7 +61,7 @@ class Ingress:
         self.handles = {"text": text, "image": image}
         self.remote: dict[str, RemoteModel] = {}
         self.models: dict[str, Any] = {}
-        for kind in ("text", "image"):
+        for kind in (f.name for f in FAMILIES if f.on_ray):
             if self.handles[kind] is None:
                 self.models[kind] = None
                 continue

@@ -14,6 +14,7 @@ from typing import Any
 from ...engine import capacity_of
 from ...events import ErrorEvent, ImageEvent, TextEvent
 from ...stream import Stream
+from ..families import family
 from ..image_checkpoints import CheckpointWriter, already_sent
 from ._common import PREFIX, checkpoint_key, trim_text
 
@@ -45,10 +46,11 @@ class ModelReplica:
             params = {}
         # A text model with the failover entry point (`TextModel.replica_stream`) continues a run
         # from its tokens, reports its edits and takes them back: a failover replays steers.
-        self._replica_stream = getattr(self.model, "replica_stream", None) if kind == "text" else None
+        self.family = family(kind)
+        self._replica_stream = getattr(self.model, "replica_stream", None) if self.family.resumes_from_tokens else None
         self.native_resume = callable(self._replica_stream)
         self.replays_edits = self.native_resume
-        self.checkpoints = kind == "image" and self.event_log is not None and "on_checkpoint" in params
+        self.checkpoints = self.family.checkpoints and self.event_log is not None and "on_checkpoint" in params
         try:
             import ray
 
@@ -115,9 +117,9 @@ class ModelReplica:
         trim_tokens, trim_chars, trim_step = 0, 0, int(resume.get("step", -1))
         failover = bool(resume.get("failover")) or trim_step >= 0
         edits: collections.deque[dict[str, Any]] = collections.deque()
-        if self.kind == "text" and self.replays_edits:
+        if self.family.resumes_from_tokens and self.replays_edits:
             kwargs["on_edit"] = edits.append  # engine thread; relayed before the events that follow the edit
-        if self.kind == "text" and tokens:
+        if self.family.resumes_from_tokens and tokens:
             if self.native_resume:
                 kwargs["resume_tokens"] = tokens
                 if self.replays_edits and resume.get("inserted"):

