@@ -89,7 +89,7 @@ def test_image_streams_previews_then_final(served: tuple) -> None:
 
 def test_prompt_to_picture_is_one_composed_stream(served: tuple) -> None:
     client = gradio_client.Client(served[0], verbose=False)
-    job = client.submit("the sun over the sea", 8, 0, "latent", api_name="/prompt_to_picture")
+    job = client.submit("a red ball in the blue sea", 8, 0, "latent", api_name="/prompt_to_picture")
     _wait_done(job)
     outputs = job.outputs()
     written = [o[0] for o in outputs]
@@ -150,6 +150,41 @@ def test_the_llm_writes_only_what_the_image_model_can_draw(text_model, idea: str
     assert re.fullmatch(shapes_prompt_pattern(), final.text), final.text
     shape, color, background = parse_prompt(final.text)
     assert shape in SHAPES and color in COLORS and background in COLORS
+
+
+@pytest.mark.model
+def test_the_default_idea_is_written_and_drawn_right_by_the_embedded_models(text_model) -> None:
+    # What a newcomer sees first on the Prompt-to-picture tab (and in the notebook): the 135M LLM
+    # must turn it into the picture the idea means, and the shapes model must draw that picture.
+    import json
+    from collections import Counter
+
+    import numpy as np
+
+    from multistream.ui.demo import DEFAULT_IDEA
+
+    notebook = json.loads(open(os.path.join(os.path.dirname(__file__), "..", "demos", "notebook.ipynb")).read())
+    assert any(f'idea = "{DEFAULT_IDEA}"' in "".join(c["source"]) for c in notebook["cells"])
+    final = text_model.generate(prompt_messages(DEFAULT_IDEA, "shapes"), max_new_tokens=32, temperature=0.0,
+                                allowed=shapes_prompt_pattern())
+    assert final.text.strip() == "a red circle on a blue background"
+    sd = ms.load_image_model()
+    try:
+        img = np.asarray(sd.generate(final.text.strip(), steps=20, seed=0).image.convert("RGB")).astype(float)
+    finally:
+        sd.close()
+
+    def nearest(rgb: np.ndarray) -> str:
+        return min(COLORS, key=lambda c: float(sum((a - b) ** 2 for a, b in zip(COLORS[c], rgb))))
+
+    names = np.array([nearest(p) for p in img.reshape(-1, 3)]).reshape(img.shape[:2])
+    assert Counter(names.ravel()).most_common(1)[0][0] == "blue"  # the background
+    shape = names == "red"
+    ys, xs = np.nonzero(shape)
+    assert shape.sum() > 0.03 * shape.size, shape.sum()
+    # A disc fills about pi/4 of its bounding box (a square all of it, a triangle or star half or less).
+    fill = shape.sum() / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
+    assert 0.65 < fill < 0.9, fill
 
 
 def test_create_demo_bad_arguments() -> None:

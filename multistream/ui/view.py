@@ -29,7 +29,7 @@ from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
 
 __all__ = ["CONFIDENCE_CSS", "Frame", "LiveView", "Throttle", "TokenSpan", "confidence_color", "confidence_html",
-           "split_delta", "throttled_views"]
+           "markdown_safe_escape", "split_delta", "throttled_views"]
 
 
 class Throttle:
@@ -121,17 +121,45 @@ CONFIDENCE_CSS = """
 """
 
 
-def confidence_html(view: LiveView) -> str:
+# Characters that Markdown (and a chat's LaTeX) would read as markup, as numeric entities; a
+# newline too, since a blank line would end the HTML block and the rest be parsed as Markdown.
+_MARKDOWN_ENTITIES = {c: f"&#{ord(c)};" for c in "\n\\`*_{}[]()#+-.!|~$"}
+
+
+def markdown_safe_escape(text: str) -> str:
+    """``text`` escaped for HTML that Markdown will render: shown exactly, never read as markup.
+
+    Example:
+        >>> markdown_safe_escape("# <b>1. *x*</b>")
+        '&#35; &lt;b&gt;1&#46; &#42;x&#42;&lt;/b&gt;'
+    """
+    # One character at a time: html.escape's own entities contain "#", which must stay as it is.
+    return "".join(_MARKDOWN_ENTITIES.get(c) or html.escape(c) for c in text)
+
+
+def _escape(text: str, markdown_safe: bool) -> str:
+    return markdown_safe_escape(text) if markdown_safe else html.escape(text)
+
+
+def confidence_html(view: LiveView, *, markdown_safe: bool = False) -> str:
     """The answer's tokens as HTML: each coloured by its probability, hovering shows its top
     alternatives as buttons (``data-offset``: where the token starts, ``data-token``: the
-    alternative's id) that a page turns into ``rewind(offset, token_id=...)``. Everything is escaped.
+    alternative's id) that a page turns into ``rewind(offset, token_id=...)``. Everything is escaped;
+    ``markdown_safe`` also writes Markdown's own characters as entities, so the HTML can go where
+    Markdown is rendered (a chat bubble) and show the tokens exactly.
 
     Example:
         >>> v = LiveView()
         >>> v.tokens = [TokenSpan(0, "Hi", {"token_id": 5, "logprob": 0.0, "top_logprobs": []})]
         >>> "Hi" in confidence_html(v) and "hsla(120" in confidence_html(v)
         True
+        >>> v.tokens = [TokenSpan(0, "**a'**", {"token_id": 5, "logprob": 0.0})]
+        >>> "&#42;&#42;a&#x27;&#42;&#42;" in confidence_html(v, markdown_safe=True)
+        True
     """
+    def esc(text: str) -> str:
+        return _escape(text, markdown_safe)
+
     out = ['<div class="ms-conf">']
     for span in view.tokens:
         e = span.entry
@@ -140,11 +168,11 @@ def confidence_html(view: LiveView) -> str:
             chosen = " ms-chosen" if alt.get("token_id") == e.get("token_id") else ""
             alts.append(
                 f'<button class="ms-alt{chosen}" data-offset="{span.start}" data-token="{int(alt["token_id"])}">'
-                f'{html.escape(repr(alt.get("token", "")))} {100 * math.exp(float(alt["logprob"])):.1f}%</button>')
-        tip = (f'<span class="ms-tip">{html.escape(repr(e.get("token", "")))} {100 * span.probability:.1f}%'
+                f'{esc(repr(alt.get("token", "")))} {100 * math.exp(float(alt["logprob"])):.1f}%</button>')
+        tip = (f'<span class="ms-tip">{esc(repr(e.get("token", "")))} {100 * span.probability:.1f}%'
                + "".join(alts) + "</span>")
         out.append(f'<span class="ms-tok" style="background:{confidence_color(span.probability)}" '
-                   f'data-offset="{span.start}" data-p="{span.probability:.4f}">{html.escape(span.text)}{tip}</span>')
+                   f'data-offset="{span.start}" data-p="{span.probability:.4f}">{esc(span.text)}{tip}</span>')
     out.append("</div>")
     return "".join(out)
 
