@@ -144,7 +144,8 @@ def _escape(text: str, markdown_safe: bool) -> str:
 def confidence_html(view: LiveView, *, markdown_safe: bool = False) -> str:
     """The answer's tokens as HTML: each coloured by its probability, hovering shows its top
     alternatives as buttons (``data-offset``: where the token starts, ``data-token``: the
-    alternative's id) that a page turns into ``rewind(offset, token_id=...)``. Everything is escaped;
+    alternative's id; also as the classes ``ms-o<offset>`` and ``ms-t<id>``, which survive a chat's
+    HTML sanitizer where data attributes do not) that a page turns into ``rewind(offset, token_id=...)``. Everything is escaped;
     ``markdown_safe`` also writes Markdown's own characters as entities, so the HTML can go where
     Markdown is rendered (a chat bubble) and show the tokens exactly.
 
@@ -167,7 +168,8 @@ def confidence_html(view: LiveView, *, markdown_safe: bool = False) -> str:
         for alt in e.get("top_logprobs") or []:
             chosen = " ms-chosen" if alt.get("token_id") == e.get("token_id") else ""
             alts.append(
-                f'<button class="ms-alt{chosen}" data-offset="{span.start}" data-token="{int(alt["token_id"])}">'
+                f'<button class="ms-alt{chosen} ms-o{span.start} ms-t{int(alt["token_id"])}" '
+                f'data-offset="{span.start}" data-token="{int(alt["token_id"])}">'
                 f'{esc(repr(alt.get("token", "")))} {100 * math.exp(float(alt["logprob"])):.1f}%</button>')
         tip = (f'<span class="ms-tip">{esc(repr(e.get("token", "")))} {100 * span.probability:.1f}%'
                + "".join(alts) + "</span>")

@@ -55,7 +55,11 @@ SELECTION_JS = """() => {
     const box = document.querySelector("#ms-chat-branch textarea");
     const go = document.getElementById("ms-chat-branch-go");
     if (!box || !go) return;
-    box.value = alt.dataset.offset + ":" + alt.dataset.token;
+    // The chat's sanitizer drops data attributes: the offset and token id are also classes.
+    const cls = (re) => (alt.className.match(re) || [])[1];
+    const offset = alt.dataset.offset ?? cls(/(?:^| )ms-o([0-9]+)/), token = alt.dataset.token ?? cls(/(?:^| )ms-t([0-9]+)/);
+    if (offset === undefined || token === undefined) return;
+    box.value = offset + ":" + token;
     box.dispatchEvent(new Event("input", { bubbles: true }));
     setTimeout(() => go.click(), 50);
   });
