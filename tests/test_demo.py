@@ -222,3 +222,51 @@ def test_mount_demo_serves_the_page_from_a_fastapi_app() -> None:
         assert page.status_code == 200 and "gradio" in page.text.lower()
         config = client.get("/demo/config").json()
         assert any(d.get("api_name") == "image" for d in config["dependencies"])
+
+
+class _QueuedTextModel:
+    """Stands in for the server's gated model (`GatedModel`): its stream first waits for a slot,
+    keeping ``queue_position`` = (position, waiting in all) up to date, then runs ``inner``."""
+
+    def __init__(self, inner: ScriptedTextModel, places: list[tuple[int, int]], hold_s: float = 0.8) -> None:
+        self.inner, self.places, self.hold_s = inner, places, hold_s
+
+    def stream(self, prompt, **kwargs):  # type: ignore[no-untyped-def]
+        import threading
+
+        from multistream.stream import Stream
+
+        made = threading.Event()
+        box: list = []
+
+        def producer(w) -> None:  # type: ignore[no-untyped-def]
+            made.wait(10)
+            for place in self.places:
+                box[0].queue_position = place
+                time.sleep(self.hold_s)
+            box[0].queue_position = None
+            for ev in self.inner.stream(prompt, **kwargs):
+                w.forward(ev)
+
+        stream = Stream(producer, kind="text")
+        stream.queue_position = None  # type: ignore[attr-defined]
+        box.append(stream)
+        made.set()
+        return stream
+
+
+def test_chat_says_where_a_queued_request_stands() -> None:
+    llm = _QueuedTextModel(ScriptedTextModel(delay_s=0.02), [(3, 4), (1, 2)])
+    demo = create_demo(llm, ScriptedImageModel(steps=2), max_fps=50, speech_model=False)
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+        job = client.submit("hello", [], 16, 0.0, 1.0, -1, api_name="/chat")
+        _wait_done(job)
+        stats = [o[2] for o in job.outputs()]
+        assert "waiting: 2 ahead" in stats and "waiting: next in line" in stats, stats
+        assert stats.index("waiting: 2 ahead") < stats.index("waiting: next in line")
+        assert "TTFT" in stats[-1]  # then it ran as usual
+    finally:
+        demo.close()

@@ -230,6 +230,9 @@ class LiveView:
     audio_seconds: float = 0.0
     first_audio_t: float | None = None
     audio_final: AudioEvent | None = None
+    # While the request waits for a slot on a server: (position, waiting in all), position 1 = next
+    # (the stream's ``queue_position``, see `throttled_views`); None once it runs.
+    queued: tuple[int, int] | None = None
     _part_tokens_from: int = 0  # text_tokens when the current text part began
 
     @classmethod
@@ -244,6 +247,7 @@ class LiveView:
     def apply(self, ev: Event) -> None:
         """Fold one event into the view."""
         self.events += 1
+        self.queued = None
         self.t = ev.t
         if isinstance(ev, TextEvent):
             if not self.texts or self.text_done[-1] is not None:
@@ -298,6 +302,18 @@ class LiveView:
         if ev.is_final:
             self.final = ev
 
+    def queue_note(self) -> str:
+        """"waiting: N ahead" while the request waits in a server's queue, else "".
+
+        Example:
+            >>> LiveView(queued=(3, 5)).queue_note(), LiveView(queued=(1, 1)).queue_note()
+            ('waiting: 2 ahead', 'waiting: next in line')
+        """
+        if self.queued is None:
+            return ""
+        ahead = max(0, self.queued[0] - 1)
+        return f"waiting: {ahead} ahead" if ahead else "waiting: next in line"
+
     def text(self, part: int) -> str:
         """The text of one text part so far."""
         return "".join(self.texts[part])
@@ -320,6 +336,9 @@ class LiveView:
         return text[:cut], text[cut:]
 
 
+_QUEUE_POLL_S = 0.25
+
+
 async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None = None) -> AsyncIterator[LiveView]:
     """Yield the stream's folded state at most ``max_fps`` times a second, and always at the end.
 
@@ -328,6 +347,11 @@ async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None 
     of old ones; a view with news is sent once its turn comes even if no newer event arrives.
     Leaving early (the page closed, the task cancelled) cancels the model. ``view`` may start with
     text already there (:meth:`LiveView.starting_with`, a revised answer's kept part).
+
+    Until the first event, a stream that waits in a server's queue (one that has a
+    ``queue_position`` attribute: ``(position, waiting in all)`` or None, as the demo's gated
+    models keep it) is looked at every ``_QUEUE_POLL_S`` and a view goes out each time it moves,
+    so a page can say "waiting: N ahead" (``view.queue_note()``).
 
     Example:
         >>> async for view in throttled_views(llm.stream("Write a haiku"), max_fps=15):  # doctest: +SKIP
@@ -343,7 +367,17 @@ async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None 
             if next_ev is None:
                 next_ev = asyncio.ensure_future(events.__anext__())
             timeout = throttle.remaining(time.monotonic()) if dirty else None
+            watch_queue = view.events == 0 and hasattr(stream, "queue_position")
+            if watch_queue:
+                timeout = _QUEUE_POLL_S if timeout is None else min(timeout, _QUEUE_POLL_S)
             done, _ = await asyncio.wait({next_ev}, timeout=timeout)
+            if watch_queue and next_ev not in done:
+                place = getattr(stream, "queue_position", None)
+                place = (int(place[0]), int(place[1])) if place else None
+                if place != view.queued:
+                    view.queued = place
+                    yield view
+                    continue
             if next_ev in done:
                 ev = next_ev.result()
                 next_ev = None

@@ -135,6 +135,8 @@ def _chat_line(view: LiveView) -> str:
         )
     if view.error is not None:
         return f"**error** · {view.error.get('type')}: {view.error.get('message')}"
+    if view.queued is not None:  # on a busy server: where this request stands in its queue
+        return view.queue_note()
     if view.first_text_t is None:
         return f"waiting for the first token… {view.t:.2f} s"
     # Decode speed after the first token: the prefill is already counted in the TTFT.

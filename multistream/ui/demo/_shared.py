@@ -232,8 +232,9 @@ def preview_html(view: LiveView | None, elem: str, note: str = "") -> str:
         "align-items:center;justify-content:center;overflow:hidden;color:#6b7280;font-size:14px"
     )
     if frame is None:
-        inner = html.escape(note or "the preview appears here")
-        pct, line = 0.0, "waiting"
+        queued = view.queue_note() if view is not None else ""  # on a busy server: its place in the queue
+        inner = html.escape(queued or note or "the preview appears here")
+        pct, line = 0.0, queued or "waiting"
         body = f'<div style="{box}">{inner}</div>'
     else:
         ev = frame.ev
