@@ -398,7 +398,7 @@ function applyAudio(ev) {
   if (!ev.is_final && ev.data && ev.num_samples) {
     const buffer = pcmBuffer(b64bytes(ev.data), ev.sample_rate);
     audio.buffers.push(buffer);
-    play(buffer);
+    if (!state.stopRequested) play(buffer);   // after Stop, chunks still on the way stay silent
     state.audioChunks += 1;
     state.audioSeconds += ev.num_samples / ev.sample_rate;
     if (state.firstAudioT === null) state.firstAudioT = ev.t;
@@ -495,7 +495,8 @@ async function run(kind, path, body) {
                          revision: 0, frames: 0, finalEvent: null, reconnects: 0, error: null, seqs: [], kind,
                          tokens: [], confidence: kind === "text" && !!body.logprobs, branches: 0, queued: null,
                          textTokens: 0, firstTokenT: null, lastT: 0, audioChunks: 0, audioSeconds: 0,
-                         firstAudioT: null, spokenText: kind === "speech" ? body.text : "", spokenTo: 0 });
+                         firstAudioT: null, spokenText: kind === "speech" ? body.text : "", spokenTo: 0,
+                         stopRequested: false });
   if (kind === "speech") { pending.spoken = true; schedule(); }
   setRunning(true);
   setStatus("starting…");
@@ -563,12 +564,13 @@ ui.go.addEventListener("click", () => {
 });
 
 ui.stop.addEventListener("click", async () => {
+  state.stopRequested = true;
+  if (state.kind === "speech") stopAudio();
   if (state.streamId) {
     // Ask the server to cancel: the stream then ends with finish_reason "cancelled".
     await fetch(`/v1/streams/${encodeURIComponent(state.streamId)}`, { method: "DELETE", headers: headers() })
       .catch(() => {});
   }
-  if (state.kind === "speech") stopAudio();
 });
 
 // "Use this": stop the image now and keep it (the final is the current estimate, full quality).
