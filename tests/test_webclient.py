@@ -247,3 +247,13 @@ def test_web_client_speaks_and_plays_the_audio() -> None:
         finally:
             browser.close()
             tts.close()
+
+
+def test_favicon_is_an_empty_answer_not_a_404(tmp_path: Path) -> None:
+    # Browsers ask for /favicon.ico on every page (/ and /demo); a 404 is a console error there.
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-a name=alice\n", encoding="utf-8")
+    with make_server(ScriptedTextModel(TOKENS), keys_file=str(keys)) as srv:
+        assert httpx.get(srv.url + "/v1/models", timeout=10).status_code == 401  # a keyed server
+        r = httpx.get(srv.url + "/favicon.ico", timeout=10)  # no key needed, as for the page itself
+        assert r.status_code == 204 and r.content == b""
