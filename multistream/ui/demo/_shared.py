@@ -249,7 +249,11 @@ def preview_html(view: LiveView | None, elem: str, note: str = "") -> str:
             line = (f"{ev.finish_reason} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · final "
                     f"{ev.width}x{ev.height} {ev.mime.split('/')[-1].upper()} ({kb:.1f} KB)")
         else:
-            line = f"step {ev.step}/{ev.total_steps} · {ev.t:.2f} s · preview {ev.width}x{ev.height} ({kb:.1f} KB)"
+            # The time left, when the event says (eta_s: image events of models that estimate it).
+            eta = getattr(ev, "eta_s", None)
+            left = f" · about {eta:.1f} s left" if isinstance(eta, (int, float)) else ""
+            line = (f"step {ev.step}/{ev.total_steps}{left} · {ev.t:.2f} s · preview {ev.width}x{ev.height} "
+                    f"({kb:.1f} KB)")
         if note:
             line = f"{note} · {line}"
     return (
