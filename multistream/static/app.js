@@ -180,6 +180,7 @@ function imageStatus(ev) {
   if (ev.type !== "image") return ["starting…"];
   // The server's estimate (eta_s) when it sends one; else the pace so far.
   let left = typeof ev.eta_s === "number" ? ev.eta_s : null;
+  if (left !== null) state.serverEtas += 1;
   if (left === null && ev.step > 0) left = (ev.t / ev.step) * (ev.total_steps - ev.step);
   return [`step ${ev.step}/${ev.total_steps}` + (left !== null ? ` · about ${seconds(Math.max(0, left))} left` : "")];
 }
@@ -496,7 +497,7 @@ async function run(kind, path, body) {
                          tokens: [], confidence: kind === "text" && !!body.logprobs, branches: 0, queued: null,
                          textTokens: 0, firstTokenT: null, lastT: 0, audioChunks: 0, audioSeconds: 0,
                          firstAudioT: null, spokenText: kind === "speech" ? body.text : "", spokenTo: 0,
-                         stopRequested: false });
+                         stopRequested: false, serverEtas: 0 });
   if (kind === "speech") { pending.spoken = true; schedule(); }
   setRunning(true);
   setStatus("starting…");
