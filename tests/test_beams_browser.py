@@ -120,7 +120,7 @@ def test_web_client_draws_provisional_text_faded(text_model: Any, browser: Any) 
         pg = browser.new_page()
         pg.goto(srv.url + "/")
         pg.fill("#prompt", QUESTION)
-        pg.fill("#amount", "48")
+        pg.fill("#max-tokens", "48")
         pg.fill("#beams", "4")
         pg.click("#go")
         seen = _wait_mid_stream(pg, "#output .provisional", lambda: pg.evaluate("window.__ms.finalEvent !== null"),

@@ -19,6 +19,11 @@ CHROMIUM = "/usr/bin/chromium"
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 TOKENS = [f" word{i}" for i in range(30)]
+# The last answer bubble in the demo's chat, and the coloured tokens in it.
+BUBBLE = "#ms-chatbot .bot-row"
+BUBBLE_TOKENS = f"{BUBBLE} .ms-tok"
+BOT_TEXT = """() => { const m = document.querySelectorAll('#ms-chatbot .bot, #ms-chatbot [data-testid="bot"]');
+  return m.length ? m[m.length - 1].innerText : ''; }"""
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"Chromium is not installed at {CHROMIUM}")]
 
@@ -33,7 +38,7 @@ def test_web_client_colours_tokens_and_branches_from_an_alternative() -> None:
             page = browser.new_page(viewport={"width": 900, "height": 600})
             page.goto(srv.url + "/")
             page.check("#confidence")
-            page.fill("#amount", "30")
+            page.fill("#max-tokens", "30")
             page.click("#go")
             page.wait_for_function("() => document.querySelectorAll('#output .ms-tok').length >= 6", timeout=30_000)
             assert text.calls[-1]["top_logprobs"] == 5
@@ -90,24 +95,30 @@ def test_demo_chat_shows_confidence_and_branches_from_an_alternative() -> None:
             page.check("#ms-chat-confidence-on input")
             page.fill("#ms-chat-input textarea", "hello")
             page.click("#ms-chat-send")
-            page.wait_for_function("() => document.querySelectorAll('#ms-chat-confidence .ms-tok').length >= 6")
+            # The coloured tokens are the answer in its chat bubble, not a copy elsewhere on the page.
+            page.wait_for_function(f"() => document.querySelectorAll('{BUBBLE_TOKENS}').length >= 6")
             assert text.calls[-1]["top_logprobs"] == 5
-            page.hover("#ms-chat-confidence .ms-tok:nth-of-type(2)")
-            page.wait_for_selector("#ms-chat-confidence .ms-tok:nth-of-type(2) .ms-tip", state="visible")
+            assert page.locator("#ms-chat-confidence").count() == 0
+            colours = page.eval_on_selector_all(BUBBLE_TOKENS, "els => els.map(e => e.style.background)")
+            assert len(set(colours)) > 1  # coloured by probability
+            bubble = page.evaluate(BOT_TEXT)
+            assert bubble.strip().startswith("word0 word1 word2")
+            page.hover(f"{BUBBLE} .ms-tok:nth-of-type(2)")
+            page.wait_for_selector(f"{BUBBLE} .ms-tok:nth-of-type(2) .ms-tip", state="visible")
             page.screenshot(path=str(ARTIFACTS / "confidence_demo_streaming.png"))
             # Let it end, then branch the finished answer (llm.revise(final, offset, token_id=...)).
             page.wait_for_function("() => document.querySelector('#ms-chat-stats').innerText.includes('TTFT') && /^(stop|length)/.test(document.querySelector('#ms-chat-stats').innerText.trim())",
                                    timeout=60_000)
             page.mouse.move(0, 0)
-            second = page.locator("#ms-chat-confidence .ms-tok").nth(1)
+            second = page.locator(BUBBLE_TOKENS).nth(1)
             second.hover(force=True)
             alt = second.locator(".ms-alt").nth(3)
-            assert alt.get_attribute("data-token") == "4"
+            assert "ms-t4" in (alt.get_attribute("class") or "").split()  # the alternative's token id
             alt.click(force=True)
             page.wait_for_function("() => document.querySelector('#ms-chatbot').innerText.includes('word0 word4 word5')")
             page.wait_for_function("() => document.querySelector('#ms-chat-stats').innerText.includes('TTFT') && /^(stop|length)/.test(document.querySelector('#ms-chat-stats').innerText.trim())")
             assert text.calls[-1].get("revise") is True
-            page.locator("#ms-chat-confidence .ms-tok").nth(1).hover(force=True)
+            page.locator(BUBBLE_TOKENS).nth(1).hover(force=True)
             page.screenshot(path=str(ARTIFACTS / "confidence_demo_branched.png"))
             browser.close()
     finally:

@@ -89,7 +89,7 @@ def test_image_streams_previews_then_final(served: tuple) -> None:
 
 def test_prompt_to_picture_is_one_composed_stream(served: tuple) -> None:
     client = gradio_client.Client(served[0], verbose=False)
-    job = client.submit("the sun over the sea", 8, 0, "latent", api_name="/prompt_to_picture")
+    job = client.submit("a red ball in the blue sea", 8, 0, "latent", api_name="/prompt_to_picture")
     _wait_done(job)
     outputs = job.outputs()
     written = [o[0] for o in outputs]
@@ -152,6 +152,41 @@ def test_the_llm_writes_only_what_the_image_model_can_draw(text_model, idea: str
     assert shape in SHAPES and color in COLORS and background in COLORS
 
 
+@pytest.mark.model
+def test_the_default_idea_is_written_and_drawn_right_by_the_embedded_models(text_model) -> None:
+    # What a newcomer sees first on the Prompt-to-picture tab (and in the notebook): the 135M LLM
+    # must turn it into the picture the idea means, and the shapes model must draw that picture.
+    import json
+    from collections import Counter
+
+    import numpy as np
+
+    from multistream.ui.demo import DEFAULT_IDEA
+
+    notebook = json.loads(open(os.path.join(os.path.dirname(__file__), "..", "demos", "notebook.ipynb")).read())
+    assert any(f'idea = "{DEFAULT_IDEA}"' in "".join(c["source"]) for c in notebook["cells"])
+    final = text_model.generate(prompt_messages(DEFAULT_IDEA, "shapes"), max_new_tokens=32, temperature=0.0,
+                                allowed=shapes_prompt_pattern())
+    assert final.text.strip() == "a red circle on a blue background"
+    sd = ms.load_image_model()
+    try:
+        img = np.asarray(sd.generate(final.text.strip(), steps=20, seed=0).image.convert("RGB")).astype(float)
+    finally:
+        sd.close()
+
+    def nearest(rgb: np.ndarray) -> str:
+        return min(COLORS, key=lambda c: float(sum((a - b) ** 2 for a, b in zip(COLORS[c], rgb))))
+
+    names = np.array([nearest(p) for p in img.reshape(-1, 3)]).reshape(img.shape[:2])
+    assert Counter(names.ravel()).most_common(1)[0][0] == "blue"  # the background
+    shape = names == "red"
+    ys, xs = np.nonzero(shape)
+    assert shape.sum() > 0.03 * shape.size, shape.sum()
+    # A disc fills about pi/4 of its bounding box (a square all of it, a triangle or star half or less).
+    fill = shape.sum() / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
+    assert 0.65 < fill < 0.9, fill
+
+
 def test_create_demo_bad_arguments() -> None:
     with pytest.raises(ms.InvalidArgumentError, match="max_fps"):
         create_demo(ScriptedTextModel(), ScriptedImageModel(), max_fps=0)
@@ -187,3 +222,51 @@ def test_mount_demo_serves_the_page_from_a_fastapi_app() -> None:
         assert page.status_code == 200 and "gradio" in page.text.lower()
         config = client.get("/demo/config").json()
         assert any(d.get("api_name") == "image" for d in config["dependencies"])
+
+
+class _QueuedTextModel:
+    """Stands in for the server's gated model (`GatedModel`): its stream first waits for a slot,
+    keeping ``queue_position`` = (position, waiting in all) up to date, then runs ``inner``."""
+
+    def __init__(self, inner: ScriptedTextModel, places: list[tuple[int, int]], hold_s: float = 0.8) -> None:
+        self.inner, self.places, self.hold_s = inner, places, hold_s
+
+    def stream(self, prompt, **kwargs):  # type: ignore[no-untyped-def]
+        import threading
+
+        from multistream.stream import Stream
+
+        made = threading.Event()
+        box: list = []
+
+        def producer(w) -> None:  # type: ignore[no-untyped-def]
+            made.wait(10)
+            for place in self.places:
+                box[0].queue_position = place
+                time.sleep(self.hold_s)
+            box[0].queue_position = None
+            for ev in self.inner.stream(prompt, **kwargs):
+                w.forward(ev)
+
+        stream = Stream(producer, kind="text")
+        stream.queue_position = None  # type: ignore[attr-defined]
+        box.append(stream)
+        made.set()
+        return stream
+
+
+def test_chat_says_where_a_queued_request_stands() -> None:
+    llm = _QueuedTextModel(ScriptedTextModel(delay_s=0.02), [(3, 4), (1, 2)])
+    demo = create_demo(llm, ScriptedImageModel(steps=2), max_fps=50, speech_model=False)
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+        job = client.submit("hello", [], 16, 0.0, 1.0, -1, api_name="/chat")
+        _wait_done(job)
+        stats = [o[2] for o in job.outputs()]
+        assert "waiting: 2 ahead" in stats and "waiting: next in line" in stats, stats
+        assert stats.index("waiting: 2 ahead") < stats.index("waiting: next in line")
+        assert "TTFT" in stats[-1]  # then it ran as usual
+    finally:
+        demo.close()

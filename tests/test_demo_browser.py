@@ -20,7 +20,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import multistream as ms
 from multistream._shapes import COLORS, SHAPES, parse_prompt
-from multistream.ui.demo import create_demo
+from multistream.ui.demo import DEFAULT_IDEA, create_demo
 from multistream.testing import ScriptedImageModel
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
@@ -198,7 +198,8 @@ def test_prompt_to_picture(page: Any) -> None:
     pg.get_by_role("tab", name="Prompt to picture").click()
     pg.wait_for_selector("#ms-picture-go")
     pg.evaluate(OBSERVE_PREVIEW, "#ms-picture-preview")
-    pg.fill("#ms-picture-idea textarea", "the sun over the sea")
+    # The default idea, as a newcomer first runs it.
+    assert pg.input_value("#ms-picture-idea textarea") == DEFAULT_IDEA
     pg.click("#ms-picture-go")
     written: list[str] = []
     deadline = time.monotonic() + 180
@@ -214,6 +215,7 @@ def test_prompt_to_picture(page: Any) -> None:
     used = pg.input_value("#ms-picture-used textarea")
     shape, color, background = parse_prompt(used)
     assert shape in SHAPES and color in COLORS and background in COLORS, used
+    assert used == "a red circle on a blue background"  # what the idea means, not just any shape
     assert written, "the LLM's text never showed"
     frames = pg.evaluate("window.__frames")
     assert len([f for f in frames if not f["png"]]) >= 2 and frames[-1]["png"]

@@ -7,7 +7,7 @@
   its ``state`` is ``"failed"`` and ``reason`` says why and the fix; with ``allow_partial`` the
   server answers 200 on the models that loaded, without it ``multistream serve`` exits with 1).
 - ``GET /metrics``: Prometheus text format.
-- ``GET /``: the small web client (with a Content-Security-Policy).
+- ``GET /``: the small web client (with a Content-Security-Policy); ``GET /favicon.ico``: 204 (none).
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ async def readyz(state: ServerState = Depends(get_state)) -> Any:
                                          "description": "Prometheus text format"}})
 async def metrics(state: ServerState = Depends(get_state)) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    # Browsers ask for it on every page (the web client, /demo); a 404 is a console error there.
+    return Response(status_code=204, headers={"Cache-Control": "public, max-age=86400"})
 
 
 @router.get("/", include_in_schema=False)

@@ -29,7 +29,7 @@ from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
 
 __all__ = ["CONFIDENCE_CSS", "Frame", "LiveView", "Throttle", "TokenSpan", "confidence_color", "confidence_html",
-           "split_delta", "throttled_views"]
+           "markdown_safe_escape", "split_delta", "throttled_views"]
 
 
 class Throttle:
@@ -121,17 +121,46 @@ CONFIDENCE_CSS = """
 """
 
 
-def confidence_html(view: LiveView) -> str:
+# Characters that Markdown (and a chat's LaTeX) would read as markup, as numeric entities; a
+# newline too, since a blank line would end the HTML block and the rest be parsed as Markdown.
+_MARKDOWN_ENTITIES = {c: f"&#{ord(c)};" for c in "\n\\`*_{}[]()#+-.!|~$"}
+
+
+def markdown_safe_escape(text: str) -> str:
+    """``text`` escaped for HTML that Markdown will render: shown exactly, never read as markup.
+
+    Example:
+        >>> markdown_safe_escape("# <b>1. *x*</b>")
+        '&#35; &lt;b&gt;1&#46; &#42;x&#42;&lt;/b&gt;'
+    """
+    # One character at a time: html.escape's own entities contain "#", which must stay as it is.
+    return "".join(_MARKDOWN_ENTITIES.get(c) or html.escape(c) for c in text)
+
+
+def _escape(text: str, markdown_safe: bool) -> str:
+    return markdown_safe_escape(text) if markdown_safe else html.escape(text)
+
+
+def confidence_html(view: LiveView, *, markdown_safe: bool = False) -> str:
     """The answer's tokens as HTML: each coloured by its probability, hovering shows its top
     alternatives as buttons (``data-offset``: where the token starts, ``data-token``: the
-    alternative's id) that a page turns into ``rewind(offset, token_id=...)``. Everything is escaped.
+    alternative's id; also as the classes ``ms-o<offset>`` and ``ms-t<id>``, which survive a chat's
+    HTML sanitizer where data attributes do not) that a page turns into ``rewind(offset, token_id=...)``. Everything is escaped;
+    ``markdown_safe`` also writes Markdown's own characters as entities, so the HTML can go where
+    Markdown is rendered (a chat bubble) and show the tokens exactly.
 
     Example:
         >>> v = LiveView()
         >>> v.tokens = [TokenSpan(0, "Hi", {"token_id": 5, "logprob": 0.0, "top_logprobs": []})]
         >>> "Hi" in confidence_html(v) and "hsla(120" in confidence_html(v)
         True
+        >>> v.tokens = [TokenSpan(0, "**a'**", {"token_id": 5, "logprob": 0.0})]
+        >>> "&#42;&#42;a&#x27;&#42;&#42;" in confidence_html(v, markdown_safe=True)
+        True
     """
+    def esc(text: str) -> str:
+        return _escape(text, markdown_safe)
+
     out = ['<div class="ms-conf">']
     for span in view.tokens:
         e = span.entry
@@ -139,12 +168,13 @@ def confidence_html(view: LiveView) -> str:
         for alt in e.get("top_logprobs") or []:
             chosen = " ms-chosen" if alt.get("token_id") == e.get("token_id") else ""
             alts.append(
-                f'<button class="ms-alt{chosen}" data-offset="{span.start}" data-token="{int(alt["token_id"])}">'
-                f'{html.escape(repr(alt.get("token", "")))} {100 * math.exp(float(alt["logprob"])):.1f}%</button>')
-        tip = (f'<span class="ms-tip">{html.escape(repr(e.get("token", "")))} {100 * span.probability:.1f}%'
+                f'<button class="ms-alt{chosen} ms-o{span.start} ms-t{int(alt["token_id"])}" '
+                f'data-offset="{span.start}" data-token="{int(alt["token_id"])}">'
+                f'{esc(repr(alt.get("token", "")))} {100 * math.exp(float(alt["logprob"])):.1f}%</button>')
+        tip = (f'<span class="ms-tip">{esc(repr(e.get("token", "")))} {100 * span.probability:.1f}%'
                + "".join(alts) + "</span>")
         out.append(f'<span class="ms-tok" style="background:{confidence_color(span.probability)}" '
-                   f'data-offset="{span.start}" data-p="{span.probability:.4f}">{html.escape(span.text)}{tip}</span>')
+                   f'data-offset="{span.start}" data-p="{span.probability:.4f}">{esc(span.text)}{tip}</span>')
     out.append("</div>")
     return "".join(out)
 
@@ -200,6 +230,9 @@ class LiveView:
     audio_seconds: float = 0.0
     first_audio_t: float | None = None
     audio_final: AudioEvent | None = None
+    # While the request waits for a slot on a server: (position, waiting in all), position 1 = next
+    # (the stream's ``queue_position``, see `throttled_views`); None once it runs.
+    queued: tuple[int, int] | None = None
     _part_tokens_from: int = 0  # text_tokens when the current text part began
 
     @classmethod
@@ -214,6 +247,7 @@ class LiveView:
     def apply(self, ev: Event) -> None:
         """Fold one event into the view."""
         self.events += 1
+        self.queued = None
         self.t = ev.t
         if isinstance(ev, TextEvent):
             if not self.texts or self.text_done[-1] is not None:
@@ -268,6 +302,18 @@ class LiveView:
         if ev.is_final:
             self.final = ev
 
+    def queue_note(self) -> str:
+        """"waiting: N ahead" while the request waits in a server's queue, else "".
+
+        Example:
+            >>> LiveView(queued=(3, 5)).queue_note(), LiveView(queued=(1, 1)).queue_note()
+            ('waiting: 2 ahead', 'waiting: next in line')
+        """
+        if self.queued is None:
+            return ""
+        ahead = max(0, self.queued[0] - 1)
+        return f"waiting: {ahead} ahead" if ahead else "waiting: next in line"
+
     def text(self, part: int) -> str:
         """The text of one text part so far."""
         return "".join(self.texts[part])
@@ -290,6 +336,9 @@ class LiveView:
         return text[:cut], text[cut:]
 
 
+_QUEUE_POLL_S = 0.25
+
+
 async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None = None) -> AsyncIterator[LiveView]:
     """Yield the stream's folded state at most ``max_fps`` times a second, and always at the end.
 
@@ -298,6 +347,11 @@ async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None 
     of old ones; a view with news is sent once its turn comes even if no newer event arrives.
     Leaving early (the page closed, the task cancelled) cancels the model. ``view`` may start with
     text already there (:meth:`LiveView.starting_with`, a revised answer's kept part).
+
+    Until the first event, a stream that waits in a server's queue (one that has a
+    ``queue_position`` attribute: ``(position, waiting in all)`` or None, as the demo's gated
+    models keep it) is looked at every ``_QUEUE_POLL_S`` and a view goes out each time it moves,
+    so a page can say "waiting: N ahead" (``view.queue_note()``).
 
     Example:
         >>> async for view in throttled_views(llm.stream("Write a haiku"), max_fps=15):  # doctest: +SKIP
@@ -313,7 +367,17 @@ async def throttled_views(stream: Stream, max_fps: float, view: LiveView | None 
             if next_ev is None:
                 next_ev = asyncio.ensure_future(events.__anext__())
             timeout = throttle.remaining(time.monotonic()) if dirty else None
+            watch_queue = view.events == 0 and hasattr(stream, "queue_position")
+            if watch_queue:
+                timeout = _QUEUE_POLL_S if timeout is None else min(timeout, _QUEUE_POLL_S)
             done, _ = await asyncio.wait({next_ev}, timeout=timeout)
+            if watch_queue and next_ev not in done:
+                place = getattr(stream, "queue_position", None)
+                place = (int(place[0]), int(place[1])) if place else None
+                if place != view.queued:
+                    view.queued = place
+                    yield view
+                    continue
             if next_ev in done:
                 ev = next_ev.result()
                 next_ev = None

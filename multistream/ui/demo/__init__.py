@@ -27,7 +27,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..view import throttled_views
-from ._prompts import prompt_messages, shapes_prompt_pattern
+from ._prompts import DEFAULT_IDEA, prompt_messages, shapes_prompt_pattern
 
 if TYPE_CHECKING:
     from ._page import create_demo, launch, mount_demo
@@ -47,4 +47,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern", "throttled_views"]
+__all__ = ["DEFAULT_IDEA", "create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern", "throttled_views"]

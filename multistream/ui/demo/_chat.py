@@ -8,7 +8,8 @@ rewinds the answer to where the selected words begin, or to a character offset (
 ``llm.revise`` once the answer ended). "Show confidence" streams with ``top_logprobs=5`` and
 shows the answer's tokens coloured by probability; hovering one lists its top alternatives, and
 clicking one branches the answer from that token (``rewind(offset, token_id=alt)``, or
-``llm.revise(final, offset, token_id=alt)`` once it ended).
+``llm.revise(final, offset, token_id=alt)`` once it ended). The coloured tokens are the chat
+answer itself (in its bubble), not a copy elsewhere on the page.
 
 Example:
     >>> content_text([{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}])
@@ -28,10 +29,10 @@ import gradio as gr
 from ...errors import MultistreamError
 from ...events import TextEvent
 from ...stream import Stream
-from ..view import CONFIDENCE_CSS, LiveView, confidence_html, throttled_views
+from ..view import LiveView, confidence_html, markdown_safe_escape, throttled_views
 from ._shared import ActiveRuns, ModelSlot, run_key, ui_error
 
-__all__ = ["SELECTION_JS", "ChatTab", "chat_stats", "clear_chat", "confidence_panel", "content_text", "formatted_json",
+__all__ = ["SELECTION_JS", "ChatTab", "answer_markup", "chat_stats", "clear_chat", "content_text", "formatted_json",
            "json_schema_option"]
 
 _TOP_ALTERNATIVES = 5
@@ -49,28 +50,20 @@ SELECTION_JS = """() => {
   });
   // "Show confidence": clicking an alternative token branches the answer from it.
   document.addEventListener("click", (e) => {
-    const alt = e.target.closest && e.target.closest("#ms-chat-confidence .ms-alt");
+    const alt = e.target.closest && e.target.closest("#ms-chatbot .ms-alt");
     if (!alt) return;
     const box = document.querySelector("#ms-chat-branch textarea");
     const go = document.getElementById("ms-chat-branch-go");
     if (!box || !go) return;
-    box.value = alt.dataset.offset + ":" + alt.dataset.token;
+    // The chat's sanitizer drops data attributes: the offset and token id are also classes.
+    const cls = (re) => (alt.className.match(re) || [])[1];
+    const offset = alt.dataset.offset ?? cls(/(?:^| )ms-o([0-9]+)/), token = alt.dataset.token ?? cls(/(?:^| )ms-t([0-9]+)/);
+    if (offset === undefined || token === undefined) return;
+    box.value = offset + ":" + token;
     box.dispatchEvent(new Event("input", { bubbles: true }));
     setTimeout(() => go.click(), 50);
   });
 }"""
-
-
-def confidence_panel(view: LiveView | None, shown: bool) -> str:
-    """The "Show confidence" panel's HTML (empty when it is off or nothing has logprobs yet).
-
-    Example:
-        >>> confidence_panel(LiveView(), False)
-        ''
-    """
-    if not shown or view is None or not view.tokens:
-        return ""
-    return f"<style>{CONFIDENCE_CSS}</style>" + confidence_html(view)
 
 
 def content_text(content: Any) -> str:
@@ -99,23 +92,33 @@ def chat_stats(view: LiveView) -> str:
     return f"{line} · revision {view.revision}" if view.revision and view.error is None else line
 
 
-def _answer_markup(view: LiveView) -> str:
-    """The answer as the chat shows it: settled text as it is, a beam search's provisional tail
-    (which may still be replaced) faded.
+def answer_markup(view: LiveView, confidence: bool = False) -> str:
+    """The answer as the chat bubble shows it: settled text as it is, a beam search's provisional
+    tail (which may still be replaced) faded; with ``confidence``, its tokens coloured by probability
+    (with their alternatives on hover) once they have logprobs.
 
     Example:
         >>> from multistream.events import TextEvent
         >>> view = LiveView()
         >>> view.apply(TextEvent(stream_id="s", seq=0, t=0.1, delta="The cat", committed=3))
-        >>> _answer_markup(view)
+        >>> answer_markup(view)
         'The<span class="ms-provisional" style="opacity:0.45"> cat</span>'
     """
     if not view.texts:
         return ""
+    if confidence and view.tokens:
+        return confidence_html(view, markdown_safe=True) + _untokened_tail(view)
     settled, provisional = view.settled(0)
     if not provisional:
         return settled
     return f'{settled}<span class="ms-provisional" style="opacity:0.45">{html.escape(provisional)}</span>'
+
+
+def _untokened_tail(view: LiveView) -> str:
+    """Answer text after the last coloured token (held back by the detokenizer), drawn plainly."""
+    last = view.tokens[-1]
+    rest = view.text(0)[last.start + len(last.text):]
+    return f'<span class="ms-conf">{markdown_safe_escape(rest)}</span>' if rest else ""
 
 
 def _chat_line(view: LiveView) -> str:
@@ -132,6 +135,8 @@ def _chat_line(view: LiveView) -> str:
         )
     if view.error is not None:
         return f"**error** · {view.error.get('type')}: {view.error.get('message')}"
+    if view.queued is not None:  # on a busy server: where this request stands in its queue
+        return view.queue_note()
     if view.first_text_t is None:
         return f"waiting for the first token… {view.t:.2f} s"
     # Decode speed after the first token: the prefill is already counted in the TTFT.
@@ -236,12 +241,14 @@ class ChatTab:
         key = run_key(request, "chat")
         answer = self._stream_answer(key, stream, shown, None, "waiting for the first token…", bool(confidence),
                                      as_json=bool(structured))
-        if speak is None:  # no speech model: the four outputs
+        if speak is None:  # no speech model: the three outputs
             async for out in answer:
                 yield out
         elif not speak:
+            # The player is hidden and left alone: any value sent to a streaming gr.Audio puts it in
+            # a playing state whose hls.js polls an empty playlist (hundreds of console errors).
             async for out in answer:
-                yield (*out, None)
+                yield (*out, gr.skip())
         else:
             async for out in self._spoken(key, answer):
                 yield out
@@ -249,17 +256,19 @@ class ChatTab:
     async def _stream_answer(self, key: tuple[str, str], stream: Stream, shown: list[dict[str, Any]],
                              view: LiveView | None, first_note: str,
                              confidence: bool = False, as_json: bool = False) -> AsyncIterator[tuple[Any, ...]]:
-        """(chat, input box, stats, confidence panel) updates while ``stream`` writes the last
-        message of ``shown``."""
+        """(chat, input box, stats) updates while ``stream`` writes the last message of ``shown``
+        (with ``confidence``, its tokens coloured in the bubble)."""
         self.runs.start(key, stream)
         self.answers.pop(key, None)
         self.live_text.pop(key, None)  # "Speak the answer" must not read the previous answer
         try:
-            yield shown, "", first_note, confidence_panel(view, confidence)
+            if view is not None:
+                shown[-1] = {"role": "assistant", "content": answer_markup(view, confidence)}
+            yield shown, "", first_note
             # `start` is the view to continue (a revision keeps the text before its offset).
             start = view
             async for view in throttled_views(stream, self.max_fps, start):
-                shown[-1] = {"role": "assistant", "content": _answer_markup(view)}
+                shown[-1] = {"role": "assistant", "content": answer_markup(view, confidence)}
                 self.live_text[key] = view.text(0) if view.texts else ""
                 if view.error is not None:
                     shown[-1]["content"] += f"\n\n⚠️ {view.error.get('message')}"
@@ -269,7 +278,7 @@ class ChatTab:
                         shown[-1]["content"] = formatted_json(view.final.text or "")
                 # The box was cleared once above; now it is left alone, so the user can type an
                 # instruction for "Steer" while the answer streams.
-                yield shown, gr.skip(), chat_stats(view), confidence_panel(view, confidence)
+                yield shown, gr.skip(), chat_stats(view)
         finally:
             self.runs.end(key, stream)
             self.live_text.pop(key, None)
@@ -307,17 +316,17 @@ class ChatTab:
                 stream.rewind(at, instruction=note)
             except MultistreamError as exc:
                 raise ui_error(exc) from exc
-            yield gr.skip(), "", gr.skip(), "", gr.skip()  # the running send handler shows the new text
+            yield gr.skip(), "", gr.skip(), ""  # the running send handler shows the new text
             return
         if final is None or not history:
             raise gr.Error("no answer to regenerate yet; Send a message first")
         async for out in self._revise_finished(key, final, history, at, f"regenerating from character {at}…",
                                                instruction=note):
-            yield (*out[:3], "", out[3])
+            yield (*out, "")
 
     async def branch(self, spec: str, history: list[dict[str, Any]],
                      request: gr.Request) -> AsyncIterator[tuple[Any, ...]]:
-        """A click on an alternative in the confidence panel (``spec`` is ``"offset:token_id"``):
+        """A click on an alternative of a coloured token in the answer (``spec`` is ``"offset:token_id"``):
         the answer is regenerated from that token's place, starting with the alternative."""
         try:
             offset_text, token_text = (spec or "").split(":")
@@ -331,7 +340,7 @@ class ChatTab:
                 stream.rewind(offset, token_id=token_id)
             except MultistreamError as exc:
                 raise ui_error(exc) from exc
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()  # the running send handler shows the new text
+            yield gr.skip(), gr.skip(), gr.skip()  # the running send handler shows the new text
             return
         final = self.answers.get(key)
         if final is None or not history:
@@ -375,7 +384,7 @@ class ChatTab:
         return int(offset)
 
     async def _spoken(self, key: tuple[str, str], answer: AsyncIterator[tuple[Any, ...]]) -> AsyncIterator[tuple[Any, ...]]:
-        """``answer``'s updates with a fifth output, the audio of the answer spoken while it streams
+        """``answer``'s updates with a fourth output, the audio of the answer spoken while it streams
         ("Speak the answer"): each update carries the audio made since the previous one; after
         the text has ended, the rest of the speech follows."""
         from ._speech import speak_while_written
@@ -410,7 +419,7 @@ class ChatTab:
             while not done.is_set() or pending:
                 chunk = take()
                 if chunk is not None:
-                    yield (*(gr.skip() for _ in range(4)), chunk)
+                    yield (*(gr.skip() for _ in range(3)), chunk)
                 else:
                     await asyncio.sleep(0.05)
         finally:
@@ -460,13 +469,16 @@ class ChatTab:
                 with gr.Row():
                     speak_on = gr.Checkbox(value=False, label="Speak the answer (audio plays while the text streams)",
                                            elem_id="ms-chat-speak")
+                    # Shown only while "Speak the answer" is on: no audio element (and no playlist
+                    # polling) on a page that does not speak.
                     spoken = gr.Audio(label="Spoken answer", streaming=True, autoplay=True, interactive=False,
-                                      elem_id="ms-chat-audio")
-            panel = gr.HTML("", elem_id="ms-chat-confidence")
+                                      elem_id="ms-chat-audio", visible=False)
+                speak_on.change(_player_visibility, speak_on, spoken, api_name=False, queue=False,
+                                show_progress="hidden")
             branch_spec = gr.Textbox(elem_id="ms-chat-branch", elem_classes=["ms-hidden"], show_label=False)
             branch_go = gr.Button("branch", elem_id="ms-chat-branch-go", elem_classes=["ms-hidden"])
             inputs = [msg, chatbot, max_tokens, temperature, top_p, seed, beams, confidence, as_json, schema_text]
-            outputs = [chatbot, msg, stats, panel]
+            outputs = [chatbot, msg, stats]
             # With a speech model, Send also takes "Speak the answer" and streams the spoken answer.
             send_inputs = inputs + [speak_on] if self.speech is not None else inputs
             send_outputs = outputs + [spoken] if self.speech is not None else outputs
@@ -476,10 +488,15 @@ class ChatTab:
             # Typing while the answer streams, then Steer: a new instruction from the next token on.
             steer.click(self.steer, [msg], [msg], api_name="steer_chat", queue=False)
             regenerate.click(self.regenerate, [rewind_at, selection, msg, chatbot],
-                             [chatbot, msg, stats, selection, panel], api_name="regenerate_chat", show_progress="hidden")
+                             [chatbot, msg, stats, selection], api_name="regenerate_chat", show_progress="hidden")
             branch_go.click(self.branch, [branch_spec, chatbot], outputs, api_name="branch_chat",
                             show_progress="hidden")
             clear.click(clear_chat, None, [chatbot, stats], api_name=False, queue=False)
+
+
+def _player_visibility(speak: bool) -> Any:
+    """The spoken answer's player is on the page only while "Speak the answer" is ticked."""
+    return gr.update(visible=bool(speak))
 
 
 def np_samples(data: bytes) -> Any:

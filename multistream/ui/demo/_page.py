@@ -14,6 +14,7 @@ from typing import Any
 import gradio as gr
 
 from ...errors import InvalidArgumentError
+from ..view import CONFIDENCE_CSS
 from ._chat import SELECTION_JS, ChatTab
 from ._image import ImageTab
 from ._picture import PictureTab
@@ -24,7 +25,11 @@ __all__ = ["create_demo", "launch", "mount_demo"]
 
 _PAGE_STYLE = (
     "<style>#ms-image-final img, #ms-picture-final img {width:100%;height:100%;object-fit:contain}"
-    "#ms-style {display:none} .ms-hidden {display:none !important}</style>"
+    "#ms-style {display:none} .ms-hidden {display:none !important}"
+    # "Show confidence" colours the tokens in the chat bubble; their alternatives pop out of it.
+    + CONFIDENCE_CSS.replace("\n", " ")
+    + "#ms-chatbot .ms-conf {display:inline} #ms-chatbot .message-content, #ms-chatbot .bubble {overflow:visible}"
+    "</style>"
 )
 
 

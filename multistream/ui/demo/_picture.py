@@ -5,7 +5,7 @@ the preview box fills with the drawing of exactly that text.
 
 Example:
     >>> from multistream.testing import ScriptedImageModel
-    >>> draw = DrawWritten(ScriptedImageModel(), "the sun over the sea", {"steps": 4})
+    >>> draw = DrawWritten(ScriptedImageModel(), DEFAULT_IDEA, {"steps": 4})
     >>> draw.prompt is None                       # set once the LLM has written it
     True
 """
@@ -22,7 +22,7 @@ from ...errors import MultistreamError
 from ...events import Event
 from ...stream import Stream
 from ..view import throttled_views
-from ._prompts import prompt_messages, shapes_prompt_pattern
+from ._prompts import DEFAULT_IDEA, prompt_messages, shapes_prompt_pattern
 from ._shared import (
     PREVIEW_MODES,
     PREVIEW_SIDE_PX,
@@ -88,7 +88,7 @@ class PictureTab:
         sd = self.image_model.get()
         idea = (idea or "").strip()
         if not idea:
-            raise gr.Error("type an idea first, e.g. 'the sun over the sea'")
+            raise gr.Error(f"type an idea first, e.g. '{DEFAULT_IDEA}'")
         draw = DrawWritten(sd, idea, image_kwargs(steps, seed, preview, 1, 75, 256))
         constraint = {"allowed": shapes_prompt_pattern()} if self.prompt_style == "shapes" else {"stop": ["\n"]}
         try:
@@ -123,7 +123,7 @@ class PictureTab:
                 gr.Markdown(f"⚠️ This tab needs both models. {self.text_model.why} {self.image_model.why}")
             with gr.Row():
                 with gr.Column(scale=1):
-                    idea = gr.Textbox(value="the sun over the sea", label="Idea", elem_id="ms-picture-idea")
+                    idea = gr.Textbox(value=DEFAULT_IDEA, label="Idea", elem_id="ms-picture-idea")
                     with gr.Row():
                         go = gr.Button("Write and draw", variant="primary", elem_id="ms-picture-go")
                         stop = gr.Button("Stop", variant="stop", elem_id="ms-picture-stop")

@@ -7,7 +7,13 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["prompt_messages", "shapes_prompt_pattern"]
+__all__ = ["DEFAULT_IDEA", "prompt_messages", "shapes_prompt_pattern"]
+
+#: The Prompt-to-picture tab's first idea. The embedded models get it right end to end: SmolLM2
+#: writes "a red circle on a blue background" and the shapes model draws exactly that (checked by
+#: tests/test_demo.py on the real models). "the sun over the sea", the old default, came out as "a
+#: blue circle on a red background": the 135M model keeps colours an idea names, not ones it implies.
+DEFAULT_IDEA = "a red ball in the blue sea"
 
 _SHAPES_SYSTEM = (
     "You turn an idea into a picture description for a tiny image model. It can only draw ONE shape "

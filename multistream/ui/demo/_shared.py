@@ -232,8 +232,9 @@ def preview_html(view: LiveView | None, elem: str, note: str = "") -> str:
         "align-items:center;justify-content:center;overflow:hidden;color:#6b7280;font-size:14px"
     )
     if frame is None:
-        inner = html.escape(note or "the preview appears here")
-        pct, line = 0.0, "waiting"
+        queued = view.queue_note() if view is not None else ""  # on a busy server: its place in the queue
+        inner = html.escape(queued or note or "the preview appears here")
+        pct, line = 0.0, queued or "waiting"
         body = f'<div style="{box}">{inner}</div>'
     else:
         ev = frame.ev
@@ -248,7 +249,11 @@ def preview_html(view: LiveView | None, elem: str, note: str = "") -> str:
             line = (f"{ev.finish_reason} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · final "
                     f"{ev.width}x{ev.height} {ev.mime.split('/')[-1].upper()} ({kb:.1f} KB)")
         else:
-            line = f"step {ev.step}/{ev.total_steps} · {ev.t:.2f} s · preview {ev.width}x{ev.height} ({kb:.1f} KB)"
+            # The time left, when the event says (eta_s: image events of models that estimate it).
+            eta = getattr(ev, "eta_s", None)
+            left = f" · about {eta:.1f} s left" if isinstance(eta, (int, float)) else ""
+            line = (f"step {ev.step}/{ev.total_steps}{left} · {ev.t:.2f} s · preview {ev.width}x{ev.height} "
+                    f"({kb:.1f} KB)")
         if note:
             line = f"{note} · {line}"
     return (
