@@ -55,11 +55,17 @@ class GatedModel:
             inbox: queue.Queue[Any] = queue.Queue()
 
             async def follow() -> None:
+                def queued(position: int, waiting: int) -> None:  # the page shows "waiting: N ahead"
+                    out.queue_position = (position, waiting)
+
                 try:
-                    record = await state.open_stream(kind, kwargs, principal=principal, resumable=False)
+                    record = await state.open_stream(kind, kwargs, principal=principal, resumable=False,
+                                                     on_queued=queued)
                 except Exception as exc:  # noqa: BLE001 - reported on the page as the stream's error
                     inbox.put(problem_from_exception(exc))
                     return
+                finally:
+                    out.queue_position = None  # admitted (or refused): no longer waiting
                 inbox.put(record)
                 async for ev in record.subscribe():
                     inbox.put(ev)
@@ -87,4 +93,6 @@ class GatedModel:
                 if item.is_final:
                     return
 
-        return Stream(producer, kind=kind)
+        out = Stream(producer, kind=kind)
+        out.queue_position = None  # (position, waiting) while the server's queue holds the request
+        return out
