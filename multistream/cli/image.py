@@ -1,8 +1,11 @@
 """``multistream image "prompt"``: write each denoising preview and the final image to a folder,
 or only the final image to a file (``--out final.png``: a path ending in an image suffix is that file).
 
-Progress (step i/n, ms per step) goes to stderr as the previews arrive; ``--json`` also prints
-each wire event as one line of JSON on stdout (NDJSON; frames are base64 in ``data``).
+Progress goes to stderr as the previews arrive: on a terminal a progress bar with the estimated
+time left (the events' ``eta_s``), else one line per preview (step i/n, ms per step, eta);
+``--json`` also prints each wire event as one line of JSON on stdout (NDJSON; frames are base64
+in ``data``). A ``--width``/``--height`` the model cannot make exits with status 2 and the sizes it
+can make (for the embedded model, before it loads).
 
 Example:
     $ multistream image "a red circle on a blue background" --out out/ --steps 20 --seed 0
@@ -15,13 +18,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Any
 
 from .._spec import add_cli_options, cli_values
 from ..errors import MultistreamError
-from ..image import ImageOptions
+from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions
 from ._console import set_library_progress, show_progress
 
 _EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
@@ -93,6 +97,30 @@ def write_strip(frames: list[Any], final: Any, path: str, count: int, tile: int 
     strip.save(path)
 
 
+class _StepBar:
+    """A tqdm bar of the denoising steps on a terminal, showing the model's own estimate of the
+    time left (``eta_s``: measured step times plus the final decode) rather than tqdm's."""
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr, leave=False,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def show(self, step: int, total: int, eta_s: float | None, ms_per_step: float) -> None:
+        if self._bar.total != total:
+            self._bar.total = total
+        eta = "ETA --" if eta_s is None else f"ETA {eta_s:.1f} s"
+        self._bar.set_postfix_str(f"{eta}, {ms_per_step:.0f} ms/step", refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def __enter__(self) -> _StepBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
+
+
 def _progress(line: str, final: bool = False) -> None:
     if sys.stderr.isatty():
         sys.stderr.write("\r\x1b[2K" + line + ("\n" if final else ""))
@@ -102,6 +130,13 @@ def _progress(line: str, final: bool = False) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is None:
+        # The embedded model's sizes are known without loading it: a bad one fails in no time.
+        try:
+            EMBEDDED_IMAGE_SIZES.check(args.height, args.width)
+        except MultistreamError as exc:
+            print(f"multistream: {exc}", file=sys.stderr)
+            return 2
     from ..image import load_image_model
 
     # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
@@ -124,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(out_file), exist_ok=True)
     last_t, last_step = 0.0, 0
     previews: list[Any] = []
-    with stream:
+    bar = _StepBar() if show_progress() else None
+    with stream, bar if bar is not None else contextlib.nullcontext():
         for ev in stream:
             if args.json:
                 print(ev.to_json(), flush=True)
@@ -146,7 +182,11 @@ def run(args: argparse.Namespace) -> int:
                 # Steps between two previews may be several (preview_every, or skipped frames).
                 ms_per_step = (ev.t - last_t) * 1e3 / max(1, ev.step - last_step)
                 last_t, last_step = ev.t, ev.step
-                _progress(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes")
+                if bar is not None:
+                    bar.show(ev.step, ev.total_steps, ev.eta_s, ms_per_step)
+                else:
+                    eta = f"  eta {ev.eta_s:.1f} s" if ev.eta_s is not None else ""
+                    _progress(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
     final = stream.final
     if final is None or final.type == "error":
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
