@@ -51,8 +51,8 @@ from typing import Any, Callable
 import torch
 
 from .._checks import is_int
-from .._eta import PerPixelTime
 from .._devices import resolve_device, resolve_dtype
+from .._eta import PerPixelTime
 from ..engine import DEFAULT_CAPACITY, Engine
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError

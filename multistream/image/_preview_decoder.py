@@ -649,7 +649,8 @@ def collect_x0_latents(
         chunk = prompts[start : start + batch]
         gens = [torch.Generator("cpu").manual_seed(seed + start + i) for i in range(len(chunk))]
 
-        def callback(pipe: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        def callback(pipe: Any, i: int, t: Any, kwargs: dict[str, Any],
+                     steps_before: int = done * steps, runs: int = len(chunk)) -> dict[str, Any]:
             x0 = tracker.x0()
             latents = kwargs["latents"] if x0 is None else x0
             side = None
@@ -657,7 +658,7 @@ def collect_x0_latents(
                 side = math.isqrt(latents.shape[1]) * 2 * int(getattr(pipe, "vae_scale_factor", 8))
             found.append(unpack_latents(pipe, latents, side, side).float().cpu())
             if progress is not None and progress_steps:
-                progress(done * steps + (i + 1) * len(chunk), total_steps)
+                progress(steps_before + (i + 1) * runs, total_steps)
             return kwargs
 
         with torch.inference_mode(), X0Tracker(pipeline.scheduler) as tracker:
