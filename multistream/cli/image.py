@@ -104,7 +104,8 @@ class _StepBar:
     def __init__(self) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr, leave=False,
+        # mininterval=0: a preview comes at most once a step, and each one's step and ETA is shown.
+        self._bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr, leave=False, mininterval=0,
                          bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
 
     def show(self, step: int, total: int, eta_s: float | None, ms_per_step: float) -> None:
