@@ -147,13 +147,15 @@ class ImageEvent(_BaseEvent):
     """One encoded frame: a denoising preview, or (when ``is_final``) the finished image.
 
     ``data`` holds the encoded bytes (``mime`` says which format); ``image`` decodes them to a PIL
-    image on first use.
+    image on first use. ``eta_s`` is the estimated seconds left until the final image (from this
+    request's measured step times; None while unknown, e.g. before the second step; 0 on the
+    final).
 
     Example:
-        >>> ev = ImageEvent(stream_id="s", seq=0, t=0.1, step=1, total_steps=20,
-        ...                 width=2, height=2, mime="image/png", data=b"...")
-        >>> ev.step, ev.total_steps
-        (1, 20)
+        >>> ev = ImageEvent(stream_id="s", seq=0, t=0.1, step=2, total_steps=20,
+        ...                 width=2, height=2, mime="image/png", data=b"...", eta_s=1.8)
+        >>> ev.step, ev.total_steps, ev.eta_s
+        (2, 20, 1.8)
     """
 
     type: ClassVar[str] = "image"
@@ -166,6 +168,7 @@ class ImageEvent(_BaseEvent):
     index: int = 0
     finish_reason: str | None = None
     metrics: dict[str, float] | None = None
+    eta_s: float | None = None
 
     @functools.cached_property
     def image(self) -> PILImage.Image:
@@ -279,6 +282,10 @@ def event_from_dict(wire: dict[str, Any]) -> Event:
                 value = base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError) as exc:
                 raise EventFormatError(f"{name!r} is not valid base64: {exc}") from exc
+        elif name == "eta_s" and value is not None:
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                   "'eta_s' must be a number >= 0 (estimated seconds left) or null")
+            value = float(value)
         elif name == "text_span" and cls is AudioEvent:
             _check(isinstance(value, (list, tuple)) and len(value) == 2 and all(is_int(v) for v in value),
                    "'text_span' must be a list of two integers [start, end]")
@@ -410,6 +417,8 @@ def event_json_schema() -> dict[str, Any]:
             "index": {"type": "integer", "minimum": 0},
             "finish_reason": {"enum": list(IMAGE_FINISH_REASONS)},
             "metrics": metrics,
+            "eta_s": {"type": ["number", "null"], "minimum": 0,
+                      "description": "estimated seconds left until the final image; 0 on the final"},
         },
         "required": ["type", "stream_id", "seq", "t", "is_final", "step", "total_steps", "width", "height", "mime", "data"],
         "additionalProperties": False,

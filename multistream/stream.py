@@ -381,10 +381,12 @@ class StreamWriter:
         is_final: bool = False,
         finish_reason: str | None = None,
         metrics: dict[str, float] | None = None,
+        eta_s: float | None = None,
     ) -> None:
         """Emit a preview frame, or a finished image (``finish_reason`` set; ``is_final`` for the last).
 
         An undelivered preview of the same ``index`` is replaced; finished images are never dropped.
+        ``eta_s``: the estimated seconds left (None: unknown).
         """
         fields: dict[str, Any] = {
             "step": step,
@@ -394,6 +396,7 @@ class StreamWriter:
             "mime": mime,
             "data": data,
             "index": index,
+            "eta_s": eta_s,
         }
         if is_final or finish_reason is not None:
             # A finished image (the stream's last, or one of a batch) is never merged or dropped.

@@ -374,7 +374,7 @@ def test_x0_falls_back_to_the_noisy_latent_with_one_warning() -> None:
         ({"steps": 0}, "steps must be an integer >= 1"),
         ({"steps": -3}, "steps must be"),
         ({"steps": 2.5}, "steps must be"),
-        ({"height": 33}, "height=33 is not a multiple of 2"),
+        ({"height": 33}, "height=33 is not a multiple of 8"),
         ({"width": 0}, "width must be a positive integer"),
         ({"preview": "blurry"}, "unknown preview='blurry'"),
         ({"preview_format": "gif"}, "unknown preview_format 'gif'"),

@@ -71,7 +71,7 @@ def test_flux_streams_packed_latents(flux: ImageModel, preview: str) -> None:
 
 def test_flux_size_must_fit_the_packing(flux: ImageModel) -> None:
     assert flux.size_multiple == 2 * flux.pipeline.vae_scale_factor
-    with pytest.raises(ms.InvalidArgumentError, match="height=33 is not a multiple of 2"):
+    with pytest.raises(ms.InvalidArgumentError, match="height=33 is not a multiple of 8"):
         flux.stream("x", height=33, width=32)
 
 

@@ -2,8 +2,10 @@
 
 The decoder is cached by a hash of the VAE's weights (in ``$MULTISTREAM_CACHE``, else
 ``~/.cache/multistream``), where ``preview="tiny"`` finds it; ``--out`` also writes it to a file
-(put it in a model folder as ``preview_decoder.safetensors`` to ship it with the model). A
-progress bar goes to stderr.
+(put it in a model folder as ``preview_decoder.safetensors`` to ship it with the model). A model
+that ships one (the embedded model does) is not fitted again: the command says so and ``--out``
+copies the shipped file; ``--force`` (or ``--steps``) fits anew. On a terminal, progress bars
+(the x0 runs step by step, the training data, the fit) go to stderr; elsewhere a line per stage.
 
 Example:
     $ multistream fit-preview                        # the embedded shapes model
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -31,7 +34,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("model", nargs="?", default=None, help="diffusers folder or hub id (default: the embedded shapes model)")
     p.add_argument("--device", type=device, default="auto", help="auto (CUDA when present), cpu, cuda, ... (default: auto)")
     p.add_argument("--out", default=None, metavar="FILE.safetensors", help="also write the decoder to this file")
-    p.add_argument("--force", action="store_true", help="fit again even if the cache has a fit for this VAE")
+    p.add_argument("--force", action="store_true",
+                   help="fit again even if the model folder ships a decoder or the cache has a fit for this VAE")
     p.add_argument("--steps", type=integer(1), default=None, help="training steps (default: the library's)")
     p.add_argument("--x0-prompts", type=integer(0), default=32, metavar="N",
                    help="also train on the model's x0 estimates at every step of N runs (the inputs previews really "
@@ -40,6 +44,17 @@ def add_parser(subparsers: Any) -> None:
     # --out before the VAE loads (save_preview_decoder writes it atomically).
     p.set_defaults(func=run, check_paths=lambda args: args.out is None or check_output_file(
         args.out, "--out", {".safetensors": "safetensors"}, "a decoder file"))
+
+
+def _shipped(args: argparse.Namespace) -> str | None:
+    """The ``preview_decoder.safetensors`` the model's folder ships (the embedded model's, for no
+    model), found without loading the model; None for a hub id or a folder without one."""
+    from ..image import EMBEDDED_MODEL_DIR
+    from ..image._preview_decoder import PREVIEW_DECODER_FILE
+
+    folder = EMBEDDED_MODEL_DIR if args.model is None else os.path.expanduser(args.model)
+    path = os.path.join(folder, PREVIEW_DECODER_FILE)
+    return path if os.path.isfile(path) else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +72,15 @@ def run(args: argparse.Namespace) -> int:
 
     # Bars (the libraries' loading, this command's runs and fit) on a terminal only.
     tty = show_progress()
+    shipped = _shipped(args)
+    if shipped is not None and not args.force and args.steps is None:
+        # Nothing to fit: the model comes with its decoder (preview="tiny" and "x0" use it).
+        print(f"this model ships its preview decoder: {shipped}; preview='tiny' uses it, so nothing is fitted "
+              "(--force fits one anew)", file=sys.stderr)
+        if args.out:
+            shutil.copyfile(shipped, args.out)
+            print(f"written to {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)", file=sys.stderr)
+        return 0
     set_library_progress(tty)
     try:
         model = load_image_model(args.model, device=args.device)
@@ -85,22 +109,33 @@ def run(args: argparse.Namespace) -> int:
     if args.x0_prompts > 0:
         embedded = args.model is None
         prompts = None if embedded else [GENERIC_PROMPTS[i % len(GENERIC_PROMPTS)] for i in range(args.x0_prompts)]
-        with tqdm(total=args.x0_prompts, desc="x0 runs", unit="run", file=sys.stderr, disable=not tty) as runs:
+        if not tty:
+            print(f"collecting the model's x0 estimates: {args.x0_prompts} runs of {args.x0_steps} steps ...",
+                  file=sys.stderr, flush=True)
+        with tqdm(total=args.x0_prompts * args.x0_steps, desc="x0 runs", unit="step", file=sys.stderr,
+                  disable=not tty) as runs:
             extra = collect_x0_latents(model.pipeline, prompts, count=args.x0_prompts, steps=args.x0_steps,
-                                       progress=lambda done, total: runs.update(done - runs.n))  # fmt: skip
-    bar: Any = None
+                                       progress=lambda done, total: runs.update(done - runs.n),
+                                       progress_steps=True)  # fmt: skip
+    bars: dict[str, Any] = {}
 
     def progress(p: FitProgress) -> None:
-        nonlocal bar
-        if p.stage == "data" and p.step == 0:
-            print("encoding and decoding the training images with the VAE ...", file=sys.stderr, flush=True)
-        elif p.stage == "fit":
-            if bar is None:
-                bar = tqdm(total=p.total, desc="fitting", unit="step", file=sys.stderr, disable=not tty)
-            bar.update(p.step - bar.n)
-            bar.set_postfix(loss=f"{p.loss:.4f}")
-        elif p.stage == "done" and bar is not None:
-            bar.close()
+        if p.stage == "done":
+            for bar in bars.values():
+                bar.close()
+            return
+        if p.stage not in bars:
+            if not tty:
+                what = "encoding and decoding the training images with the VAE" if p.stage == "data" else "fitting"
+                print(f"{what} ...", file=sys.stderr, flush=True)
+            if "data" in bars:
+                bars["data"].close()
+            desc, unit = ("training data", "latent") if p.stage == "data" else ("fitting", "step")
+            bars[p.stage] = tqdm(total=p.total, desc=desc, unit=unit, file=sys.stderr, disable=not tty)
+        bar = bars[p.stage]
+        if p.stage == "fit":
+            bar.set_postfix(loss=f"{p.loss:.4f}", refresh=False)
+        bar.update(p.step - bar.n)
 
     try:
         net = fit_preview_decoder(vae, progress=progress, cache=False, extra_latents=extra, **options)

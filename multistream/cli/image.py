@@ -1,8 +1,11 @@
 """``multistream image "prompt"``: write each denoising preview and the final image to a folder,
 or only the final image to a file (``--out final.png``: a path ending in an image suffix is that file).
 
-Progress (step i/n, ms per step) goes to stderr as the previews arrive; ``--json`` also prints
-each wire event as one line of JSON on stdout (NDJSON; frames are base64 in ``data``).
+Progress goes to stderr as the previews arrive: on a terminal a progress bar with the estimated
+time left (the events' ``eta_s``), else one line per preview (step i/n, ms per step, eta);
+``--json`` also prints each wire event as one line of JSON on stdout (NDJSON; frames are base64
+in ``data``). A ``--width``/``--height`` the model cannot make exits with status 2 and the sizes it
+can make (for the embedded model, before it loads).
 
 Example:
     $ multistream image "a red circle on a blue background" --out out/ --steps 20 --seed 0
@@ -15,13 +18,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Any
 
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
-from ..image import ImageOptions, parse_image_options
+from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions, parse_image_options
 from ._checks import declare_options, device, integer
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_image
@@ -67,7 +71,7 @@ def add_parser(subparsers: Any) -> None:
     declare_options(
         p, p.add_argument_group("generation options (ImageModel.stream)",
                                 "an --out file's suffix (.png, .jpg, .webp) sets the final format"), ImageOptions,
-        lambda args, given: parse_image_options(args.prompt, **given),
+        _finish_options,
         flags={"preview_format": ("--format",), "preview_quality": ("--quality",), "preview_max_side": ("--max-side",)},
         exclude=("priority",))
     p.add_argument("--taesd", default=None, help="folder with TAESD (AutoencoderTiny) weights, for --preview taesd")
@@ -77,6 +81,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--strip-frames", type=integer(1), default=8, metavar="N",
                    help="previews in the strip, evenly spread over the run (default: 8)")
     p.set_defaults(func=run, check_paths=check_paths)
+
+
+def _finish_options(args: argparse.Namespace, given: dict[str, Any]) -> Any:
+    """The options through `parse_image_options`; for the embedded model also its sizes, known
+    without loading it, so a size it cannot make fails before anything loads."""
+    options = parse_image_options(args.prompt, **given)
+    if args.model is None:
+        EMBEDDED_IMAGE_SIZES.check(options.height, options.width)
+    return options
 
 
 def default_out(args: argparse.Namespace) -> str | None:
@@ -127,6 +140,31 @@ def write_strip(frames: list[Any], final: Any, path: str, count: int, tile: int 
     atomic_write(path, data.getvalue())
 
 
+class _StepBar:
+    """A tqdm bar of the denoising steps on a terminal, showing the model's own estimate of the
+    time left (``eta_s``: measured step times plus the final decode) rather than tqdm's."""
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        # mininterval=0: a preview comes at most once a step, and each one's step and ETA is shown.
+        self._bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr, leave=False, mininterval=0,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def show(self, step: int, total: int, eta_s: float | None, ms_per_step: float) -> None:
+        if self._bar.total != total:
+            self._bar.total = total
+        eta = "ETA --" if eta_s is None else f"ETA {eta_s:.1f} s"
+        self._bar.set_postfix_str(f"{eta}, {ms_per_step:.0f} ms/step", refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def __enter__(self) -> _StepBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
+
+
 def _progress(line: str, final: bool = False) -> None:
     if sys.stderr.isatty():
         sys.stderr.write("\r\x1b[2K" + line + ("\n" if final else ""))
@@ -151,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(out, exist_ok=True)
     last_t, last_step = 0.0, 0
     previews: list[Any] = []
-    with stream:
+    bar = _StepBar() if show_progress() else None
+    with stream, bar if bar is not None else contextlib.nullcontext():
         for ev in stream:
             if args.json:
                 print(ev.to_json(), flush=True)
@@ -171,7 +210,11 @@ def run(args: argparse.Namespace) -> int:
                 # Steps between two previews may be several (preview_every, or skipped frames).
                 ms_per_step = (ev.t - last_t) * 1e3 / max(1, ev.step - last_step)
                 last_t, last_step = ev.t, ev.step
-                _progress(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes")
+                if bar is not None:
+                    bar.show(ev.step, ev.total_steps, ev.eta_s, ms_per_step)
+                else:
+                    eta = f"  eta {ev.eta_s:.1f} s" if ev.eta_s is not None else ""
+                    _progress(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
     final = stream.final
     if final is None or final.type == "error":
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]

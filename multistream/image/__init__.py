@@ -28,6 +28,7 @@ from ._options import (
     parse_image_options,
     parse_preview,
 )
+from ._sizes import EMBEDDED_IMAGE_SIZES, ImageSizes
 
 # The model modules import torch, diffusers, numpy and Pillow; they load when first asked for, so
 # the options (used by the server and the fakes) stay light.
@@ -56,12 +57,14 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [
-    "IMAGE_STREAM_ARGS",
+    "EMBEDDED_IMAGE_SIZES",
     "EMBEDDED_MODEL_DIR",
+    "IMAGE_STREAM_ARGS",
     "EncodedFrame",
     "ImageCheckpoint",
     "ImageModel",
     "ImageOptions",
+    "ImageSizes",
     "PREVIEW_MODES",
     "PreviewPlan",
     "PreviewThrottle",

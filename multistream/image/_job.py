@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from .._eta import PerPixelTime
     from ._latent_rgb import LatentRGB
     from ._options import PreviewPlan, PreviewThrottle
     from ._previews import DecoderParts
@@ -56,7 +57,8 @@ class RunContext:
     ``params``: the pipeline ``__call__``'s parameters; ``takes_step_callback``: whether it takes
     ``callback_on_step_end``; ``stepper``: the engine's step scheduler when same-shape requests
     share batched UNet calls (None otherwise); ``latent_rgb_if_ready``: the latent->RGB map when
-    it is known without fitting.
+    it is known without fitting; ``decode_time``: the model's final decode time per pixel so far
+    (for ``eta_s``), or None.
     """
 
     pipeline: Any
@@ -65,6 +67,7 @@ class RunContext:
     takes_step_callback: bool
     stepper: Any
     latent_rgb_if_ready: Callable[[], LatentRGB | None]
+    decode_time: PerPixelTime | None = None
 
 
 class SteeringState(Protocol):

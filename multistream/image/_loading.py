@@ -17,6 +17,7 @@ import torch
 
 from .._devices import default_dtype, resolve_device, resolve_dtype
 from ..errors import ModelLoadError
+from ._sizes import EMBEDDED_IMAGE_SIZES
 from ._taesd import dtype_kwarg
 
 if TYPE_CHECKING:
@@ -83,8 +84,8 @@ def load_image_model(
     id (needs network, or the hub cache), a pipeline object you already built, or None for the
     project's own small embedded model (offline). ``device="auto"`` picks CUDA with float16 when
     there is a GPU (bfloat16 for Flux), else the CPU with float32; for a pipeline object "auto"
-    leaves it where it is. ``taesd=``, ``latent_rgb=``, ``preview_decoder=`` and ``max_batch=`` go to
-    `ImageModel`; other keywords go
+    leaves it where it is. ``taesd=``, ``latent_rgb=``, ``preview_decoder=``, ``max_batch=`` and ``sizes=`` (the
+    accepted heights and widths, `ImageSizes`) go to `ImageModel`; other keywords go
     to ``DiffusionPipeline.from_pretrained`` (e.g. ``variant="fp16"``).
 
     Raises `ModelLoadError` with the cause and the fix when the model cannot be loaded.
@@ -95,7 +96,7 @@ def load_image_model(
     """
     from ._model import ImageModel
 
-    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name", "preview_decoder", "max_batch") if k in kw}
+    model_kw = {k: kw.pop(k) for k in ("taesd", "latent_rgb", "name", "preview_decoder", "max_batch", "sizes") if k in kw}
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
         return ImageModel(
             name_or_path,
@@ -155,4 +156,8 @@ def load_image_model(
     if dtype is None and torch_dtype == torch.float16 and class_name.startswith("Flux") and torch_device.type == "cuda":
         pipe = pipe.to(dtype=_default_dtype(torch_device, class_name))
     pipe = pipe.to(torch_device)
+    if is_dir and "sizes" not in model_kw and Path(source).resolve() == EMBEDDED_MODEL_DIR:
+        # The embedded model's range is what it was trained for (`EMBEDDED_IMAGE_SIZES`), not
+        # what its pipeline's factor alone allows.
+        model_kw["sizes"] = EMBEDDED_IMAGE_SIZES
     return ImageModel(pipe, model_dir=source if is_dir else None, name=model_kw.pop("name", None) or os.fspath(name_or_path or "embedded:shapes"), **model_kw)

@@ -52,6 +52,7 @@ import torch
 
 from .._checks import is_int
 from .._devices import resolve_device, resolve_dtype
+from .._eta import PerPixelTime
 from ..engine import DEFAULT_CAPACITY, Engine
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
@@ -60,9 +61,10 @@ from ..stream import Stream, StreamWriter
 from ._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from ._job import ImageJob, RunContext
 from ._latent_rgb import LatentRGB, detect_family, latent_rgb_for
-from ._options import PreviewPlan, check_size_multiple, parse_image_options, parse_preview
+from ._options import PreviewPlan, parse_image_options, parse_preview
 from ._previews import DecoderParts, settle_plan, x0_strategy
 from ._run import ImageRun, ImageSteering
+from ._sizes import ImageSizes, sizes_for
 from ._stepper import ImageRequest, ImageStepper
 from ._taesd import load_taesd
 
@@ -94,6 +96,8 @@ class ImageModel:
     denoising step together, their UNet calls batched where shapes match
     (`multistream.image._denoiser_batch`: about 1.6x the throughput for 2 requests of the
     embedded model on a CPU); 1 steps them one at a time, bit-identical to a request alone.
+    ``sizes`` (an `ImageSizes`): the heights and widths it accepts; by default multiples of the
+    pipeline's real factor up to twice its native side (`sizes`).
 
     Example:
         >>> from diffusers import StableDiffusionPipeline              # doctest: +SKIP
@@ -115,6 +119,7 @@ class ImageModel:
         name: str | None = None,
         preview_decoder: Any = None,
         max_batch: int = 4,
+        sizes: ImageSizes | None = None,
     ) -> None:
         if isinstance(pipeline, (str, os.PathLike)):
             raise InvalidArgumentError(
@@ -139,10 +144,14 @@ class ImageModel:
             pipeline.set_progress_bar_config(disable=True)
         self.name = name or getattr(getattr(pipeline, "config", None), "_name_or_path", None) or type(pipeline).__name__
         self._model_dir = os.fspath(model_dir) if model_dir is not None else None
+        if sizes is not None and not isinstance(sizes, ImageSizes):
+            raise InvalidArgumentError(f"sizes must be an ImageSizes, got {type(sizes).__name__}")
+        self._sizes = sizes
         self._resolve_lock = threading.Lock()
         self._warned: set[str] = set()
         self._vae_for_previews: Any = None
         self._looked_for_cached_fit = False  # the disk look-up hashes the VAE: once per model
+        self._decode_time = PerPixelTime()  # the final decode's cost, for the next runs' eta_s
         try:
             signature = inspect.signature(pipeline.__call__)
         except (TypeError, ValueError):
@@ -293,6 +302,24 @@ class ImageModel:
         if isinstance(size, (list, tuple)):
             return int(size[0]) * self.vae_scale_factor, int(size[1]) * self.vae_scale_factor
         return int(size) * self.vae_scale_factor, int(size) * self.vae_scale_factor
+
+    @property
+    def sizes(self) -> ImageSizes:
+        """The heights and widths this model accepts (and its native size): multiples of
+        `size_multiple` (at least diffusers' 8) from that factor up to twice the native side, or
+        what the model declares (the embedded model: multiples of 16 from 32 to 128). A size
+        outside is refused by `stream` before any work, with these sizes in the message.
+
+        Example:
+            >>> ms.load_image_model().sizes.describe()      # doctest: +SKIP
+            'sides that are multiples of 16 from 32 to 128 pixels (native 64x64, WIDTHxHEIGHT)'
+        """
+        if self._sizes is None:
+            why = f"the VAE downsamples by {self.vae_scale_factor}"
+            if self.size_multiple != self.vae_scale_factor:
+                why += " and the denoiser works on patches of latents"
+            self._sizes = sizes_for(self.size_multiple, self.default_size, why)
+        return self._sizes
 
     def __repr__(self) -> str:
         return f"<ImageModel {self.name!r} {type(self._pipe).__name__} on {self.device} {self.dtype}>"
@@ -489,16 +516,12 @@ class ImageModel:
 
     def _check_size(self, height: int | None, width: int | None) -> tuple[int | None, int | None]:
         """The model's default where a side is None; a given side (a positive integer, checked by
-        `parse_image_options`) must be a multiple of `size_multiple`."""
-        multiple = self.size_multiple
-        why = f"the VAE downsamples by {self.vae_scale_factor}"
-        if multiple != self.vae_scale_factor:
-            why += " and the denoiser works on patches of latents"
+        `parse_image_options`) must be one of `sizes`, checked here, before any work: diffusers
+        would fail only inside the run, and an oversized side makes steps that ``cancel()`` cannot
+        interrupt for minutes."""
         default_h, default_w = self.default_size
-        return (
-            default_h if height is None else check_size_multiple("height", height, multiple, why),
-            default_w if width is None else check_size_multiple("width", width, multiple, why),
-        )
+        height, width = self.sizes.check(height, width)
+        return (default_h if height is None else height, default_w if width is None else width)
 
     def _warn_if_no_x0(self, plan: PreviewPlan) -> None:
         scheduler = self._pipe.scheduler
@@ -618,7 +641,7 @@ class ImageModel:
         return RunContext(pipeline=self._pipe, device=self.device, params=self._params,
                           takes_step_callback=self._takes_step_callback,
                           stepper=self._stepper if self._batch_steps else None,
-                          latent_rgb_if_ready=self._latent_rgb_if_ready)
+                          latent_rgb_if_ready=self._latent_rgb_if_ready, decode_time=self._decode_time)
 
     def _latent_rgb_if_ready(self) -> LatentRGB | None:
         """The map if it is known without fitting (nothing may be decoded after a cancel)."""

@@ -2,7 +2,7 @@
 
 Shared by the real image model and the scripted fake in `multistream.testing`, so both reject
 the same mistakes with the same message and make previews at the same steps. What depends on
-the model (height and width as multiples of its VAE's factor, TAESD weights, which pipeline
+the model (height and width among the sizes it can make, TAESD weights, which pipeline
 arguments exist, whether the pipeline has step callbacks) is checked by the model, fed by the
 parsed `ImageOptions`.
 
@@ -31,6 +31,7 @@ from typing import Any, Optional
 from .._checks import is_int
 from .._spec import option, option_names, parse_options
 from ..errors import InvalidArgumentError
+from ._sizes import EMBEDDED_IMAGE_SIZES
 
 __all__ = [
     "IMAGE_STREAM_ARGS",
@@ -220,6 +221,11 @@ def _priority(v: Any) -> int:
     return int(v)
 
 
+# What a side may be is the model's (`ImageModel.sizes`); the embedded model's is known without it.
+_SIDE_HELP = (f"an integer: pixels, a size the model can make (model.sizes; the embedded model: "
+              f"{EMBEDDED_IMAGE_SIZES.describe()}); null: its native size")
+
+
 @dataclass(frozen=True)
 class ImageOptions:
     """Checked ``ImageModel.stream()`` options: each declared once, here.
@@ -235,9 +241,9 @@ class ImageOptions:
                                   lambda v: _check_int("steps", v, 1, optional=True), wire=Optional[int])
     guidance_scale: Optional[float] = option(None, "a finite number >= 0; null: the pipeline's default",
                                              lambda v: _check_guidance(v), wire=Optional[float])
-    height: Optional[int] = option(None, "an integer: pixels (a multiple of the VAE's factor)", _side("height"),
+    height: Optional[int] = option(None, _SIDE_HELP, _side("height"),
                                    wire=Optional[int])
-    width: Optional[int] = option(None, "an integer: pixels (a multiple of the VAE's factor)", _side("width"),
+    width: Optional[int] = option(None, _SIDE_HELP, _side("width"),
                                   wire=Optional[int])
     seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible picture; null: random", _seed,
                                  wire=Optional[int])

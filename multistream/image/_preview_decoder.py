@@ -266,15 +266,21 @@ def _vae_device_dtype(vae: Any) -> tuple[torch.device, torch.dtype]:
     return param.device, param.dtype
 
 
-def _decode_scaled(vae: Any, scaled: torch.Tensor, batch: int) -> torch.Tensor:
-    """The VAE's decode of scaled latents, in [-1, 1] float32 on the CPU (the training target)."""
+def _decode_scaled(vae: Any, scaled: torch.Tensor, batch: int,
+                   done: Callable[[int], Any] | None = None) -> torch.Tensor:
+    """The VAE's decode of scaled latents, in [-1, 1] float32 on the CPU (the training target);
+    ``done(n)`` after each batch of ``n``."""
     device, dtype = _vae_device_dtype(vae)
     out = []
     for chunk in scaled.split(batch):
+        if out and done is not None:
+            done(len(out[-1]))
         raw = latents_to_vae_space(chunk.to(device=device, dtype=torch.float32), vae.config).to(dtype)
         decoded = vae.decode(raw)
         image = decoded.sample if hasattr(decoded, "sample") else decoded[0]
         out.append(image.float().nan_to_num(0.0).clamp(-1, 1).cpu())
+    if out and done is not None:
+        done(len(out[-1]))
     return torch.cat(out)
 
 
@@ -365,7 +371,9 @@ def fit_preview_decoder(
     178k parameters for a 4-channel, x4 VAE, 261k for an x8 one; about 2 ms per 64x64 preview on a 2-core CPU). ``extra_latents`` (scaled,
     ``(N, C, h, w)``, e.g. x0 predictions collected from pipeline runs) are added to the data.
 
-    ``progress`` is called with a `FitProgress` as the data is made and every few steps.
+    ``progress`` is called with a `FitProgress` as the data is made (``"data"``: latents encoded
+    and decoded so far, of all; the decode of every training latent is most of it) and every few
+    steps of the fit.
     The result is cached by `vae_fingerprint` and the options, in memory and in
     ``cache_dir()/preview_decoders`` (``cache=False``: neither read nor written; ``extra_latents``
     also skip the cache, since they are not part of the key). Returned on the VAE's device, in
@@ -416,7 +424,9 @@ def fit_preview_decoder(
     train_device = torch.device(device) if device is not None else vae_device
     channels = int(vae.config.latent_channels)
     gen = torch.Generator("cpu").manual_seed(seed)
-    report("data", 0, 3)
+    count = 4 * num_images + (len(extra_latents) if extra_latents is not None else 0)
+    work = num_images + count  # images encoded, then every training latent decoded
+    report("data", 0, work)
     with torch.inference_mode():
         # The decoder's scale factor, measured rather than read from configs that differ per class.
         probe = _decode_scaled(vae, torch.zeros(1, channels, 2, 2), 1)
@@ -428,15 +438,21 @@ def fit_preview_decoder(
         clean = _encode_scaled(vae, images, batch)
         if clean is None or clean.shape[1:] != (channels, latent_size, latent_size):
             clean = torch.randn(num_images, channels, latent_size, latent_size, generator=gen)
-        report("data", 1, 3)
+        made = num_images
+        report("data", made, work)
         inputs = _training_latents(clean, gen)
         if extra_latents is not None:
             inputs = torch.cat([inputs, extra_latents.float().cpu()])
-        targets = _decode_scaled(vae, inputs, batch)
-        report("data", 2, 3)
+
+        def decoded(n: int) -> None:
+            nonlocal made
+            made += n
+            report("data", min(made, work), work)
+
+        targets = _decode_scaled(vae, inputs, batch, decoded)
     if targets.shape[-1] != inputs.shape[-1] * factor:
         raise InvalidArgumentError(f"the VAE's decodes are {targets.shape[-1]} px for {inputs.shape[-1]} latents: not a power-of-two scale factor")
-    report("data", 3, 3)
+    report("data", work, work)
 
     # The caller may be inside torch.inference_mode (a stream's producer fitting on first use):
     # training needs autograd, and tensors made in inference mode are cloned out of it.
@@ -606,11 +622,14 @@ def collect_x0_latents(
     seed: int = 0,
     batch: int = 8,
     progress: Callable[[int, int], Any] | None = None,
+    progress_steps: bool = False,
 ) -> torch.Tensor:
     """The model's x0 estimates at every step of a few runs, ``(runs * steps, C, h, w)`` scaled
     latents: the inputs a preview decoder really gets, as ``extra_latents`` for
     `fit_preview_decoder`. ``prompts`` default to ``count`` shapes captions for the embedded model
-    (generic ones otherwise would do as well for a general model). Seeded.
+    (generic ones otherwise would do as well for a general model). Seeded. ``progress(done,
+    total)`` is called as runs finish, or (``progress_steps``) as steps finish, counted over
+    all runs (a batch of runs takes its steps together).
 
     Example:
         >>> x0 = collect_x0_latents(sd.pipeline, count=8, steps=10)     # doctest: +SKIP
@@ -625,23 +644,27 @@ def collect_x0_latents(
         prompts = [caption(s) for s in scenes]
     found: list[torch.Tensor] = []
     done = 0
+    total_steps = len(prompts) * steps
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
         gens = [torch.Generator("cpu").manual_seed(seed + start + i) for i in range(len(chunk))]
 
-        def callback(pipe: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        def callback(pipe: Any, i: int, t: Any, kwargs: dict[str, Any],
+                     steps_before: int = done * steps, runs: int = len(chunk)) -> dict[str, Any]:
             x0 = tracker.x0()
             latents = kwargs["latents"] if x0 is None else x0
             side = None
             if latents.ndim == 3:  # packed tokens (Flux), square by default: 2x2 latents per token
                 side = math.isqrt(latents.shape[1]) * 2 * int(getattr(pipe, "vae_scale_factor", 8))
             found.append(unpack_latents(pipe, latents, side, side).float().cpu())
+            if progress is not None and progress_steps:
+                progress(steps_before + (i + 1) * runs, total_steps)
             return kwargs
 
         with torch.inference_mode(), X0Tracker(pipeline.scheduler) as tracker:
             pipeline(chunk, num_inference_steps=steps, generator=gens, output_type="latent",
                      callback_on_step_end=callback)  # fmt: skip
         done += len(chunk)
-        if progress is not None:
+        if progress is not None and not progress_steps:
             progress(done, len(prompts))
     return torch.cat(found)

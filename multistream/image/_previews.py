@@ -617,6 +617,7 @@ class PendingFrame:
     index: int
     frames: HostFrames
     made_at: float = 0.0
+    eta_s: float | None = None  # estimated seconds left when the step ended
 
 
 class FrameWorker:

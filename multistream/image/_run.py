@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from .._checks import is_int
+from .._eta import StepEta
 from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import ImageEvent
 from ..stream import StreamWriter
@@ -103,6 +104,7 @@ class RunStats:
     stop_step: int = 0
     stop_latents: torch.Tensor | None = None
     resumed_from: int = 0  # steps done before this run started (a resume from a checkpoint)
+    eta: StepEta = field(default_factory=StepEta)
 
     def metrics(self, worker: FrameWorker | None, **extra: float) -> dict[str, float]:  # noqa: D102
         now = time.perf_counter()
@@ -333,6 +335,18 @@ class ImageSteering:
         return out
 
 
+def _image_pixels(image: Any) -> int:
+    """Pixels of one output image: PIL (``size``), or an array / tensor of (..., H, W, C) or (C, H, W)."""
+    size = getattr(image, "size", None)
+    if isinstance(size, tuple) and len(size) == 2:
+        return int(size[0]) * int(size[1])
+    shape = tuple(getattr(image, "shape", ()))
+    if len(shape) >= 3:
+        h, w = (shape[-3], shape[-2]) if shape[-1] in (1, 3, 4) else (shape[-2], shape[-1])
+        return int(h) * int(w)
+    return 0
+
+
 def _free_hooks(pipe: Any) -> None:
     free = getattr(pipe, "maybe_free_model_hooks", None)
     if free is not None:
@@ -441,6 +455,9 @@ class ImageRun:
         }
         if run.last_step_at is not None:
             extra["decode_ms"] = (pipeline_done - run.last_step_at) * 1e3
+            if self.context.decode_time is not None and count:
+                pixels = sum(_image_pixels(images[i]) for i in range(count))
+                self.context.decode_time.record(pixels, pipeline_done - run.last_step_at)
         if job.seed >= 0:
             extra["seed"] = float(job.seed)
         extra.update(self._checkpoint_metrics())
@@ -467,6 +484,7 @@ class ImageRun:
                 run.first_step_at = now
             run.last_step_at = now
             run.steps_seen = step
+            run.eta.step(step, now)
             latents = callback_kwargs.get("latents")
             if writer.cancelled or writer.finish_early_requested:
                 run.stop_step = step
@@ -508,13 +526,21 @@ class ImageRun:
         spatial = unpack_latents(self.pipe, source, job.height, job.width)
         frames = HostFrames(to_uint8_frames(decoder.decode(spatial), job.preview_max_side))
         total = run.total or step
+        eta_s = run.eta.eta(total - step, self._decode_estimate())
         assert self.worker is not None
         for index in range(frames.shape[0]):
-            pending = PendingFrame(step, total, index, frames, started)
+            pending = PendingFrame(step, total, index, frames, started, eta_s)
             run.last_frames[index] = pending
             self.worker.submit(pending)
         run.previews_made += 1
         run.preview_s += time.perf_counter() - started
+
+    def _decode_estimate(self) -> float:
+        """Seconds the final decode will take, from this model's earlier runs (0 before the first)."""
+        timer, job = self.context.decode_time, self.job
+        if timer is None or job.height is None or job.width is None:
+            return 0.0
+        return timer.estimate(job.height * job.width * job.num_images) or 0.0
 
     def _checkpoint_metrics(self) -> dict[str, float]:
         ck = self.checkpoints
@@ -533,6 +559,9 @@ class ImageRun:
         """Runs on the encoder thread."""
         job, run = self.job, self.stats
         encoded = encode_frame(frame.frames.array(frame.index), job.preview_format, job.preview_quality)
+        eta_s = frame.eta_s
+        if eta_s is not None:  # the time spent decoding and encoding this preview has passed too
+            eta_s = round(max(0.0, eta_s - (time.perf_counter() - frame.made_at)), 3)
         self.writer.image(
             step=frame.step,
             total_steps=frame.total_steps,
@@ -541,6 +570,7 @@ class ImageRun:
             mime=encoded.mime,
             data=encoded.data,
             index=frame.index,
+            eta_s=eta_s,
         )
         run.encoded += 1
         run.encode_ms += encoded.encode_ms
@@ -610,7 +640,7 @@ class ImageRun:
         if last:
             writer.image(
                 step=step, total_steps=total, width=frame.width, height=frame.height, mime=frame.mime,
-                data=frame.data, index=index, is_final=True, finish_reason=reason, metrics=metrics,
+                data=frame.data, index=index, is_final=True, finish_reason=reason, metrics=metrics, eta_s=0.0,
             )  # fmt: skip
             return
         # A finished image that is not the last of the batch: never merged or dropped (it carries
@@ -618,6 +648,6 @@ class ImageRun:
         done = ImageEvent(
             stream_id=writer.stream_id, seq=0, t=0.0, step=step, total_steps=total, width=frame.width,
             height=frame.height, mime=frame.mime, data=frame.data, index=index, finish_reason=reason,
-            metrics=metrics,
+            metrics=metrics, eta_s=0.0,
         )  # fmt: skip
         writer.forward(done, is_final=False)

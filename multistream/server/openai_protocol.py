@@ -134,7 +134,8 @@ class _ImageGenerationBase(BaseModel):
     prompt: str = Field(description="a string describing the image")
     model: Optional[str] = Field(default=None, description="the served image model: its name, \"default\", \"image\", gpt-image-1 or dall-e-2/3; another name is 404 model_not_found")
     n: Optional[int] = Field(default=None, description="an integer >= 1: images")
-    size: Optional[str] = Field(default=None, description="'WIDTHxHEIGHT' (e.g. '64x64') or 'auto'")
+    size: Optional[str] = Field(default=None, description="'WIDTHxHEIGHT' (e.g. '64x64', one the model can make: "
+                                "a 400 names them); null or 'auto': the model's native size")
     stream: Optional[bool] = Field(default=None, description="true: server-sent events")
     partial_images: Optional[int] = Field(default=None, description="0..3 previews when streaming")
     response_format: Optional[str] = Field(default=None, description="only 'b64_json'")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._checks import is_int, is_number
+from .._eta import StepEta
 from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import Event, ImageEvent
 from ..image import PreviewThrottle, check_size_multiple, encode_frame, parse_image_options, parse_preview
@@ -114,6 +115,7 @@ class ScriptedImageModel(CountedModel):
         throttle = PreviewThrottle(a["preview_every"])  # the production cadence: steps 1, 1+k, ...
         rng = random.Random(a["seed"] if a["seed"] is not None else 0)
         started = w.elapsed()
+        eta = StepEta()  # the real model's estimator, fed the fake's own step times
         first_frame: float | None = None
         previews = 0
         frame = target
@@ -135,9 +137,12 @@ class ScriptedImageModel(CountedModel):
                     colors = _scene_colors(prompt, colors)
                     target = _scene(width, height, colors)
                 frame = Image.blend(noise, target, step / steps)
+                eta.step(index * steps + step, w.elapsed())
                 if a["preview"] != "none" and throttle.should_preview(step):
                     data, mime, pw, ph = _encode(frame, a["preview_format"], a["preview_quality"], a["preview_max_side"])
-                    w.image(step=step, total_steps=steps, width=pw, height=ph, mime=mime, data=data, index=index)
+                    left = (n_images - index) * steps - step  # the images come one after another
+                    w.image(step=step, total_steps=steps, width=pw, height=ph, mime=mime, data=data, index=index,
+                            eta_s=eta.eta(left))
                     first_frame = first_frame if first_frame is not None else w.elapsed()
                     previews += 1
                 if step == steps:
@@ -154,7 +159,8 @@ class ScriptedImageModel(CountedModel):
                 metrics["steers"] = float(steering.applied)
             done = ImageEvent(stream_id=w.stream_id, seq=0, t=0.0, step=step if stopped else steps,
                               total_steps=steps, width=fw, height=fh, mime=mime, data=data, index=index,
-                              finish_reason=stopped or "stop", metrics=metrics)
+                              finish_reason=stopped or "stop", metrics=metrics,
+                              eta_s=0.0 if last else eta.eta((n_images - index - 1) * steps))
             # forward() keeps finish_reason on a non-final frame and never merges it away.
             w.forward(done, is_final=last)
             if last:

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from ..errors import InvalidArgumentError
 from ..events import Event, ImageEvent, TextEvent
 from ..stream import Stream
-from .view import CONFIDENCE_CSS, LiveView, Throttle, confidence_html
+from .view import CONFIDENCE_CSS, LiveView, Throttle, confidence_html, eta_words
 
 __all__ = ["show"]
 
@@ -83,7 +83,7 @@ def _render_html(view: LiveView, width: int) -> str:
         frame = view.images[index]
         ev = frame.ev
         src = f"data:{ev.mime};base64,{base64.b64encode(ev.data).decode('ascii')}"
-        caption = _image_summary(ev) if frame.final else f"step {ev.step}/{ev.total_steps} · preview"
+        caption = _image_summary(ev) if frame.final else f"step {ev.step}/{ev.total_steps} · {eta_words(ev.eta_s)}"
         pct = 100 * ev.step / ev.total_steps if ev.total_steps else 100
         parts.append(
             f'<figure style="margin:0;width:{width}px">'
@@ -235,7 +235,8 @@ class _PlainRenderer:
                 self._clear_progress()
                 out.write(f"[image {index}: {_image_summary(frame.ev)}]\n")
             elif not frame.final and self.tty:
-                out.write(f"\r\x1b[K[image {index}: step {frame.ev.step}/{frame.ev.total_steps}]")
+                out.write(f"\r\x1b[K[image {index}: step {frame.ev.step}/{frame.ev.total_steps}, "
+                          f"{eta_words(frame.ev.eta_s)}]")
                 self.progress_shown = True
         if view.audio_final is not None and final:
             out.write(f"\n[audio: {_audio_summary(view.audio_final)}]\n")

@@ -179,6 +179,24 @@ def confidence_html(view: LiveView, *, markdown_safe: bool = False) -> str:
     return "".join(out)
 
 
+def eta_words(eta_s: float | None) -> str:
+    """An image event's ``eta_s`` for people: "about 3 s left", "estimating time left" while
+    unknown (before the second step).
+
+    Example:
+        >>> eta_words(None), eta_words(0.4), eta_words(12.3), eta_words(95)
+        ('estimating time left', 'about 0.4 s left', 'about 12 s left', 'about 1 min 35 s left')
+    """
+    if eta_s is None:
+        return "estimating time left"
+    if eta_s < 10:
+        return f"about {eta_s:.1f} s left"
+    if eta_s < 60:
+        return f"about {eta_s:.0f} s left"
+    minutes, seconds = divmod(round(eta_s), 60)
+    return f"about {minutes} min {seconds} s left"
+
+
 @dataclass
 class Frame:
     """The newest frame of one image in the batch; ``final`` once it is the full-quality result.
