@@ -169,7 +169,8 @@ def _quantized_cache_file(folder: Path, mode: str, device: torch.device) -> Path
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     kernels = "block" if native_kernels() is not None else "aten"  # the layers' formats differ (_quantize)
-    return folder / f"quantized-{mode}-{kernels}-torch{torch.__version__}-{capability}.pt"
+    # "fused": the file also holds the fused q/k/v and gate/up layers (older files lack them)
+    return folder / f"quantized-{mode}-{kernels}-fused-torch{torch.__version__}-{capability}.pt"
 
 
 def _read_quantized(path: Path) -> dict[str, dict[str, Any]] | None:
