@@ -113,6 +113,27 @@ def text_model_spec(value: str, quantize: str = "auto", compile: bool = False) -
                              compile=compile)
 
 
+def model_path_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a ``--<family>-model`` that names a folder or hub id (a folder that does not
+    exist, a name that is no hub id, a hub id neither reachable nor cached), or None; found in a
+    fraction of a second instead of after the server has started loading."""
+    from .._hub import locate
+    from ..errors import ModelLoadError
+
+    for family in ("text", "image", "speech"):
+        value = getattr(args, f"{family}_model", None)
+        if not isinstance(value, str) or value.lower() in ("none", "off", "", "default"):
+            continue
+        head = value.split(":")[0]
+        if ":" in value and not value.startswith(("/", ".", "~")) and "/" not in head:
+            continue  # module:factory
+        try:
+            locate(value, family=family)
+        except ModelLoadError as exc:
+            return f"--{family}-model {value}: {exc}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -131,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
 
     def spec(value: str) -> str | None:
         return None if value.lower() in ("none", "off", "") else value
+
+    problem = model_path_problem(args)
+    if problem is not None:  # a missing folder or an unreachable hub id: one message, before the server starts
+        print(f"multistream serve: {problem}", file=sys.stderr)
+        return 2
 
     if args.ray:
         from ..server.ray import serve_ray

@@ -78,6 +78,7 @@ __all__ = [
     "ACTIVATIONS",
     "check_activations",
     "check_quantize",
+    "exact_block_states",
     "fuse_projections",
     "kernel_problem",
     "mode_problem",
@@ -577,6 +578,38 @@ def _untie_head(model: torch.nn.Module) -> None:
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "tie_word_embeddings"):
             config.tie_word_embeddings = False  # so a later tie_weights() does not undo it
+
+
+def exact_block_states(model: torch.nn.Module) -> dict[str, dict[str, Any]] | None:
+    """`layer_state` of each linear layer as a native block layer when every weight of the model is
+    a GGUF block value already: Q4_1 for each layer (Q8_0 where Q4_1 does not hold it), Q8_0 for the
+    LM head, as a model converted from a GGUF file holds them. Those layers multiply by the model's
+    own weights, so ``quantize_model(model, "int4", cached=states)`` changes nothing but the speed.
+    None as soon as one weight is not (most models: the first layer already says so). CPU, fp32.
+
+    Example:
+        >>> exact_block_states(torch.nn.Sequential(torch.nn.Linear(64, 32))) is None
+        True
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    states: dict[str, dict[str, Any]] = {}
+    names = {id(module): name for name, module in model.named_modules()}
+    with torch.no_grad():
+        for parent, name, linear in _linears(model):
+            weight = linear.weight.detach()
+            if weight.dtype != torch.float32 or not block_fits(linear):
+                return None
+            for cls in ((Q8Linear,) if linear is head else (Q4Linear, Q8Linear)):
+                packed, scales = cls.quantize_weight(weight)
+                if torch.equal(cls.dequantize(packed, scales), weight):
+                    layer = cls(packed, scales, None if linear.bias is None else linear.bias.detach().float(),
+                                linear.in_features, torch.float32)
+                    states[f"{names[id(parent)]}.{name}".lstrip(".")] = layer_state(layer)
+                    break
+            else:
+                return None
+    return states or None
 
 
 def quantize_model(
