@@ -190,7 +190,7 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
     raise ModelLoadError(
         f"cannot load {raw!r}: it is not a folder here, the Hugging Face hub is not reachable from this machine "
         f"({why}), and the hub cache does not hold it. Fix: download it where there is network "
-        f"(`huggingface-cli download {raw} --local-dir ./model`), copy the folder here and pass its path: "
+        f"(`huggingface-cli download {raw} --local-dir ./model`), copy the folder here and pass the local folder: "
         f"{loader}('./model')")
 
 
