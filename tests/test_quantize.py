@@ -585,3 +585,19 @@ def test_a_warm_load_trusts_the_cache_instead_of_scanning_and_probing(tmp_path: 
     assert calls == [] and again.fused == 4 and again.layers == 15
     with torch.no_grad():
         assert torch.equal(first(probe).logits, second(probe).logits)
+
+
+@pytest.mark.skipif(not BLOCK, reason="the native block kernels did not build here (no C compiler)")
+def test_a_cache_of_atens_layers_is_not_taken_where_the_block_kernels_run(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache file holding ATen's layers (written while the block kernels were unavailable) does not
+    give a load where they run ATen's layers: those are quantized again, as a fresh load would."""
+    from multistream.text._loading import _quantize
+
+    with monkeypatch.context() as patched:
+        patched.setattr("multistream.text._accel.quantize.native_kernels", lambda: None)
+        patched.setattr("multistream.text._accel.native_layers.native_kernels", lambda: None)
+        aten = _quantize(_tiny_llama(layers=2), "int8", "int8", CPU, tmp_path)
+    assert aten.kernels == {"int8": 15}
+    again = _quantize(_tiny_llama(layers=2), "int8", "int8", CPU, tmp_path)
+    assert again.kernels == {"q8": 15} and again.native_layers == 2

@@ -667,12 +667,13 @@ def quantize_model(
         precision = _PRECISION.get(state.get("kind", "")) if state is not None else None
         if state is None or precision is None or (linear is head and precision != "int8"):
             return None
-        if precision not in (mode, "int8") or state["kind"] not in _kinds(precision, linear.weight.device,
-                                                                           block_kernels):
+        if precision not in (mode, "int8") or _state_shape(state) != (linear.in_features, linear.out_features):
             return None
-        if _state_shape(state) != (linear.in_features, linear.out_features) or problem(state["kind"], linear):
-            return None
-        return precision, state["kind"], state
+        # The kind a fresh pass would pick first (the block kernels where they run): a file written
+        # where they did not (ATen's layers) is not taken for one where they do.
+        best = next((k for k in _kinds(precision, linear.weight.device, block_kernels) if problem(k, linear) is None),
+                    None)
+        return (precision, best, state) if state["kind"] == best else None
 
     for _, _, linear in linears[:1]:
         reason = problem(mode, linear)

@@ -1,0 +1,36 @@
+"""Start-up work that is ours to avoid: the command line does not import the server to build its
+flags, and a plain load of the embedded model prints no "Loading weights" bar. (How long start-up
+takes is a benchmark figure: benchmarks/startup.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def test_the_text_command_does_not_import_the_server() -> None:
+    pytest.importorskip("fastapi")
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "multistream", "text", "--help"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert "multistream.server.settings" in imported  # the serve flags are still built from ServerSettings
+    assert not {"multistream.server.app", "fastapi", "starlette"} & imported
+
+
+@pytest.mark.model
+def test_loading_the_embedded_model_prints_no_progress_bar(text_model) -> None:
+    # text_model: the session's load has written the caches, so this load is a warm one.
+    code = "import multistream as ms; llm = ms.load_text_model(); print(llm.quantization.mode)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "int4"
+    assert "Loading weights" not in proc.stderr, proc.stderr[-2000:]
