@@ -148,7 +148,7 @@ def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
 FAMILY_FILES = {
     "text": "a transformers causal LM (config.json, weights, tokenizer files)",
     "image": "a diffusers pipeline (model_index.json inside)",
-    "speech": "a Piper voice (.onnx with its .onnx.json) or a transformers VITS model",
+    "speech": "a Piper voice (.onnx with its .onnx.json) or a transformers VitsModel folder",
 }
 
 
@@ -190,8 +190,8 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
     raise ModelLoadError(
         f"cannot load {raw!r}: it is not a folder here, the Hugging Face hub is not reachable from this machine "
         f"({why}), and the hub cache does not hold it. Fix: download it where there is network "
-        f"(`huggingface-cli download {raw} --local-dir ./model`), copy the folder here and pass the local folder: "
-        f"{loader}('./model')")
+        f"(`huggingface-cli download {raw} --local-dir ./model`), copy the folder here and pass the local folder "
+        f"instead of the id; pass it: {loader}('./model')")
 
 
 def _nearest_existing(path: Path) -> str:
