@@ -122,7 +122,7 @@ def model_path_problem(args: argparse.Namespace) -> str | None:
 
     for family in ("text", "image", "speech"):
         value = getattr(args, f"{family}_model", None)
-        if not isinstance(value, str) or value.lower() in ("none", "off", "", "default"):
+        if not isinstance(value, str) or value.strip().lower() in ("none", "off", "", "default", "auto"):
             continue
         head = value.split(":")[0]
         if ":" in value and not value.startswith(("/", ".", "~")) and "/" not in head:
