@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, ModelLoadError
 
-__all__ = ["default_dtype", "resolve_device", "resolve_dtype"]
+__all__ = ["check_device", "default_dtype", "resolve_device", "resolve_dtype"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -29,6 +29,28 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidArgumentError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
+
+
+def check_device(device: torch.device, family: str) -> torch.device:
+    """``device`` when this torch can run on it; a CUDA device on a torch without CUDA (a CPU
+    build, or no GPU visible) is a `ModelLoadError` with the fix, before any weight is read.
+
+    Example:
+        >>> check_device(torch.device("cpu"), "text")
+        device(type='cpu')
+    """
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build of torch" if torch.version.cuda is None else "torch sees no CUDA GPU"
+            raise ModelLoadError(
+                f"device={str(device)!r} asks for CUDA, but {build} runs here (torch {torch.__version__}). Fix: "
+                f"use device='cpu' (or 'auto'), or install a CUDA build of torch on a machine with an NVIDIA GPU: "
+                f"ms.load_{family}_model(..., device='auto')")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s). "
+                f"Fix: use 'cuda' or 'cuda:0'..'cuda:{torch.cuda.device_count() - 1}'")
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -237,8 +237,9 @@ def test_quantized_layers_are_kept_and_rebuilt_from_the_cache(tmp_path: Path, ca
 
 
 def report_keys(model: torch.nn.Module) -> set[str]:
-    return {name for name, m in model.named_modules() if isinstance(m, QUANTIZED_LAYERS)
-            and not name.endswith(("qkv_fused", "gate_up_fused"))}
+    """Every quantized layer's name, the fused q/k/v and gate/up layers included (a warm load
+    rebuilds those from the cache instead of concatenating and probing them again)."""
+    return {name for name, m in model.named_modules() if isinstance(m, QUANTIZED_LAYERS)}
 
 
 def _together(llm, prompts: list[str], **kwargs: object) -> list:
@@ -564,3 +565,39 @@ def test_quality_holds_against_fp32(fp32_reference, mode: str) -> None:
     print(f"{mode}: greedy agreement {shared:.2f}, perplexity {ppl:.3f} vs fp32 {reference_ppl:.3f}")
     assert shared >= MIN_AGREEMENT[mode]
     assert abs(ppl / reference_ppl - 1) <= (0.03 if mode == AUTO_QUANTIZE_EMBEDDED_CPU else 0.05)
+
+
+def test_a_warm_load_trusts_the_cache_instead_of_scanning_and_probing(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load from the quantized-weights cache neither scans each weight for the kernels' range
+    (``_fits``: a pass over every fp32 matrix) nor concatenates and probes the fused layers again."""
+    from multistream.text._accel import quantize as q
+    from multistream.text._loading import _quantize
+
+    probe = torch.randint(0, 512, (1, 7))
+    first = _tiny_llama(layers=2)
+    _quantize(first, "int4", "int4", CPU, tmp_path)
+    calls: list[str] = []
+    monkeypatch.setattr(q, "_fits", lambda *a, real=q._fits: calls.append("fits") or real(*a))
+    monkeypatch.setattr(q, "_probed_concat", lambda *a, real=q._probed_concat: calls.append("concat") or real(*a))
+    second = _tiny_llama(layers=2)
+    again = _quantize(second, "int4", "int4", CPU, tmp_path)
+    assert calls == [] and again.fused == 4 and again.layers == 15
+    with torch.no_grad():
+        assert torch.equal(first(probe).logits, second(probe).logits)
+
+
+@pytest.mark.skipif(not BLOCK, reason="the native block kernels did not build here (no C compiler)")
+def test_a_cache_of_atens_layers_is_not_taken_where_the_block_kernels_run(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache file holding ATen's layers (written while the block kernels were unavailable) does not
+    give a load where they run ATen's layers: those are quantized again, as a fresh load would."""
+    from multistream.text._loading import _quantize
+
+    with monkeypatch.context() as patched:
+        patched.setattr("multistream.text._accel.quantize.native_kernels", lambda: None)
+        patched.setattr("multistream.text._accel.native_layers.native_kernels", lambda: None)
+        aten = _quantize(_tiny_llama(layers=2), "int8", "int8", CPU, tmp_path)
+    assert aten.kernels == {"int8": 15}
+    again = _quantize(_tiny_llama(layers=2), "int8", "int8", CPU, tmp_path)
+    assert again.kernels == {"q8": 15} and again.native_layers == 2

@@ -65,13 +65,16 @@ _MODEL_HELP = {
 }
 
 
-def _add_model_flags(parser: Any) -> None:
-    from ..server.families import FAMILIES
+# The names of `server.families.FAMILIES` (tests/test_startup.py keeps them equal): spelled here so that
+# building the parser, which every command does, does not import the server (pydantic, starlette).
+FAMILY_NAMES = ("text", "image", "speech")
 
-    for fam in FAMILIES:
-        parser.add_argument(f"--{fam.name}-model", default="auto", metavar="MODEL",
-                            help=f"the {fam.name} model: 'default' (the embedded one), "
-                            f"{_MODEL_HELP.get(fam.name, 'a name or path, or module:factory')}, or 'none' (not served). "
+
+def _add_model_flags(parser: Any) -> None:
+    for name in FAMILY_NAMES:
+        parser.add_argument(f"--{name}-model", default="auto", metavar="MODEL",
+                            help=f"the {name} model: 'default' (the embedded one), "
+                            f"{_MODEL_HELP.get(name, 'a name or path, or module:factory')}, or 'none' (not served). "
                             "Default 'auto': the embedded one when what it needs is installed, else none")
 
 
@@ -156,6 +159,26 @@ def text_model_spec(value: str, quantize: str = "auto", compile: bool = False) -
                              compile=compile)
 
 
+def model_path_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a ``--<family>-model`` that names a folder or hub id (a folder that does not
+    exist, a name that is no hub id, a hub id neither reachable nor cached), or None; found in a
+    fraction of a second instead of after the server has started loading."""
+    from .._hub import locate
+    from ..errors import ModelLoadError
+    for family in FAMILY_NAMES:
+        value = getattr(args, f"{family}_model", None)
+        if not isinstance(value, str) or value.strip().lower() in ("none", "off", "", "default", "auto"):
+            continue
+        head = value.split(":")[0]
+        if ":" in value and not value.startswith(("/", ".", "~")) and "/" not in head:
+            continue  # module:factory
+        try:
+            locate(value, family=family)
+        except ModelLoadError as exc:
+            return f"--{family}-model {value}: {exc}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -171,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings.from_env(**given)
     except InvalidArgumentError as exc:  # a bad flag or MULTISTREAM_* value: its message, no traceback
         print(f"multistream serve: {exc}", file=sys.stderr)
+        return 2
+
+    problem = model_path_problem(args)
+    if problem is not None:  # a missing folder or an unreachable hub id: one message, before the server starts
+        print(f"multistream serve: {problem}", file=sys.stderr)
         return 2
 
     models = {f.name: model_spec(f.name, getattr(args, f"{f.name}_model")) for f in FAMILIES}

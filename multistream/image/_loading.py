@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._devices import default_dtype, resolve_device, resolve_dtype
+from .._devices import check_device, default_dtype, resolve_device, resolve_dtype
+from .._hub import locate
 from ..errors import ModelLoadError
 from ._sizes import EMBEDDED_IMAGE_SIZES
 from ._taesd import dtype_kwarg
@@ -48,14 +49,14 @@ def _class_name_of(folder: str) -> str | None:
         return None
 
 
-def _hub_class_name(source: str, **kw: Any) -> str | None:
+def _hub_class_name(source: str, *, offline: bool, **kw: Any) -> str | None:
     """The pipeline class named in a hub model's ``model_index.json`` (the hub cache first, then the
     network unless offline), or None: read before loading, so the load uses the right dtype."""
     from diffusers import DiffusionPipeline
 
     options = {k: kw[k] for k in ("revision", "token", "cache_dir") if k in kw}
     for local_only in (True, False):
-        if not local_only and _offline():
+        if not local_only and offline:
             break
         try:
             config = DiffusionPipeline.load_config(source, local_files_only=local_only, **options)
@@ -100,12 +101,13 @@ def load_image_model(
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
         return ImageModel(
             name_or_path,
-            device=None if isinstance(device, str) and device == "auto" else device,
+            device=None if isinstance(device, str) and device == "auto" else check_device(resolve_device(device), "image"),
             dtype=dtype,
             **model_kw,
         )
-    torch_device = resolve_device(device)
+    torch_device = check_device(resolve_device(device), "image")
     torch_dtype = resolve_dtype(dtype)
+    offline = _offline()
     if name_or_path is None:
         folder = EMBEDDED_MODEL_DIR
         if not (folder / "model_index.json").is_file():
@@ -115,7 +117,10 @@ def load_image_model(
             )
         source, is_dir = str(folder), True
     else:
-        source = os.path.expanduser(os.fspath(name_or_path))
+        # A missing folder, a name that is no hub id, or a hub the machine cannot reach (and whose
+        # cache lacks the model) fails here, in a fraction of a second, instead of in hub retries.
+        found = locate(name_or_path, family="image", revision=kw.get("revision"))
+        source, offline = found.path, offline or found.offline
         is_dir = os.path.isdir(source)
         if not is_dir and os.path.isfile(source):
             raise ModelLoadError(
@@ -125,7 +130,7 @@ def load_image_model(
     class_name = _class_name_of(source) if is_dir else None
     if torch_dtype is None and class_name is None and not is_dir and torch_device.type == "cuda":
         # Only the dtype depends on the class (Flux: bfloat16), so only then is it looked up.
-        class_name = _hub_class_name(source, **kw)
+        class_name = _hub_class_name(source, offline=offline, **kw)
     if torch_dtype is None:
         torch_dtype = _default_dtype(torch_device, class_name)
     try:
@@ -134,8 +139,8 @@ def load_image_model(
         else:
             try:
                 pipe = _from_pretrained(source, torch_dtype, True, **kw)  # the hub cache, if it has it
-            except Exception:  # noqa: BLE001 - then try the network, unless told not to
-                if _offline():
+            except Exception:  # noqa: BLE001 - then try the network, unless there is none
+                if offline:
                     raise
                 pipe = _from_pretrained(source, torch_dtype, False, **kw)
     except ModelLoadError:

@@ -9,15 +9,28 @@ Example:
 
 from __future__ import annotations
 
-from .app import create_app
-from .filtering import STOP, Blocklist, ContentFilter
-from .metrics import Metrics
-from .registry import Registry, StreamRecord
-from .runner import serve, uvicorn_config
-from .settings import ServerSettings
-from .state import ServerState
-from .websocket import decode_message, encode_image_frame
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from .app import create_app
+    from .filtering import STOP, Blocklist, ContentFilter
+    from .metrics import Metrics
+    from .registry import Registry, StreamRecord
+    from .runner import serve, uvicorn_config
+    from .settings import ServerSettings
+    from .state import ServerState
+    from .websocket import decode_message, encode_image_frame
+
+# Loaded on first use: the command line reads ServerSettings (its flags) at every start, also for
+# `multistream text`, and should not pay for fastapi, starlette and the routes there.
+_LAZY = {
+    "create_app": ".app", "STOP": ".filtering", "Blocklist": ".filtering", "ContentFilter": ".filtering",
+    "Metrics": ".metrics", "Registry": ".registry", "StreamRecord": ".registry", "serve": ".runner",
+    "uvicorn_config": ".runner", "ServerSettings": ".settings", "ServerState": ".state",
+    "decode_message": ".websocket", "encode_image_frame": ".websocket",
+}
 __all__ = [
     "STOP",
     "Blocklist",
@@ -33,3 +46,5 @@ __all__ = [
     "serve",
     "uvicorn_config",
 ]
+
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())

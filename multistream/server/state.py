@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import HTTPConnection, Request
 
 from ..engine import capacity_of
+from ..errors import ModelLoadError
 from ..stream import Stream, StreamWriter, reserved_stream_id
 from .admission import Admission
 from .families import FAMILIES, Family, check_model_name, family
@@ -83,7 +84,8 @@ class ModelSlot:
         except BaseException as exc:  # noqa: BLE001 - report it on /healthz, keep serving the rest
             self.error = type(exc).__name__  # the traceback is in the log, not on the wire
             self.reason = load_failure(self.kind, self.name, exc)
-            logger.error("%s", self.reason, exc_info=exc)
+            # A ModelLoadError's message is the cause and the fix: no traceback under it.
+            logger.error("%s", self.reason, exc_info=None if isinstance(exc, ModelLoadError) else exc)
             self.state = "failed"
 
     def get(self) -> Any:
@@ -106,7 +108,10 @@ def load_failure(kind: str, name: str, exc: BaseException) -> str:
         >>> load_failure("image", "default", ModuleNotFoundError("No module named 'greenlet'", name="greenlet"))
         "the image model default failed to load: ModuleNotFoundError: No module named 'greenlet'. Fix: install it (pip install greenlet, or ./scripts/setup.sh again), or serve without it: --image-model none, or --allow-partial"
     """
-    message = " ".join(str(exc).split())[:300] or "(no message)"
+    message = " ".join(str(exc).split())[:600] or "(no message)"
+    if isinstance(exc, ModelLoadError) and "Fix:" in message:  # the loader said the fix already
+        return (f"the {kind} model {name} failed to load: {message}; or serve without it: --{kind}-model none, "
+                "or --allow-partial")
     missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
     if missing:
         fix = f"install it (pip install {missing.split('.')[0]}, or ./scripts/setup.sh again)"

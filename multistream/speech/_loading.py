@@ -12,7 +12,8 @@ import glob
 import os
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from .._hub import locate
+from ..errors import InvalidArgumentError, ModelLoadError
 from ._model import SpeechModel
 from ._synth import EMBEDDED_VOICE, PiperSynth, TransformersSynth, embedded_voice_paths
 
@@ -52,17 +53,49 @@ def load_speech_model(name: str | os.PathLike[str] | None = None, *, device: str
         raise InvalidArgumentError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise InvalidArgumentError(f"threads must be an integer >= 1 or None, got {threads!r}")
+    _check_cuda(device)
     if name is None:
         return SpeechModel(PiperSynth(*embedded_voice_paths(), name=EMBEDDED_VOICE, device=_onnx_device(device),
                                       threads=threads), **kwargs)
-    path = os.fspath(name)
+    path = os.path.expanduser(os.fspath(name))
+    if path.endswith((".onnx", ".onnx.json")) and not os.path.isfile(path):
+        # A voice file is never a hub id: say so now rather than asking the hub for it.
+        raise ModelLoadError(
+            f"no such file: {os.fspath(name)!r} ({os.path.abspath(path)} does not exist). Fix: pass the path of a "
+            "Piper voice (.onnx with its .onnx.json beside it), a folder holding one, or None for the embedded voice")
     piper_file = _piper_file(path)
     if piper_file is not None:
         return SpeechModel(PiperSynth(piper_file, device=_onnx_device(device), threads=threads), **kwargs)
-    synth = TransformersSynth.load(path, device)
+    found = locate(name, family="speech")
+    synth = TransformersSynth.load(found.path, device, local_files_only=found.offline or None)
     from ..engine.settings import engine_thread_setup  # torch, for a torch model only
 
     return SpeechModel(synth, setup=engine_thread_setup, **kwargs)
+
+
+def _check_cuda(device: str) -> None:
+    """``device="cuda"`` where neither onnxruntime (a Piper voice) nor torch (a transformers voice) has
+    CUDA: a `ModelLoadError` with the fix, before anything loads."""
+    if not device.startswith("cuda"):
+        return
+    try:
+        import onnxruntime
+
+        if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+            return
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    except ImportError:
+        pass
+    raise ModelLoadError(
+        f"device={device!r} asks for CUDA, but neither onnxruntime (no CUDAExecutionProvider) nor torch has CUDA "
+        "here. Fix: use device='cpu' (or 'auto'), or install onnxruntime-gpu / a CUDA build of torch on a machine "
+        "with an NVIDIA GPU")
 
 
 def _onnx_device(device: str) -> str:

@@ -115,15 +115,16 @@ class TransformersSynth:
         self.device = str(next(model.parameters()).device)
 
     @classmethod
-    def load(cls, name: str, device: str) -> TransformersSynth:
+    def load(cls, name: str, device: str, *, local_files_only: bool | None = None) -> TransformersSynth:
         try:
             import torch
             from transformers import AutoTokenizer, VitsModel
         except ImportError as exc:
             raise ModelLoadError("transformers speech models need torch and transformers installed") from exc
+        local_only = not _online() if local_files_only is None else local_files_only
         try:
-            model = VitsModel.from_pretrained(name, local_files_only=not _online())
-            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=not _online())
+            model = VitsModel.from_pretrained(name, local_files_only=local_only)
+            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
         except Exception as exc:  # noqa: BLE001 - hub and format errors all mean "cannot load"
             raise ModelLoadError(
                 f"cannot load the speech model {name!r} as a transformers VitsModel with its tokenizer: {exc}"

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -15,22 +16,25 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._cache import cache_dir
-from .._devices import default_dtype, resolve_device, resolve_dtype
+from .._devices import check_device, default_dtype, resolve_device, resolve_dtype
+from .._hub import locate
 from ..errors import InvalidArgumentError, ModelLoadError
 from ._accel.compiled_decode import CompileReport, compile_decode
 from ._accel.fast_decode import FastDecode
 from ._accel.kernels import native_kernels
-from ._accel.native_layers import native_layer
+from ._accel.native_layers import NATIVE_MODEL_TYPES, native_layer
 from ._accel.quantize import (
     QuantizationReport,
     check_activations,
     check_quantize,
+    exact_block_states,
     mode_problem,
     quantize_model,
 )
@@ -124,7 +128,8 @@ def resolve_quantize(quantize: str | None, *, embedded: bool, device: torch.devi
 
 
 def _quantize(model: Any, requested: str | None, mode: str | None, device: torch.device,
-              cache_folder: Path | None = None, activations: str = "fp32") -> QuantizationReport:
+              cache_folder: Path | None = None, activations: str = "fp32",
+              exact: dict[str, dict[str, Any]] | None = None) -> QuantizationReport:
     """Apply ``mode``; under ``"auto"`` a mode whose kernel cannot run here falls back (int4, then
     int8, then none) with one log line, where a mode asked for by name raises. ``cache_folder``
     (the embedded model's converted folder): keep the quantized layers there, so later loads
@@ -150,14 +155,15 @@ def _quantize(model: Any, requested: str | None, mode: str | None, device: torch
         mode = candidate
     start = time.perf_counter()
     store = _quantized_cache_file(cache_folder, mode, device) if cache_folder is not None and mode else None
-    cached = _read_quantized(store) if store is not None else None
+    cached = _read_quantized(store) if store is not None else exact
     report = quantize_model(model, mode, cached=cached, activations=activations)
     report.requested, report.fallback = requested, fallback
     if store is not None and cached is None and report.mode is not None:
         _write_quantized(store, report.states)
     report.states = {}  # the layers hold their buffers; the report must not keep a second copy alive
     if report.mode is not None:
-        how = "from the quantized-weights cache" if cached is not None else "quantized"
+        how = ("its weights are block values already" if exact is not None else
+               "from the quantized-weights cache" if cached is not None else "quantized")
         logger.info("%s (%s in %.1f s)", report.describe(), how, time.perf_counter() - start)
     return report
 
@@ -169,7 +175,8 @@ def _quantized_cache_file(folder: Path, mode: str, device: torch.device) -> Path
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     kernels = "block" if native_kernels() is not None else "aten"  # the layers' formats differ (_quantize)
-    return folder / f"quantized-{mode}-{kernels}-torch{torch.__version__}-{capability}.pt"
+    # "fused": the file also holds the fused q/k/v and gate/up layers (older files lack them)
+    return folder / f"quantized-{mode}-{kernels}-fused-torch{torch.__version__}-{capability}.pt"
 
 
 def _read_quantized(path: Path) -> dict[str, dict[str, Any]] | None:
@@ -195,10 +202,11 @@ def _write_quantized(path: Path, states: dict[str, dict[str, Any]]) -> None:
 
 
 def load_text_model(
-    name_or_path: str | os.PathLike[str] | None = None,
+    name_or_path: str | os.PathLike[str] | Any | None = None,
     device: str | torch.device = "auto",
     dtype: torch.dtype | str | None = None,
     *,
+    tokenizer: Any = None,
     quantize: str | None = "auto",
     activations: str = "fp32",
     compile: bool = False,
@@ -207,6 +215,14 @@ def load_text_model(
     **from_pretrained_kwargs: Any,
 ) -> TextModel:
     """Load a causal LM that streams. No name: the embedded SmolLM2-135M-Instruct, offline.
+
+    ``name_or_path``: None (the embedded model), a local folder, a hub id, or a transformers causal
+    LM object you already hold (``AutoModelForCausalLM.from_pretrained(...)``), like a pipeline
+    object for ``load_image_model``; ``tokenizer=`` is then its tokenizer (found from the model's
+    ``name_or_path`` when omitted), and ``device="auto"`` leaves the model where it is. A folder
+    that does not exist, a name that is no hub id, or a hub id that is neither reachable nor in the
+    hub cache raises `ModelLoadError` at once (no hub retries); so does ``device="cuda"`` without
+    CUDA.
 
     ``device="auto"`` uses CUDA when present (bf16/fp16 there), else the CPU (fp32). Extra keyword
     arguments (``device_map="auto"``, a quantization config, ``revision=``...) go to
@@ -224,10 +240,12 @@ def load_text_model(
     ``activations="int8"`` rounds each layer's input to int8 per block of 32 instead, as llama.cpp
     does (an opt-in; README, "Speed on a CPU", says what it gains and costs). Without
     a C compiler, and on CUDA, they are weight-only formats on ATen's packed-weight kernels
-    (bf16 activations). ``"auto"``, the default, is `AUTO_QUANTIZE_EMBEDDED_CPU` (int4) for the
-    embedded model on a CPU, where it streams about 8x faster than fp32 with fp32's greedy text
-    and perplexity (README, "Speed on a CPU"), and None for other models and on
-    CUDA (a mode's quality is measured on the embedded model only). ``None`` keeps the weights as
+    (bf16 activations). ``"auto"``, the default, is `AUTO_QUANTIZE_EMBEDDED_CPU` (int4) on a CPU
+    with the native kernels for the embedded model and for any Llama-architecture model whose
+    weights are GGUF block values already (Q4_1, the LM head Q8_0: a model converted from a GGUF
+    file, or saved from the embedded one), where the kernels compute its own weights and it streams
+    several times faster than fp32 (README, "Speed on a CPU"); None for other models (their weights
+    would change; one log line says what ``quantize="int4"`` gives) and on CUDA. ``None`` keeps the weights as
     loaded: the exact fp32 path on a CPU, bit for bit transformers' forward. Under ``"auto"`` a
     kernel that cannot run here falls back with one log line; a mode asked for by name that cannot
     run raises `InvalidArgumentError`. ``llm.quantization`` says what was applied. The embedded
@@ -249,29 +267,30 @@ def load_text_model(
         >>> server_model = load_text_model(compile=True)                     # doctest: +SKIP
         >>> llm = load_text_model("HuggingFaceTB/SmolLM2-1.7B-Instruct", device="cuda")  # doctest: +SKIP
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     requested = check_quantize(quantize)
     activations = check_activations(activations)
     if not isinstance(compile, bool):
         raise InvalidArgumentError(f"compile must be True or False, got {compile!r}")
-    target = resolve_device(device)
+    if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
+        return _load_model_object(name_or_path, tokenizer, device, dtype, requested, activations, compile,
+                                  max_batch, prefill_budget, from_pretrained_kwargs)
+    target = check_device(resolve_device(device), "text")
     dtype = resolve_dtype(dtype) or default_dtype(target, prefer_bf16=True)
-    mode = resolve_quantize(requested, embedded=name_or_path is None, device=target)
-    if mode is not None and "quantization_config" in from_pretrained_kwargs:
-        if requested != "auto":
-            raise InvalidArgumentError(
-                f"quantize={requested!r} and quantization_config= both quantize the model; pass one of them")
-        mode = None
     if name_or_path is None:
         folder: str | Path = _embedded_model_folder()
         name = EMBEDDED_TEXT_MODEL
+        hub: dict[str, Any] = {}
     else:
-        folder = name_or_path
-        name = str(name_or_path)
+        source = locate(name_or_path, family="text", revision=from_pretrained_kwargs.get("revision"))
+        folder, name = source.path, os.fspath(name_or_path)
+        hub = source.from_pretrained_kwargs()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **from_pretrained_kwargs)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(folder, **hub)
+        with _quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **hub, **from_pretrained_kwargs)
     except (OSError, ValueError) as exc:
         local = Path(str(folder)).exists()
         hint = (
@@ -285,12 +304,110 @@ def load_text_model(
         model.to(target)
     model.eval()
     cache_folder = Path(folder) if name_or_path is None and not from_pretrained_kwargs else None
-    report = _quantize(model, requested, mode, next(model.parameters()).device, cache_folder, activations)
+    return _finish(model, tokenizer, name, requested, activations, compile, max_batch, prefill_budget,
+                   embedded=name_or_path is None, cache_folder=cache_folder,
+                   quantization_config="quantization_config" in from_pretrained_kwargs)
+
+
+def _finish(model: Any, tokenizer: Any, name: str, requested: str | None, activations: str, compile: bool,
+            max_batch: int, prefill_budget: int, *, embedded: bool, cache_folder: Path | None,
+            quantization_config: bool) -> TextModel:
+    """Quantize (as ``quantize=`` asks), compile (as ``compile=`` asks) and wrap a loaded model."""
+    device = next(model.parameters()).device
+    mode = resolve_quantize(requested, embedded=embedded, device=device)
+    exact: dict[str, dict[str, Any]] | None = None
+    if requested == "auto" and not embedded and device.type == "cpu" and not quantization_config:
+        exact = _exact_block_states(model)
+        if exact is not None:
+            mode = AUTO_QUANTIZE_EMBEDDED_CPU
+        else:
+            logger.info("quantize='auto' keeps %s's weights as loaded: they are not GGUF block values, so the "
+                        "native kernels would change them. quantize='int4' decodes several times faster on a "
+                        "CPU with 4-bit weights (README, 'Speed on a CPU')", name)
+    if mode is not None and quantization_config:
+        if requested != "auto":
+            raise InvalidArgumentError(
+                f"quantize={requested!r} and quantization_config= both quantize the model; pass one of them")
+        mode = None
+    report = _quantize(model, requested, mode, device, cache_folder, activations, exact)
     compiled = _compile(model, compile)
     llm = TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
     llm.quantization = report
     llm.compiled = compiled
     return llm
+
+
+def _exact_block_states(model: Any) -> dict[str, dict[str, Any]] | None:
+    """The block layers of a Llama-architecture model whose weights are GGUF block values already
+    (`exact_block_states`), when the native kernels run here; None otherwise."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in NATIVE_MODEL_TYPES or native_kernels() is None:
+        return None
+    return exact_block_states(model)
+
+
+def _load_model_object(model: Any, tokenizer: Any, device: str | torch.device, dtype: torch.dtype | str | None,
+                       requested: str | None, activations: str, compile: bool, max_batch: int,
+                       prefill_budget: int, from_pretrained_kwargs: dict[str, Any]) -> TextModel:
+    """``load_text_model(model, tokenizer=tok)``: a transformers causal LM object the caller holds."""
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)) or \
+            getattr(model, "config", None) is None:
+        raise InvalidArgumentError(
+            f"load_text_model takes a model name, a folder or a transformers causal LM object, got "
+            f"{type(model).__name__}. Fix: pass AutoModelForCausalLM.from_pretrained(...) (with tokenizer=) "
+            "or the folder it came from")
+    if from_pretrained_kwargs:
+        raise InvalidArgumentError(
+            f"{sorted(from_pretrained_kwargs)} go to from_pretrained, which a model object has been through "
+            "already. Fix: drop them, or pass the folder instead of the object")
+    source = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
+    name = source or type(model).__name__
+    if tokenizer is None:
+        tokenizer = _tokenizer_for(model, source)
+    if not callable(getattr(tokenizer, "decode", None)) or not callable(getattr(tokenizer, "encode", None)):
+        raise InvalidArgumentError(
+            f"tokenizer= must be a transformers tokenizer, got {type(tokenizer).__name__}. Fix: pass "
+            "AutoTokenizer.from_pretrained(...) for this model")
+    if not (isinstance(device, str) and device == "auto"):
+        model.to(check_device(resolve_device(device), "text"))
+    if dtype is not None:
+        model.to(resolve_dtype(dtype))
+    model.eval()
+    return _finish(model, tokenizer, name, requested, activations, compile, max_batch, prefill_budget,
+                   embedded=False, cache_folder=None, quantization_config=False)
+
+
+def _tokenizer_for(model: Any, source: str) -> Any:
+    """The tokenizer of a model object, from the folder or hub id it was loaded from."""
+    if not source:
+        raise ModelLoadError(
+            f"this {type(model).__name__} does not say where it was loaded from (no name_or_path), so its "
+            "tokenizer cannot be found. Fix: pass it: ms.load_text_model(model, tokenizer=tokenizer)")
+    try:
+        found = locate(source, family="text", files="the model's tokenizer files")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(found.path, **found.from_pretrained_kwargs())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"could not load the tokenizer of this model from its name_or_path {source!r}: {exc}. Fix: pass it: "
+            "ms.load_text_model(model, tokenizer=tokenizer)") from exc
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No "Loading weights" bar from transformers while a model loads from files already here (a
+    fraction of a second; the bar was noise at every start of the CLI and the server)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _compile(model: Any, wanted: bool) -> CompileReport | None:

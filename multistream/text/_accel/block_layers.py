@@ -41,8 +41,10 @@ def buffers_generation() -> int:
 def block_fits(linear: torch.nn.Linear) -> bool:
     """Whether the block kernels take this layer: a CPU layer whose inputs come in whole blocks, with
     weights whose scales fit fp16."""
-    return (linear.weight.device.type == "cpu" and linear.in_features % BLOCK == 0
-            and bool(linear.weight.detach().abs().max() < 30000))
+    if linear.weight.device.type != "cpu" or linear.in_features % BLOCK != 0:
+        return False
+    low, high = torch.aminmax(linear.weight.detach())  # one pass, no |w| copy (NaN fails both tests)
+    return bool(high < 30000) and bool(low > -30000)
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:

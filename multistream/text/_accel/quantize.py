@@ -78,6 +78,7 @@ __all__ = [
     "ACTIVATIONS",
     "check_activations",
     "check_quantize",
+    "exact_block_states",
     "fuse_projections",
     "kernel_problem",
     "mode_problem",
@@ -324,6 +325,18 @@ def layer_from_state(state: dict[str, Any]) -> torch.nn.Module:
     return Int4Linear(state["packed"], state["scales_and_zeros"], state["bias"], *state["shape"])
 
 
+_PRECISION = {"q4": "int4", "int4": "int4", "q8": "int8", "int8": "int8"}  # layer kind -> mode it serves
+
+
+def _state_shape(state: dict[str, Any]) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the layer a `layer_state` describes."""
+    if state["kind"] == "int8":
+        return int(state["weight_int8"].shape[1]), int(state["weight_int8"].shape[0])
+    if state["kind"] == "int4":
+        return int(state["shape"][0]), int(state["shape"][1])
+    return int(state["in_features"]), int(state["weight_q"].shape[0])
+
+
 # -- fused projections --------------------------------------------------------------------------
 
 # Projections that read the same input: one kernel call (and one bf16 cast) for all of them.
@@ -372,11 +385,14 @@ def _share(fused: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
         start = end
 
 
-def fuse_projections(model: torch.nn.Module) -> int:
+def fuse_projections(model: torch.nn.Module, *, cached: dict[str, dict[str, Any]] | None = None,
+                     states: dict[str, dict[str, Any]] | None = None) -> int:
     """Give each attention (and MLP) with quantized q/k/v (gate/up) projections a ``qkv_fused``
     (``gate_up_fused``) layer that computes them in one call; the projections keep working (they
     read the fused layer's rows). Returns how many were fused. A fused layer whose output is not
-    bit for bit its parts' is not kept.
+    bit for bit its parts' is not kept. ``cached``: `layer_state` of fused layers by name from an
+    earlier run on the same weights (rebuilt without concatenating or probing again); ``states``
+    receives this run's.
 
     Example:
         >>> attn = torch.nn.Module()
@@ -386,28 +402,55 @@ def fuse_projections(model: torch.nn.Module) -> int:
         (1, [64, 32, 32])
     """
     fused_count = 0
-    for module in list(model.modules()):
+    for module_name, module in list(model.named_modules()):
         for fused_name, names in FUSED_GROUPS.items():
             parts = [getattr(module, n, None) for n in names]
             if any(not isinstance(p, QUANTIZED_LAYERS) for p in parts) or hasattr(module, fused_name):
                 continue
-            fused = _concat(parts)
+            path = f"{module_name}.{fused_name}".lstrip(".")
+            fused = _cached_fused(cached, path, parts)
             if fused is None:
-                continue
-            device = next(iter(parts[0].buffers())).device
-            probe = torch.randn(2, parts[0].in_features, generator=torch.Generator().manual_seed(0)).to(device)
-            try:
-                with torch.no_grad():
-                    same = torch.equal(fused(probe), torch.cat([p(probe) for p in parts], -1))
-            except Exception:  # noqa: BLE001 - a layout that does not concatenate: keep the parts
-                same = False
-            if not same:
+                fused = _probed_concat(parts)
+            if fused is None:
                 continue
             fused.splits = [p.out_features for p in parts]
             _share(fused, parts)
             setattr(module, fused_name, fused)
+            if states is not None:  # the parts as views of the fused buffers: a cache stores them once
+                states[path] = layer_state(fused)
+                for n, part in zip(names, parts):
+                    states[f"{module_name}.{n}".lstrip(".")] = layer_state(part)
             fused_count += 1
     return fused_count
+
+
+def _cached_fused(cached: dict[str, dict[str, Any]] | None, path: str,
+                  parts: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """The fused layer a quantized-weights cache holds for ``parts`` (None when it holds none that fits)."""
+    state = (cached or {}).get(path)
+    if state is None or _state_shape(state) != (parts[0].in_features, sum(p.out_features for p in parts)):
+        return None
+    fused = layer_from_state(state)
+    if type(fused) is not type(parts[0]):
+        return None
+    if isinstance(fused, (Q4Linear, Q8Linear)):
+        fused.activations = parts[0].activations
+    return fused
+
+
+def _probed_concat(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """`_concat` of ``parts``, kept only when it computes their outputs bit for bit on a probe."""
+    fused = _concat(parts)
+    if fused is None:
+        return None
+    device = next(iter(parts[0].buffers())).device
+    probe = torch.randn(2, parts[0].in_features, generator=torch.Generator().manual_seed(0)).to(device)
+    try:
+        with torch.no_grad():
+            same = torch.equal(fused(probe), torch.cat([p(probe) for p in parts], -1))
+    except Exception:  # noqa: BLE001 - a layout that does not concatenate: keep the parts
+        same = False
+    return fused if same else None
 
 
 # -- probing the kernels ----------------------------------------------------------------------
@@ -537,6 +580,38 @@ def _untie_head(model: torch.nn.Module) -> None:
             config.tie_word_embeddings = False  # so a later tie_weights() does not undo it
 
 
+def exact_block_states(model: torch.nn.Module) -> dict[str, dict[str, Any]] | None:
+    """`layer_state` of each linear layer as a native block layer when every weight of the model is
+    a GGUF block value already: Q4_1 for each layer (Q8_0 where Q4_1 does not hold it), Q8_0 for the
+    LM head, as a model converted from a GGUF file holds them. Those layers multiply by the model's
+    own weights, so ``quantize_model(model, "int4", cached=states)`` changes nothing but the speed.
+    None as soon as one weight is not (most models: the first layer already says so). CPU, fp32.
+
+    Example:
+        >>> exact_block_states(torch.nn.Sequential(torch.nn.Linear(64, 32))) is None
+        True
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    states: dict[str, dict[str, Any]] = {}
+    names = {id(module): name for name, module in model.named_modules()}
+    with torch.no_grad():
+        for parent, name, linear in _linears(model):
+            weight = linear.weight.detach()
+            if weight.dtype != torch.float32 or not block_fits(linear):
+                return None
+            for cls in ((Q8Linear,) if linear is head else (Q4Linear, Q8Linear)):
+                packed, scales = cls.quantize_weight(weight)
+                if torch.equal(cls.dequantize(packed, scales), weight):
+                    layer = cls(packed, scales, None if linear.bias is None else linear.bias.detach().float(),
+                                linear.in_features, torch.float32)
+                    states[f"{names[id(parent)]}.{name}".lstrip(".")] = layer_state(layer)
+                    break
+            else:
+                return None
+    return states or None
+
+
 def quantize_model(
     model: torch.nn.Module, mode: str | None, *, on_fallback: Callable[[str], None] | None = None,
     cached: dict[str, dict[str, Any]] | None = None, block_kernels: bool = True, activations: str = "fp32",
@@ -584,6 +659,22 @@ def quantize_model(
         return next((k for k in _kinds(precision, linear.weight.device, block_kernels)
                      if _fits(k, linear) and problem(k, linear) is None), None)
 
+    def cached_state(path: str, linear: torch.nn.Linear) -> tuple[str, str, dict[str, Any]] | None:
+        """The cached layer for ``path`` when it is one this load would choose: a cache is written
+        by this function on the same weights, kernels and torch, so its kinds are the choices a fresh
+        pass makes, and trusting them skips scanning every weight (``_fits``) at each warm load."""
+        state = (cached or {}).get(path)
+        precision = _PRECISION.get(state.get("kind", "")) if state is not None else None
+        if state is None or precision is None or (linear is head and precision != "int8"):
+            return None
+        if precision not in (mode, "int8") or _state_shape(state) != (linear.in_features, linear.out_features):
+            return None
+        # The kind a fresh pass would pick first (the block kernels where they run): a file written
+        # where they did not (ATen's layers) is not taken for one where they do.
+        best = next((k for k in _kinds(precision, linear.weight.device, block_kernels) if problem(k, linear) is None),
+                    None)
+        return (precision, best, state) if state["kind"] == best else None
+
     for _, _, linear in linears[:1]:
         reason = problem(mode, linear)
         if reason is not None and layer_kind(mode, linear) is None:
@@ -594,6 +685,19 @@ def quantize_model(
     names = {id(module): name for name, module in model.named_modules()}
     with torch.no_grad():
         for parent, name, linear in linears:
+            path = f"{names[id(parent)]}.{name}".lstrip(".")
+            hit = cached_state(path, linear)
+            if hit is not None:
+                precision, kind, state = hit
+                replacement = layer_from_state(state)
+                if isinstance(replacement, (Q4Linear, Q8Linear)):
+                    replacement.activations = acts
+                report.states[path] = state
+                setattr(parent, name, replacement)
+                report.by_kind[precision] = report.by_kind.get(precision, 0) + 1
+                report.kernels[kind] = report.kernels.get(kind, 0) + 1
+                report.layers += 1
+                continue
             # The LM head stays int8 in int4 mode: GGUF files keep it at 6-8 bits too, and int4
             # (groups of 32) flips the embedded model's greedy choice from the first tokens.
             precisions = ("int8",) if linear is head else dict.fromkeys((mode, "int8"))
@@ -602,7 +706,6 @@ def quantize_model(
                 report.by_kind["kept"] = report.by_kind.get("kept", 0) + 1
                 continue
             precision, kind = found
-            path = f"{names[id(parent)]}.{name}".lstrip(".")
             state = (cached or {}).get(path)
             if state is not None and state.get("kind") == kind:
                 replacement = layer_from_state(state)
@@ -616,7 +719,7 @@ def quantize_model(
             report.kernels[kind] = report.kernels.get(kind, 0) + 1
             report.layers += 1
     report.mode = mode if report.layers else None
-    report.fused = fuse_projections(model)
+    report.fused = fuse_projections(model, cached=cached, states=report.states)
     report.native_layers = attach_native_layers(model)
     if report.mode is not None:
         # Quantized layers round their input to bf16, which makes padding's last-bit noise visible:
