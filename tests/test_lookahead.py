@@ -265,3 +265,25 @@ def test_drafts_follow_the_latest_match_and_stop_when_they_keep_failing() -> Non
     assert drafted == [] and rejections <= 15  # rejected again and again: no more drafts
     assert look.drafts([7, 8, 9], rows=1, room=10) == []  # no match, no drafts
     assert Lookahead(cap=0).drafts(context, rows=1, room=10) == []
+
+
+@pytest.mark.model
+def test_the_server_takes_speculate_and_counts_drafted_and_accepted_tokens(llm) -> None:
+    import re
+
+    import httpx
+    import openai
+    from server_fixtures import make_server
+
+    with make_server(llm) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        answers = [client.chat.completions.create(model="m", messages=COPY, max_tokens=32, temperature=0,
+                                                  extra_body=extra)
+                   for extra in ({}, {"speculate": 0})]
+        assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match="speculate must be"):
+            client.chat.completions.create(model="m", messages=COPY, max_tokens=4, extra_body={"speculate": "fast"})
+        metrics = httpx.get(srv.url + "/metrics").text
+    drafted = re.search(r'multistream:spec_decode_num_draft_tokens_total\{kind="text"\} ([0-9.]+)', metrics)
+    accepted = re.search(r'multistream:spec_decode_num_accepted_tokens_total\{kind="text"\} ([0-9.]+)', metrics)
+    assert drafted and accepted and float(drafted.group(1)) >= float(accepted.group(1)) > 0

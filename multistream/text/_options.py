@@ -185,6 +185,8 @@ MAX_SPECULATE = 32
 
 
 def _speculate(v: Any) -> str | int:
+    if isinstance(v, str) and v.isdigit():  # the command line's --speculate 4
+        v = int(v)
     _require(v == "auto" or (is_int(v) and 0 <= v <= MAX_SPECULATE),
              f'speculate must be "auto", 0 (off) or an integer from 1 to {MAX_SPECULATE} (drafts per step at most), '
              f"got {v!r}")
