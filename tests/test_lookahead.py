@@ -122,10 +122,12 @@ def test_a_batch_with_lookahead_gives_each_stream_its_text_as_streams_join_and_l
         assert all(r is not None for r in out)
         return out
 
-    on = batch()
     off = batch(speculate=0)
-    for a, b in zip(off, on):
-        _same(a, b)
+    for extra in ({}, {"speculate": 4}):  # "auto" weighs drafts against the batch; 4 drafts regardless
+        on = batch(**extra)
+        for a, b in zip(off, on):
+            _same(a, b)
+    # Drafts were verified inside batched steps (speculate=4 drafts whatever the batch's size).
     assert sum(r[-1].metrics["accepted_tokens"] for r in on) > 0
 
 
@@ -258,6 +260,8 @@ def test_drafts_follow_the_latest_match_and_stop_when_they_keep_failing() -> Non
     assert look.drafts(context, rows=1, room=1) == [4]  # never past max_new_tokens
     busy = len(look.drafts(context, rows=16, room=10))
     assert busy < len(look.drafts(context, rows=1, room=10))  # a full batch drafts less
+    capped = Lookahead(cap=3, batch_aware=False)  # speculate=3: drafts in any batch
+    assert capped.drafts(context, rows=16, room=10) == capped.drafts(context, rows=1, room=10) == [4, 5]
     rejections = 0
     while (drafted := look.drafts(context, rows=1, room=10)) and rejections < 20:
         look.verified(drafted=len(drafted), kept=0)

@@ -53,8 +53,11 @@ _RECOVER = 0.98  # per step, the counts drift back towards the prior
 class Lookahead:
     """One request's drafting: an n-gram index over its context and its recent acceptance."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, *, batch_aware: bool = True) -> None:
         self.cap = cap
+        # "auto" weighs a draft against the step's rows; an explicit cap (speculate=k) drafts as a
+        # row alone would, whatever the batch (the caller asked for drafts).
+        self.batch_aware = batch_aware
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
         self._indexed = 0  # context positions whose n-grams ending there are indexed
         self._version = 0
@@ -91,7 +94,8 @@ class Lookahead:
         for n in _NGRAMS:  # unverified, a rate drifts back to its prior: a request that stopped drafting tries again
             self._tried[n] = self._tried[n] * _RECOVER + (1 - _RECOVER) * _PRIOR_WEIGHT
             self._kept[n] = self._kept[n] * _RECOVER + (1 - _RECOVER) * _PRIOR_WEIGHT * _PRIOR[n]
-        threshold = 1.0 / (_FIXED_OVER_POSITION / max(rows, 1) + 1.0)
+        rows = max(rows, 1) if self.batch_aware else 1
+        threshold = 1.0 / (_FIXED_OVER_POSITION / rows + 1.0)
         limit = min(self.cap, room)
         self._sync(context, version)
         for n in _NGRAMS:
@@ -125,4 +129,6 @@ def lookahead_for(speculate: Any, beams: bool) -> Lookahead | None:
     """The drafting of a request with option ``speculate`` ("auto", 0 = off, k = at most k drafts)."""
     if beams or speculate == 0:
         return None
-    return Lookahead(AUTO_CAP if speculate == "auto" else int(speculate))
+    if speculate == "auto":
+        return Lookahead(AUTO_CAP)
+    return Lookahead(int(speculate), batch_aware=False)
