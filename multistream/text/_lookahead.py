@@ -38,9 +38,12 @@ __all__ = ["AUTO_CAP", "Lookahead", "lookahead_for"]
 
 AUTO_CAP = 10  # drafts per step at most under speculate="auto"
 _NGRAMS = (3, 2, 1)  # n-gram sizes matched, longest first
-# A step's fixed cost (reading the weights) over one position's cost, for the default model's
-# native layers: about 2.1 ms against 1.4 ms a row (issue 32's measurements, one quiet core).
-_FIXED_OVER_POSITION = 1.5
+# A step's fixed cost (reading the weights) over one position's cost, for the default model: about
+# 3.5 ms a step against 1.4 ms a row in the native layers (issue 32's figures, one quiet core), plus
+# each position's share of the 49k-token output layer (a fifth of the model's multiply-adds): about
+# even. A loaded machine makes positions dearer (benchmarks/lookahead.py: a summary that accepts
+# few drafts lost there at 1.5), so the estimate errs towards fewer drafts.
+_FIXED_OVER_POSITION = 1.0
 # Decay of the acceptance counts per verified draft step: the last ~10 steps count.
 _DECAY = 0.9
 # The acceptance rate assumed before any draft was verified, by the size of the n-gram matched (a
