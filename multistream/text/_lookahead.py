@@ -21,11 +21,11 @@ batch drafts only where acceptance is very likely.
 
 Example:
     >>> look = Lookahead(cap=8)
-    >>> look.drafts([5, 6, 7, 8, 5, 6], rows=1, room=10)   # one draft until some are accepted
-    [7]
+    >>> look.drafts([5, 6, 7, 8, 9, 5, 6, 7], rows=1, room=10)   # one draft until some are accepted
+    [8]
     >>> look.verified(drafted=1, kept=1)
-    >>> look.drafts([5, 6, 7, 8, 5, 6], rows=1, room=10)
-    [7, 8]
+    >>> look.drafts([5, 6, 7, 8, 9, 5, 6, 7], rows=1, room=10)
+    [8, 9, 5]
     >>> look.drafts([1, 2, 3], rows=1, room=10)
     []
 """
@@ -48,7 +48,7 @@ _FIXED_OVER_POSITION = 1.0
 _DECAY = 0.9
 # The acceptance rate assumed before any draft was verified, by the size of the n-gram matched (a
 # longer match is likelier to go on), and how many verified drafts that prior weighs.
-_PRIOR = {3: 0.7, 2: 0.55, 1: 0.35}
+_PRIOR = {3: 0.7, 2: 0.45, 1: 0.3}
 _PRIOR_WEIGHT = 2.0
 _RECOVER = 0.98  # per step, the counts drift back towards the prior
 
