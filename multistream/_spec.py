@@ -136,6 +136,8 @@ def _cli_type(wire: Any) -> tuple[Any, bool] | None:
         return (wire if wire in (int, float, str) else args[0]), False
     if str in args and any(getattr(a, "__origin__", None) is list for a in args):
         return str, True  # a string or a list of strings: a repeatable flag
+    if set(args) == {str, int}:
+        return str, False  # a word or a number ("auto" or 4): the option's check reads the digits
     return None
 
 

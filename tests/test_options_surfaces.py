@@ -48,6 +48,7 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
     "length_penalty": (0.5, 1000),
     "early_stopping": (True, "soon"),
     "stop_on_repetition": (True, "yes"),
+    "speculate": (3, "fast"),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),

@@ -32,7 +32,9 @@ def check_stream(events, tokenizer=None):
     assert final.usage["completion_tokens"] == len(ids) + (final.finish_reason == "stop")
     timing = {"ttft_ms", "itl_ms_p50", "itl_ms_p95", "duration_ms", "tokens_per_s"}
     # A detected repetition loop is flagged with three more (generation health).
-    assert timing <= set(final.metrics) <= timing | {"repetition_loops", "repetition_period", "repetition_start"}
+    # Lookahead counts its steps and, when on, its drafted and accepted tokens.
+    assert timing | {"decode_steps"} <= set(final.metrics) <= timing | {
+        "repetition_loops", "repetition_period", "repetition_start", "decode_steps", "drafted_tokens", "accepted_tokens"}
     return final
 
 

@@ -125,6 +125,14 @@ class Metrics:
                                         "Text streams in which a repetition loop was detected (flagged on the final "
                                         "event; ended there with stop_on_repetition).", ["kind"])
         self.repetition_loops.metric.labels(kind="text")  # shown as 0 before the first loop
+        # Exact lookahead (speculate): tokens drafted and accepted, as vLLM's spec_decode counters.
+        self.drafted_tokens = counter("multistream:spec_decode_num_draft_tokens",
+                                      "Tokens drafted by lookahead (prompt lookup) and verified.", ["kind"])
+        self.accepted_tokens = counter("multistream:spec_decode_num_accepted_tokens",
+                                       "Drafted tokens that were accepted (equal to what one token per step gives).",
+                                       ["kind"])
+        self.drafted_tokens.metric.labels(kind="text")
+        self.accepted_tokens.metric.labels(kind="text")
         self._gauges = _Gauges()
         r.register(self._gauges)
         self.gauge("multistream:interrupted_stream_ratio", "Interrupted streams / finished streams since start.",

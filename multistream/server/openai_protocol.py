@@ -100,9 +100,9 @@ class _ChatCompletionBase(BaseModel):
 CHAT_OPTION_FIELDS = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logprobs",
                       "top_logprobs", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "top_k",
                       "repetition_penalty", "min_p", "num_beams", "length_penalty", "early_stopping", "priority",
-                      "stop_on_repetition")
+                      "stop_on_repetition", "speculate")
 _EXTENSIONS = ("top_k", "repetition_penalty", "min_p", "num_beams", "length_penalty", "early_stopping", "priority",
-               "stop_on_repetition")
+               "stop_on_repetition", "speculate")
 
 
 def _option_fields(options: type, names: tuple[str, ...], extensions: tuple[str, ...]) -> dict[str, Any]:

@@ -427,6 +427,9 @@ class StreamRecord:
             self.finish_reason = "error" if isinstance(ev, ErrorEvent) else (getattr(ev, "finish_reason", None) or "stop")
             if isinstance(ev, TextEvent) and ev.metrics and ev.metrics.get("repetition_loops"):
                 self._metrics.repetition_loops.inc(kind=self.kind)
+            if isinstance(ev, TextEvent) and ev.metrics and ev.metrics.get("drafted_tokens"):
+                self._metrics.drafted_tokens.inc(ev.metrics["drafted_tokens"], kind=self.kind)
+                self._metrics.accepted_tokens.inc(ev.metrics.get("accepted_tokens") or 0.0, kind=self.kind)
         self._wake()
 
     def _drop_preview(self, seq: int) -> None:

@@ -563,16 +563,51 @@ class TextBatcher:
         assert rows is not None
         batch = self.batch
         size = self._rows_used()
-        next_ids = [[b[-1]] for req in batch for b in (req.beams.running if req.beams is not None else [[req.context[req.prefilled]]])]
-        input_ids = torch.tensor(next_ids, device=self.device)
-        positions = torch.tensor([[req.prefilled] for req in batch for _ in range(req.width)], device=self.device)
-        mask = torch.cat([rows.mask, torch.ones(size, 1, dtype=rows.mask.dtype, device=rows.mask.device)], 1)
+        fast = self._fast_decoder()
+        spans = rows.spans() if fast is not None and fast.ragged else None
+        if spans is None and rows.spans() is not None:
+            # transformers' forward (or a fast step without the native stack) needs every row to end
+            # at the last column: rows a lookahead step left shorter are moved right (rare: only
+            # when the native path was given up after a lookahead step, e.g. a forward patched).
+            self.rows = rows = rows.aligned()
+        # Drafts (exact lookahead): only where the native step verifies them (`FastDecode.step_ragged`).
+        drafts: list[list[int]] = [[] for _ in batch]
+        if spans is not None:
+            for i, req in enumerate(batch):
+                if req.lookahead is not None:
+                    room = min(req.max_new_tokens - len(req.answer_ids), req.context_length - len(req.context)) - 1
+                    drafts[i] = req.lookahead.drafts(req.context, rows=size, room=room, version=req.rewinds)
+        ids: list[int] = []
+        places: list[int] = []
+        counts: list[int] = []  # positions per row of the cache
+        for i, req in enumerate(batch):
+            if req.beams is not None:
+                for beam in req.beams.running:
+                    ids.append(beam[-1])
+                    places.append(req.prefilled)
+                    counts.append(1)
+            else:
+                ids.append(req.context[req.prefilled])
+                ids.extend(drafts[i])
+                places.extend(range(req.prefilled, req.prefilled + 1 + len(drafts[i])))
+                counts.append(1 + len(drafts[i]))
         self._engine_thread = threading.get_ident()
         self._open_for = _ANY if self._poll_arrivals is not None else None
+        mask = None
         try:
-            logits = self._fast_step(input_ids, positions, rows)
-            if logits is None:
-                logits = self._forward(input_ids, mask, positions, rows.cache).logits[:, -1, :]
+            if spans is not None:
+                assert fast is not None
+                points = self._point_layers if self._poll_arrivals is not None else frozenset()
+                every = fast.step_ragged(torch.tensor(ids, device=self.device), torch.tensor(places, device=self.device),
+                                         rows, spans, counts, points, self._prefill_point,
+                                         self._arrival_flag if points else None)
+            else:
+                input_ids = torch.tensor(ids, device=self.device).unsqueeze(1)
+                positions = torch.tensor(places, device=self.device).unsqueeze(1)
+                mask = torch.cat([rows.mask, torch.ones(size, 1, dtype=rows.mask.dtype, device=rows.mask.device)], 1)
+                every = self._fast_step(fast, input_ids, positions, rows)
+                if every is None:
+                    every = self._forward(input_ids, mask, positions, rows.cache).logits[:, -1, :]
         except Exception as exc:  # noqa: BLE001 - every row of this batch shares the fault
             logger.exception("a batched decode step failed; ending its %d streams", size)
             for req in batch:
@@ -582,25 +617,44 @@ class TextBatcher:
         finally:
             self._open_for = None
         self.steps += 1
-        rows.mask = mask
-        for req in batch:
-            req.prefilled += 1
+        if mask is not None:
+            rows.mask = mask
+        # Row r's first position in the step's logits (a row with drafts has several).
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        logits = every
+        if len(ids) != size:
+            logits = every.index_select(0, torch.tensor(offsets[:-1], device=every.device))
+        for i, req in enumerate(batch):
+            req.decode_steps += 1
+            if not drafts[i]:
+                req.prefilled += 1
         raw_logits = logits
         # Each request takes ``width`` rows of the batch (a beam search one per beam); its first row:
         row_of = [self._first_row(i) for i in range(len(batch))]
-        if any(req.constraint is not None for req in batch):
+        if any(req.constraint is not None and not drafts[i] for i, req in enumerate(batch)):
             # Constrained rows: one mask over the batch's logits; the other rows are untouched.
-            logits = apply_masks(logits, [req.constraint if j == 0 else None for req in batch for j in range(req.width)])
+            logits = apply_masks(logits, [req.constraint if j == 0 and not drafts[i] else None
+                                          for i, req in enumerate(batch) for j in range(req.width)])
         greedy = torch.argmax(logits, dim=-1).tolist() if any(r.sampler.plain_greedy for r in batch) else None
-        adjusted = self._adjusted(batch, logits, row_of)
+        adjusted = self._adjusted([r for i, r in enumerate(batch) if not drafts[i]], logits,
+                                  [row_of[i] for i in range(len(batch)) if not drafts[i]],
+                                  [i for i in range(len(batch)) if not drafts[i]])
         ended: list[int] = []
         tokens: list[int | None] = [None] * len(batch)
+        kept = [1] * len(batch)  # columns each request keeps of those the step wrote
         # The beams' KV rows, reordered after the step: destination rows and their sources.
         moved_to: list[int] = []
         moved_from: list[int] = []
         for i, req in enumerate(batch):
             first = row_of[i]
             try:
+                if drafts[i]:
+                    kept[i], done = self._verify(req, every[offsets[first]:offsets[first + 1]], drafts[i])
+                    if done:
+                        ended.append(i)
+                    continue
                 if req.beams is not None:
                     source = req.accept_beams(logits[first:first + req.width])
                     if req.done:
@@ -635,13 +689,42 @@ class TextBatcher:
                 logger.exception("stream %s failed", req.writer.stream_id)
                 req.fail(exc)
                 ended.append(i)
+        if spans is not None:
+            # Each row keeps the columns of what it accepted; the rest is free to be written again.
+            keep = [kept[i] for i, req in enumerate(batch) for _ in range(req.width)]
+            rows.keep([(start, end + n) for (start, end), n in zip(spans, keep)])
         if moved_to:
             rows.reorder(moved_to, moved_from)
         if ended:
             self._remove_rows(sorted(set(ended)))
 
-    def _fast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: RowCache) -> torch.Tensor | None:
-        """The decode through `FastDecode` (quantized Llama-family models), or None to take the model's forward."""
+    def _verify(self, req: TextRequest, logits: torch.Tensor, drafts: list[int]) -> tuple[int, bool]:
+        """A request's tokens from one step that verified its ``drafts``: ``logits`` (one row per
+        position: its pending token, then each draft) give its tokens one at a time, each chosen as
+        a one-token step would choose it (its grammar, penalties and seeded draw at that output
+        position, all as they stand after the tokens before it); drafts are kept while they equal
+        what was chosen, and the token after the last one kept ends the block. Returns the columns
+        the row keeps (its pending token and the drafts kept) and whether the request ended."""
+        accepted = 0
+        done = False
+        for j in range(len(drafts) + 1):
+            raw = logits[j]
+            row = apply_masks(raw.unsqueeze(0), [req.constraint])[0] if req.constraint is not None else raw
+            token = self._pick(req, row)
+            entry = self._logprob_entries([req], raw.unsqueeze(0), [token])[0] if req.wants_logprobs else None
+            done = req.accept(token, entry, hold=True)
+            match = j < len(drafts) and token == drafts[j]
+            accepted += match
+            if done or not match:
+                break
+        assert req.lookahead is not None
+        req.lookahead.verified(len(drafts), accepted)
+        req.prefilled += accepted + 1
+        req.release()
+        return accepted + 1, done
+
+    def _fast_decoder(self) -> FastDecode | None:
+        """`FastDecode` for this step (quantized Llama-family models), or None to take the model's forward."""
         if not self._fast_checked:
             self._fast_checked = True
             self._fast = FastDecode.for_model(self.model)
@@ -649,12 +732,19 @@ class TextBatcher:
         # say in what a step runs: respect it.
         if self._fast is None or not self._mergeable or "forward" in vars(self.model):
             return None
+        return self._fast
+
+    def _fast_step(self, fast: FastDecode | None, input_ids: torch.Tensor, positions: torch.Tensor,
+                   rows: RowCache) -> torch.Tensor | None:
+        """The decode through ``fast`` (left-padded rows, one token each), or None to take the model's forward."""
+        if fast is None:
+            return None
         starts = _left_padding(rows.mask)
         if starts is None:
             return None
         points = self._point_layers if self._poll_arrivals is not None else frozenset()
-        return self._fast.step(input_ids, positions, rows, starts if len(starts) > 1 or starts[0] else None,
-                               points, self._prefill_point, self._arrival_flag if points else None)
+        return fast.step(input_ids, positions, rows, starts if len(starts) > 1 or starts[0] else None,
+                         points, self._prefill_point, self._arrival_flag if points else None)
 
     # -- choosing tokens ------------------------------------------------------------------------
 
@@ -665,15 +755,16 @@ class TextBatcher:
         sampler.penalties.sync(req.answer_ids, req.rewinds)
         return sampler.penalties
 
-    def _adjusted(self, batch: list[TextRequest], logits: torch.Tensor, row_of: list[int]) -> dict[int, torch.Tensor]:
+    def _adjusted(self, batch: list[TextRequest], logits: torch.Tensor, row_of: list[int],
+                  keys: list[int]) -> dict[int, torch.Tensor]:
         """OpenAI's penalties and logit biases for every request that has them, in one expression
-        (``row_of[i]``: request ``i``'s row of ``logits``)."""
+        (``row_of[i]``: request ``i``'s row of ``logits``; the result is keyed by ``keys[i]``)."""
         rows = [i for i, req in enumerate(batch) if req.sampler.plan.adjusts]
         if not rows:
             return {}
         index = torch.tensor([row_of[i] for i in rows], device=logits.device)
         out = adjust_rows(logits.index_select(0, index), [self._penalties(batch[i], logits) for i in rows])
-        return {i: out[j] for j, i in enumerate(rows)}
+        return {keys[i]: out[j] for j, i in enumerate(rows)}
 
     def _pick(self, req: TextRequest, logits: torch.Tensor, *, adjusted: bool = False) -> int:
         if req.sampler.plain_greedy:

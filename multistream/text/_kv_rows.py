@@ -65,16 +65,70 @@ class RowCache:
         return [(layer.keys, layer.values) for layer in _layers(self.cache)]
 
     def select(self, rows: list[int]) -> RowCache:
-        """A cache of just these rows (in this order), with columns no row uses trimmed off."""
+        """A cache of just these rows (in this order), with columns no row uses trimmed off (leading
+        padding, and the columns past every row's end that lookahead leaves behind)."""
         index = torch.tensor(rows, device=self.mask.device)
         mask = self.mask.index_select(0, index)
         used = mask.any(0).nonzero()
         start = int(used[0]) if used.numel() else mask.shape[1]
+        stop = int(used[-1]) + 1 if used.numel() else mask.shape[1]
         layers = [
-            (k.index_select(0, index.to(k.device))[:, :, start:], v.index_select(0, index.to(v.device))[:, :, start:])
+            (k.index_select(0, index.to(k.device))[:, :, start:stop],
+             v.index_select(0, index.to(v.device))[:, :, start:stop])
             for k, v in self.kv()
         ]
-        return RowCache.from_layers(layers, mask[:, start:])
+        return RowCache.from_layers(layers, mask[:, start:stop])
+
+    def spans(self) -> list[tuple[int, int]] | None:
+        """Each row's columns ``(start, end)`` if every row is padding, tokens, padding (None otherwise).
+
+        Rows end at the last column unless a lookahead step kept fewer columns for some rows than
+        for others (`keep`): each row then attends to its own span, and its next token goes at its end.
+
+        Example:
+            >>> RowCache(None, torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])).spans()
+            [(1, 3), (0, 4)]
+        """
+        mask = self.mask.to(torch.int8)
+        counts = mask.sum(1)
+        first = mask.argmax(1)
+        ends = first + counts
+        columns = torch.arange(mask.shape[1], device=mask.device)
+        expected = (columns[None, :] >= first[:, None]) & (columns[None, :] < ends[:, None])
+        if not bool(torch.equal(expected.to(torch.int8), mask)):
+            return None
+        return list(zip(first.tolist(), ends.tolist()))
+
+    def keep(self, spans: list[tuple[int, int]]) -> None:
+        """In place, after a step wrote its tokens: row ``r`` now holds columns ``spans[r]`` (the
+        tokens it accepted; what lies past its end is free to be written again), and the layers
+        are narrowed to the last column any row holds (views: the buffers stay)."""
+        width = max(end for _, end in spans)
+        for layer in _layers(self.cache):
+            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+        columns = torch.arange(width, device=self.mask.device)
+        starts = torch.tensor([s for s, _ in spans], device=self.mask.device)
+        ends = torch.tensor([e for _, e in spans], device=self.mask.device)
+        self.mask = ((columns[None, :] >= starts[:, None]) & (columns[None, :] < ends[:, None])).to(self.mask.dtype)
+
+    def aligned(self) -> RowCache:
+        """The same rows with every row ending at the last column (left padding only), as
+        transformers' forward needs them; rows that end earlier are copied to the right."""
+        spans = self.spans()
+        width = self.length
+        if spans is None or all(end == width for _, end in spans):
+            return self
+        layers = []
+        for k, v in self.kv():
+            k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+            for r, (start, end) in enumerate(spans):
+                k2[r, :, width - (end - start):] = k[r, :, start:end]
+                v2[r, :, width - (end - start):] = v[r, :, start:end]
+            layers.append((k2, v2))
+        columns = torch.arange(width, device=self.mask.device)
+        sizes = torch.tensor([end - start for start, end in spans], device=self.mask.device)
+        mask = (columns[None, :] >= width - sizes[:, None]).to(self.mask.dtype)
+        return RowCache.from_layers(layers, mask)
 
     def reorder(self, rows: list[int], sources: list[int]) -> None:
         """In place: row ``rows[j]`` becomes a copy of row ``sources[j]`` (as it was before), in

@@ -180,6 +180,19 @@ def _stop_on_repetition(v: Any) -> bool:
     return bool(v)
 
 
+#: The most drafted tokens one step may verify for a request (``speculate=k``).
+MAX_SPECULATE = 32
+
+
+def _speculate(v: Any) -> str | int:
+    if isinstance(v, str) and v.isdigit():  # the command line's --speculate 4
+        v = int(v)
+    _require(v == "auto" or (is_int(v) and 0 <= v <= MAX_SPECULATE),
+             f'speculate must be "auto", 0 (off) or an integer from 1 to {MAX_SPECULATE} (drafts per step at most), '
+             f"got {v!r}")
+    return "auto" if v == "auto" else int(v)
+
+
 def _priority(v: Any) -> int:
     _require(is_int(v), f"priority must be an integer (higher runs first), got {v!r}")
     return int(v)
@@ -262,6 +275,12 @@ class TextOptions:
         "tokens or more) ends the answer with finish_reason \"repetition\"; a loop is flagged on the final "
         "event's metrics either way", _stop_on_repetition, wire=bool)
 
+    # Exact lookahead (text/_lookahead.py): several tokens per step, the same text.
+    speculate: Union[str, int] = option(
+        "auto", '"auto" (drafts from the prompt and the answer, when they pay), 0 (off) or an integer (at most '
+        "that many drafts per step): verified exactly, the text, ids and logprobs are those of 0", _speculate,
+        wire=Union[str, int])
+
     def __post_init__(self) -> None:
         # Checks that span options (each option alone was checked by its own check).
         if self.allowed is not None and self.json_schema is not None:
@@ -314,7 +333,7 @@ def _check_beams(options: TextOptions) -> None:
         ("json_schema", options.json_schema is not None), ("tools", options.tools is not None),
         ("logprobs", options.wants_logprobs), ("presence_penalty", options.presence_penalty != 0),
         ("frequency_penalty", options.frequency_penalty != 0), ("logit_bias", bool(options.logit_bias)),
-        ("min_p", bool(options.min_p)),
+        ("min_p", bool(options.min_p)), (f"speculate={options.speculate}", options.speculate not in ("auto", 0)),
     ) if on]
     if others:
         raise InvalidArgumentError(

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..stream import StreamWriter
 from ._detokenizer import IncrementalDetokenizer
+from ._lookahead import lookahead_for
 from ._options import TextOptions
 from ._repetition import RepetitionDetector
 from ._sampling import RowSampler
@@ -174,6 +175,9 @@ class TextRequest:
             self._text = kept
         if self.constraint is not None and self.answer_ids:
             self.constraint.reset(self.answer_ids)
+        # Exact lookahead (`_lookahead`): this request's drafts and their acceptance; None when off.
+        self.lookahead = lookahead_for(self.options.speculate, self.beams is not None)
+        self.decode_steps = 0  # batched forwards that gave this request tokens (its first token excluded)
         # Generation health: a loop is flagged on the final event (and ends it with stop_on_repetition).
         self._loops = RepetitionDetector.of(self.answer_ids)
         self.repetition: dict[str, Any] | None = None
@@ -297,9 +301,10 @@ class TextRequest:
     def wants_logprobs(self) -> bool:
         return self.top_logprobs >= 0
 
-    def accept(self, token: int, logprob: dict[str, Any] | None = None) -> bool:
+    def accept(self, token: int, logprob: dict[str, Any] | None = None, *, hold: bool = False) -> bool:
         """Take the next generated token (and its logprob entry, when the stream asked for them);
-        emit what is ready. True if the request has ended."""
+        emit what is ready (``hold``: not yet, more tokens of this step follow: `release`). True if
+        the request has ended."""
         self.generated += 1
         self._token_times.append(self.writer.elapsed())
         if token in self.eos_token_ids:
@@ -316,7 +321,7 @@ class TextRequest:
         if stopped:
             self.finish("stop_sequence")
             return True
-        if self._chunker.ready():
+        if not hold and self._chunker.ready():
             self._send()
         if self._repeating(token) and self.options.stop_on_repetition:
             self.finish("repetition")
@@ -328,6 +333,12 @@ class TextRequest:
             self.finish("length")
             return True
         return False
+
+    def release(self) -> None:
+        """Emit what is ready after tokens taken with ``accept(hold=True)``: several tokens of one
+        step go out as one event."""
+        if not self.done and self._chunker.ready():
+            self._send()
 
     def _repeating(self, token: int) -> bool:
         """Feed the loop detector (rebuilt when an edit changed the answer); True once a loop is found."""
@@ -415,6 +426,9 @@ class TextRequest:
             # Decode speed: tokens after the first over the time they took (prefill excluded).
             "tokens_per_s": round((len(times) - 1) / decode_span, 3) if decode_span > 0 else 0.0,
         }
+        if self.lookahead is not None:
+            metrics.update(drafted_tokens=float(self.lookahead.drafted), accepted_tokens=float(self.lookahead.accepted))
+        metrics["decode_steps"] = float(self.decode_steps)
         if self.repetition is not None:  # flagged: the server counts it (multistream_repetition_loops_total)
             metrics.update(repetition_loops=1.0, repetition_period=float(self.repetition["period"]),
                            repetition_start=float(self.repetition["start"]))

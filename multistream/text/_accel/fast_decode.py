@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .._kv_rows import RowCache
-from .kernels import StopPoints
+from .kernels import StopPoints, Tokens
 from .native_layers import NativeStack, native_layer
 from .row_attention import row_attention, uses_row_attention
 
@@ -157,6 +157,43 @@ class FastDecode:
         return self.model.lm_head(hidden[:, -1:, :])[:, -1, :]
 
 
+    @property
+    def ragged(self) -> bool:
+        """True if `step_ragged` serves this model (every layer native): rows may then end at different
+        columns and take several tokens each (exact lookahead's verification)."""
+        return self.native_stack is not None
+
+    def step_ragged(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: RowCache, spans: list[tuple[int, int]],
+        counts: list[int], points: frozenset[int] = frozenset(), prefill_point: Callable[[], None] | None = None,
+        arrivals: ctypes.c_int32 | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[sum(counts), vocab]`` for ``counts[r]`` new tokens of row ``r`` (``input_ids`` and
+        ``positions``: ``[sum(counts)]``, row by row), written at columns ``spans[r][1]`` on; row ``r``
+        attends from column ``spans[r][0]``. The cache layers then hold every column written (the
+        caller narrows them to what it keeps: `RowCache.keep`).
+
+        Each token is computed as it would be alone (one arithmetic, `native_layers`): its logits are
+        bit for bit those of a one-token step at its position, so ``k`` drafted tokens are verified
+        in one forward exactly.
+        """
+        assert self.native_stack is not None
+        length = rows.length
+        layers = list(getattr(rows.cache, "layers", []))
+        ends = [end + n for (_, end), n in zip(spans, counts)]
+        width = max(max(ends), length)
+        kv_row = torch.tensor([r for r, n in enumerate(counts) for _ in range(n)])
+        first = torch.tensor([start for (start, _), n in zip(spans, counts) for _ in range(n)])
+        column = torch.tensor([end + j for (_, end), n in zip(spans, counts) for j in range(n)])
+        cos, sin = self.native_stack.rotary.rows(positions)
+        tokens = Tokens(cos, sin, kv_row, first, column)
+        hidden = self.inner.embed_tokens(input_ids.view(-1, 1))
+        buffers = [_reserve(cached, length, width - length) for cached in layers]
+        hidden = self._native_layers(hidden, tokens, buffers, points, prefill_point, arrivals)
+        for cached, (kbuf, vbuf) in zip(layers, buffers):
+            cached.keys, cached.values = kbuf[:, :, :width], vbuf[:, :, :width]
+        return self.model.lm_head(self.inner.norm(hidden))[:, -1, :]
+
     def _native_layers(self, hidden: torch.Tensor, tokens: Any, buffers: list[tuple[torch.Tensor, torch.Tensor]],
                        points: frozenset[int], prefill_point: Callable[[], None] | None,
                        arrivals: ctypes.c_int32 | None) -> torch.Tensor:
@@ -200,16 +237,17 @@ def _append(layer: Any, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[
     return layer.keys, layer.values
 
 
-def _reserve(layer: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's buffers with room for column ``length``: new ones with `GROW` spare columns when
-    its keys are not a view of them (the cache was reshaped: rows joined or left) or they are full."""
+def _reserve(layer: Any, length: int, more: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's buffers with room for ``more`` columns from ``length``: new ones with `GROW` spare
+    columns when its keys are not a view of them (the cache was reshaped: rows joined or left) or
+    they are full."""
     buffers = getattr(layer, "multistream_buffers", None)
     keys = layer.keys
     if buffers is None or buffers[0].data_ptr() != keys.data_ptr() or buffers[0].shape[0] != keys.shape[0] \
-            or buffers[0].shape[2] <= length or keys.shape[2] != length:
+            or buffers[0].shape[2] < length + more or keys.shape[2] != length:
         rows, heads, _, dim = keys.shape
-        kbuf = keys.new_empty(rows, heads, length + 1 + GROW, dim)
-        vbuf = layer.values.new_empty(rows, heads, length + 1 + GROW, dim)
+        kbuf = keys.new_empty(rows, heads, length + more + GROW, dim)
+        vbuf = layer.values.new_empty(rows, heads, length + more + GROW, dim)
         kbuf[:, :, :length].copy_(keys)
         vbuf[:, :, :length].copy_(layer.values)
         buffers = (kbuf, vbuf)

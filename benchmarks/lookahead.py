@@ -1,0 +1,192 @@
+"""Exact lookahead (``speculate="auto"``, the default) against one token per step (``speculate=0``).
+
+Five tasks on the default model (``ms.load_text_model()``), prompts below: a summary of an article,
+a code rewrite with one variable renamed, an answer quoting its context, fields extracted as JSON
+(with a schema), an open-ended story. For each: decode tokens/s (after the first token) of both,
+their ratio, tokens per decode step and whether the two texts are identical (they must be: the
+lookahead is exact). Then 8 concurrent streams (the five tasks, cycled), aggregate tokens/s.
+
+Rounds are interleaved (default, speculate=0, default, ...) and medians reported, so a noisy
+machine affects both alike; the load average is printed with the figures.
+
+    python benchmarks/lookahead.py [--rounds 3] [--tokens 128] [--only summary,code] [--no-batch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import multistream as ms
+
+ARTICLE = """The city council of Riverton voted on Tuesday to turn the old freight rail line that crosses the
+east side of town into a public park and cycling path. The line, built in 1911 to carry grain from the
+river docks to the mills, has been unused since 1987, when the last mill closed. For more than thirty
+years the tracks have been fenced off, and residents have complained that the corridor collects litter
+and divides neighbourhoods that were once connected by footbridges.
+
+The plan approved this week will remove the rails, keep the historic stone bridges, and lay a paved path
+four kilometres long from the riverfront to the northern edge of the city. Native grasses and fruit trees
+will be planted along both sides, and three small plazas will be built where the path meets busy streets.
+The council expects the work to cost 14 million dollars, of which 9 million will come from a state
+transportation grant and the rest from the city's capital budget over four years.
+
+Supporters of the project, including several local business owners, said the path would bring visitors
+to shops along Market Street and give children a safe way to cycle to school. Maria Chen, who runs a
+bakery near the old depot, said she had waited twenty years for the council to act. Opponents worried
+about the cost and about noise for houses that back onto the corridor. Councillor David Okafor, who voted
+against the plan, said the money would be better spent on repairing roads. Construction is expected to
+begin next spring, and the first section, between the river and Market Street, should open in 2027."""
+
+FUNCTION = '''def summarize_orders(orders, tax_rate, discount_codes):
+    """Total the orders of one day and count what was sold."""
+    totals = {}
+    counts = {}
+    rejected = []
+    for order in orders:
+        if order.status == "cancelled":
+            rejected.append(order.id)
+            continue
+        subtotal = 0.0
+        for line in order.lines:
+            price = line.unit_price * line.quantity
+            if line.sku in discount_codes:
+                price = price * (1 - discount_codes[line.sku])
+            subtotal += price
+            counts[line.sku] = counts.get(line.sku, 0) + line.quantity
+        tax = subtotal * tax_rate
+        customer = order.customer_id
+        if customer not in totals:
+            totals[customer] = 0.0
+        totals[customer] += subtotal + tax
+    best = None
+    for customer, amount in totals.items():
+        if best is None or amount > totals[best]:
+            best = customer
+    return {
+        "totals": totals,
+        "counts": counts,
+        "rejected": rejected,
+        "best_customer": best,
+    }
+'''
+
+CONTEXT = """The Hubble Space Telescope was launched on April 24, 1990, aboard the space shuttle Discovery.
+Shortly after it reached orbit, engineers found that its main mirror had been ground to the wrong shape,
+which blurred its images. In December 1993 astronauts on the shuttle Endeavour installed corrective
+optics during the first servicing mission, and the telescope's images became sharp. Hubble orbits about
+540 kilometres above the Earth and completes one orbit roughly every 95 minutes."""
+
+PARAGRAPH = """Order 4471 was placed by Jonathan Reyes of Portland, Oregon on March 3, 2025. He bought two
+walnut bookshelves at 189.50 dollars each and asked for delivery to 12 Alder Lane, with the note "leave at
+the side door". He paid by credit card and his phone number is 503-555-0142."""
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "integer"}, "customer": {"type": "string"}, "city": {"type": "string"},
+        "item": {"type": "string"}, "quantity": {"type": "integer"}, "unit_price": {"type": "number"},
+        "address": {"type": "string"}, "phone": {"type": "string"},
+    },
+    "required": ["order_id", "customer", "city", "item", "quantity", "unit_price", "address", "phone"],
+    "additionalProperties": False,
+}
+
+TASKS: dict[str, tuple[list[dict[str, str]], dict[str, Any]]] = {
+    "summary": ([{"role": "user", "content": "Summarise this article in a few sentences, keeping its key facts "
+                  "and names.\n\n" + ARTICLE}], {}),
+    "code": ([{"role": "user", "content": "Rewrite this Python function with the variable `subtotal` renamed to "
+               "`net_amount`. Change nothing else and output the whole function.\n\n" + FUNCTION}], {}),
+    "quote": ([{"role": "user", "content": "Answer by quoting the context word for word.\n\nContext: " + CONTEXT
+                + "\n\nQuestion: What happened in December 1993?"}], {}),
+    "json": ([{"role": "user", "content": "Extract the order's fields as JSON.\n\n" + PARAGRAPH}],
+             {"json_schema": SCHEMA}),
+    "story": ([{"role": "user", "content": "Write a story about a lighthouse keeper who finds a message in a "
+                "bottle."}], {}),
+}
+COPYING = ("summary", "code", "quote")
+
+
+def one(llm: Any, task: str, tokens: int, speculate: Any) -> dict[str, Any]:
+    prompt, extra = TASKS[task]
+    start = time.perf_counter()
+    first = None
+    final = None
+    for ev in llm.stream(prompt, max_new_tokens=tokens, temperature=0.0, speculate=speculate, **extra):
+        if first is None and ev.token_ids:
+            first = time.perf_counter()
+        final = ev
+    end = time.perf_counter()
+    assert final is not None and first is not None
+    n = final.usage["completion_tokens"]
+    return {"text": final.text, "tokens": n, "tok_s": (n - 1) / (end - first) if end > first else 0.0,
+            "wall": end - start, "steps": final.metrics["decode_steps"]}
+
+
+def batch(llm: Any, tokens: int, speculate: Any, streams: int = 8) -> dict[str, Any]:
+    names = list(TASKS)
+    out: list[dict[str, Any] | None] = [None] * streams
+    go = threading.Barrier(streams + 1)
+
+    def work(i: int) -> None:
+        go.wait()
+        out[i] = one(llm, names[i % len(names)], tokens, speculate)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    go.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    done = [r for r in out if r is not None]
+    return {"tok_s": sum(r["tokens"] for r in done) / wall, "texts": [r["text"] for r in done]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--only", default=",".join(TASKS))
+    parser.add_argument("--no-batch", action="store_true")
+    args = parser.parse_args()
+    llm = ms.load_text_model()
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    one(llm, "story", 8, 0)  # warm-up
+    results: dict[str, Any] = {}
+    print("| task | default tok/s | speculate=0 tok/s | ratio | tokens/step | identical |")
+    print("|---|---|---|---|---|---|")
+    for task in args.only.split(","):
+        on, off = [], []
+        for _ in range(args.rounds):  # interleaved rounds
+            on.append(one(llm, task, args.tokens, "auto"))
+            off.append(one(llm, task, args.tokens, 0))
+        a, b = statistics.median(r["tok_s"] for r in on), statistics.median(r["tok_s"] for r in off)
+        per_step = statistics.median(r["tokens"] / (r["steps"] + 1) for r in on)
+        same = all(x["text"] == off[0]["text"] for x in on + off)
+        results[task] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "tokens_per_step": per_step,
+                         "identical": same, "tokens": on[0]["tokens"]}
+        print(f"| {task} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {per_step:.2f} | {'yes' if same else 'NO'} |",
+              flush=True)
+    if not args.no_batch:
+        on_b, off_b = [], []
+        for _ in range(args.rounds):
+            on_b.append(batch(llm, args.tokens, "auto"))
+            off_b.append(batch(llm, args.tokens, 0))
+        a, b = statistics.median(r["tok_s"] for r in on_b), statistics.median(r["tok_s"] for r in off_b)
+        same = all(r["texts"] == off_b[0]["texts"] for r in on_b + off_b)
+        results["8 streams"] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "identical": same}
+        print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {a / b:.2f}x | - | {'yes' if same else 'NO'} |")
+    print(f"load average after: {os.getloadavg()}")
+    print(json.dumps(results))
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()

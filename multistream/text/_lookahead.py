@@ -1,0 +1,137 @@
+"""Exact lookahead: drafts from the request's own text, verified in the step's batched forward.
+
+A row that expects its next tokens to repeat something it has seen (a summary quoting its
+article, a code edit copying the function, an answer quoting its context, JSON copying fields)
+proposes them as *drafts*: the tokens that followed the latest earlier occurrence of its newest
+n-gram (prompt lookup; the answer so far counts too). The step then runs the row's pending token
+and its ``k`` drafts as ``k + 1`` positions of one forward; the native layers compute each
+position exactly as a one-token step would (one arithmetic: `multistream.text._accel.native_layers`),
+so the row's tokens are chosen one at a time from those logits by the request's own sampler
+(greedy argmax, or the seeded draw of that output position), and the drafts are kept while they
+equal what was chosen. The text, ids and logprobs are bit for bit those of ``speculate=0``; only
+the number of forwards changes.
+
+How many drafts pay depends on the batch: one more position costs about ``B`` (its share of the
+layers' work) while a step costs about ``A + B * rows`` (``A``: reading the weights once). A
+draft that is accepted with probability ``q`` saves ``q`` of a row's step; so draft ``i`` (kept
+only if the ``i - 1`` before it were, probability ``p ** i``) is worth running while
+``p ** i > B / (A / rows + B)``. ``p`` is the request's own recent acceptance rate (decayed
+counts), so a request whose drafts keep failing (open-ended text) stops drafting, and a busy
+batch drafts only where acceptance is very likely.
+
+Example:
+    >>> look = Lookahead(cap=8)
+    >>> look.drafts([5, 6, 7, 8, 9, 5, 6, 7], rows=1, room=10)   # one draft until some are accepted
+    [8]
+    >>> look.verified(drafted=1, kept=1)
+    >>> look.drafts([5, 6, 7, 8, 9, 5, 6, 7], rows=1, room=10)
+    [8, 9, 5]
+    >>> look.drafts([1, 2, 3], rows=1, room=10)
+    []
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["AUTO_CAP", "Lookahead", "lookahead_for"]
+
+AUTO_CAP = 10  # drafts per step at most under speculate="auto"
+_NGRAMS = (3, 2, 1)  # n-gram sizes matched, longest first
+# A step's fixed cost (reading the weights) over one position's cost, for the default model: about
+# 3.5 ms a step against 1.4 ms a row in the native layers (issue 32's figures, one quiet core), plus
+# each position's share of the 49k-token output layer (a fifth of the model's multiply-adds): about
+# even. A loaded machine makes positions dearer (benchmarks/lookahead.py: a summary that accepts
+# few drafts lost there at 1.5), so the estimate errs towards fewer drafts.
+_FIXED_OVER_POSITION = 1.0
+# Decay of the acceptance counts per verified draft step: the last ~10 steps count.
+_DECAY = 0.9
+# The acceptance rate assumed before any draft was verified, by the size of the n-gram matched (a
+# longer match is likelier to go on), and how many verified drafts that prior weighs.
+_PRIOR = {3: 0.7, 2: 0.45, 1: 0.3}
+_PRIOR_WEIGHT = 2.0
+_RECOVER = 0.98  # per step, the counts drift back towards the prior
+
+
+class Lookahead:
+    """One request's drafting: an n-gram index over its context and its recent acceptance."""
+
+    def __init__(self, cap: int, *, batch_aware: bool = True) -> None:
+        self.cap = cap
+        # "auto" weighs a draft against the step's rows; an explicit cap (speculate=k) drafts as a
+        # row alone would, whatever the batch (the caller asked for drafts).
+        self.batch_aware = batch_aware
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+        self._indexed = 0  # context positions whose n-grams ending there are indexed
+        self._version = 0
+        # Decayed counts of drafts tried and kept, by n-gram size: its acceptance rate p.
+        self._tried = {n: _PRIOR_WEIGHT for n in _NGRAMS}
+        self._kept = {n: _PRIOR_WEIGHT * _PRIOR[n] for n in _NGRAMS}
+        self._last_n = 0  # the n-gram size of the last drafts
+        self.drafted = 0  # totals for the final event's metrics
+        self.accepted = 0
+
+    def _sync(self, context: list[int], version: int) -> None:
+        """Index the n-grams that end before the context's last token (a rewind rebuilds)."""
+        if version != self._version or self._indexed > len(context) - 1:
+            self._index.clear()
+            self._indexed = 0
+            self._version = version
+        index = self._index
+        for end in range(max(self._indexed, 1), len(context)):
+            # The n-grams ending at `end` (exclusive): their continuation starts at `end`.
+            for n in _NGRAMS:
+                if end >= n:
+                    index[tuple(context[end - n:end])] = end
+        self._indexed = max(self._indexed, len(context) - 1) if len(context) > 1 else self._indexed
+
+    def rate(self, n: int) -> float:
+        """The recent acceptance rate of drafts that followed a match of ``n`` tokens."""
+        return self._kept[n] / self._tried[n]
+
+    def drafts(self, context: list[int], *, rows: int, room: int, version: int = 0) -> list[int]:
+        """The drafts for the token after ``context`` (at most ``room``), [] when none pay in a step
+        of ``rows`` rows. ``version`` changes when the context was cut (a rewind)."""
+        if room <= 0 or self.cap <= 0:
+            return []
+        for n in _NGRAMS:  # unverified, a rate drifts back to its prior: a request that stopped drafting tries again
+            self._tried[n] = self._tried[n] * _RECOVER + (1 - _RECOVER) * _PRIOR_WEIGHT
+            self._kept[n] = self._kept[n] * _RECOVER + (1 - _RECOVER) * _PRIOR_WEIGHT * _PRIOR[n]
+        rows = max(rows, 1) if self.batch_aware else 1
+        threshold = 1.0 / (_FIXED_OVER_POSITION / rows + 1.0)
+        limit = min(self.cap, room)
+        self._sync(context, version)
+        for n in _NGRAMS:
+            if len(context) < n:
+                continue
+            start = self._index.get(tuple(context[-n:]))
+            if start is None:
+                continue
+            p = self.rate(n)
+            k, prob = 0, p
+            while k < limit and prob > threshold:
+                k += 1
+                prob *= p
+            self._last_n = n
+            return context[start:start + k]
+        return []
+
+    def verified(self, drafted: int, kept: int) -> None:
+        """``kept`` of ``drafted`` drafts were accepted in a step (the first rejection ends a block)."""
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += kept
+        n = self._last_n
+        tried = kept + (1 if kept < drafted else 0)
+        self._tried[n] = self._tried[n] * _DECAY + tried
+        self._kept[n] = self._kept[n] * _DECAY + kept
+
+
+def lookahead_for(speculate: Any, beams: bool) -> Lookahead | None:
+    """The drafting of a request with option ``speculate`` ("auto", 0 = off, k = at most k drafts)."""
+    if beams or speculate == 0:
+        return None
+    if speculate == "auto":
+        return Lookahead(AUTO_CAP)
+    return Lookahead(int(speculate), batch_aware=False)
