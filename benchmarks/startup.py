@@ -1,6 +1,6 @@
 """Start-up of the embedded text model, the CLI and the server, each in a new process.
 
-    python benchmarks/startup.py [--rounds 5] [--before /work/main] [--after .] [--importtime 15]
+    python benchmarks/startup.py [--rounds 5] --before ../base [--after .] [--importtime 15]
 
 Each measurement starts a fresh Python (warm: the embedded model's converted cache and the
 quantized-weights cache exist, which the first run of each tree writes; that run is discarded):
@@ -122,7 +122,8 @@ def top_imports(tree: Path, n: int) -> list[tuple[float, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--before", type=Path, default=Path("/work/main"), help="PYTHONPATH of the baseline tree")
+    parser.add_argument("--before", type=Path, required=True,
+                        help="PYTHONPATH of the baseline tree (e.g. `git worktree add ../base <commit>`)")
     parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="PYTHONPATH of the tree under test (default: this checkout)")
     parser.add_argument("--only", choices=("load", "cli", "serve"), action="append",

@@ -3,6 +3,7 @@ callback keeps its tensor inputs, and a Flux hub model is loaded in bfloat16 fro
 
 from __future__ import annotations
 
+import types
 import pytest
 import torch
 
@@ -82,6 +83,9 @@ def test_flux_hub_id_loads_in_bfloat16_directly(monkeypatch: pytest.MonkeyPatch)
         return FakePipe()
 
     monkeypatch.setattr(image_module, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(image_module, "check_device", lambda device, family: device)  # as if CUDA were here
+    # As if the hub answered (this machine has no network): the name is the source.
+    monkeypatch.setattr(image_module, "locate", lambda name, **kw: types.SimpleNamespace(path=name, offline=False))
     monkeypatch.setattr(image_module, "_from_pretrained", fake_from_pretrained)
     monkeypatch.setattr(image_module, "_hub_class_name", lambda source, **kw: "FluxPipeline")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

@@ -283,12 +283,12 @@ def test_the_server_takes_speculate_and_counts_drafted_and_accepted_tokens(llm) 
 
     with make_server(llm) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        answers = [client.chat.completions.create(model="m", messages=COPY, max_tokens=32, temperature=0,
+        answers = [client.chat.completions.create(model="default", messages=COPY, max_tokens=32, temperature=0,
                                                   extra_body=extra)
                    for extra in ({}, {"speculate": 0})]
         assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
         with pytest.raises(openai.BadRequestError, match="speculate must be"):
-            client.chat.completions.create(model="m", messages=COPY, max_tokens=4, extra_body={"speculate": "fast"})
+            client.chat.completions.create(model="default", messages=COPY, max_tokens=4, extra_body={"speculate": "fast"})
         metrics = httpx.get(srv.url + "/metrics").text
     drafted = re.search(r'multistream:spec_decode_num_draft_tokens_total\{kind="text"\} ([0-9.]+)', metrics)
     accepted = re.search(r'multistream:spec_decode_num_accepted_tokens_total\{kind="text"\} ([0-9.]+)', metrics)
