@@ -28,13 +28,8 @@ BOT_TEXT = """() => { const m = document.querySelectorAll('#ms-chatbot .bot, #ms
 STATS_ENDED = "() => /^(stop|length)/.test(document.querySelector('#ms-chat-stats').innerText.trim())"
 
 
-SHOTS = Path("/work/wt/ui-shots")
-
-
 def _shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
     page.screenshot(path=str(ARTIFACTS / name))
-    if SHOTS.is_dir():  # the screenshots a person looks at, kept outside the checkout when asked for
-        page.screenshot(path=str(SHOTS / name))
 
 
 def test_demo_chat_without_speaking_has_no_player_and_no_console_errors() -> None:

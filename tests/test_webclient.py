@@ -120,14 +120,9 @@ def test_web_client_applies_rewinds_by_code_point_and_finishes_images() -> None:
             browser.close()
 
 
-SHOTS = Path("/work/wt/ui-shots")
-
-
 def _shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
-    if SHOTS.is_dir():  # the screenshots a person looks at, kept outside the checkout when asked for
-        page.screenshot(path=str(SHOTS / name), full_page=True)
 
 
 def test_web_client_keeps_text_image_and_speech_apart_and_says_what_happens() -> None:
