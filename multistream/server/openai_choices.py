@@ -23,6 +23,7 @@ from starlette.requests import Request
 
 from ..events import ErrorEvent, Event, TextEvent
 from ..text import choice_seed
+from .disconnect import until_done_or_gone
 from .problems import Problem
 from .registry import StreamRecord
 from .security import Principal
@@ -167,17 +168,9 @@ async def collect_choices(records: list[StreamRecord], request: Request) -> list
         async for i, ev in interleave(records):
             states[i].add(ev)
 
-    task = asyncio.ensure_future(collect())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                task.result()
-                return states
-            if await request.is_disconnected():
-                for record in records:
-                    record.cancel()
-                raise Problem(499, "client_closed", "the client went away before the answer was ready")
-    finally:
-        if not task.done():
-            task.cancel()
+    def cancel_all() -> None:
+        for record in records:
+            record.cancel()
+
+    await until_done_or_gone(collect(), request, on_gone=cancel_all)
+    return states

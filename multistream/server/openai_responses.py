@@ -53,6 +53,7 @@ from starlette.responses import JSONResponse, Response
 from ..events import Event, event_from_dict
 from .bodies import OpenAIErrorResponse
 from .continuation import CONTINUED_HOOKS
+from .disconnect import until_done_or_gone
 from .problems import Problem
 from .responses_protocol import ResponseBuilder, ResponsesRequest, output_messages, parse_responses_body, request_view
 from .routes_native import read_body
@@ -322,18 +323,7 @@ async def _collect(record: Any, request: Request) -> list[Event]:
     async def collect() -> list[Event]:
         return [ev async for ev in record.subscribe()]
 
-    task = asyncio.ensure_future(collect())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                record.cancel()
-                raise Problem(499, "client_closed", "the client went away before the answer was ready")
-    finally:
-        if not task.done():
-            task.cancel()
+    return await until_done_or_gone(collect(), request, on_gone=record.cancel)
 
 
 def _starting_after(request: Request) -> int:

@@ -47,7 +47,6 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -64,6 +63,7 @@ from starlette.responses import JSONResponse, Response
 from ..events import ErrorEvent, ImageEvent, TextEvent
 from ..text import ToolCallParser, parse_tool_calls
 from .bodies import OpenAIErrorResponse
+from .disconnect import until_done_or_gone
 from .families import family, served_model_names
 from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
@@ -321,15 +321,4 @@ async def _collect_until_disconnected(record: Any, request: Request) -> list[Any
     async def collect() -> list[Any]:
         return [ev async for ev in record.subscribe()]
 
-    task = asyncio.ensure_future(collect())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                record.cancel()
-                raise Problem(499, "client_closed", "the client went away before the answer was ready")
-    finally:
-        if not task.done():
-            task.cancel()
+    return await until_done_or_gone(collect(), request, on_gone=record.cancel)

@@ -22,6 +22,7 @@ from ..engine import capacity_of
 from ..errors import ModelLoadError
 from ..stream import Stream, StreamWriter, reserved_stream_id
 from .admission import Admission
+from .disconnect import until_done_or_gone
 from .families import FAMILIES, Family, check_model_name, family
 from .filtering import STOP, ContentFilter
 from .metrics import Metrics
@@ -41,6 +42,8 @@ logger = logging.getLogger("multistream.server")
 # loading both embedded models at once from a fresh venv).
 _LOAD_LOCK = threading.Lock()
 
+
+_GONE_WHILE_QUEUED = "the client went away while queued"
 
 class ModelSlot:
     """One served model: given ready, or loaded in a background thread so the server starts fast.
@@ -255,8 +258,8 @@ class ServerState:
         gate = self.gates[kind]
         waited = time.perf_counter()
         try:
-            await _until_disconnected(gate.acquire(priority, self.settings.queue_timeout_s, on_queued), request,
-                                      on_abandoned=gate.release)
+            await until_done_or_gone(gate.acquire(priority, self.settings.queue_timeout_s, on_queued), request,
+                                     on_abandoned=gate.release, message=_GONE_WHILE_QUEUED)
         except BaseException:
             release_quota()
             raise
@@ -353,8 +356,9 @@ class ServerState:
             gate.concurrency = _capacity(model, kind)
         release_quota = self._take_quota(principal)
         try:
-            await _until_disconnected(gate.acquire(self.cap_priority(priority, principal),
-                                                   self.settings.queue_timeout_s), request, on_abandoned=gate.release)
+            await until_done_or_gone(gate.acquire(self.cap_priority(priority, principal),
+                                                  self.settings.queue_timeout_s), request, on_abandoned=gate.release,
+                                     message=_GONE_WHILE_QUEUED)
         except BaseException:
             release_quota()
             raise
@@ -523,33 +527,6 @@ async def _off_loop(start: Callable[[], Stream]) -> Stream:
 
         task.add_done_callback(close)
         raise
-
-
-async def _until_disconnected(
-    awaitable: Any, request: Request | None, on_abandoned: Callable[[], Any] | None = None
-) -> Any:
-    """Await ``awaitable`` (a queue wait), giving up if the HTTP client goes away meanwhile.
-
-    ``on_abandoned`` runs when the wait succeeded but its result never reached the caller (the
-    caller was cancelled in between), so an admission slot won then is given back, not leaked.
-    """
-    task = asyncio.ensure_future(awaitable)
-    delivered = False
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                result = task.result()
-                delivered = True
-                return result
-            if request is not None and await request.is_disconnected():
-                task.cancel()
-                raise Problem(499, "client_closed", "the client went away while queued")
-    finally:
-        if not task.done():
-            task.cancel()
-        elif not delivered and on_abandoned is not None and not task.cancelled() and task.exception() is None:
-            on_abandoned()
 
 
 
