@@ -14,8 +14,8 @@ per-round ratio multistream / anchor (the target is <= 1.1).
 
     python benchmarks/sse_anchor.py                          # 10, 50, 200 clients, 5 rounds
     python benchmarks/sse_anchor.py --clients 200 --rounds 3
-    python benchmarks/sse_anchor.py --baseline /work/main    # + that checkout's server: before/after
-    PYTHONPATH=/work/main python benchmarks/sse_anchor.py    # another checkout's server code only
+    python benchmarks/sse_anchor.py --baseline ../base       # + that checkout's server: before/after
+    PYTHONPATH=../base python benchmarks/sse_anchor.py       # another checkout's server code only
     python benchmarks/sse_anchor.py --profile prof.out       # cProfile of the server's loop thread
 
 The multistream server's code comes from ``PYTHONPATH`` when set, else from this checkout. Server
@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import httpx
+from server_load import one_stream, pct  # the same client and percentile as the load test
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -175,28 +176,6 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
-
-
-async def one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> tuple[float, int]:
-    """(TTFT seconds, events) for one SSE stream, parsed incrementally."""
-    t0 = time.perf_counter()
-    ttft = -1.0
-    events = 0
-    async with client.stream("POST", url + "/v1/text", json={"prompt": "bench", "max_new_tokens": tokens}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data:"):
-                events += 1
-                if ttft < 0:
-                    ttft = time.perf_counter() - t0
-                if '"is_final":true' in line:
-                    break
-    return ttft, events
-
-
 async def run_level(url: str, n: int, tokens: int) -> tuple[float, float, int]:
     """(TTFT p50 ms, p95 ms, events) of ``n`` concurrent streams."""
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
@@ -251,7 +230,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["scripted", "ticker"], default="scripted",
                     help="scripted: ScriptedTextModel (a thread per stream); ticker: one thread for all streams")
     ap.add_argument("--baseline", metavar="CHECKOUT",
-                    help="also run the multistream server of this checkout (e.g. /work/main), interleaved: before/after")
+                    help="also run the multistream server of this checkout (e.g. a git worktree of an earlier commit), interleaved: before/after")
     ap.add_argument("--profile", help="cProfile the multistream server's loop thread into this file (skews its figures)")
     ap.add_argument("--serve", choices=["multistream", "anchor"], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -230,33 +230,33 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
 
     rate = int(getattr(tts, "sample_rate", 22050))
     encoder = AudioEncoder(_CHAT_AUDIO_FORMATS[fmt], rate, _OPENAI_PCM_RATE if fmt == "pcm16" else None)
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()  # events of both streams, told apart by their type
 
     async def read_text() -> None:
         try:
             async for ev in record.subscribe():
                 if isinstance(ev, TextEvent) and ev.delta:
                     feed.feed(ev.delta)
-                await queue.put(("text", ev))
+                await queue.put(ev)
         finally:
             feed.end()
 
     async def read_audio() -> None:
         async for ev in audio_stream:
-            await queue.put(("audio", ev))
+            await queue.put(ev)
 
-    async def merged() -> AsyncIterator[tuple[str, Any]]:
+    async def merged() -> AsyncIterator[Any]:
         tasks = [asyncio.ensure_future(read_text()), asyncio.ensure_future(read_audio())]
         finals = 0
         try:
             while finals < 2:
-                kind, ev = await queue.get()
+                ev = await queue.get()
                 if ev.is_final:
                     finals += 1
                     if isinstance(ev, ErrorEvent):
-                        yield kind, ev
+                        yield ev
                         return
-                yield kind, ev
+                yield ev
         finally:
             for task in tasks:
                 task.cancel()
@@ -276,12 +276,12 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
 
     if not stream:
         text_final, pieces, error = None, [], None
-        async for kind, ev in merged():
+        async for ev in merged():
             if isinstance(ev, ErrorEvent):
                 error = ev
-            elif kind == "text" and ev.is_final:
+            elif isinstance(ev, TextEvent) and ev.is_final:
                 text_final = ev
-            elif kind == "audio" and not ev.is_final:
+            elif isinstance(ev, AudioEvent) and not ev.is_final:
                 pieces.append(await asyncio.to_thread(encoder.feed, ev.data))
         if error is not None or text_final is None:
             message = error.error.get("message") if error is not None else "no final event"
@@ -300,12 +300,12 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
     async def events() -> AsyncIterator[ServerSentEvent]:
         yield _sse_json(chunk({"role": "assistant", "content": None}))
         text_final = None
-        async for kind, ev in merged():
+        async for ev in merged():
             if isinstance(ev, ErrorEvent):
                 yield _sse_json({"error": {"message": ev.error.get("message"), "type": "server_error",
                                            "param": None, "code": ev.error.get("type")}})
                 return
-            if kind == "text":
+            if isinstance(ev, TextEvent):
                 if ev.delta:
                     yield _sse_json(chunk({"audio": {"id": audio_id, "transcript": ev.delta}}))
                 if ev.is_final:
