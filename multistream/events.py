@@ -1,6 +1,6 @@
 """The event types of the multistream protocol and their JSON wire form.
 
-Every stream (text, image or audio) is a sequence of events. Each event has ``type``, ``stream_id``,
+Every stream (text, image, audio or video) is a sequence of events. Each event has ``type``, ``stream_id``,
 ``seq`` (0, 1, 2, ... with no gaps), ``t`` (seconds since the stream started) and ``is_final``.
 Each stream ends with exactly one event whose ``is_final`` is true, and it is the last one.
 
@@ -23,6 +23,7 @@ import binascii
 import functools
 import io
 import json
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
@@ -38,6 +39,7 @@ __all__ = [
     "Event",
     "ImageEvent",
     "TextEvent",
+    "VideoEvent",
     "event_from_dict",
     "event_from_json",
     "event_json_schema",
@@ -47,6 +49,7 @@ TEXT_FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "content_
                        "repetition")
 IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter", "finished_early")
 AUDIO_FINISH_REASONS = ("stop", "cancelled")
+VIDEO_FINISH_REASONS = IMAGE_FINISH_REASONS
 _BYTES_FIELDS = ("data", "audio")  # carried as base64 in the wire form
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # each event class's field names, in order (`to_dict`)
 # The compact wire encoder, made once (json.dumps with options builds a new encoder per call).
@@ -226,6 +229,83 @@ class AudioEvent(_BaseEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class VideoEvent(_BaseEvent):
+    """Every frame of a clip at one denoising step, or (when ``is_final``) the finished clip.
+
+    While denoising, ``data`` holds the current estimate of **all** ``num_frames`` frames as one
+    animated image (``image/webp``, plays in any ``<img>``) or as a contact sheet (``image/jpeg``:
+    the frames left to right, top to bottom, ``ceil(sqrt(num_frames))`` per row); ``width`` and
+    ``height`` are one frame's size in ``data``. The final event's ``data`` is the clip itself
+    (``video/webm`` VP9 by default, ``video/mp4`` H.264 when asked) at the model's full size, with
+    ``finish_reason`` and ``metrics``. ``frames`` decodes any of them to PIL images (lazily, once);
+    ``save(path)`` writes the bytes. ``eta_s`` is the estimated seconds left (0 on the final).
+
+    Example:
+        >>> ev = VideoEvent(stream_id="s", seq=3, t=0.4, step=3, total_steps=20, num_frames=16, fps=8,
+        ...                 width=64, height=64, mime="image/webp", data=b"...")
+        >>> ev.type, ev.num_frames / ev.fps
+        ('video', 2.0)
+    """
+
+    type: ClassVar[str] = "video"
+    step: int
+    total_steps: int
+    num_frames: int
+    fps: float
+    width: int
+    height: int
+    mime: str
+    data: bytes = field(repr=False)
+    index: int = 0
+    finish_reason: str | None = None
+    metrics: dict[str, float] | None = None
+    eta_s: float | None = None
+
+    @functools.cached_property
+    def frames(self) -> list[PILImage.Image]:
+        """The frames as RGB PIL images (decoded on first use, then cached).
+
+        Animated images and contact sheets need Pillow; ``video/*`` clips need PyAV (``av``).
+        """
+        return _decode_frames(self)
+
+    def save(self, path: Any) -> Any:
+        """Write ``data`` to ``path`` (a clip on the final event, the preview otherwise); returns the path.
+
+        Example:
+            >>> ev.save("clip.webm")  # doctest: +SKIP
+        """
+        from pathlib import Path
+
+        out = Path(path)
+        out.write_bytes(self.data)
+        return out
+
+
+def _decode_frames(ev: VideoEvent) -> list[PILImage.Image]:
+    from PIL import Image, ImageSequence
+
+    if ev.mime.startswith("video/"):
+        try:
+            import av
+        except ImportError as exc:  # pragma: no cover - av ships with the video extra
+            raise ImportError("decoding a video clip needs PyAV: pip install 'multistream[video]'") from exc
+        with av.open(io.BytesIO(ev.data)) as container:
+            return [frame.to_image().convert("RGB") for frame in container.decode(video=0)]
+    img = Image.open(io.BytesIO(ev.data))
+    if getattr(img, "n_frames", 1) > 1:
+        return [frame.convert("RGB") for frame in ImageSequence.Iterator(img)]
+    sheet = img.convert("RGB")
+    if ev.num_frames <= 1:
+        return [sheet]
+    columns = math.ceil(math.sqrt(ev.num_frames))
+    return [
+        sheet.crop((c * ev.width, r * ev.height, (c + 1) * ev.width, (r + 1) * ev.height))
+        for r, c in (divmod(i, columns) for i in range(ev.num_frames))
+    ]
+
+
+@dataclass(frozen=True, kw_only=True)
 class ErrorEvent(_BaseEvent):
     """The stream failed; ``error`` is ``{"type": <exception class name>, "message": str}``.
 
@@ -241,10 +321,10 @@ class ErrorEvent(_BaseEvent):
     error: dict[str, str]
 
 
-Event = Union[TextEvent, ImageEvent, AudioEvent, ErrorEvent]
+Event = Union[TextEvent, ImageEvent, AudioEvent, VideoEvent, ErrorEvent]
 
 _EVENT_CLASSES: dict[str, type[_BaseEvent]] = {
-    cls.type: cls for cls in (TextEvent, ImageEvent, AudioEvent, ErrorEvent)
+    cls.type: cls for cls in (TextEvent, ImageEvent, AudioEvent, VideoEvent, ErrorEvent)
 }
 
 
@@ -290,6 +370,10 @@ def event_from_dict(wire: dict[str, Any]) -> Event:
             _check(isinstance(value, (list, tuple)) and len(value) == 2 and all(is_int(v) for v in value),
                    "'text_span' must be a list of two integers [start, end]")
             value = (int(value[0]), int(value[1]))
+        elif name == "fps" and cls is VideoEvent:
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                   "'fps' must be a number > 0 (frames per second)")
+            value = float(value)
         elif name == "text" and cls is AudioEvent:
             _check(isinstance(value, str), "an audio event's 'text' must be a string")
         kwargs[name] = value
@@ -339,7 +423,7 @@ def event_json_schema() -> dict[str, Any]:
     Example:
         >>> schema = event_json_schema()
         >>> sorted(schema["$defs"])
-        ['audio', 'error', 'image', 'logprob', 'text']
+        ['audio', 'error', 'image', 'logprob', 'text', 'video']
     """
     common = {
         "stream_id": {"type": "string"},
@@ -456,6 +540,33 @@ def event_json_schema() -> dict[str, Any]:
         "if": {"properties": {"is_final": {"const": True}}},
         "then": {"required": ["audio", "duration_s", "finish_reason", "usage", "metrics"]},
     }
+    video = {
+        "type": "object",
+        "properties": {
+            "type": {"const": "video"},
+            **common,
+            "step": {"type": "integer", "minimum": 0},
+            "total_steps": {"type": "integer", "minimum": 0},
+            "num_frames": {"type": "integer", "minimum": 1},
+            "fps": {"type": "number", "exclusiveMinimum": 0},
+            "width": {"type": "integer", "minimum": 1, "description": "one frame's width in data"},
+            "height": {"type": "integer", "minimum": 1, "description": "one frame's height in data"},
+            "mime": {"type": "string", "pattern": "^(image|video)/",
+                     "description": "image/webp (animated) or image/jpeg (contact sheet) while denoising; "
+                                    "video/webm or video/mp4 on the final"},
+            "data": {"type": "string", "contentEncoding": "base64"},
+            "index": {"type": "integer", "minimum": 0},
+            "finish_reason": {"enum": list(VIDEO_FINISH_REASONS)},
+            "metrics": metrics,
+            "eta_s": {"type": ["number", "null"], "minimum": 0,
+                      "description": "estimated seconds left until the final clip; 0 on the final"},
+        },
+        "required": ["type", "stream_id", "seq", "t", "is_final", "step", "total_steps", "num_frames", "fps",
+                     "width", "height", "mime", "data"],
+        "additionalProperties": False,
+        "if": {"properties": {"is_final": {"const": True}}},
+        "then": {"required": ["finish_reason"]},
+    }
     error = {
         "type": "object",
         "properties": {
@@ -475,6 +586,6 @@ def event_json_schema() -> dict[str, Any]:
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "multistream event",
         "oneOf": [{"$ref": "#/$defs/text"}, {"$ref": "#/$defs/image"}, {"$ref": "#/$defs/audio"},
-                  {"$ref": "#/$defs/error"}],
-        "$defs": {"text": text, "image": image, "audio": audio, "error": error, "logprob": _logprob_schema()},
+                  {"$ref": "#/$defs/video"}, {"$ref": "#/$defs/error"}],
+        "$defs": {"text": text, "image": image, "audio": audio, "video": video, "error": error, "logprob": _logprob_schema()},
     }

@@ -74,7 +74,7 @@ def test_image_property_decodes_the_frame():
     "wire, problem",
     [
         ([], "JSON object"),
-        ({"type": "video", "stream_id": "s", "seq": 0, "t": 0}, "unknown event type"),
+        ({"type": "hologram", "stream_id": "s", "seq": 0, "t": 0}, "unknown event type"),
         ({"type": "text", "stream_id": "s", "seq": 0, "t": 0, "delta": "x", "colour": 1}, "unknown field"),
         ({"type": "text", "stream_id": "s", "seq": -1, "t": 0, "delta": "x"}, "'seq'"),
         ({"type": "text", "stream_id": 5, "seq": 0, "t": 0, "delta": "x"}, "'stream_id'"),
@@ -91,3 +91,48 @@ def test_bad_wire_events_raise_a_clear_error(wire, problem):
 def test_protocol_imports_without_torch():
     code = "import sys, multistream as ms; ms.event_json_schema(); ms.Stream; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _webp_clip(n: int, side: int = 8) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((side, side, 3), i * 20, np.uint8)) for i in range(n)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="WEBP", save_all=True, append_images=frames[1:], duration=125, loop=0, lossless=True)
+    return buf.getvalue()
+
+
+def test_video_event_round_trips_validates_and_decodes_every_frame() -> None:
+    import jsonschema
+
+    ev = ms.VideoEvent(stream_id="s", seq=2, t=0.5, step=2, total_steps=20, num_frames=5, fps=8, width=8,
+                       height=8, mime="image/webp", data=_webp_clip(5), eta_s=1.5)
+    wire = ev.to_dict()
+    jsonschema.validate(wire, ms.event_json_schema())
+    assert ms.event_from_dict(wire) == ev
+    assert [f.getpixel((0, 0)) for f in ev.frames] == [(v, v, v) for v in (0, 20, 40, 60, 80)]
+
+
+def test_video_contact_sheet_splits_into_frames_in_reading_order() -> None:
+    import io
+
+    from PIL import Image
+
+    sheet = Image.new("RGB", (3 * 4, 2 * 4))  # 5 frames of 4x4: ceil(sqrt(5)) = 3 per row
+    for i in range(5):
+        sheet.paste((i * 40, 0, 0), (i % 3 * 4, i // 3 * 4, i % 3 * 4 + 4, i // 3 * 4 + 4))
+    buf = io.BytesIO()
+    sheet.save(buf, format="PNG")
+    ev = ms.VideoEvent(stream_id="s", seq=0, t=0.0, step=1, total_steps=2, num_frames=5, fps=8, width=4,
+                       height=4, mime="image/png", data=buf.getvalue())
+    assert [f.getpixel((1, 1))[0] for f in ev.frames] == [0, 40, 80, 120, 160]
+
+
+def test_video_event_rejects_a_bad_fps() -> None:
+    wire = ms.VideoEvent(stream_id="s", seq=0, t=0.0, step=0, total_steps=1, num_frames=1, fps=8, width=1,
+                         height=1, mime="image/webp", data=b"x").to_dict()
+    with pytest.raises(ms.EventFormatError, match="fps"):
+        ms.event_from_dict({**wire, "fps": 0})
