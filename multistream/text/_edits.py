@@ -13,8 +13,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ._sampling import RowSampler
+if TYPE_CHECKING:  # the queue itself needs no torch
+    from ._sampling import RowSampler
 
 __all__ = ["Edit", "EditQueue"]
 
