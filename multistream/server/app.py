@@ -52,11 +52,12 @@ from . import (
     speech_routes,
     websocket,
 )
-from .bodies import ErrorResponse, OpenAIErrorResponse, RewindRequest, SteerRequest
+from .bodies import RewindRequest, SteerRequest
 from .families import FAMILIES
 from .filtering import ContentFilter, chain, load_blocklist
+from .http.bodies import ErrorResponse, OpenAIErrorResponse
+from .http.problems import Problem
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
-from .problems import Problem
 from .responses_protocol import ResponsesRequest
 from .routes_health import STATIC_DIR
 from .security import KeyRing, SecurityMiddleware, install_log_redaction

@@ -18,7 +18,7 @@ from .bodies import parse_rewind_body, parse_steer_body
 from .event_log import CONTROL_WAIT_S, apply_command
 from .families import family
 from .filtering import STOP
-from .problems import Problem
+from .http.problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["apply_edit", "apply_parsed_edit", "parse_edit"]

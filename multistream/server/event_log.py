@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
 from ..events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
-from .problems import Problem
+from .http.problems import Problem
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -511,7 +511,7 @@ def apply_command(stream: Any, command: str, args: list[Any] | tuple[Any, ...], 
     """Apply an already-parsed edit to a model `Stream`; True when queued (a finish of an ended
     stream: False). Raises `Problem`: 409 for an ended stream, 400 with the model's message."""
     from ..errors import StreamFinishedError
-    from .problems import problem_from_exception
+    from .http.problems import problem_from_exception
 
     try:
         if command == "finish":

@@ -53,7 +53,7 @@ from .bodies import (
     parse_text_body,
     speech_voice,
 )
-from .problems import Problem
+from .http.problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["FAMILIES", "Family", "check_model_name", "family", "find_family", "installed", "served_model_names"]

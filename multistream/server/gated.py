@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
-from .problems import Problem, problem_from_exception
+from .http.problems import Problem, problem_from_exception
 from .security import Principal
 
 __all__ = ["GatedModel"]

@@ -23,8 +23,8 @@ from starlette.requests import Request
 
 from ..events import ErrorEvent, Event, TextEvent
 from ..text import choice_seed
-from .disconnect import until_done_or_gone
-from .problems import Problem
+from .http.disconnect import until_done_or_gone
+from .http.problems import Problem
 from .registry import StreamRecord
 from .security import Principal
 from .state import ServerState

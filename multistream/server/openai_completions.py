@@ -24,25 +24,26 @@ Example:
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Optional, Union
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, TextEvent
 from ..text import TEXT_STREAM_ARGS
-from .bodies import LAX_BODY, OpenAIErrorResponse, check_prompt_limit, validate_body
+from .bodies import check_prompt_limit
+from .http.bodies import LAX_BODY, OpenAIErrorResponse, read_body, validate_body
+from .http.errors import error_responses, json_body
+from .http.problems import Problem
+from .http.sse import DONE, event_source, json_event
 from .openai_choices import MAX_CHOICES, collect_choices, interleave, legacy_logprobs, open_choices, usage_of
 from .openai_protocol import StreamOptions, check_options
-from .problems import Problem
 from .registry import StreamRecord
-from .routes_native import read_body
 from .security import Principal
 from .settings import ServerSettings
 from .state import ServerState, get_principal, get_state
@@ -139,10 +140,6 @@ def parse_completion(body: Any, settings: ServerSettings) -> CompletionRequest:
 router = APIRouter(tags=["openai"])
 
 
-def _data(obj: Any) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
-
-
 def _error_body(ev: ErrorEvent) -> dict[str, Any]:
     return {"error": {"message": ev.error.get("message", "generation failed"), "type": "server_error",
                       "param": None, "code": ev.error.get("type")}}
@@ -195,11 +192,7 @@ def _echo_texts(echo: _Echo) -> list[str]:
     return out
 
 
-@router.post("/v1/completions", responses={status: {"model": OpenAIErrorResponse, "description": text}
-                                           for status, text in ((400, "bad request"), (401, "missing or wrong API key"),
-                                                                (429, "queue or quota full"), (500, "server failure"))},
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}})
+@router.post("/v1/completions", responses=error_responses(OpenAIErrorResponse), openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request, state: ServerState = Depends(get_state),
                       principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
@@ -279,12 +272,12 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
         for i in range(total):
             echo = echo_of(i)
             if echo is not None:
-                yield _data(chunk(i, echo.text, choice_logprobs(i, [], 0, True), None if generate else "length"))
+                yield json_event(chunk(i, echo.text, choice_logprobs(i, [], 0, True), None if generate else "length"))
                 if not generate and i % n == 0:
                     prompt_tokens += echo.tokens
         async for i, ev in interleave(records) if records else _nothing():
             if isinstance(ev, ErrorEvent):
-                yield _data(_error_body(ev))
+                yield json_event(_error_body(ev))
                 return
             assert isinstance(ev, TextEvent)
             echo = echo_of(i)
@@ -292,19 +285,18 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
             finish = _FINISH.get(ev.finish_reason or "stop", "stop") if ev.is_final else None
             if ev.delta or ev.is_final:
                 lp = legacy_logprobs(ev.logprobs or [], start=base + sent[i]) if want else None
-                yield _data(chunk(i, ev.delta, lp, finish))
+                yield json_event(chunk(i, ev.delta, lp, finish))
                 sent[i] += len(ev.delta)
             if ev.is_final and ev.usage:
                 completion_tokens += ev.usage["completion_tokens"]
                 if i % n == 0:
                     prompt_tokens += ev.usage["prompt_tokens"]
         if include_usage:
-            yield _data({"id": cid, "object": "text_completion", "created": created, "model": model,
+            yield json_event({"id": cid, "object": "text_completion", "created": created, "model": model,
                          "choices": [], "usage": usage_of(prompt_tokens, completion_tokens)})
-        yield ServerSentEvent(data="[DONE]")
+        yield ServerSentEvent(data=DONE)
 
-    return EventSourceResponse(events(), headers={"X-Stream-Id": ",".join(r.stream_id for r in records)},
-                               ping=settings.heartbeat_s, send_timeout=settings.send_timeout_s or None)
+    return event_source(events(), settings, ",".join(r.stream_id for r in records))
 
 
 async def _nothing() -> AsyncIterator[tuple[int, Any]]:

@@ -23,8 +23,9 @@ from pydantic import BaseModel, Field, create_model
 from .._spec import body_fields
 from ..image import IMAGE_STREAM_ARGS, ImageOptions
 from ..text import TEXT_STREAM_ARGS, TextOptions
-from .bodies import LAX_BODY, STRICT_BODY, check_family_options, check_image_limits, check_prompt_limit, validate_body
-from .problems import Problem
+from .bodies import check_family_options, check_image_limits, check_prompt_limit
+from .http.bodies import LAX_BODY, STRICT_BODY, validate_body
+from .http.problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["CHAT_OPTION_FIELDS", "ChatCompletionRequest", "IMAGE_OPTION_FIELDS", "ImageGenerationRequest",

@@ -51,12 +51,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..events import Event, event_from_dict
-from .bodies import OpenAIErrorResponse
 from .continuation import CONTINUED_HOOKS
-from .disconnect import until_done_or_gone
-from .problems import Problem
+from .http.bodies import OpenAIErrorResponse, read_body
+from .http.disconnect import until_done_or_gone
+from .http.errors import error_responses
+from .http.problems import Problem
+from .http.sse import event_source, json_event
 from .responses_protocol import ResponseBuilder, ResponsesRequest, output_messages, parse_responses_body, request_view
-from .routes_native import read_body
 from .security import Principal
 from .state import ServerState, get_principal, get_state
 
@@ -65,11 +66,7 @@ __all__ = ["ResponseEntry", "ResponseStore", "router"]
 logger = logging.getLogger("multistream.server")
 
 _PREFIX = "resp_"
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": OpenAIErrorResponse, "description": text} for status, text in (
-        (400, "bad request"), (401, "missing or wrong API key"), (404, "no such response"),
-        (413, "body too large"), (415, "not JSON"), (429, "queue or quota full"), (500, "server failure"),
-        (503, "loading, busy or shutting down"))}
+_ERRORS = error_responses(OpenAIErrorResponse)
 
 router = APIRouter(tags=["openai"])
 
@@ -228,28 +225,20 @@ def _fold(entry: ResponseEntry, events: list[Event]) -> dict[str, Any]:
     return builder.response()
 
 
-def _sse_event(payload: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(payload, ensure_ascii=False, separators=(",", ":")), event=payload["type"],
-                           id=str(payload["sequence_number"]))
-
-
 def _stream_response(state: ServerState, entry: ResponseEntry, record: Any, after: int) -> EventSourceResponse:
     async def events() -> AsyncIterator[ServerSentEvent]:
         builder = _builder(entry)
         for payload in builder.start():
             if payload["sequence_number"] > after:
-                yield _sse_event(payload)
+                yield json_event(payload, payload["type"], str(payload["sequence_number"]))
         async for ev in record.subscribe(-1):
             for payload in builder.feed(ev):
                 if payload["sequence_number"] > after:
-                    yield _sse_event(payload)
+                    yield json_event(payload, payload["type"], str(payload["sequence_number"]))
             if ev.is_final:
                 return
 
-    s = state.settings
-    return EventSourceResponse(events(), headers={"X-Stream-Id": entry.stream_id, "X-Resume-Token": entry.token},
-                               ping=s.heartbeat_s, send_timeout=s.send_timeout_s or None,
-                               shutdown_grace_period=s.shutdown_deadline_s + s.cancel_timeout_s + 5)
+    return event_source(events(), state.settings, entry.stream_id, {"X-Resume-Token": entry.token})
 
 
 async def _history(state: ServerState, previous: Any, request: Request, principal: Principal) -> list[dict[str, Any]]:

@@ -48,7 +48,6 @@ Example:
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import math
 import time
@@ -62,14 +61,15 @@ from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, ImageEvent, TextEvent
 from ..text import ToolCallParser, parse_tool_calls
-from .bodies import OpenAIErrorResponse
-from .disconnect import until_done_or_gone
 from .families import family, served_model_names
+from .http.bodies import OpenAIErrorResponse, read_body
+from .http.disconnect import until_done_or_gone
+from .http.errors import error_responses, json_body
+from .http.problems import Problem
+from .http.sse import DONE, event_source, json_event
 from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
-from .problems import Problem
 from .registry import StreamRecord
-from .routes_native import read_body
 from .security import Principal
 from .settings import ServerSettings
 from .speech_routes import chat_with_audio, wants_audio
@@ -81,26 +81,11 @@ logger = logging.getLogger("multistream.server")
 
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
            "cancelled": "stop"}
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": OpenAIErrorResponse, "description": text} for status, text in (
-        (400, "bad request"), (401, "missing or wrong API key"), (404, "no such model"),
-        (408, "the body came too slowly"), (413, "body too large"), (415, "not JSON"),
-        (429, "queue or quota full"), (500, "server failure"), (503, "loading, busy or shutting down"))}
-
-
-def _body(model: type) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+_ERRORS = error_responses(OpenAIErrorResponse)
 
 
 def _sse(record: StreamRecord, settings: ServerSettings, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
-    return EventSourceResponse(events, headers={"X-Stream-Id": record.stream_id}, ping=settings.heartbeat_s,
-                               send_timeout=settings.send_timeout_s or None,
-                               shutdown_grace_period=settings.shutdown_deadline_s + settings.cancel_timeout_s + 5)
-
-
-def _data(obj: Any, event: str | None = None) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")), event=event)
+    return event_source(events, settings, record.stream_id)
 
 
 def _error_body(ev: ErrorEvent) -> dict[str, Any]:
@@ -135,7 +120,7 @@ async def model(model: str, state: ServerState = Depends(get_state)) -> Response
     raise Problem(404, "model_not_found", f"the model {model[:200]!r} does not exist on this server; it serves "
                   f"{served or 'no model'} (GET /v1/models lists them with their aliases)", param="model")
 
-@router.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=_body(ChatCompletionRequest))
+@router.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=json_body(ChatCompletionRequest))
 async def chat(request: Request, state: ServerState = Depends(get_state),
                principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
@@ -216,10 +201,10 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
         texts: dict[int, str] = {}  # with beams: each choice's text so far,
         sent: dict[int, int] = {}  # and how much of it went out
         for i in range(n):
-            yield _data(chunk({"role": "assistant", "content": ""}, index=i))
+            yield json_event(chunk({"role": "assistant", "content": ""}, index=i))
         async for i, ev in interleave(records):
             if isinstance(ev, ErrorEvent):
-                yield _data(_error_body(ev))
+                yield json_event(_error_body(ev))
                 return
             assert isinstance(ev, TextEvent)
             if ev.token_ids:
@@ -234,20 +219,20 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
                 text = texts[i] = texts.get(i, "")[: ev.offset] + ev.delta
                 end = len(text) if ev.is_final else min(ev.committed, len(text))
                 if end > sent.get(i, 0):
-                    yield _data({**chunk({"content": text[sent.get(i, 0):end]}, index=i), **extra})
+                    yield json_event({**chunk({"content": text[sent.get(i, 0):end]}, index=i), **extra})
                     sent[i] = end
             elif parser is not None:
                 items = parser.feed(ev.delta) + (parser.finish() if ev.is_final else [])
                 for delta in tool_deltas(items):
-                    yield _data({**chunk(delta, index=i), **extra})
+                    yield json_event({**chunk(delta, index=i), **extra})
             elif ev.delta or logprobs is not None:
-                yield _data({**chunk({"content": ev.delta}, index=i, logprobs=logprobs), **extra})
+                yield json_event({**chunk({"content": ev.delta}, index=i, logprobs=logprobs), **extra})
             if ev.is_final:
                 called = bool(parser is not None and parser.calls)
-                yield _data({**chunk({}, finish_reason(ev, called), index=i), **extra})
+                yield json_event({**chunk({}, finish_reason(ev, called), index=i), **extra})
         if include_usage:
-            yield _data({**chunk({}), "choices": [], "usage": usage_of(prompt_tokens, sum(done.values()))})
-        yield ServerSentEvent(data="[DONE]")
+            yield json_event({**chunk({}), "choices": [], "usage": usage_of(prompt_tokens, sum(done.values()))})
+        yield ServerSentEvent(data=DONE)
 
     return _sse_many(records, settings, events())
 
@@ -258,7 +243,7 @@ def _sse_many(records: list[StreamRecord], settings: ServerSettings,
     response.headers["X-Stream-Id"] = ",".join(r.stream_id for r in records)
     return response
 
-@router.post("/v1/images/generations", responses=_ERRORS, openapi_extra=_body(ImageGenerationRequest))
+@router.post("/v1/images/generations", responses=_ERRORS, openapi_extra=json_body(ImageGenerationRequest))
 async def images(request: Request, state: ServerState = Depends(get_state),
                  principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
@@ -297,17 +282,17 @@ async def images(request: Request, state: ServerState = Depends(get_state),
         sent = [0] * n
         async for ev in record.subscribe():
             if isinstance(ev, ErrorEvent):
-                yield _data(_error_body(ev), event="error")
+                yield json_event(_error_body(ev), event="error")
                 return
             assert isinstance(ev, ImageEvent)
             base = {**common, "created_at": int(time.time()), "size": f"{ev.width}x{ev.height}",
                     "b64_json": base64.b64encode(ev.data).decode("ascii")}
             if is_done(ev):
-                yield _data({"type": "image_generation.completed", **base, "usage": usage},
+                yield json_event({"type": "image_generation.completed", **base, "usage": usage},
                             event="image_generation.completed")
             elif ev.index < n and sent[ev.index] < partial and \
                     ev.step >= math.ceil((sent[ev.index] + 1) * ev.total_steps / (partial + 1)):
-                yield _data({"type": "image_generation.partial_image", **base,
+                yield json_event({"type": "image_generation.partial_image", **base,
                              "partial_image_index": sent[ev.index]}, event="image_generation.partial_image")
                 sent[ev.index] += 1
 

@@ -44,8 +44,8 @@ from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
 from .families import family
 from .filtering import STOP, ContentFilter, OutputFilter
+from .http.problems import Problem
 from .metrics import Metrics
-from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]  # STOP, ContentFilter: from .filtering

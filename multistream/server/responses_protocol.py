@@ -34,9 +34,10 @@ from pydantic import BaseModel, Field
 
 from ..events import ErrorEvent, Event, TextEvent
 from ..text import TEXT_STREAM_ARGS, ToolCallParser
-from .bodies import LAX_BODY, check_prompt_limit, validate_body
+from .bodies import check_prompt_limit
+from .http.bodies import LAX_BODY, validate_body
+from .http.problems import Problem
 from .openai_protocol import chat_messages, check_options
-from .problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["ResponseBuilder", "ResponsesRequest", "output_messages", "parse_responses_body", "request_view"]

@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -42,17 +41,17 @@ from starlette.responses import JSONResponse, Response
 
 from .bodies import (
     EditResult,
-    ErrorResponse,
     ImageRequest,
     RewindRequest,
     SteerRequest,
     TextRequest,
     parse_image_body,
     parse_text_body,
-    read_json,
 )
 from .edits import apply_edit
-from .problems import Problem
+from .http.bodies import ErrorResponse, read_body
+from .http.errors import error_responses, json_body
+from .http.problems import Problem
 from .registry import StreamRecord
 from .security import Principal
 from .sse import new_stream_sse, sse_response
@@ -67,18 +66,7 @@ SSE_EVENT_SCHEMA = {"type": "object", "description": "one server-sent event; `da
                                    "retry": {"type": "integer"}}}
 _SSE = {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
         "description": "the stream's events as server-sent events (id: seq, event: type, data: wire JSON)"}
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": text} for status, text in (
-        (400, "bad request: the message names the field and the fix"), (401, "missing or wrong API key"),
-        (403, "not allowed"), (404, "no such stream or model"), (408, "the body came too slowly"),
-        (413, "body too large"), (415, "not JSON"), (429, "queue or quota full (Retry-After)"),
-        (500, "server failure (a request id, no internals)"),
-        (503, "loading, busy or shutting down (Retry-After)"))}
-
-
-def _body(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+_ERRORS = error_responses(ErrorResponse)
 
 
 class StreamInfo(BaseModel):
@@ -95,16 +83,7 @@ class CancelResult(BaseModel):
     cancelled: bool = Field(description="true when the stream was still running")
 
 
-async def read_body(request: Request, state: ServerState) -> Any:
-    """The JSON body, within ``body_timeout_s`` (a client that trickles its body is cut off)."""
-    try:
-        return await asyncio.wait_for(read_json(request, state.settings.max_body_bytes), state.settings.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise Problem(408, "request_timeout", f"the request body did not arrive within "
-                      f"{state.settings.body_timeout_s:g} s (body_timeout_s); send it at once") from None
-
-
-@router.post("/v1/text", responses={200: _SSE, **_ERRORS}, openapi_extra=_body(TextRequest),
+@router.post("/v1/text", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(TextRequest),
              summary="Stream text", description="Body: `TextModel.stream` arguments (+ `priority`).")
 async def post_text(request: Request, state: ServerState = Depends(get_state),
                     principal: Principal = Depends(get_principal)) -> Response:
@@ -114,7 +93,7 @@ async def post_text(request: Request, state: ServerState = Depends(get_state),
                                 principal=principal)
 
 
-@router.post("/v1/image", responses={200: _SSE, **_ERRORS}, openapi_extra=_body(ImageRequest),
+@router.post("/v1/image", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(ImageRequest),
              summary="Stream an image", description="Body: `ImageModel.stream` arguments (+ `priority`).")
 async def post_image(request: Request, state: ServerState = Depends(get_state),
                      principal: Principal = Depends(get_principal)) -> Response:
@@ -205,7 +184,7 @@ async def _edit_body(request: Request, state: ServerState) -> Any:
     return await read_body(request, state)
 
 
-_EDIT_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "the stream has already ended"},
+_EDIT_ERRORS = {**error_responses(ErrorResponse, {409: "the stream has already ended"}),
                 202: {"description": "forwarded to the process that runs the stream (shared event log), which did not "
                       "confirm within 2 s: `EditResult` plus `pending: true` and a `note`"}}
 
@@ -221,7 +200,7 @@ async def finish_stream(stream_id: str, request: Request, state: ServerState = D
 
 
 @router.post("/v1/streams/{stream_id}/steer", response_model=EditResult, responses=_EDIT_ERRORS,
-             openapi_extra=_body(SteerRequest), summary="Steer a running stream",
+             openapi_extra=json_body(SteerRequest), summary="Steer a running stream",
              description="Text: `{\"instruction\": ...}`; image: `prompt` / `negative_prompt` / `guidance_scale`. "
              "Takes effect at the model's next step. Owner only.")
 async def steer_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
@@ -231,7 +210,7 @@ async def steer_stream(stream_id: str, request: Request, state: ServerState = De
 
 
 @router.post("/v1/streams/{stream_id}/rewind", response_model=EditResult, responses=_EDIT_ERRORS,
-             openapi_extra=_body(RewindRequest), summary="Rewind a text stream",
+             openapi_extra=json_body(RewindRequest), summary="Rewind a text stream",
              description="Regenerate from character `offset` (optionally with a new `instruction` and sampling "
              "options); later events carry the smaller `offset` and a new `revision`. Owner only.")
 async def rewind_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),

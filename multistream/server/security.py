@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import InvalidArgumentError
-from .problems import Problem
+from .http.problems import Problem
 from .settings import ServerSettings
 
 __all__ = ["ApiKey", "Principal", "SecurityMiddleware", "install_log_redaction", "parse_keys"]

@@ -40,20 +40,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..events import AudioEvent, ErrorEvent
 from ..speech import MAX_INPUT_CHARACTERS
-from .bodies import (
-    LAX_BODY,
-    OPENAI_VOICES,
-    ErrorResponse,
-    OpenAIErrorResponse,
-    SpeechRequest,
-    check_speech_options,
-    parse_speech_body,
-    speech_voice,
-    validate_body,
-)
+from .bodies import OPENAI_VOICES, SpeechRequest, check_speech_options, parse_speech_body, speech_voice
 from .families import family
-from .problems import Problem
-from .routes_native import read_body
+from .http.bodies import LAX_BODY, ErrorResponse, OpenAIErrorResponse, read_body, validate_body
+from .http.errors import error_responses, json_body
+from .http.problems import Problem
+from .http.sse import DONE, json_event
 from .security import Principal
 from .sse import new_stream_sse
 from .state import ServerState, get_principal, get_state
@@ -64,21 +56,11 @@ __all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "Speec
 router = APIRouter()
 
 
-def _spec(body: type, errors: type, audio: bool) -> dict[str, Any]:
-    """The route's OpenAPI: its body and its refusals (``errors``: the error body's model)."""
+def _spec(body: type, audio: bool) -> dict[str, Any]:
+    """The route's OpenAPI: its body and what a 200 carries (its refusals: `error_responses`)."""
     content = ({"audio/mpeg": {}, "audio/wav": {}, "audio/pcm": {}, "audio/flac": {}, "audio/ogg": {},
                 "audio/aac": {}, "text/event-stream": {}} if audio else {"text/event-stream": {}})
-    out: dict[str, Any] = {
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}},
-        "responses": {"200": {"description": "the audio as it is made", "content": content}},
-    }
-    for status, text in ((400, "bad request"), (401, "missing or wrong API key"), (404, "no such model"),
-                         (408, "the body came too slowly"), (413, "body too large"), (415, "not JSON"),
-                         (429, "queue or quota full"), (500, "server failure"), (503, "loading, busy or shutting down")):
-        out["responses"][str(status)] = {"description": text, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{errors.__name__}"}}}}
-    return out
+    return {**json_body(body), "responses": {"200": {"description": "the audio as it is made", "content": content}}}
 
 #: OpenAI's speech model names: each means the served speech model (the family table's entry).
 OPENAI_SPEECH_MODELS = family("speech").openai_models
@@ -105,7 +87,7 @@ def _speech_model(state: ServerState) -> Any:
 
 
 @router.post("/v1/audio/speech", summary="OpenAI speech", tags=["openai"],
-             openapi_extra=_spec(AudioSpeechRequest, OpenAIErrorResponse, audio=True),
+             openapi_extra=_spec(AudioSpeechRequest, audio=True), responses=error_responses(OpenAIErrorResponse),
              description="OpenAI's text-to-speech: the audio bytes as they are made, or `speech.audio.*` SSE events.")
 async def audio_speech(request: Request, state: ServerState = Depends(get_state),
                        principal: Principal = Depends(get_principal)) -> Response:
@@ -164,7 +146,8 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
     return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
 
 
-@router.post("/v1/speech", summary="Stream speech", openapi_extra=_spec(SpeechRequest, ErrorResponse, audio=False),
+@router.post("/v1/speech", summary="Stream speech", openapi_extra=_spec(SpeechRequest, audio=False),
+             responses=error_responses(ErrorResponse),
              description="Body: `SpeechModel.stream` arguments (`text`, `voice`, `speed`, `priority`).")
 async def post_speech(request: Request, state: ServerState = Depends(get_state),
                       principal: Principal = Depends(get_principal)) -> Response:
@@ -181,10 +164,6 @@ _CHAT_AUDIO_FORMATS = {"pcm16": "pcm", "wav": "wav", "mp3": "mp3", "flac": "flac
 def wants_audio(body: Any) -> bool:
     """A chat body that asks for spoken answers (``modalities`` with ``"audio"``)."""
     return isinstance(body, dict) and isinstance(body.get("modalities"), list) and "audio" in body["modalities"]
-
-
-def _sse_json(obj: Any) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
 
 
 async def chat_with_audio(request: Request, state: ServerState, principal: Principal, body: dict[str, Any]) -> Response:
@@ -298,30 +277,30 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
                                           "finish_reason": finish}]}, headers=headers)
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        yield _sse_json(chunk({"role": "assistant", "content": None}))
+        yield json_event(chunk({"role": "assistant", "content": None}))
         text_final = None
         async for ev in merged():
             if isinstance(ev, ErrorEvent):
-                yield _sse_json({"error": {"message": ev.error.get("message"), "type": "server_error",
+                yield json_event({"error": {"message": ev.error.get("message"), "type": "server_error",
                                            "param": None, "code": ev.error.get("type")}})
                 return
             if isinstance(ev, TextEvent):
                 if ev.delta:
-                    yield _sse_json(chunk({"audio": {"id": audio_id, "transcript": ev.delta}}))
+                    yield json_event(chunk({"audio": {"id": audio_id, "transcript": ev.delta}}))
                 if ev.is_final:
                     text_final = ev
             elif not ev.is_final:
                 data = await asyncio.to_thread(encoder.feed, ev.data)
                 if data:
-                    yield _sse_json(chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
+                    yield json_event(chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
             else:
                 data = await asyncio.to_thread(encoder.flush)
                 if data:
-                    yield _sse_json(chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
+                    yield json_event(chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
         finish = "length" if text_final is not None and text_final.finish_reason == "length" else "stop"
-        yield _sse_json(chunk({"audio": {"id": audio_id, "expires_at": int(time.time()) + 3600}}, finish))
+        yield json_event(chunk({"audio": {"id": audio_id, "expires_at": int(time.time()) + 3600}}, finish))
         if include_usage:
-            yield _sse_json({**chunk({}), "choices": [], "usage": usage(text_final)})
-        yield ServerSentEvent(data="[DONE]")
+            yield json_event({**chunk({}), "choices": [], "usage": usage(text_final)})
+        yield ServerSentEvent(data=DONE)
 
     return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from ..events import ErrorEvent
-from .problems import Problem, problem_from_exception
+from .http.problems import Problem, problem_from_exception
+from .http.sse import sse_options
 from .registry import StreamRecord, new_token
 from .settings import ServerSettings
 
@@ -44,12 +45,6 @@ if TYPE_CHECKING:
     from .state import ServerState
 
 __all__ = ["QueuePosition", "new_stream_sse", "queued_sse_response", "sse_response"]
-
-
-def _options(settings: ServerSettings) -> dict[str, Any]:
-    return {"ping": settings.heartbeat_s, "send_timeout": settings.send_timeout_s or None,
-            # Our own drain ends the streams on SIGTERM; sse-starlette must not cut them first.
-            "shutdown_grace_period": settings.shutdown_deadline_s + settings.cancel_timeout_s + 5}
 
 
 async def _events(record: StreamRecord, after: int) -> AsyncIterator[bytes]:
@@ -63,7 +58,7 @@ def sse_response(record: StreamRecord, settings: ServerSettings, after: int = -1
     """An SSE response that replays ``record`` after ``after`` and then follows it live."""
     return EventSourceResponse(_events(record, after),
                                headers={"X-Stream-Id": record.stream_id, "Cache-Control": "no-store"},
-                               **_options(settings))
+                               **sse_options(settings))
 
 
 class QueuePosition:
@@ -151,7 +146,7 @@ def queued_sse_response(task: asyncio.Task[StreamRecord], where: QueuePosition, 
                 task.cancel()
 
     return EventSourceResponse(events(), headers={"X-Stream-Id": stream_id, "X-Resume-Token": token,
-                                                  "Cache-Control": "no-store"}, **_options(settings))
+                                                  "Cache-Control": "no-store"}, **sse_options(settings))
 
 
 async def new_stream_sse(state: ServerState, kind: str, kwargs: dict[str, Any], *, priority: int,

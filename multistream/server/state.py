@@ -22,11 +22,11 @@ from ..engine import capacity_of
 from ..errors import ModelLoadError
 from ..stream import Stream, StreamWriter, reserved_stream_id
 from .admission import Admission
-from .disconnect import until_done_or_gone
 from .families import FAMILIES, Family, check_model_name, family
 from .filtering import STOP, ContentFilter
+from .http.disconnect import until_done_or_gone
+from .http.problems import Problem, problem_from_exception
 from .metrics import Metrics
-from .problems import Problem, problem_from_exception
 from .registry import Registry, StreamRecord
 from .security import KeyRing, Principal
 from .settings import ServerSettings

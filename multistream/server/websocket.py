@@ -78,10 +78,10 @@ from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..events import AudioEvent, Event, ImageEvent, event_from_dict
-from .bodies import parse_json_object
 from .edits import apply_edit
 from .families import FAMILIES, find_family
-from .problems import Problem, problem_from_exception
+from .http.bodies import parse_json_object
+from .http.problems import Problem, problem_from_exception
 from .registry import StreamRecord
 from .security import Principal
 

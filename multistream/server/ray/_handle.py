@@ -73,7 +73,7 @@ class RemoteModel:
         """Send finish/steer/rewind to the replica generating ``stream_id`` (Redis control channel):
         its verdict, ``{"gone": True}``, or None when it did not answer in time."""
         from ..event_log import control_request
-        from ..problems import Problem
+        from ..http.problems import Problem
 
         if self.event_log is None:
             raise Problem(501, "edits_need_event_log", "on Ray Serve, finish/steer/rewind reach the model replica "

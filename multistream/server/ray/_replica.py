@@ -92,7 +92,7 @@ class ModelReplica:
 
     async def _on_control(self, message: dict[str, Any]) -> dict[str, Any]:
         from ..event_log import apply_command, verdict
-        from ..problems import Problem
+        from ..http.problems import Problem
 
         stream = self.streams.get(str(message.get("stream_id")))
         command, args, kwargs = message.get("command"), message.get("args"), message.get("kwargs")

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from ..errors import InvalidArgumentError, MultistreamError, PromptTooLongError
+from ...errors import InvalidArgumentError, MultistreamError, PromptTooLongError
 
 __all__ = ["Problem", "problem_from_exception"]
 
