@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from .access.metrics import Metrics
     from .app import create_app
     from .filtering import STOP, Blocklist, ContentFilter
-    from .metrics import Metrics
     from .registry import Registry, StreamRecord
     from .runner import serve, uvicorn_config
     from .settings import ServerSettings
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # `multistream text`, and should not pay for fastapi, starlette and the routes there.
 _LAZY = {
     "create_app": ".app", "STOP": ".filtering", "Blocklist": ".filtering", "ContentFilter": ".filtering",
-    "Metrics": ".metrics", "Registry": ".registry", "StreamRecord": ".registry", "serve": ".runner",
+    "Metrics": ".access.metrics", "Registry": ".registry", "StreamRecord": ".registry", "serve": ".runner",
     "uvicorn_config": ".runner", "ServerSettings": ".settings", "ServerState": ".state",
     "decode_message": ".websocket", "encode_image_frame": ".websocket",
 }

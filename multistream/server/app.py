@@ -52,6 +52,7 @@ from . import (
     speech_routes,
     websocket,
 )
+from .access.security import KeyRing, SecurityMiddleware, install_log_redaction
 from .bodies import RewindRequest, SteerRequest
 from .families import FAMILIES
 from .filtering import ContentFilter, chain, load_blocklist
@@ -60,7 +61,6 @@ from .http.problems import Problem
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
 from .responses_protocol import ResponsesRequest
 from .routes_health import STATIC_DIR
-from .security import KeyRing, SecurityMiddleware, install_log_redaction
 from .settings import ServerSettings
 from .state import ModelSlot, ServerState
 

@@ -21,8 +21,8 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
+from .access.security import Principal
 from .http.problems import Problem, problem_from_exception
-from .security import Principal
 
 __all__ = ["GatedModel"]
 

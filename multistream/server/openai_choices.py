@@ -23,10 +23,10 @@ from starlette.requests import Request
 
 from ..events import ErrorEvent, Event, TextEvent
 from ..text import choice_seed
+from .access.security import Principal
 from .http.disconnect import until_done_or_gone
 from .http.problems import Problem
 from .registry import StreamRecord
-from .security import Principal
 from .state import ServerState
 
 __all__ = ["ChoiceState", "MAX_CHOICES", "chat_logprobs", "collect_choices", "interleave", "legacy_logprobs",

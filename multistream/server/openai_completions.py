@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, TextEvent
 from ..text import TEXT_STREAM_ARGS
+from .access.security import Principal
 from .bodies import check_prompt_limit
 from .http.bodies import LAX_BODY, OpenAIErrorResponse, read_body, validate_body
 from .http.errors import error_responses, json_body
@@ -44,7 +45,6 @@ from .http.sse import DONE, event_source, json_event
 from .openai_choices import MAX_CHOICES, collect_choices, interleave, legacy_logprobs, open_choices, usage_of
 from .openai_protocol import StreamOptions, check_options
 from .registry import StreamRecord
-from .security import Principal
 from .settings import ServerSettings
 from .state import ServerState, get_principal, get_state
 

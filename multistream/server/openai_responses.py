@@ -51,6 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..events import Event, event_from_dict
+from .access.security import Principal
 from .continuation import CONTINUED_HOOKS
 from .http.bodies import OpenAIErrorResponse, read_body
 from .http.disconnect import until_done_or_gone
@@ -58,7 +59,6 @@ from .http.errors import error_responses
 from .http.problems import Problem
 from .http.sse import event_source, json_event
 from .responses_protocol import ResponseBuilder, ResponsesRequest, output_messages, parse_responses_body, request_view
-from .security import Principal
 from .state import ServerState, get_principal, get_state
 
 __all__ = ["ResponseEntry", "ResponseStore", "router"]

@@ -61,6 +61,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..events import ErrorEvent, ImageEvent, TextEvent
 from ..text import ToolCallParser, parse_tool_calls
+from .access.security import Principal
 from .families import family, served_model_names
 from .http.bodies import OpenAIErrorResponse, read_body
 from .http.disconnect import until_done_or_gone
@@ -70,7 +71,6 @@ from .http.sse import DONE, event_source, json_event
 from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
 from .registry import StreamRecord
-from .security import Principal
 from .settings import ServerSettings
 from .speech_routes import chat_with_audio, wants_audio
 from .state import ServerState, get_principal, get_state

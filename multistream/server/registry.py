@@ -42,10 +42,10 @@ from typing import Any
 from .. import errors as error_types
 from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from ..stream import Stream
+from .access.metrics import Metrics
 from .families import family
 from .filtering import STOP, ContentFilter, OutputFilter
 from .http.problems import Problem
-from .metrics import Metrics
 from .settings import ServerSettings
 
 __all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]  # STOP, ContentFilter: from .filtering

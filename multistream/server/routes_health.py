@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 from starlette.responses import FileResponse, JSONResponse, Response
 
-from .metrics import CONTENT_TYPE
+from .access.metrics import CONTENT_TYPE
 from .state import ServerState, get_state
 
 __all__ = ["router"]

@@ -39,6 +39,7 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .access.security import Principal
 from .bodies import (
     EditResult,
     ImageRequest,
@@ -53,7 +54,6 @@ from .http.bodies import ErrorResponse, read_body
 from .http.errors import error_responses, json_body
 from .http.problems import Problem
 from .registry import StreamRecord
-from .security import Principal
 from .sse import new_stream_sse, sse_response
 from .state import ServerState, get_principal, get_state
 

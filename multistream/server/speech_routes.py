@@ -40,13 +40,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..events import AudioEvent, ErrorEvent
 from ..speech import MAX_INPUT_CHARACTERS
+from .access.security import Principal
 from .bodies import OPENAI_VOICES, SpeechRequest, check_speech_options, parse_speech_body, speech_voice
 from .families import family
 from .http.bodies import LAX_BODY, ErrorResponse, OpenAIErrorResponse, read_body, validate_body
 from .http.errors import error_responses, json_body
 from .http.problems import Problem
 from .http.sse import DONE, json_event
-from .security import Principal
 from .sse import new_stream_sse
 from .state import ServerState, get_principal, get_state
 

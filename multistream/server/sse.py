@@ -41,7 +41,7 @@ from .settings import ServerSettings
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from .security import Principal
+    from .access.security import Principal
     from .state import ServerState
 
 __all__ = ["QueuePosition", "new_stream_sse", "queued_sse_response", "sse_response"]

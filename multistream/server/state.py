@@ -21,14 +21,14 @@ from starlette.requests import HTTPConnection, Request
 from ..engine import capacity_of
 from ..errors import ModelLoadError
 from ..stream import Stream, StreamWriter, reserved_stream_id
+from .access.metrics import Metrics
+from .access.security import KeyRing, Principal
 from .admission import Admission
 from .families import FAMILIES, Family, check_model_name, family
 from .filtering import STOP, ContentFilter
 from .http.disconnect import until_done_or_gone
 from .http.problems import Problem, problem_from_exception
-from .metrics import Metrics
 from .registry import Registry, StreamRecord
-from .security import KeyRing, Principal
 from .settings import ServerSettings
 
 __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]

@@ -78,12 +78,12 @@ from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..events import AudioEvent, Event, ImageEvent, event_from_dict
+from .access.security import Principal
 from .edits import apply_edit
 from .families import FAMILIES, find_family
 from .http.bodies import parse_json_object
 from .http.problems import Problem, problem_from_exception
 from .registry import StreamRecord
-from .security import Principal
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
 

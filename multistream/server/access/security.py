@@ -33,9 +33,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import InvalidArgumentError
-from .http.problems import Problem
-from .settings import ServerSettings
+from ...errors import InvalidArgumentError
+from ..http.problems import Problem
+from ..settings import ServerSettings
 
 __all__ = ["ApiKey", "Principal", "SecurityMiddleware", "install_log_redaction", "parse_keys"]
 
