@@ -15,7 +15,7 @@ import pytest
 import websockets
 
 from multistream.server import ServerSettings
-from multistream.server.event_log import RedisEventLog, RemoteRecord
+from multistream.server.durable.event_log import RedisEventLog, RemoteRecord
 from redis_fixtures import needs_redis, redis_server
 from server_fixtures import LiveServer, ScriptedTextModel, iter_events, make_server
 

@@ -355,7 +355,7 @@ def test_a_text_stream_continued_after_a_restart_is_still_filtered(tmp_path):
     from redis_fixtures import REDIS, redis_server
     from server_fixtures import make_server
 
-    from multistream.server.event_log import RedisEventLog, entry_id
+    from multistream.server.durable.event_log import RedisEventLog, entry_id
 
     if REDIS is None:
         pytest.skip("redis-server is not installed (scripts/setup.sh --test)")

@@ -133,7 +133,7 @@ def create_app(
         janitor = asyncio.get_running_loop().create_task(_janitor(state))
         continuer = None
         if state.registry.log is not None:
-            from .continuation import Continuer
+            from .durable.continuation import Continuer
 
             continuer = Continuer(state)  # continues the generations of a server that went away
             continuer.start()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .bodies import parse_rewind_body, parse_steer_body
-from .event_log import CONTROL_WAIT_S, apply_command
+from .durable.event_log import CONTROL_WAIT_S, apply_command
 from .families import family
 from .filtering import STOP
 from .http.problems import Problem

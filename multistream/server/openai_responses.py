@@ -52,7 +52,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..events import Event, event_from_dict
 from .access.security import Principal
-from .continuation import CONTINUED_HOOKS
+from .durable.continuation import CONTINUED_HOOKS
 from .http.bodies import OpenAIErrorResponse, read_body
 from .http.disconnect import until_done_or_gone
 from .http.errors import error_responses
@@ -110,7 +110,7 @@ class ResponseStore:
         log = self.state.registry.log
         if log is not None:
             try:
-                await log.redis.hset(log.key("m", entry.stream_id), "resp", entry.to_json())
+                await log.set_meta(entry.stream_id, "resp", entry.to_json())
             except Exception as exc:  # noqa: BLE001 - the response still works here
                 logger.warning("response %s: storing it in the event log failed: %s", entry.id, exc)
 
@@ -121,9 +121,9 @@ class ResponseStore:
         log = self.state.registry.log
         if entry is None and log is not None:
             try:
-                raw = await log.redis.hget(log.key("m", response_id[len(_PREFIX):]), "resp")
+                raw = await log.get_meta(response_id[len(_PREFIX):], "resp")
             except Exception as exc:  # noqa: BLE001
-                from .event_log import unavailable
+                from .durable.event_log import unavailable
 
                 raise unavailable("read stored responses", exc) from None
             if raw:
@@ -136,7 +136,7 @@ class ResponseStore:
         log = self.state.registry.log
         if log is not None:
             try:
-                await log.redis.hdel(log.key("m", entry.stream_id), "resp")
+                await log.delete_meta(entry.stream_id, "resp")
             except Exception as exc:  # noqa: BLE001
                 logger.warning("response %s: deleting it from the event log failed: %s", entry.id, exc)
 
@@ -155,7 +155,7 @@ class ResponseStore:
 async def _on_continued(state: ServerState, record: Any) -> None:
     """A stream continued after its server went away: a background response must run on here."""
     log = state.registry.log
-    raw = await log.redis.hget(log.key("m", record.stream_id), "resp") if log is not None else None
+    raw = await log.get_meta(record.stream_id, "resp") if log is not None else None
     if raw:
         entry = ResponseEntry.from_json(raw)
         store = responses_of(state)

@@ -119,7 +119,7 @@ class StreamRecord:
         # the log: `continuation.remember_request`); on SIGTERM it is handed off, not ended.
         self.continuable = False
         self.handed_off = False
-        self.checkpoints: Any = None  # an image stream's checkpoint writer (`image_checkpoints`)
+        self.checkpoints: Any = None  # an image stream's checkpoint writer (`durable.checkpoints`)
         self._done_callbacks: list[Callable[[StreamRecord], None]] = []
         # Nobody attached yet: if nobody ever does, the grace period still ends the generation.
         # (The full period even for non-resumable streams: their one reader attaches a moment later.)

@@ -55,11 +55,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
-from ..stream import Stream, StreamWriter
+from ...events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
+from ...stream import Stream, StreamWriter
+from ..families import FAMILIES, family
+from .checkpoints import CheckpointWriter, already_sent
 from .event_log import entry_id
-from .families import FAMILIES, family
-from .image_checkpoints import CheckpointWriter, already_sent
+from .resume import start_from_checkpoint, trim_text
 
 __all__ = ["CONTINUED_HOOKS", "KINDS", "LIVENESS_TTL_S", "MAX_RESTARTS", "SCAN_EVERY_S", "Continuer", "DurablePlan",
            "continuation_stream", "durable_plan", "hand_off", "image_continuation_stream", "remember_request"]
@@ -219,8 +220,6 @@ def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event],
     """A stream with id ``stream_id`` that continues the answer ``events`` began: the prompt and
     the logged tokens prefilled (``replica_stream(resume_tokens=)``), only what follows sent;
     its first event follows the last logged one (``offset``, ``index``)."""
-    from .ray._common import trim_text as trim  # the Ray failover's own trim
-
     ids, text = _answer(events)
     native = callable(getattr(model, "replica_stream", None))
     if native and ids:
@@ -230,7 +229,7 @@ def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event],
 
     def keep(ev: Event) -> Event | None:
         if isinstance(ev, TextEvent) and not (native and ids):
-            return trim(ev, len(ids), len(text))
+            return trim_text(ev, len(ids), len(text))
         return ev
 
     return _relay("text", inner, stream_id, events, keep, start=lambda w: w.continue_text(len(text)))
@@ -243,14 +242,7 @@ def image_continuation_stream(model: Any, kwargs: dict[str, Any], events: list[E
     with the same seed), skipping previews of the steps the log already has."""
     extra = dict(extra or {})
     sent = max((ev.step for ev in events if isinstance(ev, ImageEvent) and not ev.is_final), default=0)
-    inner = None
-    if checkpoint is not None:
-        try:
-            inner = model.stream(**kwargs, **extra, resume_from=checkpoint)
-        except Exception as exc:  # noqa: BLE001 - another model version, a corrupt value: from step 0
-            logger.warning("stream %s: its image checkpoint is unusable (%s); denoising from step 0", stream_id, exc)
-    if inner is None:
-        inner = model.stream(**kwargs, **extra)
+    inner, _ = start_from_checkpoint(model.stream, {**kwargs, **extra}, checkpoint, stream_id)
     return _relay("image", inner, stream_id, events, lambda ev: None if already_sent(ev, sent) else ev)
 
 

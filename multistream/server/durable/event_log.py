@@ -43,13 +43,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgumentError
-from ..events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
-from .http.problems import Problem
-from .settings import ServerSettings
+from ...errors import InvalidArgumentError
+from ...events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
+from ..http.problems import Problem
+from ..settings import ServerSettings
+from .resume import PREFIX
 
 if TYPE_CHECKING:
-    from .registry import StreamRecord
+    from ..registry import StreamRecord
 
 __all__ = ["CONTROL_WAIT_S", "RedisEventLog", "RemoteRecord", "apply_command", "control_request", "entry_id",
            "serve_control"]
@@ -322,7 +323,7 @@ class RemoteRecord:
 class RedisEventLog:
     """The Redis side of the registry: writers for local streams, readers for remote ones."""
 
-    def __init__(self, url: str, settings: ServerSettings | None = None, *, prefix: str = "ms:",
+    def __init__(self, url: str, settings: ServerSettings | None = None, *, prefix: str = PREFIX,
                  stale_after_s: float = _STALE_AFTER_S, heartbeat_s: float = _HEARTBEAT_S, block_ms: int = 1000,
                  timeout_s: float = 2.0) -> None:
         try:
@@ -497,6 +498,16 @@ class RedisEventLog:
         if done in (b"1", "1"):
             record.done = True
 
+    async def get_meta(self, stream_id: str, name: str) -> bytes | None:
+        """A field a surface keeps beside a stream's log (the Responses route's stored response)."""
+        return await self.redis.hget(self.key("m", stream_id), name)
+
+    async def set_meta(self, stream_id: str, name: str, value: str) -> None:
+        await self.redis.hset(self.key("m", stream_id), name, value)
+
+    async def delete_meta(self, stream_id: str, name: str) -> None:
+        await self.redis.hdel(self.key("m", stream_id), name)
+
     def stats(self) -> dict[str, Any]:
         lat = sorted(self.write_latency)
         pick = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e6, 1)) if lat else (lambda q: None)
@@ -510,8 +521,8 @@ class RedisEventLog:
 def apply_command(stream: Any, command: str, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Apply an already-parsed edit to a model `Stream`; True when queued (a finish of an ended
     stream: False). Raises `Problem`: 409 for an ended stream, 400 with the model's message."""
-    from ..errors import StreamFinishedError
-    from .http.problems import problem_from_exception
+    from ...errors import StreamFinishedError
+    from ..http.problems import problem_from_exception
 
     try:
         if command == "finish":

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from ..events import Event, ImageEvent
+from ...events import Event, ImageEvent
 
 __all__ = ["CHECKPOINT_TTL_S", "CheckpointWriter", "already_sent"]
 
