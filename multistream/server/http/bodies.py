@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from .problems import Problem
 
 if TYPE_CHECKING:
-    from ..state import ServerState
+    from ..settings import ServerSettings
 
 __all__ = [
     "LAX_BODY", "STRICT_BODY", "ErrorBody", "ErrorResponse", "OpenAIErrorBody", "OpenAIErrorResponse",
@@ -32,6 +32,12 @@ __all__ = [
 STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 LAX_BODY = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _MAX_DEPTH = 32
+
+
+class HasSettings(Protocol):
+    """What `read_body` needs of the server state: its settings (limits and timeouts)."""
+
+    settings: ServerSettings
 
 
 # -- response bodies -----------------------------------------------------------------------------
@@ -221,7 +227,7 @@ def _problem(model: type[BaseModel], exc: ValidationError, body: dict[str, Any],
     return Problem(400, kind, f"'{where}' must be {expected}, got {_show(value)} ({first['msg']})", param=name)
 
 
-async def read_body(request: Request, state: ServerState) -> Any:
+async def read_body(request: Request, state: HasSettings) -> Any:
     """The JSON body, within ``body_timeout_s`` (a client that trickles its body is cut off)."""
     try:
         return await asyncio.wait_for(read_json(request, state.settings.max_body_bytes), state.settings.body_timeout_s)
