@@ -18,7 +18,7 @@ import websockets
 from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, wait_until
 
 from multistream.server import Blocklist, decode_message
-from multistream.server.filtering import OutputFilter
+from multistream.server.streams.filtering import OutputFilter
 
 JSON = {"content-type": "application/json"}
 STATIC = Path(__file__).resolve().parent.parent / "multistream" / "static"

@@ -55,7 +55,6 @@ from . import (
 from .access.security import KeyRing, SecurityMiddleware, install_log_redaction
 from .bodies import RewindRequest, SteerRequest
 from .families import FAMILIES
-from .filtering import ContentFilter, chain, load_blocklist
 from .http.bodies import ErrorResponse, OpenAIErrorResponse
 from .http.problems import Problem
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
@@ -63,6 +62,7 @@ from .responses_protocol import ResponsesRequest
 from .routes_health import STATIC_DIR
 from .settings import ServerSettings
 from .state import ModelSlot, ServerState
+from .streams.filtering import ContentFilter, chain, load_blocklist
 
 __all__ = ["ServerState", "create_app"]
 
@@ -231,7 +231,7 @@ def create_app(
 def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False) -> None:
     """Serve the Gradio demo; its generations run through this server's gates (`GatedModel`)."""
     from ..ui.demo import mount_demo
-    from .gated import GatedModel
+    from .streams.gated import GatedModel
 
     def provider(kind: str) -> Any:
         return lambda: GatedModel(app, kind)

@@ -44,9 +44,9 @@ from .http.problems import Problem
 from .http.sse import DONE, event_source, json_event
 from .openai_choices import MAX_CHOICES, collect_choices, interleave, legacy_logprobs, open_choices, usage_of
 from .openai_protocol import StreamOptions, check_options
-from .registry import StreamRecord
 from .settings import ServerSettings
 from .state import ServerState, get_principal, get_state
+from .streams.registry import StreamRecord
 
 __all__ = ["CompletionRequest", "router"]
 

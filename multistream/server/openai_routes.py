@@ -70,10 +70,10 @@ from .http.problems import Problem
 from .http.sse import DONE, event_source, json_event
 from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
-from .registry import StreamRecord
 from .settings import ServerSettings
 from .speech_routes import chat_with_audio, wants_audio
 from .state import ServerState, get_principal, get_state
+from .streams.registry import StreamRecord
 
 __all__ = ["router"]
 

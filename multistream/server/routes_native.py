@@ -49,13 +49,13 @@ from .bodies import (
     parse_image_body,
     parse_text_body,
 )
-from .edits import apply_edit
 from .http.bodies import ErrorResponse, read_body
 from .http.errors import error_responses, json_body
 from .http.problems import Problem
-from .registry import StreamRecord
 from .sse import new_stream_sse, sse_response
 from .state import ServerState, get_principal, get_state
+from .streams.edits import apply_edit
+from .streams.registry import StreamRecord
 
 __all__ = ["router"]
 

@@ -35,8 +35,9 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from ..events import ErrorEvent
 from .http.problems import Problem, problem_from_exception
 from .http.sse import sse_options
-from .registry import StreamRecord, new_token
 from .settings import ServerSettings
+from .streams.registry import StreamRecord, new_token
+from .streams.view import StreamView
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -47,14 +48,14 @@ if TYPE_CHECKING:
 __all__ = ["QueuePosition", "new_stream_sse", "queued_sse_response", "sse_response"]
 
 
-async def _events(record: StreamRecord, after: int) -> AsyncIterator[bytes]:
+async def _events(record: StreamView, after: int) -> AsyncIterator[bytes]:
     # The frame written out directly (what `ServerSentEvent.encode` makes, byte for byte): the
     # wire JSON is one line, so the regex splitting and StringIO of `encode` buy nothing per event.
     async for ev in record.subscribe(after):
         yield f"id: {ev.seq}\r\nevent: {ev.type}\r\ndata: {record.json(ev.seq)}\r\n\r\n".encode()
 
 
-def sse_response(record: StreamRecord, settings: ServerSettings, after: int = -1) -> EventSourceResponse:
+def sse_response(record: StreamView, settings: ServerSettings, after: int = -1) -> EventSourceResponse:
     """An SSE response that replays ``record`` after ``after`` and then follows it live."""
     return EventSourceResponse(_events(record, after),
                                headers={"X-Stream-Id": record.stream_id, "Cache-Control": "no-store"},

@@ -23,13 +23,13 @@ from ..errors import ModelLoadError
 from ..stream import Stream, StreamWriter, reserved_stream_id
 from .access.metrics import Metrics
 from .access.security import KeyRing, Principal
-from .admission import Admission
 from .families import FAMILIES, Family, check_model_name, family
-from .filtering import STOP, ContentFilter
 from .http.disconnect import until_done_or_gone
 from .http.problems import Problem, problem_from_exception
-from .registry import Registry, StreamRecord
 from .settings import ServerSettings
+from .streams.admission import Admission
+from .streams.filtering import STOP, ContentFilter
+from .streams.registry import Registry, StreamRecord
 
 __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]
 
@@ -403,7 +403,7 @@ class ServerState:
         """An edit another process forwarded (its body already checked there) for a stream that
         runs here: apply it, answer the verdict (`event_log.serve_control`)."""
         from .durable.event_log import verdict
-        from .edits import apply_parsed_edit
+        from .streams.edits import apply_parsed_edit
 
         sid, command = message.get("stream_id"), message.get("command")
         args, kwargs = message.get("args"), message.get("kwargs")

@@ -79,11 +79,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..events import AudioEvent, Event, ImageEvent, event_from_dict
 from .access.security import Principal
-from .edits import apply_edit
 from .families import FAMILIES, find_family
 from .http.bodies import parse_json_object
 from .http.problems import Problem, problem_from_exception
-from .registry import StreamRecord
+from .streams.edits import apply_edit
+from .streams.view import StreamView
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
 
@@ -146,7 +146,7 @@ class _Connection:
         self.mine: set[str] = set()  # streams this socket started
         self.closed = False
 
-    async def send(self, message: str | bytes | Event, record: StreamRecord | None = None) -> None:
+    async def send(self, message: str | bytes | Event, record: StreamView | None = None) -> None:
         """Send a control message or an event; events are encoded only once the lock is ours, so
         a slow client holds at most one encoded frame per stream, not a queue of copies."""
         async with self.lock:
@@ -326,7 +326,7 @@ class _Connection:
         self.mine.add(record.stream_id)
         await self._follow(tag, record, -1)
 
-    async def _follow(self, tag: Any, record: StreamRecord, after: int) -> None:
+    async def _follow(self, tag: Any, record: StreamView, after: int) -> None:
         try:
             await self.send(json.dumps({"type": "accepted", "id": tag, "stream_id": record.stream_id,
                                         "resume_token": record.token}))

@@ -47,10 +47,11 @@ from ...errors import InvalidArgumentError
 from ...events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
 from ..http.problems import Problem
 from ..settings import ServerSettings
+from ..streams.view import SharedAccess
 from .resume import PREFIX
 
 if TYPE_CHECKING:
-    from ..registry import StreamRecord
+    from ..streams.registry import StreamRecord
 
 __all__ = ["CONTROL_WAIT_S", "RedisEventLog", "RemoteRecord", "apply_command", "control_request", "entry_id",
            "serve_control"]
@@ -177,7 +178,7 @@ class _Writer:
             await asyncio.wait({self.task}, timeout=timeout)
 
 
-class RemoteRecord:
+class RemoteRecord(SharedAccess):
     """A stream that another process runs (or ran), read from the log: what `StreamRecord` offers
     to readers (``subscribe``, ``json``, ``allows``, ``events``, ``done``...), backed by Redis."""
 
@@ -205,6 +206,10 @@ class RemoteRecord:
             self.done = True
 
     @property
+    def max_followers(self) -> int:
+        return self.log.settings.max_followers
+
+    @property
     def events(self) -> list[Event | None]:
         """Only its length matters to callers (``len(record.events)`` = the next seq)."""
         return [None] * (self.last_seq + 1)
@@ -227,18 +232,6 @@ class RemoteRecord:
     @property
     def final(self) -> Event | None:
         return event_from_dict(json.loads(self._wire[self.last_seq])) if self.done and self._wire else None
-
-    def allows(self, principal: Any, token: str | None) -> bool:
-        if token is not None and self.token and secrets.compare_digest(token.encode(), self.token.encode()):
-            return True
-        if self.owner_keyed:
-            return principal is not None and getattr(principal, "id", None) == self.owner
-        return False
-
-    def check_follower_room(self) -> None:
-        if self.subscribers >= self.log.settings.max_followers:
-            raise Problem(503, "too_many_followers", f"stream {self.stream_id} already has {self.subscribers} readers "
-                          "here (max_followers); retry shortly", {"Retry-After": "2"})
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Ask the process that runs the stream to cancel it (pub/sub)."""

@@ -32,7 +32,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from .http.problems import Problem
+from ..http.problems import Problem
 
 __all__ = ["Admission", "QueueFull"]
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Union
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 __all__ = ["STOP", "Blocklist", "ContentFilter", "OutputFilter", "load_blocklist"]
 

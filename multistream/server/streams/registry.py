@@ -39,14 +39,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .. import errors as error_types
-from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
-from ..stream import Stream
-from .access.metrics import Metrics
-from .families import family
+from ... import errors as error_types
+from ...events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from ...stream import Stream
+from ..access.metrics import Metrics
+from ..families import family
+from ..settings import ServerSettings
 from .filtering import STOP, ContentFilter, OutputFilter
-from .http.problems import Problem
-from .settings import ServerSettings
+from .view import SharedAccess
 
 __all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]  # STOP, ContentFilter: from .filtering
 
@@ -58,7 +58,7 @@ def new_token() -> str:
     return secrets.token_urlsafe(18)
 
 
-class StreamRecord:
+class StreamRecord(SharedAccess):
     """One stream on the server: its event log, subscribers, grace timer and pump task."""
 
     def __init__(self, stream: Stream, *, kind: str, settings: ServerSettings, metrics: Metrics,
@@ -128,6 +128,10 @@ class StreamRecord:
 
     # -- reading -------------------------------------------------------------------------------
 
+    @property
+    def max_followers(self) -> int:
+        return self._settings.max_followers
+
     def json(self, seq: int) -> str:
         """The wire JSON of event ``seq``, encoded once however many subscribers read it."""
         cached = self._json[seq]
@@ -140,22 +144,6 @@ class StreamRecord:
     @property
     def final(self) -> Event | None:
         return self.events[-1] if self.done else None
-
-    def allows(self, principal: Any, token: str | None) -> bool:
-        """May ``principal`` (with the resume ``token``, if any) read, resume or cancel this stream?
-
-        With API keys: only the key that created it. Without: only whoever has its token.
-        """
-        if token is not None and secrets.compare_digest(token.encode(), self.token.encode()):
-            return True
-        if self.owner_keyed:
-            return principal is not None and getattr(principal, "id", None) == self.owner
-        return False
-
-    def check_follower_room(self) -> None:
-        if self.subscribers >= self._settings.max_followers:
-            raise Problem(503, "too_many_followers", f"stream {self.stream_id} already has {self.subscribers} readers "
-                          f"(max_followers); retry shortly", {"Retry-After": "2"})
 
     async def subscribe(self, after: int = -1) -> AsyncIterator[Event]:
         """Events with ``seq > after``: the replay, then live ones, up to and including the final.

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .bodies import parse_rewind_body, parse_steer_body
-from .durable.event_log import CONTROL_WAIT_S, apply_command
-from .families import family
+from ..bodies import parse_rewind_body, parse_steer_body
+from ..durable.event_log import CONTROL_WAIT_S, apply_command
+from ..families import family
+from ..http.problems import Problem
+from ..settings import ServerSettings
 from .filtering import STOP
-from .http.problems import Problem
-from .settings import ServerSettings
 
 __all__ = ["apply_edit", "apply_parsed_edit", "parse_edit"]
 

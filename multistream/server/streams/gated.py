@@ -18,11 +18,11 @@ import queue
 import time
 from typing import Any
 
-from ..errors import InvalidArgumentError
-from ..events import Event
-from ..stream import Stream, StreamWriter
-from .access.security import Principal
-from .http.problems import Problem, problem_from_exception
+from ...errors import InvalidArgumentError
+from ...events import Event
+from ...stream import Stream, StreamWriter
+from ..access.security import Principal
+from ..http.problems import Problem, problem_from_exception
 
 __all__ = ["GatedModel"]
 
