@@ -44,10 +44,10 @@ def test_no_capacity_literal_left_in_the_server() -> None:
 
 
 def test_rewind_options_are_declared_once() -> None:
-    from multistream.server.bodies import RewindRequest
+    from multistream.server.bodies import RewindBody
     from multistream.text import REWIND_OPTIONS, TextOptions
 
-    fields = RewindRequest.model_fields
+    fields = RewindBody.model_fields
     assert set(fields) == {"offset", "instruction", "token_id", *REWIND_OPTIONS}
     specs = {f.name: f.metadata["option"].doc for f in __import__("dataclasses").fields(TextOptions)
              if "option" in f.metadata}
@@ -100,10 +100,10 @@ def test_openai_image_option_fields_come_from_the_specs() -> None:
 def test_native_image_body_fields_are_the_specs() -> None:
     from multistream._spec import body_fields
     from multistream.image import ImageOptions
-    from multistream.server.bodies import ImageRequest
+    from multistream.server.bodies import ImageBody
 
     specs = body_fields(ImageOptions)
-    fields = ImageRequest.model_fields
+    fields = ImageBody.model_fields
     assert set(fields) == {"prompt", *specs}
     for name, (wire, field) in specs.items():
         assert fields[name].description == field.description and fields[name].default == field.default, name

@@ -165,11 +165,11 @@ async def test_websocket_checks_origin(srv: Any) -> None:
 def test_openapi_describes_the_bodies_and_docs_are_served(srv: Any) -> None:
     spec = httpx.get(srv.url + "/openapi.json").json()
     schemas = spec["components"]["schemas"]
-    for name in ("TextRequest", "ImageRequest", "ChatCompletionRequest", "ImageGenerationRequest", "ErrorResponse"):
+    for name in ("TextBody", "ImageBody", "ChatCompletionRequest", "ImageGenerationRequest", "ErrorResponse"):
         assert name in schemas, name
     body = spec["paths"]["/v1/text"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert body["$ref"].endswith("/TextRequest")
-    assert "max_new_tokens" in schemas["TextRequest"]["properties"]
+    assert body["$ref"].endswith("/TextBody")
+    assert "max_new_tokens" in schemas["TextBody"]["properties"]
     assert "/readyz" in spec["paths"] and "/v1/ws" not in spec["paths"]
     assert httpx.get(srv.url + "/docs").status_code == 200
 

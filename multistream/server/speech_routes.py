@@ -41,16 +41,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..events import AudioEvent, ErrorEvent
 from ..speech import MAX_INPUT_CHARACTERS
 from .access.security import Principal
-from .bodies import OPENAI_VOICES, SpeechRequest, check_speech_options, parse_speech_body, speech_voice
+from .bodies import OPENAI_VOICES, SpeechBody, check_speech_options, parse_speech_body, speech_voice
 from .families import family
-from .http.bodies import LAX_BODY, ErrorResponse, OpenAIErrorResponse, read_body, validate_body
+from .http.bodies import LAX_BODY, OpenAIErrorResponse, read_body, validate_body
 from .http.errors import error_responses, json_body
 from .http.problems import Problem
 from .http.sse import DONE, json_event
-from .sse import new_stream_sse
 from .state import ServerState, get_principal, get_state
 
-__all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "SpeechRequest", "chat_with_audio", "router",
+__all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "SpeechBody", "chat_with_audio", "router",
            "parse_speech_body", "speech_voice", "wants_audio"]
 
 router = APIRouter()
@@ -144,16 +143,6 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
                                       event="speech.audio.done")
 
     return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
-
-
-@router.post("/v1/speech", summary="Stream speech", openapi_extra=_spec(SpeechRequest, audio=False),
-             responses=error_responses(ErrorResponse),
-             description="Body: `SpeechModel.stream` arguments (`text`, `voice`, `speed`, `priority`).")
-async def post_speech(request: Request, state: ServerState = Depends(get_state),
-                      principal: Principal = Depends(get_principal)) -> Response:
-    kwargs, priority = parse_speech_body(await read_body(request, state))
-    return await new_stream_sse(state, "speech", kwargs, priority=priority, request=request,
-                                arrived_at=time.perf_counter(), principal=principal)
 
 
 # -- chat completions with modalities=["text", "audio"] -------------------------------------------

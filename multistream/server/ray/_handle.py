@@ -65,7 +65,7 @@ class RemoteModel:
             writer.on_cancel(lambda: loop.call_soon_threadsafe(task.cancel))
 
         stream = Stream(kind=self.kind, submit=submit)
-        # The server's edit routes look for this (`routes_native.apply_edit`): edits travel to the replica.
+        # The server's edit routes look for this (`streams.edits.apply_edit`): edits travel to the replica.
         stream.forward_edit = functools.partial(self.forward_edit, stream.stream_id)  # type: ignore[attr-defined]
         return stream
 

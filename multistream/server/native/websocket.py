@@ -77,13 +77,13 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ..events import AudioEvent, Event, ImageEvent, event_from_dict
-from .access.security import Principal
-from .families import FAMILIES, find_family
-from .http.bodies import parse_json_object
-from .http.problems import Problem, problem_from_exception
-from .streams.edits import apply_edit
-from .streams.view import StreamView
+from ...events import AudioEvent, Event, ImageEvent, event_from_dict
+from ..access.security import Principal
+from ..families import FAMILIES, find_family
+from ..http.bodies import parse_json_object
+from ..http.problems import Problem, problem_from_exception
+from ..streams.edits import apply_edit
+from ..streams.view import StreamView
 
 __all__ = ["decode_message", "encode_image_frame", "router"]
 

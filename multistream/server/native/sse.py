@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from ..events import ErrorEvent
-from .http.problems import Problem, problem_from_exception
-from .http.sse import sse_options
-from .settings import ServerSettings
-from .streams.registry import StreamRecord, new_token
-from .streams.view import StreamView
+from ...events import ErrorEvent
+from ..http.problems import Problem, problem_from_exception
+from ..http.sse import sse_options
+from ..settings import ServerSettings
+from ..streams.registry import StreamRecord, new_token
+from ..streams.view import StreamView
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from .access.security import Principal
-    from .state import ServerState
+    from ..access.security import Principal
+    from ..state import ServerState
 
 __all__ = ["QueuePosition", "new_stream_sse", "queued_sse_response", "sse_response"]
 

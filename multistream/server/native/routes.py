@@ -39,23 +39,15 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .access.security import Principal
-from .bodies import (
-    EditResult,
-    ImageRequest,
-    RewindRequest,
-    SteerRequest,
-    TextRequest,
-    parse_image_body,
-    parse_text_body,
-)
-from .http.bodies import ErrorResponse, read_body
-from .http.errors import error_responses, json_body
-from .http.problems import Problem
+from ..access.security import Principal
+from ..bodies import EditResult, ImageBody, RewindBody, SteerBody, TextBody, parse_image_body, parse_text_body
+from ..http.bodies import ErrorResponse, read_body
+from ..http.errors import error_responses, json_body
+from ..http.problems import Problem
+from ..state import ServerState, get_principal, get_state
+from ..streams.edits import apply_edit
+from ..streams.registry import StreamRecord
 from .sse import new_stream_sse, sse_response
-from .state import ServerState, get_principal, get_state
-from .streams.edits import apply_edit
-from .streams.registry import StreamRecord
 
 __all__ = ["router"]
 
@@ -83,7 +75,7 @@ class CancelResult(BaseModel):
     cancelled: bool = Field(description="true when the stream was still running")
 
 
-@router.post("/v1/text", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(TextRequest),
+@router.post("/v1/text", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(TextBody),
              summary="Stream text", description="Body: `TextModel.stream` arguments (+ `priority`).")
 async def post_text(request: Request, state: ServerState = Depends(get_state),
                     principal: Principal = Depends(get_principal)) -> Response:
@@ -93,7 +85,7 @@ async def post_text(request: Request, state: ServerState = Depends(get_state),
                                 principal=principal)
 
 
-@router.post("/v1/image", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(ImageRequest),
+@router.post("/v1/image", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(ImageBody),
              summary="Stream an image", description="Body: `ImageModel.stream` arguments (+ `priority`).")
 async def post_image(request: Request, state: ServerState = Depends(get_state),
                      principal: Principal = Depends(get_principal)) -> Response:
@@ -189,34 +181,30 @@ _EDIT_ERRORS = {**error_responses(ErrorResponse, {409: "the stream has already e
                       "confirm within 2 s: `EditResult` plus `pending: true` and a `note`"}}
 
 
-@router.post("/v1/streams/{stream_id}/finish", response_model=EditResult, responses=_EDIT_ERRORS,
-             summary="Finish a stream early",
-             description="Stop now and keep the result: `finish_reason` `finished_early` (an image: the current "
-             "estimate through the full VAE). `accepted` is false if it had already ended. Owner only.")
-async def finish_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
-                        principal: Principal = Depends(get_principal)) -> Any:
-    record = owned_record(state, stream_id, request, principal)
-    return _edit_response(*await apply_edit(record, "finish", await _edit_body(request, state), state.settings, state.registry.log))
+def _edit_route(command: str, body: type | None, summary: str, description: str) -> None:
+    """``POST /v1/streams/{id}/{command}``: one route per edit, all alike (owner only, `EditResult`)."""
+
+    async def edit(stream_id: str, request: Request, state: ServerState = Depends(get_state),
+                   principal: Principal = Depends(get_principal)) -> Any:
+        record = owned_record(state, stream_id, request, principal)
+        raw = await (read_body(request, state) if body is not None else _edit_body(request, state))
+        return _edit_response(*await apply_edit(record, command, raw, state.settings, state.registry.log))
+
+    edit.__name__ = f"{command}_stream"  # the OpenAPI operation id
+    router.post(f"/v1/streams/{{stream_id}}/{command}", response_model=EditResult, responses=_EDIT_ERRORS,
+                openapi_extra=json_body(body) if body is not None else None, summary=summary,
+                description=description)(edit)
 
 
-@router.post("/v1/streams/{stream_id}/steer", response_model=EditResult, responses=_EDIT_ERRORS,
-             openapi_extra=json_body(SteerRequest), summary="Steer a running stream",
-             description="Text: `{\"instruction\": ...}`; image: `prompt` / `negative_prompt` / `guidance_scale`. "
-             "Takes effect at the model's next step. Owner only.")
-async def steer_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
-                       principal: Principal = Depends(get_principal)) -> Any:
-    record = owned_record(state, stream_id, request, principal)
-    return _edit_response(*await apply_edit(record, "steer", await read_body(request, state), state.settings, state.registry.log))
-
-
-@router.post("/v1/streams/{stream_id}/rewind", response_model=EditResult, responses=_EDIT_ERRORS,
-             openapi_extra=json_body(RewindRequest), summary="Rewind a text stream",
-             description="Regenerate from character `offset` (optionally with a new `instruction` and sampling "
-             "options); later events carry the smaller `offset` and a new `revision`. Owner only.")
-async def rewind_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
-                        principal: Principal = Depends(get_principal)) -> Any:
-    record = owned_record(state, stream_id, request, principal)
-    return _edit_response(*await apply_edit(record, "rewind", await read_body(request, state), state.settings, state.registry.log))
+_edit_route("finish", None, "Finish a stream early",
+            "Stop now and keep the result: `finish_reason` `finished_early` (an image: the current estimate through "
+            "the full VAE). `accepted` is false if it had already ended. Owner only.")
+_edit_route("steer", SteerBody, "Steer a running stream",
+            "Text: `{\"instruction\": ...}`; image: `prompt` / `negative_prompt` / `guidance_scale`. Takes effect at "
+            "the model's next step. Owner only.")
+_edit_route("rewind", RewindBody, "Rewind a text stream",
+            "Regenerate from character `offset` (optionally with a new `instruction` and sampling options); later "
+            "events carry the smaller `offset` and a new `revision`. Owner only.")
 
 
 test_router = APIRouter(include_in_schema=False)

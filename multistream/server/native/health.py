@@ -19,12 +19,12 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 from starlette.responses import FileResponse, JSONResponse, Response
 
-from .access.metrics import CONTENT_TYPE
-from .state import ServerState, get_state
+from ..access.metrics import CONTENT_TYPE
+from ..state import ServerState, get_state
 
 __all__ = ["router"]
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
