@@ -8,9 +8,10 @@ Routes (every native payload is the event wire form, ``ev.to_dict()``), one `API
   ``GET /v1/streams/{id}/events``: resume with ``Last-Event-ID`` (or ``?after=SEQ``); replays what
   came after, then follows live; 204 when nothing is left. ``GET`` / ``DELETE /v1/streams/{id}``.
 - WebSocket (`native.websocket`): ``WS /v1/ws``.
-- OpenAI (`openai_routes`, `openai_completions`): ``POST /v1/chat/completions``, ``POST /v1/completions``,
-  ``POST /v1/images/generations``, ``GET /v1/models``.
-- OpenAI Responses (`openai_responses`): ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``
+- OpenAI (`openai.<endpoint>.router`): ``POST /v1/chat/completions`` (`chat`), ``POST /v1/completions``
+  (`completions`), ``POST /v1/images/generations`` (`images`), ``POST /v1/audio/speech`` (`audio`),
+  ``GET /v1/models`` (`openai.models`).
+- OpenAI Responses (`openai.responses`): ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``
   (``?stream=true&starting_after=N``), ``POST /v1/responses/{id}/cancel``, ``GET .../input_items``.
 - health (`native.health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
   (Prometheus), ``GET /`` (a small web client).
@@ -43,16 +44,26 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import openai_completions, openai_responses, openai_routes, speech_routes
 from .access.security import KeyRing, SecurityMiddleware, install_log_redaction
 from .bodies import RewindBody, SteerBody
 from .families import FAMILIES
 from .http.bodies import ErrorResponse, OpenAIErrorResponse
 from .http.problems import Problem
-from .native import health, routes, speech, websocket
+from .native import health, websocket
+from .native import routes as native_routes
+from .native import speech as native_speech
 from .native.health import STATIC_DIR
-from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
-from .responses_protocol import ResponsesRequest
+from .openai import models as openai_models
+from .openai.audio import router as openai_audio
+from .openai.audio.protocol import AudioSpeechRequest
+from .openai.chat import router as openai_chat
+from .openai.chat.protocol import ChatCompletionRequest
+from .openai.completions import router as openai_completions
+from .openai.completions.protocol import CompletionRequest
+from .openai.images import router as openai_images
+from .openai.images.protocol import ImageGenerationRequest
+from .openai.responses import router as openai_responses
+from .openai.responses.protocol import ResponsesRequest
 from .settings import ServerSettings
 from .state import ModelSlot, ServerState
 from .streams.filtering import ContentFilter, chain, load_blocklist
@@ -64,9 +75,9 @@ logger = logging.getLogger("multistream.server")
 _OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses")
 # Every body a route's OpenAPI names by `$ref` (`openapi_extra`): the document must define each one.
 _BODY_MODELS = tuple(dict.fromkeys((
-    *(f.body for f in FAMILIES), ChatCompletionRequest, openai_completions.CompletionRequest, ImageGenerationRequest,
+    *(f.body for f in FAMILIES), ChatCompletionRequest, CompletionRequest, ImageGenerationRequest,
     SteerBody, RewindBody, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
-    speech_routes.AudioSpeechRequest)))
+    AudioSpeechRequest)))
 
 
 def create_app(
@@ -190,16 +201,11 @@ def create_app(
             problem = Problem(exc.status_code, "http_error", str(exc.detail), dict(exc.headers or {}))
         return problem.response(openai=openai_path(request))
 
-    app.include_router(routes.router)
-    app.include_router(speech.router)
-    app.include_router(openai_routes.router)
-    app.include_router(openai_completions.router)
-    app.include_router(openai_responses.router)
-    app.include_router(speech_routes.router)
-    app.include_router(websocket.router)
-    app.include_router(health.router)
+    for module in (native_routes, openai_models, openai_chat, openai_images, openai_completions, openai_responses,
+                   openai_audio, native_speech, websocket, health):
+        app.include_router(module.router)
     if settings.enable_test_hooks:
-        app.include_router(routes.test_router)
+        app.include_router(native_routes.test_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     def openapi() -> dict[str, Any]:

@@ -74,7 +74,7 @@ KINDS = tuple(f.name for f in FAMILIES if f.continues)  # the families whose gen
 
 _PUMPS: set[asyncio.Task[None]] = set()
 # Called with (state, record) for each stream continued here: the Responses route keeps a
-# background response running and its stored entry at hand (`openai_responses`).
+# background response running and its stored entry at hand (`openai.responses.router`).
 CONTINUED_HOOKS: list[Callable[[Any, Any], Awaitable[None]]] = []
 
 # KEYS[1] = the stream's hash; ARGV = (the proc seen, this proc, now). Returns the restart count

@@ -26,123 +26,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, Field
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..events import ErrorEvent, TextEvent
-from ..text import TEXT_STREAM_ARGS
-from .access.security import Principal
-from .bodies import check_prompt_limit
-from .http.bodies import LAX_BODY, OpenAIErrorResponse, read_body, validate_body
-from .http.errors import error_responses, json_body
-from .http.problems import Problem
-from .http.sse import DONE, event_source, json_event
-from .openai_choices import MAX_CHOICES, collect_choices, interleave, legacy_logprobs, open_choices, usage_of
-from .openai_protocol import StreamOptions, check_options
-from .settings import ServerSettings
-from .state import ServerState, get_principal, get_state
-from .streams.registry import StreamRecord
-
-__all__ = ["CompletionRequest", "router"]
-
-_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
-           "cancelled": "stop", "finished_early": "stop"}
-
-
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions`` (OpenAI's legacy completions; see the module docstring)."""
-
-    model_config = LAX_BODY
-    model: Optional[str] = Field(default=None, description="the served text model: its name (GET /v1/models), \"default\" or \"text\"; another name is 404 model_not_found")
-    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(description="a string or a list of strings")
-    suffix: Optional[str] = Field(default=None, description="not supported (insertion)")
-    max_tokens: Optional[int] = Field(default=16, description="an integer >= 0 (0: only score the prompt, with echo)")
-    temperature: Optional[float] = Field(default=None, description="a number >= 0")
-    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
-    n: Optional[int] = Field(default=None, description="1..8 completions per prompt")
-    best_of: Optional[int] = Field(default=None, description="only equal to n")
-    stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
-    stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
-    logprobs: Optional[int] = Field(default=None, description="0..20: logprobs of each token and that many "
-                                    "alternatives")
-    echo: Optional[bool] = Field(default=None, description="true: the prompt (and its logprobs) first")
-    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings")
-    presence_penalty: Optional[float] = Field(default=None, description="a number -2..2")
-    frequency_penalty: Optional[float] = Field(default=None, description="a number -2..2")
-    logit_bias: Optional[dict[str, float]] = Field(default=None, description="token id (a string) -> bias -100..100")
-    seed: Optional[int] = Field(default=None, description="an integer")
-    user: Optional[str] = Field(default=None, description="accepted and ignored")
-    top_k: Optional[int] = Field(default=None, description="extension (vLLM): an integer >= 0")
-    min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
-    repetition_penalty: Optional[float] = Field(default=None, description="extension (vLLM): a number > 0")
-    priority: int = Field(default=0, description="extension: an integer; higher runs first")
-
-    def prompts(self) -> list[str]:
-        raw = self.prompt
-        if isinstance(raw, str):
-            return [raw]
-        if raw and all(isinstance(p, str) for p in raw):
-            return list(raw)  # type: ignore[arg-type]
-        if not raw:
-            raise Problem(400, "invalid_argument", "prompt is empty; send a string or a list of strings",
-                          param="prompt")
-        raise Problem(400, "unsupported", "token-id prompts are not supported; send the prompt as text (a string "
-                      "or a list of strings)", param="prompt")
-
-    def to_text_options(self, prompt: str, settings: ServerSettings) -> dict[str, Any]:
-        """``TextModel.stream`` keyword arguments for one prompt (a raw completion: ``chat=False``)."""
-        check_prompt_limit(prompt, settings)
-        kwargs: dict[str, Any] = {"prompt": prompt, "chat": False}
-        max_tokens = self.max_tokens if self.max_tokens is not None else 16
-        if max_tokens > settings.max_new_tokens:
-            raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
-                          f"{settings.max_new_tokens}", param="max_tokens")
-        kwargs["max_new_tokens"] = max_tokens
-        for name in TEXT_STREAM_ARGS:
-            if name in type(self).model_fields and name not in ("max_new_tokens", "priority", "logprobs"):
-                value = getattr(self, name)
-                if value is not None:
-                    kwargs[name] = value
-        if self.logprobs is not None:
-            kwargs["logprobs"], kwargs["top_logprobs"] = True, self.logprobs
-        return kwargs
-
-
-def parse_completion(body: Any, settings: ServerSettings) -> CompletionRequest:
-    req = validate_body(CompletionRequest, body, "POST /v1/completions")
-    assert isinstance(req, CompletionRequest)
-    if req.suffix:
-        raise Problem(400, "unsupported", "suffix (inserting text before a suffix) is not supported; send only a "
-                      "prompt", param="suffix")
-    n = req.n if req.n is not None else 1
-    if not 1 <= n <= MAX_CHOICES:
-        raise Problem(400, "invalid_argument", f"n must be from 1 to {MAX_CHOICES}, got {n}", param="n")
-    if req.best_of not in (None, n):
-        raise Problem(400, "unsupported", f"best_of must equal n ({n}); ranking extra completions is not supported",
-                      param="best_of")
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise Problem(400, "invalid_argument", f"logprobs must be an integer from 0 to 20, got {req.logprobs}",
-                      param="logprobs")
-    if req.max_tokens is not None and req.max_tokens < 0:
-        raise Problem(400, "invalid_argument", f"max_tokens must be >= 0, got {req.max_tokens}", param="max_tokens")
-    if req.max_tokens == 0 and not req.echo:
-        raise Problem(400, "invalid_argument", "max_tokens=0 generates nothing; use it with echo: true to score the "
-                      "prompt, or ask for at least 1 token", param="max_tokens")
-    req.prompts()
-    return req
-
+from ....events import ErrorEvent, TextEvent
+from ...access.security import Principal
+from ...http.bodies import OpenAIErrorResponse, read_body
+from ...http.errors import error_responses, json_body
+from ...http.problems import Problem
+from ...http.sse import DONE, event_source, json_event
+from ...state import ServerState, get_principal, get_state
+from ...streams.registry import StreamRecord
+from .._choices import collect_choices, interleave, legacy_logprobs, open_choices, usage_of
+from .._common import error_body, openai_finish
+from .._protocol import check_options
+from .protocol import CompletionRequest, parse_completion
 
 router = APIRouter(tags=["openai"])
-
-
-def _error_body(ev: ErrorEvent) -> dict[str, Any]:
-    return {"error": {"message": ev.error.get("message", "generation failed"), "type": "server_error",
-                      "param": None, "code": ev.error.get("type")}}
 
 
 class _Echo:
@@ -238,7 +142,7 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
         states = await collect_choices(records, request) if records else []
         failed = next((c.error for c in states if c.error is not None), None)
         if failed is not None:
-            return JSONResponse(_error_body(failed), status_code=500)
+            return JSONResponse(error_body(failed), status_code=500)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i in range(total):
             echo = echo_of(i)
@@ -251,7 +155,7 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
                     prompt_tokens += final.usage["prompt_tokens"]
             elif echo is not None and i % n == 0:
                 prompt_tokens += echo.tokens
-            reason = _FINISH.get(final.finish_reason or "stop", "stop") if final is not None else "length"
+            reason = openai_finish(final.finish_reason) if final is not None else "length"
             choices.append({"index": i, "text": text, "finish_reason": reason,
                             "logprobs": choice_logprobs(i, c.entries if c is not None else [], 0, True)})
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -277,12 +181,12 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
                     prompt_tokens += echo.tokens
         async for i, ev in interleave(records) if records else _nothing():
             if isinstance(ev, ErrorEvent):
-                yield json_event(_error_body(ev))
+                yield json_event(error_body(ev))
                 return
             assert isinstance(ev, TextEvent)
             echo = echo_of(i)
             base = len(echo.text) if echo is not None else 0
-            finish = _FINISH.get(ev.finish_reason or "stop", "stop") if ev.is_final else None
+            finish = openai_finish(ev.finish_reason) if ev.is_final else None
             if ev.delta or ev.is_final:
                 lp = legacy_logprobs(ev.logprobs or [], start=base + sent[i]) if want else None
                 yield json_event(chunk(i, ev.delta, lp, finish))

@@ -50,23 +50,23 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..events import Event, event_from_dict
-from .access.security import Principal
-from .durable.continuation import CONTINUED_HOOKS
-from .http.bodies import OpenAIErrorResponse, read_body
-from .http.disconnect import until_done_or_gone
-from .http.errors import error_responses
-from .http.problems import Problem
-from .http.sse import event_source, json_event
-from .responses_protocol import ResponseBuilder, ResponsesRequest, output_messages, parse_responses_body, request_view
-from .state import ServerState, get_principal, get_state
+from ....events import Event, event_from_dict
+from ...access.security import Principal
+from ...durable.continuation import CONTINUED_HOOKS
+from ...http.bodies import read_body
+from ...http.disconnect import until_done_or_gone
+from ...http.problems import Problem
+from ...http.sse import event_source, json_event
+from ...state import ServerState, get_principal, get_state
+from .._common import ERRORS
+from .protocol import ResponsesRequest, parse_responses_body, request_view
+from .serving import ResponseBuilder, output_messages
 
 __all__ = ["ResponseEntry", "ResponseStore", "router"]
 
 logger = logging.getLogger("multistream.server")
 
 _PREFIX = "resp_"
-_ERRORS = error_responses(OpenAIErrorResponse)
 
 router = APIRouter(tags=["openai"])
 
@@ -123,7 +123,7 @@ class ResponseStore:
             try:
                 raw = await log.get_meta(response_id[len(_PREFIX):], "resp")
             except Exception as exc:  # noqa: BLE001
-                from .durable.event_log import unavailable
+                from ...durable.event_log import unavailable
 
                 raise unavailable("read stored responses", exc) from None
             if raw:
@@ -273,7 +273,7 @@ def _input_items(raw: Any, stream_id: str) -> list[dict[str, Any]]:
     return out
 
 
-@router.post("/v1/responses", responses=_ERRORS, openapi_extra={"requestBody": {"required": True, "content": {
+@router.post("/v1/responses", responses=ERRORS, openapi_extra={"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"$ref": f"#/components/schemas/{ResponsesRequest.__name__}"}}}}})
 async def create_response(request: Request, state: ServerState = Depends(get_state),
                           principal: Principal = Depends(get_principal)) -> Response:
@@ -325,7 +325,7 @@ def _starting_after(request: Request) -> int:
     return int(raw)
 
 
-@router.get("/v1/responses/{response_id}", responses=_ERRORS)
+@router.get("/v1/responses/{response_id}", responses=ERRORS)
 async def retrieve_response(response_id: str, request: Request, state: ServerState = Depends(get_state),
                             principal: Principal = Depends(get_principal)) -> Response:
     after = _starting_after(request)
@@ -338,7 +338,7 @@ async def retrieve_response(response_id: str, request: Request, state: ServerSta
     return JSONResponse(_fold(entry, _events_so_far(record)), headers={"X-Stream-Id": entry.stream_id})
 
 
-@router.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
+@router.post("/v1/responses/{response_id}/cancel", responses=ERRORS)
 async def cancel_response(response_id: str, request: Request, state: ServerState = Depends(get_state),
                           principal: Principal = Depends(get_principal)) -> Response:
     entry = await _owned(state, response_id, request, principal)
@@ -353,7 +353,7 @@ async def cancel_response(response_id: str, request: Request, state: ServerState
     return JSONResponse(_fold(entry, _events_so_far(record)), headers={"X-Stream-Id": entry.stream_id})
 
 
-@router.delete("/v1/responses/{response_id}", responses=_ERRORS)
+@router.delete("/v1/responses/{response_id}", responses=ERRORS)
 async def delete_response(response_id: str, request: Request, state: ServerState = Depends(get_state),
                           principal: Principal = Depends(get_principal)) -> Response:
     entry = await _owned(state, response_id, request, principal)
@@ -364,7 +364,7 @@ async def delete_response(response_id: str, request: Request, state: ServerState
     return JSONResponse({"id": entry.id, "object": "response", "deleted": True})
 
 
-@router.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
+@router.get("/v1/responses/{response_id}/input_items", responses=ERRORS)
 async def input_items(response_id: str, request: Request, state: ServerState = Depends(get_state),
                       principal: Principal = Depends(get_principal)) -> Response:
     entry = await _owned(state, response_id, request, principal)

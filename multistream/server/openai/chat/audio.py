@@ -1,149 +1,31 @@
-"""Speech routes: OpenAI's ``POST /v1/audio/speech`` and the native ``POST /v1/speech``.
-
-``POST /v1/audio/speech`` takes OpenAI's body: ``model``, ``input`` (at most 4,096 characters),
-``voice``, ``response_format`` (``pcm``: 24 kHz 16-bit mono little-endian, as OpenAI documents;
-``wav``, ``mp3``, ``opus``, ``flac``, ``aac``), ``speed`` (0.25-4), ``instructions`` (refused: the
-embedded voice cannot follow them) and ``stream_format``: ``audio`` (the default; the encoded bytes
-as a chunked body, the first after the first sentence) or ``sse`` (``speech.audio.delta`` events
-with base64 audio in ``response_format``, then ``speech.audio.done`` with ``usage``). OpenAI's
-model names (``tts-1``, ``tts-1-hd``, ``gpt-4o-mini-tts``) and voice names (``alloy``, ``echo``,
-...) mean the served model and its default voice, so an app written for OpenAI works unchanged.
-``priority`` is an extension.
-
-``POST /v1/speech`` takes `SpeechModel.stream`'s arguments (``text``, ``voice``, ``speed``,
-``priority``: one definition, `SpeechOptions`) and answers the native SSE of wire events
-(``audio`` events with base64 PCM; the final one with the whole WAV), resumable like the others
-through ``GET /v1/streams/{id}/events`` with the ``X-Resume-Token`` it returns.
+"""OpenAI's audio chat: ``POST /v1/chat/completions`` with ``modalities=["text", "audio"]``, the
+answer spoken while it is written (the text model admitted as for any chat, its sentences spoken on
+the speech model as soon as the text has them).
 
 Example:
-    >>> from openai import OpenAI                                                       # doctest: +SKIP
-    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")           # doctest: +SKIP
-    >>> with client.audio.speech.with_streaming_response.create(                         # doctest: +SKIP
-    ...         model="tts-1", voice="alloy", input="Hello there.", response_format="mp3") as r:
-    ...     r.stream_to_file("hello.mp3")
+    >>> client.chat.completions.create(model="default", modalities=["text", "audio"],   # doctest: +SKIP
+    ...     audio={"voice": "alloy", "format": "pcm16"}, messages=[{"role": "user", "content": "hi"}], stream=True)
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal, Optional
+from typing import Any
 
-from fastapi import APIRouter, Depends
-from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from ..events import AudioEvent, ErrorEvent
-from ..speech import MAX_INPUT_CHARACTERS
-from .access.security import Principal
-from .bodies import OPENAI_VOICES, SpeechBody, check_speech_options, parse_speech_body, speech_voice
-from .families import family
-from .http.bodies import LAX_BODY, OpenAIErrorResponse, read_body, validate_body
-from .http.errors import error_responses, json_body
-from .http.problems import Problem
-from .http.sse import DONE, json_event
-from .state import ServerState, get_principal, get_state
-
-__all__ = ["AudioSpeechRequest", "OPENAI_SPEECH_MODELS", "OPENAI_VOICES", "SpeechBody", "chat_with_audio", "router",
-           "parse_speech_body", "speech_voice", "wants_audio"]
-
-router = APIRouter()
-
-
-def _spec(body: type, audio: bool) -> dict[str, Any]:
-    """The route's OpenAPI: its body and what a 200 carries (its refusals: `error_responses`)."""
-    content = ({"audio/mpeg": {}, "audio/wav": {}, "audio/pcm": {}, "audio/flac": {}, "audio/ogg": {},
-                "audio/aac": {}, "text/event-stream": {}} if audio else {"text/event-stream": {}})
-    return {**json_body(body), "responses": {"200": {"description": "the audio as it is made", "content": content}}}
-
-#: OpenAI's speech model names: each means the served speech model (the family table's entry).
-OPENAI_SPEECH_MODELS = family("speech").openai_models
-_OPENAI_PCM_RATE = 24000
-
-
-class AudioSpeechRequest(BaseModel):
-    """OpenAI's ``POST /v1/audio/speech`` body (unknown fields are ignored, as OpenAI's SDK may send more)."""
-
-    model_config = LAX_BODY
-    model: str = Field(description="tts-1, tts-1-hd, gpt-4o-mini-tts (all mean the served model) or its own name")
-    input: str = Field(description=f"the text to speak, at most {MAX_INPUT_CHARACTERS} characters")
-    voice: str = Field(default="alloy", description="an OpenAI voice name (the default voice) or one of the model's")
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
-        default="mp3", description="pcm is 24 kHz 16-bit mono little-endian, as OpenAI's")
-    speed: float = Field(default=1.0, description="0.25 to 4 (1 is normal)")
-    instructions: Optional[str] = Field(default=None, description="not supported by these voices: leave it out")
-    stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio: the bytes; sse: events")
-    priority: int = Field(default=0, description="extension: higher is synthesized first")
-
-
-def _speech_model(state: ServerState) -> Any:
-    return state.model_for("speech")
-
-
-@router.post("/v1/audio/speech", summary="OpenAI speech", tags=["openai"],
-             openapi_extra=_spec(AudioSpeechRequest, audio=True), responses=error_responses(OpenAIErrorResponse),
-             description="OpenAI's text-to-speech: the audio bytes as they are made, or `speech.audio.*` SSE events.")
-async def audio_speech(request: Request, state: ServerState = Depends(get_state),
-                       principal: Principal = Depends(get_principal)) -> Response:
-    body = validate_body(AudioSpeechRequest, await read_body(request, state), "POST /v1/audio/speech")
-    model = _speech_model(state)
-    state.check_model_name("speech", body.model)
-    if body.instructions:
-        raise Problem(400, "unsupported_parameter", "this speech model cannot follow `instructions` (it has no "
-                      "style control); leave `instructions` out", param="instructions")
-    voice = speech_voice(model, body.voice)
-    check_speech_options(body.input, voice=voice, speed=body.speed)
-    kwargs = {"text": body.input, "voice": voice, "speed": body.speed}
-    record = await state.open_stream("speech", kwargs, priority=body.priority, request=request, resumable=False,
-                                     principal=principal)
-    from ..speech import AudioEncoder
-
-    rate = int(getattr(model, "sample_rate", 22050))
-    encoder = AudioEncoder(body.response_format, rate, _OPENAI_PCM_RATE if body.response_format == "pcm" else None)
-    headers = {"X-Stream-Id": record.stream_id, "Cache-Control": "no-store"}
-
-    async def encoded() -> AsyncIterator[tuple[bytes, AudioEvent | ErrorEvent | None]]:
-        async for ev in record.subscribe():
-            if isinstance(ev, ErrorEvent):
-                yield await asyncio.to_thread(encoder.flush), ev
-                return
-            assert isinstance(ev, AudioEvent)
-            if ev.is_final:
-                yield await asyncio.to_thread(encoder.flush), ev
-                return
-            yield await asyncio.to_thread(encoder.feed, ev.data), None
-
-    if body.stream_format == "audio":
-        async def chunks() -> AsyncIterator[bytes]:
-            async for data, _ in encoded():
-                if data:
-                    yield data
-
-        return StreamingResponse(chunks(), media_type=encoder.mime, headers=headers)
-
-    async def events() -> AsyncIterator[ServerSentEvent]:
-        async for data, end in encoded():
-            if data:
-                yield ServerSentEvent(data=json.dumps({"type": "speech.audio.delta",
-                                                       "audio": base64.b64encode(data).decode("ascii")}),
-                                      event="speech.audio.delta")
-            if isinstance(end, ErrorEvent):
-                yield ServerSentEvent(data=json.dumps({"type": "error", "error": end.error}), event="error")
-            elif end is not None:
-                chars = len(body.input)
-                usage = {"input_tokens": chars, "output_tokens": int(round((end.duration_s or 0) * 1000 / 20)),
-                         "total_tokens": chars + int(round((end.duration_s or 0) * 1000 / 20)),
-                         "input_characters": chars, "audio_seconds": (end.usage or {}).get("audio_seconds")}
-                yield ServerSentEvent(data=json.dumps({"type": "speech.audio.done", "usage": usage}),
-                                      event="speech.audio.done")
-
-    return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
-
+from ....events import AudioEvent, ErrorEvent
+from ...access.security import Principal
+from ...bodies import speech_voice
+from ...http.problems import Problem
+from ...http.sse import DONE, json_event
+from ...state import ServerState
+from ..audio.protocol import OPENAI_PCM_RATE
 
 # -- chat completions with modalities=["text", "audio"] -------------------------------------------
 
@@ -163,8 +45,8 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
     format, as OpenAI's). Without ``stream`` the message carries ``audio`` (``id``, ``data`` in
     ``format``, ``transcript``). The text model is admitted as for any chat; the speech follows it
     on the speech model's engine."""
-    from ..events import TextEvent
-    from .openai_protocol import chat_kwargs
+    from ....events import TextEvent
+    from .protocol import chat_kwargs
 
     modalities = body.get("modalities")
     if any(not isinstance(m, str) or m not in ("text", "audio") for m in modalities):
@@ -184,7 +66,7 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
                       "audio.format 'pcm16' or stream: false", param="audio")
     if body.get("n") not in (None, 1):
         raise Problem(400, "invalid_argument", "n must be 1 with audio output", param="n")
-    tts = _speech_model(state)
+    tts = state.model_for("speech")
     voice = speech_voice(tts, audio_opts["voice"])
     text_body = {k: v for k, v in body.items() if k not in ("modalities", "audio")}
     kwargs, priority, _, include_usage = chat_kwargs(text_body, state.settings)
@@ -194,10 +76,10 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
     cid, created, model = f"chatcmpl-{record.stream_id}", int(time.time()), record.model_name
     audio_id = f"audio_{record.stream_id}"
     headers = {"X-Stream-Id": f"{record.stream_id},{audio_stream.stream_id}"}
-    from ..speech import AudioEncoder
+    from ....speech import AudioEncoder
 
     rate = int(getattr(tts, "sample_rate", 22050))
-    encoder = AudioEncoder(_CHAT_AUDIO_FORMATS[fmt], rate, _OPENAI_PCM_RATE if fmt == "pcm16" else None)
+    encoder = AudioEncoder(_CHAT_AUDIO_FORMATS[fmt], rate, OPENAI_PCM_RATE if fmt == "pcm16" else None)
     queue: asyncio.Queue[Any] = asyncio.Queue()  # events of both streams, told apart by their type
 
     async def read_text() -> None:

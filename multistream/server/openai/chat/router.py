@@ -10,7 +10,7 @@
   ``tool_choice`` / ``parallel_tool_calls``. Streaming sends ``chat.completion.chunk`` objects, then
   ``[DONE]``; a call streams as ``tool_calls`` deltas (id, type and name first, then the
   ``arguments`` JSON in fragments as it is generated), ending with ``finish_reason="tool_calls"``.
-- ``POST /v1/completions``: see `multistream.server.openai_completions`.
+- ``POST /v1/completions``: see `multistream.server.openai.completions`.
   A cancelled generation reports ``finish_reason="stop"`` (OpenAI has no "cancelled").
 - ``POST /v1/images/generations``: prompt, n, size ("64x64"), output_format, ``response_format``
   "b64_json", ``stream`` with ``partial_images`` 0-3 (SSE events ``image_generation.partial_image``
@@ -47,80 +47,31 @@ Example:
 
 from __future__ import annotations
 
-import base64
-import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..events import ErrorEvent, ImageEvent, TextEvent
-from ..text import ToolCallParser, parse_tool_calls
-from .access.security import Principal
-from .families import family, served_model_names
-from .http.bodies import OpenAIErrorResponse, read_body
-from .http.disconnect import until_done_or_gone
-from .http.errors import error_responses, json_body
-from .http.problems import Problem
-from .http.sse import DONE, event_source, json_event
-from .openai_choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
-from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest, chat_choices, chat_kwargs, image_kwargs
-from .settings import ServerSettings
-from .speech_routes import chat_with_audio, wants_audio
-from .state import ServerState, get_principal, get_state
-from .streams.registry import StreamRecord
-
-__all__ = ["router"]
-
-logger = logging.getLogger("multistream.server")
-
-_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
-           "cancelled": "stop"}
-_ERRORS = error_responses(OpenAIErrorResponse)
-
-
-def _sse(record: StreamRecord, settings: ServerSettings, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
-    return event_source(events, settings, record.stream_id)
-
-
-def _error_body(ev: ErrorEvent) -> dict[str, Any]:
-    return {"error": {"message": ev.error.get("message", "generation failed"), "type": "server_error",
-                      "param": None, "code": ev.error.get("type")}}  # already made safe by the registry
-
+from ....events import ErrorEvent, TextEvent
+from ....text import ToolCallParser, parse_tool_calls
+from ...access.security import Principal
+from ...http.bodies import read_body
+from ...http.errors import json_body
+from ...http.sse import DONE, json_event
+from ...state import ServerState, get_principal, get_state
+from .._choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
+from .._common import ERRORS, error_body, openai_finish, sse_of
+from .audio import chat_with_audio, wants_audio
+from .protocol import ChatCompletionRequest, chat_choices, chat_kwargs
 
 router = APIRouter(tags=["openai"])
 
 
-def _model_entries(state: ServerState) -> list[dict[str, Any]]:
-    """One entry per served model: its name as ``id``, its family as ``kind``, and the other
-    ``model`` names the OpenAI routes take for it (``aliases``: "default", the family, ``tts-1``...)."""
-    return [{"id": slot.name, "object": "model", "created": int(state.started_at), "owned_by": "multistream",
-             "kind": kind, "state": slot.state,
-             "aliases": [n for n in served_model_names(family(kind), slot.name) if n != slot.name]}
-            for kind, slot in state.models.items() if slot.state != "disabled"]
-
-
-@router.get("/v1/models", responses=_ERRORS)
-async def models(state: ServerState = Depends(get_state)) -> Response:
-    return JSONResponse({"object": "list", "data": _model_entries(state)})
-
-
-@router.get("/v1/models/{model:path}", responses=_ERRORS)
-async def model(model: str, state: ServerState = Depends(get_state)) -> Response:
-    """One served model, by its name or an alias; 404 ``model_not_found`` otherwise."""
-    for entry in _model_entries(state):
-        if model == entry["id"] or model in entry["aliases"]:
-            return JSONResponse(entry)
-    served = ", ".join(repr(e["id"]) for e in _model_entries(state))
-    raise Problem(404, "model_not_found", f"the model {model[:200]!r} does not exist on this server; it serves "
-                  f"{served or 'no model'} (GET /v1/models lists them with their aliases)", param="model")
-
-@router.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=json_body(ChatCompletionRequest))
+@router.post("/v1/chat/completions", responses=ERRORS, openapi_extra=json_body(ChatCompletionRequest))
 async def chat(request: Request, state: ServerState = Depends(get_state),
                principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
@@ -142,7 +93,7 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
     beams = (kwargs.get("num_beams") or 1) > 1
 
     def finish_reason(ev: TextEvent, called: bool) -> str:
-        return "tool_calls" if called else _FINISH.get(ev.finish_reason or "stop", "stop")
+        return "tool_calls" if called else openai_finish(ev.finish_reason)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0,
               logprobs: Any = None) -> dict[str, Any]:
@@ -154,7 +105,7 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
         states = await collect_choices(records, request)
         failed = next((c.error for c in states if c.error is not None), None)
         if failed is not None or any(c.final is None for c in states):
-            return JSONResponse(_error_body(failed) if failed is not None else
+            return JSONResponse(error_body(failed) if failed is not None else
                                 {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, c in enumerate(states):
@@ -204,7 +155,7 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
             yield json_event(chunk({"role": "assistant", "content": ""}, index=i))
         async for i, ev in interleave(records):
             if isinstance(ev, ErrorEvent):
-                yield json_event(_error_body(ev))
+                yield json_event(error_body(ev))
                 return
             assert isinstance(ev, TextEvent)
             if ev.token_ids:
@@ -234,76 +185,4 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
             yield json_event({**chunk({}), "choices": [], "usage": usage_of(prompt_tokens, sum(done.values()))})
         yield ServerSentEvent(data=DONE)
 
-    return _sse_many(records, settings, events())
-
-
-def _sse_many(records: list[StreamRecord], settings: ServerSettings,
-              events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
-    response = _sse(records[0], settings, events)
-    response.headers["X-Stream-Id"] = ",".join(r.stream_id for r in records)
-    return response
-
-@router.post("/v1/images/generations", responses=_ERRORS, openapi_extra=json_body(ImageGenerationRequest))
-async def images(request: Request, state: ServerState = Depends(get_state),
-                 principal: Principal = Depends(get_principal)) -> Response:
-    arrived = time.perf_counter()
-    settings = state.settings
-    body = await read_body(request, state)
-    state.check_model_name("image", body.get("model") if isinstance(body, dict) else None)
-    kwargs, priority, stream, partial, fmt = image_kwargs(body, settings)
-    record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
-                                     arrived_at=arrived, principal=principal)
-    n = kwargs["num_images"]
-    common = {"background": "opaque", "output_format": fmt, "quality": "auto"}
-    usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
-             "output_tokens": 0, "total_tokens": 0}
-
-    def is_done(ev: ImageEvent) -> bool:
-        return ev.is_final or ev.finish_reason is not None
-
-    if not stream:
-        images: dict[int, ImageEvent] = {}
-        error = None
-        for ev in await _collect_until_disconnected(record, request):
-            if isinstance(ev, ErrorEvent):
-                error = ev
-            elif isinstance(ev, ImageEvent) and is_done(ev):
-                images[ev.index] = ev
-        if error is not None:
-            return JSONResponse(_error_body(error), status_code=500)
-        first = next(iter(images.values()), None)
-        return JSONResponse({
-            "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(images[i].data).decode("ascii")} for i in sorted(images)],
-            **common, "size": f"{first.width}x{first.height}" if first else "auto", "usage": usage,
-        }, headers={"X-Stream-Id": record.stream_id})
-
-    async def events() -> AsyncIterator[ServerSentEvent]:
-        sent = [0] * n
-        async for ev in record.subscribe():
-            if isinstance(ev, ErrorEvent):
-                yield json_event(_error_body(ev), event="error")
-                return
-            assert isinstance(ev, ImageEvent)
-            base = {**common, "created_at": int(time.time()), "size": f"{ev.width}x{ev.height}",
-                    "b64_json": base64.b64encode(ev.data).decode("ascii")}
-            if is_done(ev):
-                yield json_event({"type": "image_generation.completed", **base, "usage": usage},
-                            event="image_generation.completed")
-            elif ev.index < n and sent[ev.index] < partial and \
-                    ev.step >= math.ceil((sent[ev.index] + 1) * ev.total_steps / (partial + 1)):
-                yield json_event({"type": "image_generation.partial_image", **base,
-                             "partial_image_index": sent[ev.index]}, event="image_generation.partial_image")
-                sent[ev.index] += 1
-
-    return _sse(record, settings, events())
-
-
-async def _collect_until_disconnected(record: Any, request: Request) -> list[Any]:
-    """Every event of a stream, for the non-streaming routes; a client that goes away meanwhile
-    (an SDK timeout, say) cancels the generation instead of leaving it running to the end."""
-
-    async def collect() -> list[Any]:
-        return [ev async for ev in record.subscribe()]
-
-    return await until_done_or_gone(collect(), request, on_gone=record.cancel)
+    return sse_of(records, settings, events())

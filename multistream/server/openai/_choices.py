@@ -21,13 +21,13 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ..events import ErrorEvent, Event, TextEvent
-from ..text import choice_seed
-from .access.security import Principal
-from .http.disconnect import until_done_or_gone
-from .http.problems import Problem
-from .state import ServerState
-from .streams.registry import StreamRecord
+from ...events import ErrorEvent, Event, TextEvent
+from ...text import choice_seed
+from ..access.security import Principal
+from ..http.disconnect import until_done_or_gone
+from ..http.problems import Problem
+from ..state import ServerState
+from ..streams.registry import StreamRecord
 
 __all__ = ["ChoiceState", "MAX_CHOICES", "chat_logprobs", "collect_choices", "interleave", "legacy_logprobs",
            "open_choices", "usage_of"]
