@@ -49,24 +49,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Depends
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....events import ErrorEvent, TextEvent
-from ....text import ToolCallParser, parse_tool_calls
 from ...access.security import Principal
 from ...http.bodies import read_body
 from ...http.errors import json_body
 from ...http.sse import DONE, json_event
 from ...state import ServerState, get_principal, get_state
-from .._choices import chat_logprobs, collect_choices, interleave, open_choices, usage_of
-from .._common import ERRORS, error_body, openai_finish, sse_of
+from .._choices import collect_choices, interleave, open_choices
+from .._common import ERRORS, error_body, sse_of
 from .audio import chat_with_audio, wants_audio
 from .protocol import ChatCompletionRequest, chat_choices, chat_kwargs
+from .serving import ChatChunks
 
 router = APIRouter(tags=["openai"])
 
@@ -82,24 +80,16 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
         return await chat_with_audio(request, state, principal, body)
     kwargs, priority, stream, include_usage = chat_kwargs(body, settings)
     n, continuous_usage = chat_choices(body)
-    want_logprobs = bool(kwargs.get("logprobs"))
     records = await open_choices(state, kwargs, n, priority=priority, request=request, arrived_at=arrived,
                                  principal=principal)
     record = records[0]
     cid, created, model = f"chatcmpl-{record.stream_id}", int(time.time()), record.model_name
     headers = {"X-Stream-Id": ",".join(r.stream_id for r in records)}
 
-    with_tools = bool(kwargs.get("tools")) and kwargs.get("tool_choice") != "none"
-    beams = (kwargs.get("num_beams") or 1) > 1
-
-    def finish_reason(ev: TextEvent, called: bool) -> str:
-        return "tool_calls" if called else openai_finish(ev.finish_reason)
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0,
-              logprobs: Any = None) -> dict[str, Any]:
-        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    chunks = ChatChunks(cid, created, model, [r.stream_id for r in records],
+                        with_tools=bool(kwargs.get("tools")) and kwargs.get("tool_choice") != "none",
+                        beams=(kwargs.get("num_beams") or 1) > 1, logprobs=bool(kwargs.get("logprobs")),
+                        continuous_usage=continuous_usage, include_usage=include_usage)
 
     if not stream:
         states = await collect_choices(records, request)
@@ -107,82 +97,18 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
         if failed is not None or any(c.final is None for c in states):
             return JSONResponse(error_body(failed) if failed is not None else
                                 {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i, c in enumerate(states):
-            final = c.final
-            assert final is not None
-            u = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
-            prompt_tokens, completion_tokens = u["prompt_tokens"], completion_tokens + u["completion_tokens"]
-            message: dict[str, Any] = {"role": "assistant", "content": final.text or ""}
-            calls = final.tool_calls or []
-            if with_tools:
-                content, _ = parse_tool_calls(final.text or "", records[i].stream_id)
-                message["content"] = content or (None if calls else "")
-                if calls:
-                    message["tool_calls"] = [{"id": call["id"], "type": "function",
-                                              "function": {"name": call["name"], "arguments": call["arguments"]}}
-                                             for call in calls]
-            choices.append({"index": i, "message": message,
-                            "logprobs": chat_logprobs(c.entries) if want_logprobs else None,
-                            "finish_reason": finish_reason(final, bool(calls))})
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": None, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens),
-        }, headers=headers)
-
-    def tool_deltas(items: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-        """Chunk deltas for what the parser read: content, a call's head, its argument fragments."""
-        out: list[dict[str, Any]] = []
-        for item in items:
-            if item[0] == "content":
-                out.append({"content": item[1]})
-            elif item[0] == "call":
-                _, index, call_id, name = item
-                out.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
-            else:
-                out.append({"tool_calls": [{"index": item[1], "function": {"arguments": item[2]}}]})
-        return out
-
+        return JSONResponse(chunks.completion(states), headers=headers)
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        prompt_tokens = 0
-        done: dict[int, int] = {}  # completion tokens of each choice, as they go
-        parsers = {i: ToolCallParser(r.stream_id) for i, r in enumerate(records)} if with_tools else {}
-        texts: dict[int, str] = {}  # with beams: each choice's text so far,
-        sent: dict[int, int] = {}  # and how much of it went out
-        for i in range(n):
-            yield json_event(chunk({"role": "assistant", "content": ""}, index=i))
+        for chunk in chunks.opening():
+            yield json_event(chunk)
         async for i, ev in interleave(records):
-            if isinstance(ev, ErrorEvent):
-                yield json_event(error_body(ev))
+            for chunk in chunks.feed(i, ev):
+                yield json_event(chunk)
+            if chunks.failed:
                 return
-            assert isinstance(ev, TextEvent)
-            if ev.token_ids:
-                done[i] = max(done.get(i, 0), ev.index + len(ev.token_ids))
-            if ev.is_final and ev.usage:
-                prompt_tokens, done[i] = ev.usage["prompt_tokens"], ev.usage["completion_tokens"]
-            extra = {"usage": usage_of(prompt_tokens, sum(done.values()))} if continuous_usage else {}
-            logprobs = chat_logprobs(ev.logprobs) if want_logprobs and ev.logprobs else None
-            parser = parsers.get(i)
-            if beams:
-                # OpenAI chunks can only append: send the text that can no longer change.
-                text = texts[i] = texts.get(i, "")[: ev.offset] + ev.delta
-                end = len(text) if ev.is_final else min(ev.committed, len(text))
-                if end > sent.get(i, 0):
-                    yield json_event({**chunk({"content": text[sent.get(i, 0):end]}, index=i), **extra})
-                    sent[i] = end
-            elif parser is not None:
-                items = parser.feed(ev.delta) + (parser.finish() if ev.is_final else [])
-                for delta in tool_deltas(items):
-                    yield json_event({**chunk(delta, index=i), **extra})
-            elif ev.delta or logprobs is not None:
-                yield json_event({**chunk({"content": ev.delta}, index=i, logprobs=logprobs), **extra})
-            if ev.is_final:
-                called = bool(parser is not None and parser.calls)
-                yield json_event({**chunk({}, finish_reason(ev, called), index=i), **extra})
-        if include_usage:
-            yield json_event({**chunk({}), "choices": [], "usage": usage_of(prompt_tokens, sum(done.values()))})
+        for chunk in chunks.closing():
+            yield json_event(chunk)
         yield ServerSentEvent(data=DONE)
 
     return sse_of(records, settings, events())

@@ -33,7 +33,6 @@ from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....events import ErrorEvent, TextEvent
 from ...access.security import Principal
 from ...http.bodies import OpenAIErrorResponse, read_body
 from ...http.errors import error_responses, json_body
@@ -41,27 +40,21 @@ from ...http.problems import Problem
 from ...http.sse import DONE, event_source, json_event
 from ...state import ServerState, get_principal, get_state
 from ...streams.registry import StreamRecord
-from .._choices import collect_choices, interleave, legacy_logprobs, open_choices, usage_of
-from .._common import error_body, openai_finish
+from .._choices import collect_choices, interleave, open_choices
+from .._common import error_body
 from .._protocol import check_options
 from .protocol import CompletionRequest, parse_completion
+from .serving import CompletionChunks, Echo
 
 router = APIRouter(tags=["openai"])
 
 
-class _Echo:
-    """One prompt's own text, token count and (with logprobs) its logprob entries."""
-
-    def __init__(self, text: str, tokens: int, entries: list[dict[str, Any] | None] | None) -> None:
-        self.text, self.tokens, self.entries = text, tokens, entries
-
-
 async def _echo(state: ServerState, prompt: str, req: CompletionRequest, request: Request,
-                principal: Principal) -> _Echo:
+                principal: Principal) -> Echo:
     model = state.models["text"].get()
     if req.logprobs is None:
         count = getattr(model, "count_tokens", None)
-        return _Echo(prompt, count(prompt) if count else 0, None)
+        return Echo(prompt, count(prompt) if count else 0, None)
     if not callable(getattr(model, "score", None)):
         raise Problem(400, "unsupported", "this model cannot score prompts, so echo with logprobs is not available",
                       param="echo")
@@ -75,25 +68,7 @@ async def _echo(state: ServerState, prompt: str, req: CompletionRequest, request
     # Scoring is a prefill on the model's engine: it queues and takes a slot like a stream does.
     entries = await state.run_admitted("text", score, priority=req.priority or 0, request=request,
                                        principal=principal)
-    return _Echo(prompt, len(entries), entries)
-
-
-def _echo_texts(echo: _Echo) -> list[str]:
-    """Each prompt token's text, so ``text_offset`` counts characters of the prompt: the tokens after
-    the first from their bytes (a character split over tokens goes with the token that completes
-    it), the first one (no entry: nothing predicts it) is what precedes them."""
-    assert echo.entries is not None
-    rest = [e for e in echo.entries[1:] if e is not None]
-    lengths, raw = [], b""
-    for e in rest:
-        raw += bytes(e["bytes"])
-        lengths.append(len(raw.decode("utf-8", errors="ignore")))
-    first = max(0, len(echo.text) - (lengths[-1] if lengths else 0))
-    out, before = [echo.text[:first]], 0
-    for now in lengths:
-        out.append(echo.text[first + before : first + now])
-        before = now
-    return out
+    return Echo(prompt, len(entries), entries)
 
 
 @router.post("/v1/completions", responses=error_responses(OpenAIErrorResponse), openapi_extra=json_body(CompletionRequest))
@@ -122,82 +97,27 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
         raise
     cid = f"cmpl-{records[0].stream_id}" if records else f"cmpl-{int(time.time() * 1000)}"
     created, model = int(time.time()), (records[0].model_name if records else state.models["text"].name)
-    total = len(prompts) * n
-    want = req.logprobs is not None
-
-    def echo_of(i: int) -> _Echo | None:
-        return echoes[i // n] if echoes is not None else None
-
-    def choice_logprobs(i: int, entries: list[dict[str, Any]], start: int, with_echo: bool) -> Any:
-        if not want:
-            return None
-        echo = echo_of(i) if with_echo else None
-        if echo is not None and echo.entries is not None:
-            prompt_part = legacy_logprobs(echo.entries, _echo_texts(echo))
-            rest = legacy_logprobs(entries, start=len(echo.text))
-            return {k: prompt_part[k] + rest[k] for k in prompt_part}
-        return legacy_logprobs(entries, start=start)
+    chunks = CompletionChunks(cid, created, model, total=len(prompts) * n, n=n, echoes=echoes,
+                              logprobs=req.logprobs is not None, generate=generate,
+                              include_usage=bool(req.stream_options is not None and req.stream_options.include_usage))
 
     if not req.stream:
         states = await collect_choices(records, request) if records else []
         failed = next((c.error for c in states if c.error is not None), None)
         if failed is not None:
             return JSONResponse(error_body(failed), status_code=500)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i in range(total):
-            echo = echo_of(i)
-            c = states[i] if states else None
-            final = c.final if c is not None else None
-            text = (echo.text if echo is not None else "") + (final.text or "" if final is not None else "")
-            if final is not None and final.usage:
-                completion_tokens += final.usage["completion_tokens"]
-                if i % n == 0:
-                    prompt_tokens += final.usage["prompt_tokens"]
-            elif echo is not None and i % n == 0:
-                prompt_tokens += echo.tokens
-            reason = openai_finish(final.finish_reason) if final is not None else "length"
-            choices.append({"index": i, "text": text, "finish_reason": reason,
-                            "logprobs": choice_logprobs(i, c.entries if c is not None else [], 0, True)})
-        return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "system_fingerprint": None, "choices": choices,
-                             "usage": usage_of(prompt_tokens, completion_tokens)},
-                            headers={"X-Stream-Id": ",".join(r.stream_id for r in records)})
-
-    include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
-
-    def chunk(i: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-        return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        return JSONResponse(chunks.completion(states), headers={"X-Stream-Id": ",".join(r.stream_id for r in records)})
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        prompt_tokens, completion_tokens = 0, 0
-        sent = [0] * total  # characters of each choice's completion sent so far (text_offset)
-        for i in range(total):
-            echo = echo_of(i)
-            if echo is not None:
-                yield json_event(chunk(i, echo.text, choice_logprobs(i, [], 0, True), None if generate else "length"))
-                if not generate and i % n == 0:
-                    prompt_tokens += echo.tokens
+        for chunk in chunks.opening():
+            yield json_event(chunk)
         async for i, ev in interleave(records) if records else _nothing():
-            if isinstance(ev, ErrorEvent):
-                yield json_event(error_body(ev))
+            for chunk in chunks.feed(i, ev):
+                yield json_event(chunk)
+            if chunks.failed:
                 return
-            assert isinstance(ev, TextEvent)
-            echo = echo_of(i)
-            base = len(echo.text) if echo is not None else 0
-            finish = openai_finish(ev.finish_reason) if ev.is_final else None
-            if ev.delta or ev.is_final:
-                lp = legacy_logprobs(ev.logprobs or [], start=base + sent[i]) if want else None
-                yield json_event(chunk(i, ev.delta, lp, finish))
-                sent[i] += len(ev.delta)
-            if ev.is_final and ev.usage:
-                completion_tokens += ev.usage["completion_tokens"]
-                if i % n == 0:
-                    prompt_tokens += ev.usage["prompt_tokens"]
-        if include_usage:
-            yield json_event({"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [], "usage": usage_of(prompt_tokens, completion_tokens)})
+        for chunk in chunks.closing():
+            yield json_event(chunk)
         yield ServerSentEvent(data=DONE)
 
     return event_source(events(), settings, ",".join(r.stream_id for r in records))

@@ -10,8 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import base64
-import math
 import time
 from collections.abc import AsyncIterator
 
@@ -20,14 +18,14 @@ from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....events import ErrorEvent, ImageEvent
 from ...access.security import Principal
 from ...http.bodies import read_body
 from ...http.errors import json_body
 from ...http.sse import json_event
 from ...state import ServerState, get_principal, get_state
-from .._common import ERRORS, collect_events, error_body, sse_of
+from .._common import ERRORS, collect_events, sse_of
 from .protocol import ImageGenerationRequest, image_kwargs
+from .serving import ImageGenerations
 
 router = APIRouter(tags=["openai"])
 
@@ -42,47 +40,17 @@ async def images(request: Request, state: ServerState = Depends(get_state),
     kwargs, priority, stream, partial, fmt = image_kwargs(body, settings)
     record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
                                      arrived_at=arrived, principal=principal)
-    n = kwargs["num_images"]
-    common = {"background": "opaque", "output_format": fmt, "quality": "auto"}
-    usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
-             "output_tokens": 0, "total_tokens": 0}
-
-    def is_done(ev: ImageEvent) -> bool:
-        return ev.is_final or ev.finish_reason is not None
+    generations = ImageGenerations(kwargs["num_images"], partial, fmt)
 
     if not stream:
-        images: dict[int, ImageEvent] = {}
-        error = None
-        for ev in await collect_events(record, request):
-            if isinstance(ev, ErrorEvent):
-                error = ev
-            elif isinstance(ev, ImageEvent) and is_done(ev):
-                images[ev.index] = ev
-        if error is not None:
-            return JSONResponse(error_body(error), status_code=500)
-        first = next(iter(images.values()), None)
-        return JSONResponse({
-            "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(images[i].data).decode("ascii")} for i in sorted(images)],
-            **common, "size": f"{first.width}x{first.height}" if first else "auto", "usage": usage,
-        }, headers={"X-Stream-Id": record.stream_id})
+        content, status = generations.response(await collect_events(record, request))
+        return JSONResponse(content, status_code=status, headers={"X-Stream-Id": record.stream_id} if status == 200 else None)
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        sent = [0] * n
         async for ev in record.subscribe():
-            if isinstance(ev, ErrorEvent):
-                yield json_event(error_body(ev), event="error")
+            for name, payload in generations.feed(ev):
+                yield json_event(payload, event=name)
+            if generations.failed:
                 return
-            assert isinstance(ev, ImageEvent)
-            base = {**common, "created_at": int(time.time()), "size": f"{ev.width}x{ev.height}",
-                    "b64_json": base64.b64encode(ev.data).decode("ascii")}
-            if is_done(ev):
-                yield json_event({"type": "image_generation.completed", **base, "usage": usage},
-                            event="image_generation.completed")
-            elif ev.index < n and sent[ev.index] < partial and \
-                    ev.step >= math.ceil((sent[ev.index] + 1) * ev.total_steps / (partial + 1)):
-                yield json_event({"type": "image_generation.partial_image", **base,
-                             "partial_image_index": sent[ev.index]}, event="image_generation.partial_image")
-                sent[ev.index] += 1
 
     return sse_of([record], settings, events())
