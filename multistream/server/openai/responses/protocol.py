@@ -1,27 +1,13 @@
-"""OpenAI's Responses API, its pure half: the request body (`ResponsesRequest`), its conversion into
-`TextOptions` keyword arguments (as vLLM's ``ResponsesRequest.to_sampling_params()``), and
-`ResponseBuilder`, which folds a text stream's events into the typed Responses event stream
-(``response.created`` ... ``response.completed``, each with its ``sequence_number``) and the
-response object.
-
-The typed stream is a pure function of the stream's events (and the response's stored request),
-so nothing but the stream's own event log is stored: ``GET /v1/responses/{id}?stream=true&
-starting_after=N`` replays by folding the log again and skipping sequence numbers up to N, then
-follows live; a stream continued after a restart or a failover keeps the same numbering.
+"""OpenAI's Responses API body (`ResponsesRequest`) and its conversion into `TextOptions` keyword
+arguments (as vLLM's ``ResponsesRequest.to_sampling_params()``); the events it streams are
+`serving.ResponseBuilder`'s.
 
 Example:
     >>> from multistream.server import ServerSettings
-    >>> from multistream.events import TextEvent
     >>> req = ResponsesRequest.model_validate({"input": "hi", "max_output_tokens": 8})
     >>> kwargs = req.to_text_options(ServerSettings(), history=[])
     >>> kwargs["prompt"], kwargs["max_new_tokens"]
     ([{'role': 'user', 'content': 'hi'}], 8)
-    >>> b = ResponseBuilder("resp_1", "s1", {"model": "m", "created_at": 1})
-    >>> [e["type"] for e in b.start()]
-    ['response.created', 'response.in_progress']
-    >>> ev = TextEvent(stream_id="s1", seq=0, t=0.0, delta="Hello", token_ids=[1], index=0)
-    >>> [e["type"] for e in b.feed(ev)]
-    ['response.output_item.added', 'response.content_part.added', 'response.output_text.delta']
 """
 
 from __future__ import annotations

@@ -1,11 +1,20 @@
-"""The Responses API's events from a stream's events: `ResponseBuilder` folds each text event into
-the ``response.*`` SSE payloads (created, output_text.delta, function_call_arguments.delta, ...,
-completed) and the final response object; a pure translator, testable without a server.
+"""The Responses API's events from a stream's events: `ResponseBuilder` folds a text stream's events
+into the typed Responses event stream (``response.created`` ... ``response.completed``, each with
+its ``sequence_number``) and the response object; a pure translator, testable without a server.
+
+The typed stream is a pure function of the stream's events (and the response's stored request),
+so nothing but the stream's own event log is stored: ``GET /v1/responses/{id}?stream=true&
+starting_after=N`` replays by folding the log again and skipping sequence numbers up to N, then
+follows live; a stream continued after a restart or a failover keeps the same numbering.
 
 Example:
     >>> from multistream.events import TextEvent
-    >>> b = ResponseBuilder("resp_1", "m", {"model": "m"}, 0)                      # doctest: +SKIP
-    >>> [p["type"] for p in b.feed(TextEvent(stream_id="s", seq=0, t=0.0, is_final=False, delta="Hi"))]  # doctest: +SKIP
+    >>> b = ResponseBuilder("resp_1", "s1", {"model": "m", "created_at": 1})
+    >>> [e["type"] for e in b.start()]
+    ['response.created', 'response.in_progress']
+    >>> ev = TextEvent(stream_id="s1", seq=0, t=0.0, delta="Hello", token_ids=[1], index=0)
+    >>> [e["type"] for e in b.feed(ev)]
+    ['response.output_item.added', 'response.content_part.added', 'response.output_text.delta']
 """
 
 from __future__ import annotations
