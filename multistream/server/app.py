@@ -2,7 +2,7 @@
 
 Routes (every native payload is the event wire form, ``ev.to_dict()``), one `APIRouter` per surface:
 
-- native (`native.routes`, `native.speech`): ``POST /v1/text``, ``POST /v1/image``: JSON body = the arguments of
+- native (`native.routes`: one ``POST /v1/<family>`` per entry of `families.FAMILIES`): ``POST /v1/text``, ``POST /v1/image``: JSON body = the arguments of
   ``.stream()`` (+ ``priority``); answers ``text/event-stream`` (``id:`` seq, ``event:`` type,
   ``data:`` wire JSON) with ``X-Stream-Id`` and ``X-Resume-Token`` headers.
   ``GET /v1/streams/{id}/events``: resume with ``Last-Event-ID`` (or ``?after=SEQ``); replays what
@@ -51,7 +51,6 @@ from .http.bodies import ErrorResponse, OpenAIErrorResponse
 from .http.problems import Problem
 from .native import health, websocket
 from .native import routes as native_routes
-from .native import speech as native_speech
 from .native.health import STATIC_DIR
 from .openai import models as openai_models
 from .openai.audio import router as openai_audio
@@ -202,7 +201,7 @@ def create_app(
         return problem.response(openai=openai_path(request))
 
     for module in (native_routes, openai_models, openai_chat, openai_images, openai_completions, openai_responses,
-                   openai_audio, native_speech, websocket, health):
+                   openai_audio, websocket, health):
         app.include_router(module.router)
     if settings.enable_test_hooks:
         app.include_router(native_routes.test_router)

@@ -1,4 +1,10 @@
-"""The native routes: ``POST /v1/text``, ``POST /v1/image`` (SSE), resume, info, cancel and edits.
+"""The native routes: ``POST /v1/<family>`` for each entry of the family table (``/v1/text``,
+``/v1/image``, ``/v1/speech``: the family's ``.stream()`` arguments in, SSE of wire events out),
+resume, info, cancel and edits.
+
+``POST /v1/speech`` takes `SpeechModel.stream`'s arguments (``text``, ``voice``, ``speed``,
+``priority``: one definition, `SpeechOptions`) and answers ``audio`` events with base64 PCM (the
+final one with the whole WAV), resumable like the others.
 
 A new stream's response carries ``X-Stream-Id`` and ``X-Resume-Token``; while it waits for a
 slot, ``event: queued`` with ``{"position", "queued"}`` comes first (not a protocol event: see
@@ -40,7 +46,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..access.security import Principal
-from ..bodies import EditResult, ImageBody, RewindBody, SteerBody, TextBody, parse_image_body, parse_text_body
+from ..bodies import EditResult, RewindBody, SteerBody
+from ..families import FAMILIES, Family
 from ..http.bodies import ErrorResponse, read_body
 from ..http.errors import error_responses, json_body
 from ..http.problems import Problem
@@ -75,24 +82,24 @@ class CancelResult(BaseModel):
     cancelled: bool = Field(description="true when the stream was still running")
 
 
-@router.post("/v1/text", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(TextBody),
-             summary="Stream text", description="Body: `TextModel.stream` arguments (+ `priority`).")
-async def post_text(request: Request, state: ServerState = Depends(get_state),
-                    principal: Principal = Depends(get_principal)) -> Response:
-    arrived = time.perf_counter()
-    kwargs, priority = parse_text_body(await read_body(request, state), state.settings)
-    return await new_stream_sse(state, "text", kwargs, priority=priority, request=request, arrived_at=arrived,
-                                principal=principal)
+def _family_route(fam: Family) -> None:
+    """``POST /v1/<family>``: its body (`Family.body`, `Family.parse`) -> a new stream's SSE; one
+    route per entry of the family table, so a family added there is served here."""
+
+    async def post(request: Request, state: ServerState = Depends(get_state),
+                   principal: Principal = Depends(get_principal)) -> Response:
+        arrived = time.perf_counter()
+        kwargs, priority = fam.parse(await read_body(request, state), state.settings)
+        return await new_stream_sse(state, fam.name, kwargs, priority=priority, request=request, arrived_at=arrived,
+                                    principal=principal)
+
+    post.__name__ = f"post_{fam.name}"  # the OpenAPI operation id
+    router.post(fam.route, responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(fam.body),
+                summary=fam.summary or f"Stream {fam.name}", description=fam.body.__doc__)(post)
 
 
-@router.post("/v1/image", responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(ImageBody),
-             summary="Stream an image", description="Body: `ImageModel.stream` arguments (+ `priority`).")
-async def post_image(request: Request, state: ServerState = Depends(get_state),
-                     principal: Principal = Depends(get_principal)) -> Response:
-    arrived = time.perf_counter()
-    kwargs, priority = parse_image_body(await read_body(request, state), state.settings)
-    return await new_stream_sse(state, "image", kwargs, priority=priority, request=request, arrived_at=arrived,
-                                principal=principal)
+for _fam in FAMILIES:
+    _family_route(_fam)
 
 
 def owned_record(state: ServerState, stream_id: str, request: Request, principal: Principal) -> StreamRecord:
