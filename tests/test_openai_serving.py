@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from multistream.events import ErrorEvent, ImageEvent, TextEvent
+from multistream.events import AudioEvent, ErrorEvent, ImageEvent, TextEvent
 from multistream.server.openai._choices import ChoiceState
 from multistream.server.openai.chat.serving import ChatChunks
 from multistream.server.openai.completions.serving import CompletionChunks, Echo
@@ -140,3 +140,22 @@ def test_response_builder_folds_a_text_stream() -> None:
     response = b.response()
     assert response["status"] == "completed"
     assert response["output"][0]["content"][0]["text"] == "Hi"
+
+
+def test_speech_events_delta_then_done_with_usage() -> None:
+    from multistream.server.openai.audio.serving import SpeechEvents
+
+    events = SpeechEvents(input_characters=12)
+    assert events.payloads(b"", None) == []
+    (name, delta), = events.payloads(b"\x01\x02", None)
+    assert name == "speech.audio.delta" and delta["audio"] == "AQI="
+    end = AudioEvent(stream_id="s", seq=3, t=0.0, is_final=True, data=b"", sample_rate=24000, sample_offset=24000,
+                     num_samples=0, text_span=(0, 12), duration_s=1.0,
+                     usage={"input_characters": 12, "audio_seconds": 1.0})
+    names = [n for n, _ in events.payloads(b"\x03", end)]
+    assert names == ["speech.audio.delta", "speech.audio.done"]
+    done = events.payloads(b"", end)[0][1]
+    assert done["usage"] == {"input_tokens": 12, "output_tokens": 50, "total_tokens": 62, "input_characters": 12,
+                             "audio_seconds": 1.0}
+    error = ErrorEvent(stream_id="s", seq=1, t=0.0, error={"type": "x", "message": "failed"})
+    assert events.payloads(b"", error) == [("error", {"type": "error", "error": {"type": "x", "message": "failed"}})]

@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -44,6 +43,7 @@ from ...http.errors import error_responses, json_body
 from ...http.problems import Problem
 from ...state import ServerState, get_principal, get_state
 from .protocol import OPENAI_PCM_RATE, AudioSpeechRequest
+from .serving import SpeechEvents
 
 router = APIRouter()
 
@@ -100,20 +100,11 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
 
         return StreamingResponse(chunks(), media_type=encoder.mime, headers=headers)
 
+    sse = SpeechEvents(len(body.input))
+
     async def events() -> AsyncIterator[ServerSentEvent]:
         async for data, end in encoded():
-            if data:
-                yield ServerSentEvent(data=json.dumps({"type": "speech.audio.delta",
-                                                       "audio": base64.b64encode(data).decode("ascii")}),
-                                      event="speech.audio.delta")
-            if isinstance(end, ErrorEvent):
-                yield ServerSentEvent(data=json.dumps({"type": "error", "error": end.error}), event="error")
-            elif end is not None:
-                chars = len(body.input)
-                usage = {"input_tokens": chars, "output_tokens": int(round((end.duration_s or 0) * 1000 / 20)),
-                         "total_tokens": chars + int(round((end.duration_s or 0) * 1000 / 20)),
-                         "input_characters": chars, "audio_seconds": (end.usage or {}).get("audio_seconds")}
-                yield ServerSentEvent(data=json.dumps({"type": "speech.audio.done", "usage": usage}),
-                                      event="speech.audio.done")
+            for name, payload in sse.payloads(data, end):
+                yield ServerSentEvent(data=json.dumps(payload), event=name)
 
     return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
