@@ -274,7 +274,7 @@ class ServerState:
             if self.registry.log is not None and fam.continues:
                 from .durable.continuation import durable_plan
 
-                # A restart continues it (`continuation`): an image's seed fixed, its checkpoints kept.
+                # A restart continues it (`durable.continuation`): an image's seed fixed, its checkpoints kept.
                 plan = durable_plan(self.registry.log, kind, model, kwargs, self.settings.image_checkpoint_every,
                                     resumable)
                 kwargs = plan.kwargs
@@ -438,7 +438,7 @@ class ServerState:
         while self.registry.live and time.monotonic() < end:
             await asyncio.sleep(0.05)
         if self.registry.log is not None:
-            # A durable log: what another server can continue is handed off, not ended (`continuation`).
+            # A durable log: what another server can continue is handed off, not ended (`durable.continuation`).
             from .durable.continuation import hand_off
 
             try:

@@ -109,10 +109,10 @@ class StreamRecord(SharedAccess):
         self._n_tokens = 0
         self._last_text_at: float | None = None
         self._force_reason = "cancelled"
-        self._log: Any = None  # the shared event log's writer (`event_log`), when one is configured
+        self._log: Any = None  # the shared event log's writer (`durable.event_log`), when one is configured
         # With a shared log, subscribers see an event once it is in the log (`durable` events so
         # far): a client never holds an event that a server killed right after would not have
-        # logged, so the server that continues the stream after a crash (`continuation`) starts
+        # logged, so the server that continues the stream after a crash (`durable.continuation`) starts
         # exactly after the client's Last-Event-ID. A log that fails stops holding them back.
         self.durable = 0
         # With a durable log: another process can continue this stream (its request is kept with
