@@ -48,20 +48,16 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...access.security import Principal
-from ...http.bodies import read_body
 from ...http.errors import json_body
-from ...http.sse import DONE, json_event
 from ...state import ServerState, get_principal, get_state
 from .._choices import collect_choices, interleave, open_choices
-from .._common import ERRORS, error_body, sse_of
+from .._common import ERRORS, chunk_events, error_body, read_model_body, sse_of
 from .audio import chat_with_audio, wants_audio
 from .protocol import ChatCompletionRequest, chat_choices, chat_kwargs
 from .serving import ChatChunks
@@ -74,8 +70,7 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
                principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
     settings = state.settings
-    body = await read_body(request, state)
-    state.check_model_name("text", body.get("model") if isinstance(body, dict) else None)
+    body = await read_model_body(request, state, "text")
     if wants_audio(body):  # modalities=["text", "audio"]: the answer spoken while it is written
         return await chat_with_audio(request, state, principal, body)
     kwargs, priority, stream, include_usage = chat_kwargs(body, settings)
@@ -99,16 +94,4 @@ async def chat(request: Request, state: ServerState = Depends(get_state),
                                 {"error": {"message": "no final event", "type": "server_error"}}, status_code=500)
         return JSONResponse(chunks.completion(states), headers=headers)
 
-    async def events() -> AsyncIterator[ServerSentEvent]:
-        for chunk in chunks.opening():
-            yield json_event(chunk)
-        async for i, ev in interleave(records):
-            for chunk in chunks.feed(i, ev):
-                yield json_event(chunk)
-            if chunks.failed:
-                return
-        for chunk in chunks.closing():
-            yield json_event(chunk)
-        yield ServerSentEvent(data=DONE)
-
-    return sse_of(records, settings, events())
+    return sse_of(records, settings, chunk_events(chunks, interleave(records)))

@@ -29,19 +29,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...access.security import Principal
-from ...http.bodies import OpenAIErrorResponse, read_body
-from ...http.errors import error_responses, json_body
+from ...http.bodies import read_body
+from ...http.errors import json_body
 from ...http.problems import Problem
-from ...http.sse import DONE, event_source, json_event
 from ...state import ServerState, get_principal, get_state
 from ...streams.registry import StreamRecord
 from .._choices import collect_choices, interleave, open_choices
-from .._common import error_body
+from .._common import ERRORS, chunk_events, error_body, sse_of
 from .._protocol import check_options
 from .protocol import CompletionRequest, parse_completion
 from .serving import CompletionChunks, Echo
@@ -71,7 +69,7 @@ async def _echo(state: ServerState, prompt: str, req: CompletionRequest, request
     return Echo(prompt, len(entries), entries)
 
 
-@router.post("/v1/completions", responses=error_responses(OpenAIErrorResponse), openapi_extra=json_body(CompletionRequest))
+@router.post("/v1/completions", responses=ERRORS, openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request, state: ServerState = Depends(get_state),
                       principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
@@ -108,19 +106,8 @@ async def completions(request: Request, state: ServerState = Depends(get_state),
             return JSONResponse(error_body(failed), status_code=500)
         return JSONResponse(chunks.completion(states), headers={"X-Stream-Id": ",".join(r.stream_id for r in records)})
 
-    async def events() -> AsyncIterator[ServerSentEvent]:
-        for chunk in chunks.opening():
-            yield json_event(chunk)
-        async for i, ev in interleave(records) if records else _nothing():
-            for chunk in chunks.feed(i, ev):
-                yield json_event(chunk)
-            if chunks.failed:
-                return
-        for chunk in chunks.closing():
-            yield json_event(chunk)
-        yield ServerSentEvent(data=DONE)
-
-    return event_source(events(), settings, ",".join(r.stream_id for r in records))
+    events = interleave(records) if records else _nothing()
+    return sse_of(records, settings, chunk_events(chunks, events))
 
 
 async def _nothing() -> AsyncIterator[tuple[int, Any]]:

@@ -19,11 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...access.security import Principal
-from ...http.bodies import read_body
 from ...http.errors import json_body
 from ...http.sse import json_event
 from ...state import ServerState, get_principal, get_state
-from .._common import ERRORS, collect_events, sse_of
+from .._common import ERRORS, collect_events, read_model_body, sse_of
 from .protocol import ImageGenerationRequest, image_kwargs
 from .serving import ImageGenerations
 
@@ -35,8 +34,7 @@ async def images(request: Request, state: ServerState = Depends(get_state),
                  principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
     settings = state.settings
-    body = await read_body(request, state)
-    state.check_model_name("image", body.get("model") if isinstance(body, dict) else None)
+    body = await read_model_body(request, state, "image")
     kwargs, priority, stream, partial, fmt = image_kwargs(body, settings)
     record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
                                      arrived_at=arrived, principal=principal)
