@@ -1,6 +1,6 @@
 """Scripted stand-ins for the text and image models, for fast tests of anything built on streams.
 
-`ScriptedTextModel` and `ScriptedImageModel` have the same ``.stream()`` / ``.generate()``
+`ScriptedTextModel`, `ScriptedImageModel` and `ScriptedVideoModel` have the same ``.stream()`` / ``.generate()``
 signatures as the real models and emit scripted events through a real `Stream` (so seq,
 backpressure, cancel and error handling behave exactly as in production), without torch or
 weights. They check their arguments with the code the real models use
@@ -30,5 +30,6 @@ from __future__ import annotations
 from ._image import ScriptedImageModel
 from ._speech import ScriptedSpeechModel
 from ._text import DEFAULT_TOKENS, ScriptedTextModel
+from ._video import ScriptedVideoModel
 
-__all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedSpeechModel", "ScriptedTextModel"]
+__all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedSpeechModel", "ScriptedTextModel", "ScriptedVideoModel"]
