@@ -67,3 +67,11 @@ def test_steer_changes_the_motion() -> None:
 def test_bad_arguments_are_refused_at_once(kwargs: dict) -> None:
     with pytest.raises(InvalidArgumentError):
         ScriptedVideoModel().stream("a red circle", **kwargs)
+
+
+def test_a_slow_reader_gets_the_newest_preview_and_the_final() -> None:
+    stream = ScriptedVideoModel(steps=6, num_frames=4, size=16).stream("a red circle")
+    assert stream.join(timeout=30)  # the producer finished before anything was read
+    events = list(stream)
+    assert [ev.step for ev in events] == [6, 6] and events[-1].is_final and events[0].mime == "image/webp"
+    assert [ev.seq for ev in events] == [0, 1]

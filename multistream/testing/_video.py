@@ -223,8 +223,9 @@ class ScriptedVideoModel(CountedModel):
             eta.step(step, w.elapsed())
             if a["preview"] != "none" and (step - 1) % a["preview_every"] == 0:
                 data, mime, pw, ph = encode_preview(frames, fps, a["preview_format"], a["preview_max_side"])
-                w.forward(VideoEvent(stream_id="", seq=0, t=0.0, step=step, total_steps=steps, num_frames=n, fps=fps,
-                                     width=pw, height=ph, mime=mime, data=data, eta_s=eta.eta(steps - step)))
+                # A preview: a slow reader gets only the newest one.
+                w.emit(VideoEvent, step=step, total_steps=steps, num_frames=n, fps=fps, width=pw, height=ph,
+                       mime=mime, data=data, eta_s=eta.eta(steps - step))
                 first_preview = first_preview if first_preview is not None else w.elapsed()
                 previews += 1
             if step == steps:
@@ -238,9 +239,8 @@ class ScriptedVideoModel(CountedModel):
             metrics["time_to_first_preview_ms"] = round(first_preview * 1000, 3)
         if steering.applied:
             metrics["steers"] = float(steering.applied)
-        w.forward(VideoEvent(stream_id="", seq=0, t=0.0, step=step, total_steps=steps, num_frames=n, fps=fps,
-                             width=width, height=height, mime=mime, data=data, finish_reason=stopped or "stop",
-                             metrics=metrics, eta_s=0.0), is_final=True)
+        w.emit(VideoEvent, step=step, total_steps=steps, num_frames=n, fps=fps, width=width, height=height, mime=mime,
+               data=data, is_final=True, finish_reason=stopped or "stop", metrics=metrics, eta_s=0.0)
         return stopped or "stop"
 
 
