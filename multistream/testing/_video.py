@@ -2,7 +2,7 @@
 
 Every step it emits the current estimate of **every** frame (a real animated WebP, or a JPEG
 contact sheet with ``preview_format="sheet"``), then the final clip, a real WebM (VP9) or MP4
-(H.264) made by PyAV. No torch, no weights: for fast tests of what is built on video streams
+(H.264), encoded by the video family's own encoders (PyAV for the clip). No torch, no weights: for fast tests of what is built on video streams
 (the command line, the notebook view, the demo's Video tab, composed streams).
 
 Example:
@@ -15,96 +15,33 @@ Example:
 
 from __future__ import annotations
 
-import io
-import math
 import random
 import re
 import threading
 from collections.abc import Callable
-from fractions import Fraction
 from typing import Any
 
-from .._checks import is_int, is_number
+from .._checks import is_int
 from .._eta import StepEta
-from ..errors import StreamFinishedError
+from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import Event, VideoEvent
 from ..stream import Stream, StreamWriter
+from ..video import parse_video_options
 from ._scripted import CountedModel, Counters, pause, require, start_stream
 
-__all__ = ["ScriptedVideoModel", "encode_clip", "encode_preview"]
+__all__ = ["ScriptedVideoModel"]
 
-_PREVIEWS = ("tiny", "latent", "x0", "vae", "none")
-_PREVIEW_FORMATS = ("webp", "sheet")
-_VIDEO_FORMATS = {"webm": ("webm", "libvpx-vp9", "video/webm"), "mp4": ("mp4", "libx264", "video/mp4")}
 _MOTION = re.compile(r"\bmoving (left|right|up|down)\b")
 # Where the shape's centre goes over the clip, as (dx, dy) per unit of clip time, in image sides.
 _DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0), None: (0.0, 0.0)}
 
 
-def encode_preview(frames: list[Any], fps: float, fmt: str, max_side: int | None,
-                   quality: int = 75) -> tuple[bytes, str, int, int]:
-    """Every frame as one animated WebP (``fmt="webp"``) or one JPEG contact sheet (``"sheet"``:
-    ``ceil(sqrt(n))`` frames per row), scaled down to ``max_side``; ``(data, mime, width, height)``
-    with one frame's size.
-
-    Example:
-        >>> from PIL import Image
-        >>> data, mime, w, h = encode_preview([Image.new("RGB", (64, 64))] * 4, 8, "sheet", 32)
-        >>> mime, w, h
-        ('image/jpeg', 32, 32)
-    """
-    from PIL import Image
-
-    first = frames[0]
-    scale = min(1.0, max_side / max(first.size)) if max_side else 1.0
-    size = (max(1, round(first.width * scale)), max(1, round(first.height * scale)))
-    if size != first.size:
-        frames = [f.resize(size, Image.Resampling.LANCZOS) for f in frames]
-    out = io.BytesIO()
-    if fmt == "webp":
-        frames[0].save(out, format="WEBP", save_all=True, append_images=frames[1:], loop=0,
-                       duration=max(1, round(1000 / fps)), quality=quality)
-        return out.getvalue(), "image/webp", size[0], size[1]
-    columns = math.ceil(math.sqrt(len(frames)))
-    rows = math.ceil(len(frames) / columns)
-    sheet = Image.new("RGB", (columns * size[0], rows * size[1]), (0, 0, 0))
-    for i, frame in enumerate(frames):
-        r, c = divmod(i, columns)
-        sheet.paste(frame, (c * size[0], r * size[1]))
-    sheet.save(out, format="JPEG", quality=quality)
-    return out.getvalue(), "image/jpeg", size[0], size[1]
-
-
-def encode_clip(frames: list[Any], fps: float, video_format: str = "webm") -> tuple[bytes, str]:
-    """The frames as a clip through PyAV: ``"webm"`` (VP9) or ``"mp4"`` (H.264); ``(data, mime)``.
-
-    Example:
-        >>> from PIL import Image
-        >>> data, mime = encode_clip([Image.new("RGB", (32, 32))] * 3, 8)
-        >>> mime, data[:4] == b"\\x1aE\\xdf\\xa3"       # an EBML (Matroska/WebM) header
-        ('video/webm', True)
-    """
-    import av
-
-    container_format, codec, mime = _VIDEO_FORMATS[video_format]
-    out = io.BytesIO()
-    with av.open(out, "w", format=container_format) as container:
-        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1000))
-        stream.width, stream.height = frames[0].size
-        stream.pix_fmt = "yuv420p"
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue(), mime
-
-
 class ScriptedVideoModel(CountedModel):
     """A fake video model: noisy frames that turn into a shape moving as the prompt says.
 
-    ``stream()`` takes `VideoModel.stream`'s arguments and refuses bad ones with an
-    `InvalidArgumentError`. Each step (``delay_s`` apart) emits the estimate of every frame
+    ``stream()`` checks its arguments with `parse_video_options`, as `VideoModel` does, so it
+    refuses the same values with the same messages; the previews and the clip are encoded by the
+    video family's own encoders. Each step (``delay_s`` apart) emits the estimate of every frame
     (unless ``preview="none"``; every preview mode draws the same blend), at steps 1, 1+k, ...
     for ``preview_every=k``; the final event is the clip at full size. It honours ``cancel()``
     and ``finish_early()`` within one step, and ``steer(prompt=...)`` recolours and redirects the
@@ -138,40 +75,23 @@ class ScriptedVideoModel(CountedModel):
         self.calls: list[dict[str, Any]] = []
         self._counters = Counters()
 
-    def stream(self, prompt: str, *, num_frames: int | None = None, fps: float | None = None,
-               steps: int | None = None, seed: int | None = None, guidance_scale: float | None = None,
-               negative_prompt: str | None = None, preview: str | None = "tiny", preview_every: int = 1,
-               preview_format: str = "webp", preview_max_side: int | None = 256, priority: int = 0,
-               video_format: str = "webm") -> Stream:
-        """Check the arguments now, then stream every frame's preview per step and the final clip."""
-        require(isinstance(prompt, str) and prompt.strip() != "",
-                "prompt must be a non-empty string, e.g. 'a red circle moving right on a blue background'")
-        for key, value, minimum in (("num_frames", num_frames, 1), ("steps", steps, 1)):
-            require(value is None or (is_int(value) and value >= minimum),
-                    f"{key} must be an integer >= {minimum} or None, got {value!r}")
-        require(fps is None or (is_number(fps) and math.isfinite(fps) and fps > 0),
-                f"fps must be a number > 0 or None, got {fps!r}")
-        require(seed is None or (is_int(seed) and 0 <= seed < 2**63), f"seed must be an integer in [0, 2**63), got {seed!r}")
-        require(guidance_scale is None or (is_number(guidance_scale) and guidance_scale >= 0),
-                f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
-        require(negative_prompt is None or isinstance(negative_prompt, str),
-                f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}")
-        mode = self.default_preview if preview is None else preview
-        require(mode in _PREVIEWS, f"preview must be one of {', '.join(_PREVIEWS)}, got {preview!r}")
-        require(is_int(preview_every) and preview_every >= 1, f"preview_every must be an integer >= 1, got {preview_every!r}")
-        require(preview_format in _PREVIEW_FORMATS,
-                f"preview_format must be 'webp' (animated) or 'sheet' (a JPEG contact sheet), got {preview_format!r}")
-        require(preview_max_side is None or (is_int(preview_max_side) and preview_max_side >= 1),
-                f"preview_max_side must be an integer >= 1 or None, got {preview_max_side!r}")
-        require(is_int(priority), f"priority must be an integer, got {priority!r}")
-        require(video_format in _VIDEO_FORMATS, f"video_format must be 'webm' or 'mp4', got {video_format!r}")
+    def stream(self, prompt: str, **options: Any) -> Stream:
+        """Check the arguments now (with `parse_video_options`, as the real model does), then
+        stream every frame's preview per step and the final clip."""
+        o = parse_video_options(prompt, **options)
+        for key in o.pipeline_kwargs:
+            # The real model hands these to its pipeline, which refuses names it does not take.
+            raise InvalidArgumentError(f"{type(self).__name__} takes no {key!r} argument (it has no pipeline)")
+        for name, value in (("height", o.height), ("width", o.width)):
+            require(value is None or value % 2 == 0, f"{name} must be even (the clip is 4:2:0 video), got {value}")
         args = {
-            "prompt": prompt, "negative_prompt": negative_prompt,
-            "num_frames": self.default_num_frames if num_frames is None else num_frames,
-            "fps": self.default_fps if fps is None else float(fps),
-            "steps": self.default_steps if steps is None else steps, "seed": seed, "guidance_scale": guidance_scale,
-            "preview": mode, "preview_every": preview_every, "preview_format": preview_format,
-            "preview_max_side": preview_max_side, "priority": priority, "video_format": video_format,
+            "prompt": o.prompt, "negative_prompt": o.negative_prompt,
+            "num_frames": self.default_num_frames if o.num_frames is None else o.num_frames,
+            "fps": self.default_fps if o.fps is None else float(o.fps),
+            "steps": self.default_steps if o.steps is None else o.steps, "seed": o.seed,
+            "guidance_scale": o.guidance_scale, "height": o.height or self.height, "width": o.width or self.width,
+            "preview": o.preview, "preview_every": o.preview_every, "preview_format": o.preview_format,
+            "preview_max_side": o.preview_max_side, "priority": o.priority, "video_format": o.video_format,
         }  # fmt: skip
         self.calls.append(args)
         self._counters.enter()
@@ -193,7 +113,9 @@ class ScriptedVideoModel(CountedModel):
     def _run(self, w: StreamWriter, a: dict[str, Any], steering: _VideoSteers) -> str:
         from PIL import Image
 
-        width, height, steps, n, fps = self.width, self.height, a["steps"], a["num_frames"], a["fps"]
+        from ..video import encode_clip, encode_preview
+
+        width, height, steps, n, fps = a["width"], a["height"], a["steps"], a["num_frames"], a["fps"]
         scene = _Scene.of(a["prompt"])
         for prompt in steering.take():
             scene = scene.steered(prompt)
@@ -222,7 +144,9 @@ class ScriptedVideoModel(CountedModel):
             frames = [Image.blend(z, x, step / steps) for z, x in zip(noise, target)]
             eta.step(step, w.elapsed())
             if a["preview"] != "none" and (step - 1) % a["preview_every"] == 0:
-                data, mime, pw, ph = encode_preview(frames, fps, a["preview_format"], a["preview_max_side"])
+                shown = _fit(frames, a["preview_max_side"])
+                data, mime = encode_preview(_array(shown), a["preview_format"], fps=fps)
+                pw, ph = shown[0].size
                 # A preview: a slow reader gets only the newest one.
                 w.emit(VideoEvent, step=step, total_steps=steps, num_frames=n, fps=fps, width=pw, height=ph,
                        mime=mime, data=data, eta_s=eta.eta(steps - step))
@@ -232,7 +156,7 @@ class ScriptedVideoModel(CountedModel):
                 steering.close()
         if stopped is not None:
             step -= 1  # the step that was asked to stop did not run
-        data, mime = encode_clip(frames, fps, a["video_format"])
+        data, mime = encode_clip(_array(frames), a["video_format"], fps=fps)
         metrics = {"duration_ms": round((w.elapsed() - started) * 1000, 3), "previews": float(previews),
                    "steps": float(step), "seed": float(a["seed"] if a["seed"] is not None else 0)}
         if first_preview is not None:
@@ -242,6 +166,25 @@ class ScriptedVideoModel(CountedModel):
         w.emit(VideoEvent, step=step, total_steps=steps, num_frames=n, fps=fps, width=width, height=height, mime=mime,
                data=data, is_final=True, finish_reason=stopped or "stop", metrics=metrics, eta_s=0.0)
         return stopped or "stop"
+
+
+def _fit(frames: list[Any], max_side: int | None) -> list[Any]:
+    """The frames scaled down so their longer side is at most ``max_side`` (as the real previews are)."""
+    from PIL import Image
+
+    w, h = frames[0].size
+    scale = min(1.0, max_side / max(w, h)) if max_side else 1.0
+    if scale == 1.0:
+        return frames
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    return [f.resize(size, Image.Resampling.LANCZOS) for f in frames]
+
+
+def _array(frames: list[Any]) -> Any:
+    """``(F, H, W, 3)`` uint8, what the video family's encoders take."""
+    import numpy as np
+
+    return np.stack([np.asarray(f.convert("RGB")) for f in frames])
 
 
 class _Scene:
