@@ -110,3 +110,24 @@ def test_video_is_a_subcommand() -> None:
 
     args = build_parser().parse_args(["video", "a red circle", "--out", "c.mp4"])
     assert args.command == "video" and args.out == "c.mp4"
+
+
+@pytest.mark.model
+def test_video_command_on_a_real_diffusers_pipeline_folder(tmp_path: Path) -> None:
+    """The command as a user runs it, on a real `VideoModel`: a tiny random Wan 2.1 pipeline saved
+    as a folder, its ``video.json`` giving the defaults (as the embedded model's does)."""
+    from multistream.testing._random_video import tiny_wan_pipeline
+
+    folder = tmp_path / "wan"
+    tiny_wan_pipeline().save_pretrained(folder)
+    (folder / "video.json").write_text(json.dumps({"num_frames": 9, "height": 16, "width": 16, "steps": 3}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "multistream", "video", "a red circle moving right", "--model",
+                          str(folder), "--device", "cpu", "--preview", "latent", "--out", "clip.mp4", "--sheet",
+                          "sheet.png"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    assert len(_frames(tmp_path / "clip.mp4")) == 9
+    assert Image.open(tmp_path / "sheet.png").size == (3 * 16, 3 * 16)
+    lines = out.stderr.strip().splitlines()
+    assert any(line.startswith("step 3/3") for line in lines)
+    assert lines[-1].startswith("done: 9 frames 16x16") and "video/mp4, 3 steps" in lines[-1]

@@ -224,3 +224,27 @@ def test_view_of_a_video_stream_keeps_the_clip_apart_from_images() -> None:
     for ev in ScriptedVideoModel(steps=2, num_frames=4, size=16).stream("a red circle"):
         view.apply(ev)
     assert not view.images and view.videos[0].final
+
+
+@pytest.mark.model
+def test_video_tab_on_a_real_video_model() -> None:
+    """The tab on a real `VideoModel` (a tiny random Wan 2.1 pipeline): its frame count is the slider's default."""
+    from multistream.testing._random_video import tiny_wan_pipeline
+    from multistream.video import load_video_model
+
+    vm = load_video_model(tiny_wan_pipeline(), defaults={"num_frames": 9, "height": 16, "width": 16})
+    demo = _launch(vm)
+    try:
+        client = gradio_client.Client(demo.url, verbose=False)
+        job = client.submit("a red circle moving right", 3, vm.default_num_frames, 0, "latent", "sheet",
+                            api_name="/video")
+        _until(job.done, timeout=300, what="the clip")
+        outputs = job.outputs()
+        assert any("data:image/jpeg;base64," in o[0] for o in outputs)  # contact sheets of every frame
+        last_box, clip = outputs[-1]
+        assert "stop · 3/3 steps" in last_box and "9 frames 16x16" in last_box
+        path = clip["video"] if isinstance(clip, dict) else clip
+        assert path.endswith(".webm") and os.path.getsize(path) > 0
+    finally:
+        demo.close()
+        vm.close()

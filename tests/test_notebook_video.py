@@ -146,3 +146,19 @@ def test_notebook_kernel_runs_show_on_a_video_stream(tmp_path: Path) -> None:
     assert "<video" in updates[-1] and "data:video/webm;base64," in updates[-1]
     displayed = [o for o in outputs if o.output_type == "display_data"]
     assert len(displayed) == 1 and "<video" in displayed[0]["data"]["text/html"]  # one area, now the clip
+
+
+@pytest.mark.model
+def test_show_a_real_video_model(fake_jupyter: list[str]) -> None:
+    """A real `VideoModel` (a tiny random Wan 2.1 pipeline): previews of every frame, then the clip."""
+    from multistream.testing._random_video import tiny_wan_pipeline
+    from multistream.video import load_video_model
+
+    vm = load_video_model(tiny_wan_pipeline(), defaults={"num_frames": 9, "height": 16, "width": 16})
+    try:
+        final = ms.show(vm.stream("a red circle moving right", steps=3, preview="latent"), max_fps=1000)
+    finally:
+        vm.close()
+    assert isinstance(final, VideoEvent) and final.finish_reason == "stop" and len(final.frames) == 9
+    assert any("data:image/webp;base64," in h and "9 frames" in h for h in fake_jupyter)
+    assert "<video" in fake_jupyter[-1] and "9 frames 16x16" in fake_jupyter[-1]
