@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import random
-import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,13 +30,10 @@ from ._scripted import CountedModel, Counters, pause, require, start_stream
 
 __all__ = ["ScriptedVideoModel"]
 
-_MOTION = re.compile(r"\bmoving (left|right|up|down)\b")
-# Where the shape's centre goes over the clip, as (dx, dy) per unit of clip time, in image sides.
-_DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0), None: (0.0, 0.0)}
 
 
 class ScriptedVideoModel(CountedModel):
-    """A fake video model: noisy frames that turn into a shape moving as the prompt says.
+    """A fake video model: noisy frames that turn into the shape, colours and motion the prompt says.
 
     ``stream()`` checks its arguments with `parse_video_options`, as `VideoModel` does, so it
     refuses the same values with the same messages; the previews and the clip are encoded by the
@@ -188,36 +184,39 @@ def _array(frames: list[Any]) -> Any:
 
 
 class _Scene:
-    """What the fake draws: a shape's colour on a background, moving one way over the clip."""
+    """What the fake films: one shape of the shapes vocabulary (`multistream._shapes`) on a
+    background, moving as the prompt says ("moving left", ...; still when it says none), drawn as
+    the embedded model's training clips are, so `multistream._shapes.judge_clip` judges it right."""
 
-    def __init__(self, color: tuple[int, int, int], background: tuple[int, int, int], motion: str | None) -> None:
-        self.color, self.background, self.motion = color, background, motion
+    def __init__(self, shape: str, color: str, background: str, motion: str | None) -> None:
+        self.shape, self.color, self.background, self.motion = shape, color, background, motion
 
     @classmethod
     def of(cls, prompt: str) -> _Scene:
-        return cls((220, 30, 30), (30, 60, 200), None).steered(prompt)
+        return cls("circle", "red", "blue", None).steered(prompt)
 
     def steered(self, prompt: str) -> _Scene:
-        from .._shapes import COLORS, parse_prompt
+        from .._shapes import parse_video_prompt
 
-        _, color, background = parse_prompt(prompt)
-        motion = _MOTION.search(prompt.lower())
-        return _Scene(COLORS[color] if color else self.color, COLORS[background] if background else self.background,
-                      motion.group(1) if motion else self.motion)
+        shape, color, background, motion = parse_video_prompt(prompt)
+        return _Scene(shape or self.shape, color or self.color, background or self.background, motion or self.motion)
 
     def draw(self, width: int, height: int, n: int) -> list[Any]:
-        from PIL import Image, ImageDraw
+        from PIL import Image
 
-        dx, dy = _DIRECTIONS[self.motion]
-        out = []
+        from .._shapes import MOTIONS, Scene, draw_scene
+
+        dx, dy = MOTIONS.get(self.motion or "", (0, 0))
+        travel = 0.4  # of the image side, over the whole clip: centred on the middle
+        side = max(width, height)
+        frames = []
         for i in range(n):
-            progress = i / max(1, n - 1) - 0.5  # -0.5 .. 0.5 over the clip
-            cx, cy = width * (0.5 + 0.5 * dx * progress), height * (0.5 + 0.5 * dy * progress)
-            r = min(width, height) * 0.2
-            img = Image.new("RGB", (width, height), self.background)
-            ImageDraw.Draw(img).ellipse((cx - r, cy - r, cx + r, cy + r), fill=self.color)
-            out.append(img)
-        return out
+            t = i / max(1, n - 1) - 0.5
+            scene = Scene(self.shape, self.color, self.background, cx=0.5 + dx * travel * t, cy=0.5 + dy * travel * t,
+                          r=0.2)
+            img = draw_scene(scene, side)
+            frames.append(img if img.size == (width, height) else img.resize((width, height), Image.Resampling.LANCZOS))
+        return frames
 
 
 class _VideoSteers:
