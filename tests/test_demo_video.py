@@ -248,3 +248,19 @@ def test_video_tab_on_a_real_video_model() -> None:
     finally:
         demo.close()
         vm.close()
+
+
+def test_the_embedded_video_model_is_loaded_at_first_use_or_its_absence_is_said(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import multistream.video
+    from multistream.ui.demo._page import _video_slot
+
+    assert _video_slot(False) is None  # no Video tab
+    monkeypatch.setattr(multistream.video, "EMBEDDED_VIDEO_DIR", tmp_path)
+    slot = _video_slot(None)
+    assert slot is not None and slot.missing and "not installed" in slot.why  # the tab says why
+    (tmp_path / "model_index.json").write_text("{}")
+    slot = _video_slot(None)
+    assert slot is not None and not slot.missing and callable(slot.model)  # loaded at the first request
+    demo = create_demo(ScriptedTextModel(), ScriptedImageModel(steps=2), speech_model=False, video_model=False)
+    assert not any(d.get("api_name") == "video" for d in demo.config["dependencies"])

@@ -147,6 +147,12 @@ def _video_slot(video_model: Any) -> ModelSlot | None:
 
     if importlib.util.find_spec("multistream.video") is None:
         return None
+    from ...video import EMBEDDED_VIDEO_DIR
+
+    if not (EMBEDDED_VIDEO_DIR / "model_index.json").is_file():
+        # The tab says why there is no clip to make, as the other tabs do for a missing model.
+        return ModelSlot("video", None, "the embedded video model is not installed; start the demo with a video "
+                                        "model (create_demo(video_model=...), or multistream serve --video-model PATH)")
     import threading
 
     lock = threading.Lock()
