@@ -132,7 +132,7 @@ def cached_video_preview_decoder(vae: Any) -> VideoPreviewNet | None:
 
 
 def fit_video_preview_decoder(
-    vae: Any, *, steps: int = 400, num_clips: int = 8, latent_frames: int = 3, latent_size: int = 8,
+    vae: Any, *, steps: int = 300, num_clips: int = 6, latent_frames: int = 3, latent_size: int = 6,
     width: int = 32, blocks: int = 2, seed: int = 0, cache: bool = True,
 ) -> VideoPreviewNet:
     """Fit a `VideoPreviewNet` to a 3D video VAE (Wan, CogVideoX, LTX-Video); see the module docstring.
