@@ -29,7 +29,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..view import throttled_views
-from ._prompts import DEFAULT_IDEA, prompt_messages, shapes_prompt_pattern
+from ._prompts import (
+    DEFAULT_IDEA,
+    DEFAULT_VIDEO_IDEA,
+    prompt_messages,
+    shapes_prompt_pattern,
+    shapes_video_pattern,
+    video_prompt_messages,
+)
 
 if TYPE_CHECKING:
     from ._page import create_demo, launch, mount_demo
@@ -49,4 +56,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["DEFAULT_IDEA", "create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern", "throttled_views"]
+__all__ = ["DEFAULT_IDEA", "DEFAULT_VIDEO_IDEA", "create_demo", "launch", "mount_demo", "prompt_messages",
+           "shapes_prompt_pattern", "shapes_video_pattern", "throttled_views", "video_prompt_messages"]
