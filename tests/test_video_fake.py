@@ -87,3 +87,38 @@ def test_the_clip_is_what_the_prompt_says_by_the_shapes_judge(prompt: str) -> No
     final = ScriptedVideoModel(steps=2, num_frames=8, size=64).generate(prompt)
     verdict = judge_clip(final.frames, prompt)
     assert verdict.ok, verdict
+
+
+@pytest.mark.parametrize("model", ["fake", pytest.param("real", marks=pytest.mark.model)])
+def test_fake_and_real_models_keep_one_contract(model: str) -> None:
+    """What a test written on the fake relies on holds on a real `VideoModel` (a tiny random Wan 2.1)."""
+    if model == "fake":
+        vm = ScriptedVideoModel(num_frames=9, size=16)
+    else:
+        from multistream.testing._random_video import tiny_wan_pipeline
+        from multistream.video import load_video_model
+
+        vm = load_video_model(tiny_wan_pipeline(), defaults={"num_frames": 9, "height": 16, "width": 16})
+    try:
+        stream = vm.stream("a red circle moving right", steps=3, preview="latent", preview_every=2)
+        events = list(stream)
+        assert [ev.seq for ev in events] == list(range(len(events))) and all(ev.type == "video" for ev in events)
+        assert [ev.is_final for ev in events].count(True) == 1 and events[-1].is_final
+        previews, final = events[:-1], events[-1]
+        assert {ev.step for ev in previews} <= {1, 3} and previews[-1].step == 3  # preview_every=2: steps 1, 3
+        assert all(ev.mime == "image/webp" and ev.num_frames == 9 and len(ev.frames) == 9 for ev in previews)
+        assert final.mime == "video/webm" and final.finish_reason == "stop" and final.step == 3 and final.eta_s == 0.0
+        assert (final.width, final.height, final.num_frames, len(final.frames)) == (16, 16, 9, 9)
+        assert {"duration_ms", "previews", "steps", "seed", "ttfp_ms", "bytes", "encode_ms",
+                "preview_bytes_mean", "step_ms_median"} <= set(final.metrics or {})
+        for bad, message in (({"steps": 0}, "steps must be an integer >= 1"), ({"preview": "taesd"}, "unknown preview"),
+                             ({"video_format": "avi"}, "unknown video_format"), ({"cfg": 1}, "takes no 'cfg' argument")):
+            with pytest.raises(InvalidArgumentError, match=message):
+                vm.stream("a red circle", **bad)
+        stream = vm.stream("a red circle", steps=50)
+        stream.finish_early()  # before the first step: the clip of the starting estimate, never an error
+        assert stream.wait().finish_reason == "finished_early"
+    finally:
+        close = getattr(vm, "close", None)
+        if close is not None:
+            close()

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -122,9 +123,12 @@ class ScriptedVideoModel(CountedModel):
         eta = StepEta()
         first_preview: float | None = None
         previews = 0
+        preview_bytes = 0
+        step_ms: list[float] = []
         frames = noise
         step, stopped = 0, None
         for step in range(1, steps + 1):
+            step_started = w.elapsed()
             pause(w, self.delay_s)
             if w.cancelled:
                 stopped = "cancelled"
@@ -148,15 +152,23 @@ class ScriptedVideoModel(CountedModel):
                        mime=mime, data=data, eta_s=eta.eta(steps - step))
                 first_preview = first_preview if first_preview is not None else w.elapsed()
                 previews += 1
+                preview_bytes += len(data)
+            step_ms.append((w.elapsed() - step_started) * 1000)
             if step == steps:
                 steering.close()
         if stopped is not None:
             step -= 1  # the step that was asked to stop did not run
+        encoding = w.elapsed()
         data, mime = encode_clip(_array(frames), a["video_format"], fps=fps)
+        # The real model's metric names, for the work the fake does too (it has no VAE to time).
         metrics = {"duration_ms": round((w.elapsed() - started) * 1000, 3), "previews": float(previews),
-                   "steps": float(step), "seed": float(a["seed"] if a["seed"] is not None else 0)}
+                   "steps": float(step), "seed": float(a["seed"] if a["seed"] is not None else 0),
+                   "encode_ms": round((w.elapsed() - encoding) * 1000, 3), "bytes": float(len(data))}
+        if step_ms:
+            metrics["step_ms_median"] = round(statistics.median(step_ms), 3)
         if first_preview is not None:
-            metrics["time_to_first_preview_ms"] = round(first_preview * 1000, 3)
+            metrics["ttfp_ms"] = round(first_preview * 1000, 3)
+            metrics["preview_bytes_mean"] = round(preview_bytes / previews, 1)
         if steering.applied:
             metrics["steers"] = float(steering.applied)
         w.emit(VideoEvent, step=step, total_steps=steps, num_frames=n, fps=fps, width=width, height=height, mime=mime,
