@@ -178,16 +178,17 @@ def train(unet, text_encoder, tokenizer, latents, clips, args, t0, on_checkpoint
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, weight_decay=0.01, betas=(0.9, 0.99))
     ema = EMA(_Params(params), args.ema)
-    g = torch.Generator().manual_seed(args.seed + 2)
-    rng = np.random.default_rng(args.seed + 3)
+    g = torch.Generator().manual_seed(args.seed + 2 + args.start_step)
+    rng = np.random.default_rng(args.seed + 3 + args.start_step)
     n = len(latents)
     unet.train()
     text_encoder.train()
     run = 0.0
-    for step in range(args.steps):
+    for step in range(args.start_step, args.steps):
         for group in opt.param_groups:
             # Warmup, then constant: a checkpoint at step k is then exactly the run with --steps k.
-            group["lr"] = group["base"] * min(1.0, (step + 1) / min(100, args.steps // 10 + 1))
+            warm = min(100, args.steps // 10 + 1)
+            group["lr"] = group["base"] * min(1.0, (step - args.start_step + 1) / warm)
         idx = torch.randint(0, n, (args.batch,), generator=g)
         x0 = latents[idx]
         prompts = ["" if rng.random() < args.cond_drop else clip_caption(clips[i], rng) for i in idx.tolist()]
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--checkpoint-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "shapes_video_ckpt")
+    ap.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint folder")
+    ap.add_argument("--start-step", type=int, default=0, help="with --resume: the checkpoint's step")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (about a minute)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -272,9 +275,16 @@ def main(argv: list[str] | None = None) -> None:
 
     old_tok = AutoTokenizer.from_pretrained(IMAGE_MODEL / "tokenizer")
     tokenizer = build_tokenizer(old_tok.model_max_length, extra_words=NEW_WORDS)
-    text_encoder = CLIPTextModel.from_pretrained(IMAGE_MODEL / "text_encoder")
-    extend_text_encoder(tokenizer, old_tok, text_encoder)
-    unet = build_motion_unet(UNet2DConditionModel.from_pretrained(IMAGE_MODEL / "unet"))
+    if args.resume:
+        # Continue from a checkpoint folder (its EMA weights; optimizer moments start afresh).
+        from diffusers import UNetMotionModel
+
+        text_encoder = CLIPTextModel.from_pretrained(args.resume / "text_encoder")
+        unet = UNetMotionModel.from_pretrained(args.resume / "unet").float()
+    else:
+        text_encoder = CLIPTextModel.from_pretrained(IMAGE_MODEL / "text_encoder")
+        extend_text_encoder(tokenizer, old_tok, text_encoder)
+        unet = build_motion_unet(UNet2DConditionModel.from_pretrained(IMAGE_MODEL / "unet"))
     n_motion = sum(p.numel() for n, p in unet.named_parameters() if "motion_modules" in n)
     log(t0, f"unet {sum(p.numel() for p in unet.parameters()) / 1e6:.2f}M params, motion modules {n_motion / 1e6:.2f}M")
 
