@@ -163,3 +163,20 @@ def test_show_a_real_video_model(fake_jupyter: list[str]) -> None:
     assert isinstance(final, VideoEvent) and final.finish_reason == "stop" and len(final.frames) == 9
     assert any("data:image/webp;base64," in h and "9 frames" in h for h in fake_jupyter)
     assert "<video" in fake_jupyter[-1] and "9 frames 16x16" in fake_jupyter[-1]
+
+
+def test_show_a_cancelled_clip_ends_on_its_newest_preview(fake_jupyter: list[str]) -> None:
+    vm = ScriptedVideoModel(steps=200, num_frames=4, size=16, delay_s=0.01)
+    stream = vm.stream("a red circle")
+    for ev in stream:
+        if not ev.is_final:
+            stream.cancel()
+    html = nb._render_html(_view_of(stream.final), 256)  # type: ignore[arg-type]
+    assert stream.final.finish_reason == "cancelled" and "<video" not in html  # type: ignore[union-attr]
+    assert "data:image/webp;base64," in html and "cancelled · 4 frames" in html
+
+
+def _view_of(ev: VideoEvent) -> LiveView:
+    view = LiveView()
+    view.apply(ev)
+    return view

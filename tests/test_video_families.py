@@ -97,6 +97,12 @@ def test_video_vae_gets_a_fitted_video_decoder():
     net = fit_video_preview_decoder(pipe.vae, **VIDEO_FIT)
     assert isinstance(net, VideoPreviewNet)
     assert ms.fit_preview_decoder(pipe.vae) is net  # cached per VAE
+    from multistream.video import _tiny
+
+    _tiny._memory.clear()  # a new process: the fit comes back from the disk cache, the same weights
+    again = fit_video_preview_decoder(pipe.vae, **VIDEO_FIT)
+    assert again is not net
+    assert all(a.equal(b) for a, b in zip(net.state_dict().values(), again.state_dict().values()))
     latents = torch.randn(1, 16, 3, 2, 2)
     assert net(latents).shape == VideoLatents.of(pipe).decode(latents).shape == (1, 3, 9, 16, 16)
 

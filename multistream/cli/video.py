@@ -181,6 +181,11 @@ def run(args: argparse.Namespace) -> int:
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
         _line(f"multistream: error: {message}", final=True)
         return 1
+    if not final.mime.startswith("video/"):  # type: ignore[union-attr]
+        # A cancelled run ends on its newest preview, not a clip: nothing to write as one.
+        _line(f"multistream: {final.finish_reason} at step {final.step}/{final.total_steps}; no clip written",  # type: ignore[union-attr]
+              final=True)
+        return 1
     if out is not None:
         atomic_write(out, final.data)  # type: ignore[union-attr]
     if args.sheet is not None:

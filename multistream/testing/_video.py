@@ -2,8 +2,10 @@
 
 Every step it emits the current estimate of **every** frame (a real animated WebP, or a JPEG
 contact sheet with ``preview_format="sheet"``), then the final clip, a real WebM (VP9) or MP4
-(H.264), encoded by the video family's own encoders (PyAV for the clip). No torch, no weights: for fast tests of what is built on video streams
-(the command line, the notebook view, the demo's Video tab, composed streams).
+(H.264), encoded by the video family's own encoders (PyAV for the clip); a cancelled stream ends,
+as the real model's does, on its newest preview. No torch, no weights: for fast tests of what is
+built on video streams (the command line, the notebook view, the demo's Video tab, the server,
+composed streams).
 
 Example:
     >>> from multistream.testing import ScriptedVideoModel
@@ -21,10 +23,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._checks import is_int
+from .._checks import is_int, is_number
 from .._eta import StepEta
 from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import Event, VideoEvent
+from ..image import ImageSizes
 from ..stream import Stream, StreamWriter
 from ..video import parse_video_options
 from ._scripted import CountedModel, Counters, pause, require, start_stream
@@ -32,17 +35,17 @@ from ._scripted import CountedModel, Counters, pause, require, start_stream
 __all__ = ["ScriptedVideoModel"]
 
 
-
 class ScriptedVideoModel(CountedModel):
     """A fake video model: noisy frames that turn into the shape, colours and motion the prompt says.
 
     ``stream()`` checks its arguments with `parse_video_options`, as `VideoModel` does, so it
-    refuses the same values with the same messages; the previews and the clip are encoded by the
-    video family's own encoders. Each step (``delay_s`` apart) emits the estimate of every frame
+    refuses the same values with the same messages (and, as the fake's own rule, sides that are
+    not among `sizes`: multiples of 8); the previews and the clip are encoded by the video
+    family's own encoders. Each step (``delay_s`` apart) emits the estimate of every frame
     (unless ``preview="none"``; every preview mode draws the same blend), at steps 1, 1+k, ...
     for ``preview_every=k``; the final event is the clip at full size. It honours ``cancel()``
-    and ``finish_early()`` within one step, and ``steer(prompt=...)`` recolours and redirects the
-    shape from the next step.
+    and ``finish_early()`` within one step, and ``steer(prompt=...)`` (keywords, as the real
+    model takes them) changes the shape, colours and motion from the next step.
 
     Example:
         >>> vm = ScriptedVideoModel(steps=3, num_frames=4, size=32)
@@ -53,17 +56,15 @@ class ScriptedVideoModel(CountedModel):
     #: What ``preview=None`` means (the real model's default).
     default_preview = "tiny"
 
-    def __init__(self, steps: int = 8, num_frames: int = 16, fps: float = 8.0, size: int | tuple[int, int] = 64,
-                 delay_s: float = 0.0, *, name: str = "scripted-video", fail_at_step: int | None = None) -> None:
+    def __init__(self, steps: int = 8, num_frames: int = 8, size: int = 32, fps: float = 8.0, delay_s: float = 0.0, *,
+                 name: str = "scripted-video", fail_at_step: int | None = None) -> None:
         require(is_int(steps) and steps >= 1, f"steps must be an integer >= 1, got {steps!r}")
         require(is_int(num_frames) and num_frames >= 1, f"num_frames must be an integer >= 1, got {num_frames!r}")
-        w, h = (size, size) if is_int(size) else size  # type: ignore[misc]
-        require(is_int(w) and is_int(h) and w >= 2 and h >= 2 and w % 2 == 0 and h % 2 == 0,
-                f"size must be an even int or (width, height) of even ints, got {size!r}")
-        self.default_steps = steps
-        self.default_num_frames = num_frames
-        self.default_fps = float(fps)
-        self.width, self.height = int(w), int(h)
+        require(is_int(size) and size >= 8 and size % 8 == 0, f"size must be a multiple of 8, got {size!r}")
+        self.default_steps, self.default_num_frames, self.default_fps = steps, num_frames, float(fps)
+        self.default_size = (size, size)
+        #: The sides it makes, as a real model declares them (the server maps OpenAI's ``size`` onto them).
+        self.sizes = ImageSizes(multiple=8, min_side=8, max_side=4 * size, native=(size, size), why="the fake's grid")
         self.delay_s = float(delay_s)
         self.fail_at_step = fail_at_step
         self.name = name
@@ -79,14 +80,13 @@ class ScriptedVideoModel(CountedModel):
         for key in o.pipeline_kwargs:
             # The real model hands these to its pipeline, which refuses names it does not take.
             raise InvalidArgumentError(f"{type(self).__name__} takes no {key!r} argument (it has no pipeline)")
-        for name, value in (("height", o.height), ("width", o.width)):
-            require(value is None or value % 2 == 0, f"{name} must be even (the clip is 4:2:0 video), got {value}")
+        height, width = self.sizes.native_or(o.height, o.width)
         args = {
             "prompt": o.prompt, "negative_prompt": o.negative_prompt,
             "num_frames": self.default_num_frames if o.num_frames is None else o.num_frames,
             "fps": self.default_fps if o.fps is None else float(o.fps),
             "steps": self.default_steps if o.steps is None else o.steps, "seed": o.seed,
-            "guidance_scale": o.guidance_scale, "height": o.height or self.height, "width": o.width or self.width,
+            "guidance_scale": o.guidance_scale, "height": height, "width": width,
             "preview": o.preview, "preview_every": o.preview_every, "preview_format": o.preview_format,
             "preview_max_side": o.preview_max_side, "priority": o.priority, "video_format": o.video_format,
         }  # fmt: skip
@@ -158,19 +158,27 @@ class ScriptedVideoModel(CountedModel):
                 steering.close()
         if stopped is not None:
             step -= 1  # the step that was asked to stop did not run
+        if stopped == "cancelled":
+            # As the real model does: the newest preview of every frame, no clip (no VAE work to wait for).
+            shown = _fit(frames, a["preview_max_side"])
+            data, mime = encode_preview(_array(shown), a["preview_format"], fps=fps)
+            w.emit(VideoEvent, step=step, total_steps=steps, num_frames=n, fps=fps, width=shown[0].width,
+                   height=shown[0].height, mime=mime, data=data, is_final=True, finish_reason="cancelled", eta_s=0.0,
+                   metrics={"steps": float(step), "steers": float(steering.applied),
+                            "duration_ms": round((w.elapsed() - started) * 1000, 3)})
+            return "cancelled"
         encoding = w.elapsed()
         data, mime = encode_clip(_array(frames), a["video_format"], fps=fps)
         # The real model's metric names, for the work the fake does too (it has no VAE to time).
         metrics = {"duration_ms": round((w.elapsed() - started) * 1000, 3), "previews": float(previews),
                    "steps": float(step), "seed": float(a["seed"] if a["seed"] is not None else 0),
-                   "encode_ms": round((w.elapsed() - encoding) * 1000, 3), "bytes": float(len(data))}
+                   "encode_ms": round((w.elapsed() - encoding) * 1000, 3), "bytes": float(len(data)),
+                   "steers": float(steering.applied)}
         if step_ms:
             metrics["step_ms_median"] = round(statistics.median(step_ms), 3)
         if first_preview is not None:
             metrics["ttfp_ms"] = round(first_preview * 1000, 3)
             metrics["preview_bytes_mean"] = round(preview_bytes / previews, 1)
-        if steering.applied:
-            metrics["steers"] = float(steering.applied)
         w.emit(VideoEvent, step=step, total_steps=steps, num_frames=n, fps=fps, width=width, height=height, mime=mime,
                data=data, is_final=True, finish_reason=stopped or "stop", metrics=metrics, eta_s=0.0)
         return stopped or "stop"
@@ -241,19 +249,19 @@ class _VideoSteers:
         self.closed = False
 
     def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        require(name == "steer", f"video streams do not support {name}(); use steer(prompt=...) or start a new stream")
-        changes = dict(kwargs)
-        if args:
-            require(len(args) == 1 and "prompt" not in changes, "steer() on a video stream takes one prompt: steer(prompt='...')")
-            changes["prompt"] = args[0]
-        unknown = sorted(set(changes) - {"prompt", "negative_prompt", "guidance_scale"})
-        require(not unknown, f"video steer() takes prompt=, negative_prompt= and guidance_scale=; got unknown {', '.join(unknown)}")
-        prompt = changes.get("prompt")
+        require(name == "steer", f"a video stream does not support {name}(); it takes steer(prompt=...)")
+        require(not args, "a video stream's steer() takes keywords: steer(prompt='...', negative_prompt=..., "
+                          "guidance_scale=...)")
+        unknown = sorted(set(kwargs) - {"prompt", "negative_prompt", "guidance_scale"})
+        require(not unknown, f"steer() takes prompt, negative_prompt and guidance_scale, not {unknown}")
+        require(bool(kwargs), "steer() needs prompt=, negative_prompt= or guidance_scale=")
+        prompt, g = kwargs.get("prompt"), kwargs.get("guidance_scale")
         require(prompt is None or (isinstance(prompt, str) and prompt.strip() != ""),
                 "prompt must be a non-empty string, e.g. steer(prompt='a red circle moving left')")
+        require(g is None or (is_number(g) and g >= 0), f"steer(guidance_scale=...) must be a number >= 0, got {g!r}")
         with self._lock:
             if self.closed:
-                raise StreamFinishedError("the clip has finished denoising, so it cannot be steered; start a new stream")
+                raise StreamFinishedError("the clip has finished denoising; it can no longer be steered")
             self._queue.append(prompt or "")
 
     def take(self) -> list[str]:

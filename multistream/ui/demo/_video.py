@@ -121,7 +121,8 @@ class VideoTab:
             check_view(view)
             frame = view.videos.get(0)
             clip = None
-            if frame is not None and not frame.final:
+            if frame is not None and (not frame.final or not frame.ev.mime.startswith("video/")):
+                # A preview, or the final of a cancelled clip: its newest preview (the model made no clip).
                 last_preview = frame.ev  # type: ignore[assignment]
             elif frame is not None:
                 clip = self._clip_file(frame.ev)  # type: ignore[arg-type]
