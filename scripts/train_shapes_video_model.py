@@ -195,13 +195,19 @@ def train(unet, text_encoder, tokenizer, latents, clips, args, t0, on_checkpoint
         ids = tokenize(tokenizer, prompts)
         noise = torch.randn(x0.shape, generator=g)
         t = torch.randint(0, sched.config.num_train_timesteps, (len(x0),), generator=g)
+        # The direction of motion is laid out at high noise: optionally draw more timesteps there.
+        if args.high_noise_frac > 0:
+            high = torch.rand(len(x0), generator=g) < args.high_noise_frac
+            t = torch.where(high, torch.randint(600, sched.config.num_train_timesteps, (len(x0),), generator=g), t)
         xt = sched.add_noise(x0, noise, t)
         target = sched.get_velocity(x0, noise, t)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             # One prompt per frame, as AnimateDiffPipeline passes them (repeat_interleave).
             emb = text_encoder(ids)[0].repeat_interleave(x0.shape[2], dim=0)
             pred = unet(xt, t, encoder_hidden_states=emb).sample.float()
-        w = snr[t].clamp(max=args.min_snr) / (snr[t] + 1)
+        # min-SNR weighting, or (--plain-v) the plain v-prediction loss, which does not fade out
+        # the high-noise steps where the motion's direction is decided.
+        w = torch.ones(len(t)) if args.plain_v else snr[t].clamp(max=args.min_snr) / (snr[t] + 1)
         loss = (w * (pred - target).pow(2).mean(dim=(1, 2, 3, 4))).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -244,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--ema", type=float, default=0.99)
     ap.add_argument("--min-snr", type=float, default=5.0)
+    ap.add_argument("--plain-v", action="store_true", help="unweighted v-prediction loss")
+    ap.add_argument("--high-noise-frac", type=float, default=0.0, help="share of timesteps drawn in [600, 1000)")
     ap.add_argument("--cond-drop", type=float, default=0.1)
     ap.add_argument("--no-bf16", dest="bf16", action="store_false")
     ap.add_argument("--log-every", type=int, default=20)
