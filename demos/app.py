@@ -1,7 +1,8 @@
 """The multistream demo page: ``python demos/app.py`` (or ``gradio demos/app.py`` to hot-reload).
 
 Chat with the embedded SmolLM2, watch the embedded image model denoise step by step, and let the
-LLM write a prompt that the image model then draws, all streaming live through one protocol.
+LLM write a prompt that the image model then draws, watch every frame of a clip denoise in the
+Video tab, all streaming live through one protocol.
 Same page as ``multistream demo``; set MULTISTREAM_DEMO_PORT to change the port.
 """
 

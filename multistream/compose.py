@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Union
 
 from .errors import InvalidArgumentError
-from .events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from .events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
 from .stream import Stream, StreamWriter
 
 __all__ = ["chain", "merge"]
@@ -69,7 +69,7 @@ def _start(source: StreamSource, what: str) -> Stream:
 
 def _as_cancelled(ev: Event) -> Event:
     """The event re-labelled as cancelled (for a part that finished just as the user cancelled)."""
-    if isinstance(ev, (TextEvent, ImageEvent, AudioEvent)) and ev.finish_reason not in (None, "cancelled"):
+    if isinstance(ev, (TextEvent, ImageEvent, AudioEvent, VideoEvent)) and ev.finish_reason not in (None, "cancelled"):
         return dataclasses.replace(ev, finish_reason="cancelled")
     return ev
 
@@ -152,7 +152,8 @@ def merge(*streams: StreamSource) -> Stream:
     Each sub-stream's final event arrives as a non-final event, except the one that ends last:
     it is the merged stream's final. An error in any sub-stream cancels the others and ends the
     merged stream with that error. Images keep apart: each (stream, image index) pair gets its
-    own ``index`` in the merged stream, numbered in order of first appearance. At most one text
+    own ``index`` in the merged stream, numbered in order of first appearance; clips likewise
+    (numbered apart from the images). At most one text
     stream can be merged, since text events carry no name of the stream they came from.
 
     Example:
@@ -185,14 +186,16 @@ def merge(*streams: StreamSource) -> Stream:
         relay = _CancelRelay(writer)
         lock = threading.Lock()
         remaining = [len(started)]
-        image_index: dict[tuple[int, int], int] = {}
+        # Per kind ("image", "video"): (sub-stream, its index) -> the index in the merged stream.
+        indices: dict[str, dict[tuple[int, int], int]] = {"image": {}, "video": {}}
 
         def pump(pos: int, stream: Stream) -> None:
             try:
                 for ev in stream:
-                    if isinstance(ev, ImageEvent):
+                    if isinstance(ev, (ImageEvent, VideoEvent)):
                         with lock:
-                            idx = image_index.setdefault((pos, ev.index), len(image_index))
+                            table = indices[ev.type]
+                            idx = table.setdefault((pos, ev.index), len(table))
                         if idx != ev.index:
                             ev = dataclasses.replace(ev, index=idx)
                     if not ev.is_final:

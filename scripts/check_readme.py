@@ -12,7 +12,8 @@ What it runs, in order (each step is timed and listed at the end):
    then one SSE text stream, one SSE image stream, the web client at ``/`` and the Gradio demo page
    at ``/demo/``; ``demo`` until its page is served; ``text`` as it is;
 4. the image command under the README's picture (``--strip``, into a scratch folder) and the
-   ``--out DIR`` form the Images section shows.
+   ``--out DIR`` form the Images section shows; ``video`` lines in a scratch folder, checking the
+   files their ``--out``, ``--sheet`` and ``--previews`` name.
 
 A block preceded by ``<!-- readme-check: skip (why) -->`` is not run (and is listed as skipped). A bash
 line this script does not know how to run fails it, so a new command in the README gets a check.
@@ -175,6 +176,21 @@ class Runner:
             raise SystemExit(f"check_readme: `{command}` wrote no final.png in {target}")
         self.report.add(command, started)
 
+    def video_command(self, command: str) -> None:
+        """A ``multistream video`` line: run in a scratch folder; each file it names must be written
+        (the clip decodes to frames, the sheet and the preview folder exist)."""
+        started = time.monotonic()
+        args = shlex.split(command)
+        scratch = self.work / "video"
+        scratch.mkdir(exist_ok=True)
+        self.sh(shlex.join(args), cwd=scratch, timeout=600)
+        for flag in ("--out", "--sheet", "--previews"):
+            if flag in args:
+                target = scratch / args[args.index(flag) + 1]
+                if not (target.is_dir() and any(target.iterdir())) and not (target.is_file() and target.stat().st_size):
+                    raise SystemExit(f"check_readme: `{command}` wrote nothing at {flag} {target}")
+        self.report.add(command, started)
+
     def serve(self, command: str) -> None:
         started = time.monotonic()
         port = free_port()
@@ -323,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             setup_line = setup_line.split("&&", 1)[1].strip()
         runner.setup(setup_line)
         runner.python_blocks([b for b in readme + docs if b.lang == "python"])
-        checks = {"serve": runner.serve, "demo": runner.demo, "text": runner.text, "image": runner.image_command}
+        checks = {"serve": runner.serve, "demo": runner.demo, "text": runner.text, "image": runner.image_command,
+                  "video": runner.video_command}
         for kind, command in commands:
             if kind not in checks:
                 raise SystemExit(f"check_readme: no check for `{command}`; add one")

@@ -168,3 +168,41 @@ def test_chained_text_parts_keep_deltas_equal_to_the_final_text():
     events = list(ms.chain(a.stream("x"), lambda final: b.stream(final.text)))
     assert events[-1].is_final and events[-1].text == "Hello world Bye"
     assert "".join(e.delta for e in events) == events[-1].text
+
+
+def test_chain_text_then_video_films_what_the_llm_wrote() -> None:
+    from multistream.events import VideoEvent
+    from multistream.testing import ScriptedVideoModel
+
+    llm, vm = ScriptedTextModel(["a red circle", " moving left"]), ScriptedVideoModel(steps=3, num_frames=4, size=16)
+    s = ms.chain(llm.stream("x"), lambda final: vm.stream(final.text))
+    events = list(s)
+    _check_protocol(events, s)
+    assert vm.calls[0]["prompt"] == "a red circle moving left"
+    kinds = [e.type for e in events]
+    assert kinds.index("video") > max(i for i, k in enumerate(kinds) if k == "text")  # written, then filmed
+    assert isinstance(events[-1], VideoEvent) and events[-1].mime == "video/webm" and len(events[-1].frames) == 4
+
+
+def test_chain_cancelled_as_the_clip_starts_ends_cancelled() -> None:
+    from multistream.testing import ScriptedVideoModel
+
+    vm = ScriptedVideoModel(steps=200, num_frames=4, size=16, delay_s=0.01)
+    s = ms.chain(ScriptedTextModel(["a red circle"]).stream("x"), lambda final: vm.stream(final.text))
+    for ev in s:
+        if ev.type == "video":
+            s.cancel()
+    assert s.final.finish_reason == "cancelled"  # type: ignore[union-attr]
+    assert vm.finish_reasons == ["cancelled"]
+
+
+def test_merge_keeps_clips_apart_from_each_other_and_from_images() -> None:
+    from multistream.testing import ScriptedVideoModel
+
+    vm, sd = ScriptedVideoModel(steps=2, num_frames=4, size=16), ScriptedImageModel(steps=2, size=16)
+    s = ms.merge(vm.stream("a red circle"), vm.stream("a blue circle"), sd.stream("x"))
+    events = list(s)
+    _check_protocol(events, s)
+    assert {e.index for e in events if e.type == "video"} == {0, 1}
+    assert {e.index for e in events if e.type == "image"} == {0}
+    assert sum(1 for e in events if e.type == "video" and e.finish_reason == "stop") == 2

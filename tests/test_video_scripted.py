@@ -32,7 +32,7 @@ def test_cancel_finish_early_and_steer():
     next(s)
     s.cancel()
     assert list(s)[-1].finish_reason == "cancelled"
-    vm = ScriptedVideoModel(steps=3, num_frames=4, size=16)
+    vm = ScriptedVideoModel(steps=3, num_frames=4, size=16, delay_s=0.05)  # still running when steered
     s = vm.stream("a red circle on a blue background", preview="none")
     s.steer(prompt="a green circle on a yellow background")
     final = s.wait()

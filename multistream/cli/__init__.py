@@ -1,4 +1,4 @@
-"""The ``multistream`` command line: ``multistream text|image|speak|serve|demo|fit-preview ...``.
+"""The ``multistream`` command line: ``multistream text|image|video|speak|serve|demo|fit-preview ...``.
 
 Each subcommand lives in its own module of this package and exposes ``add_parser(subparsers)``
 (which sets ``func`` on its parser), so this file only wires them up. The subcommand modules are
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import InvalidArgumentError
-from . import demo, fit_preview, image, serve, speak, text
+from . import demo, fit_preview, image, serve, speak, text, video
 from ._checks import OneLineParser, check_arguments, refuse
 from ._console import quiet_library_notices
 from ._files import WriteError
@@ -25,7 +25,7 @@ from ._files import WriteError
 __all__ = ["build_parser", "main"]
 
 # Order is the order `--help` lists them in.
-_SUBCOMMANDS = (text, image, speak, serve, demo, fit_preview)
+_SUBCOMMANDS = (text, image, video, speak, serve, demo, fit_preview)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = OneLineParser(
         prog="multistream",
-        description="Stream text tokens and image previews from generative models.",
+        description="Stream text tokens, image and video previews, and speech from generative models.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _SUBCOMMANDS:

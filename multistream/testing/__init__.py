@@ -1,4 +1,4 @@
-"""Scripted stand-ins for the text and image models, for fast tests of anything built on streams.
+"""Scripted stand-ins for the text, image, speech and video models, for fast tests of anything built on streams.
 
 `ScriptedTextModel`, `ScriptedImageModel` and `ScriptedVideoModel` have the same ``.stream()`` / ``.generate()``
 signatures as the real models and emit scripted events through a real `Stream` (so seq,

@@ -1,11 +1,14 @@
 """Show a stream live in Jupyter: text grows, preview frames replace each other, then the result.
 
+A video stream shows every frame's current estimate per step (the animated preview plays in
+place), then the finished clip in a looping ``<video>``.
+
 ``ms.show(stream)`` renders any stream (text, image, or a composed one) in one output area that
 is updated in place (``display(..., display_id=True)`` then ``.update()``), at most ``max_fps``
 times a second and always once more for the final event. Edits show in place too: text follows
 each event's ``offset`` (``text = text[:offset] + delta``), so after a ``rewind`` the cut part
 disappears and the regenerated text takes its place, with the ``revision`` beside it. Outside Jupyter it prints the text as
-it arrives and a progress line for images. It returns the final event. The folding of events and
+it arrives and a progress line for images and clips. It returns the final event. The folding of events and
 the update rate are the shared ``LiveView`` and ``Throttle`` (``multistream.ui.view``), as in the demo.
 
 Example (in a notebook cell):
@@ -25,7 +28,7 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 from ..errors import InvalidArgumentError
-from ..events import Event, ImageEvent, TextEvent
+from ..events import Event, ImageEvent, TextEvent, VideoEvent
 from ..stream import Stream
 from .view import CONFIDENCE_CSS, LiveView, Throttle, confidence_html, eta_words
 
@@ -53,6 +56,37 @@ def _image_summary(ev: ImageEvent) -> str:
     if m.get("duration_ms") is not None:
         bits.append(f"{m['duration_ms'] / 1000:.2f} s")
     return " · ".join(bits)
+
+
+def _video_summary(ev: VideoEvent) -> str:
+    m = ev.metrics or {}
+    bits = [f"{ev.finish_reason}", f"{ev.num_frames} frames {ev.width}x{ev.height} at {ev.fps:g} fps",
+            f"{ev.step}/{ev.total_steps} steps", ev.mime]
+    if m.get("duration_ms") is not None:
+        bits.append(f"{m['duration_ms'] / 1000:.2f} s")
+    return " · ".join(bits)
+
+
+def _video_html(index: int, frame: Any, width: int) -> str:
+    """One clip: while it denoises, every frame's current estimate (an animated WebP plays in an
+    ``<img>``; a contact sheet shows them side by side), then the clip in a looping ``<video>``."""
+    ev = frame.ev
+    src = f"data:{ev.mime};base64,{base64.b64encode(ev.data).decode('ascii')}"
+    style = f"width:{width}px;height:auto;border-radius:6px;display:block;background:#ddd"
+    if frame.final and ev.mime.startswith("video/"):
+        # muted: browsers only autoplay muted media; the clip has no sound anyway.
+        media = (f'<video class="ms-video" src="{src}" controls autoplay loop muted playsinline '
+                 f'style="{style}"></video>')
+        caption = _video_summary(ev)
+    else:
+        media = f'<img class="ms-video-preview" src="{src}" alt="clip {index}, step {ev.step}" style="{style}"/>'
+        caption = (_video_summary(ev) if frame.final else
+                   f"step {ev.step}/{ev.total_steps} · {ev.num_frames} frames · {eta_words(ev.eta_s)}")
+    pct = 100 * ev.step / ev.total_steps if ev.total_steps else 100
+    return (f'<figure style="margin:0;width:{width}px">{media}'
+            f'<div style="height:3px;background:rgba(127,127,127,.2);margin-top:4px"><div style="height:3px;'
+            f'width:{pct:.0f}%;background:#f97316"></div></div>'
+            f'<figcaption style="font-size:12px;opacity:.7">{html.escape(caption)}</figcaption></figure>')
 
 
 def _render_html(view: LiveView, width: int) -> str:
@@ -92,6 +126,8 @@ def _render_html(view: LiveView, width: int) -> str:
             f'<div style="height:3px;background:rgba(127,127,127,.2);margin-top:4px"><div style="height:3px;width:{pct:.0f}%;background:#f97316"></div></div>'
             f'<figcaption style="font-size:12px;opacity:.7">{html.escape(caption)}</figcaption></figure>'
         )
+    for index in sorted(view.videos):
+        parts.append(_video_html(index, view.videos[index], width))
     if view.audio_final is not None or view.audio_seconds:
         parts.append(_audio_html(view))
     if view.error is not None:
@@ -150,7 +186,8 @@ def show(stream: Stream | Iterable[Event], *, max_fps: float = 20.0, width: int 
 
     In Jupyter: one output area updated in place, at most ``max_fps`` times a second (the final
     event is always shown). Elsewhere: text is printed as it arrives to ``file`` (stdout by
-    default), with a progress line for images. Interrupting (Ctrl-C / the stop button of the
+    default), with a progress line for images and clips (step, estimated time left) and a
+    summary line for each finished one. Interrupting (Ctrl-C / the stop button of the
     kernel) cancels the model.
 
     Example:
@@ -196,6 +233,7 @@ class _PlainRenderer:
         self.printed: list[str] = []  # text printed per text part (to see what a rewind cut)
         self.summarized_text: set[int] = set()
         self.summarized_images: set[int] = set()
+        self.summarized_videos: set[int] = set()
         self.progress_shown = False
 
     def _clear_progress(self) -> None:
@@ -236,6 +274,16 @@ class _PlainRenderer:
                 out.write(f"[image {index}: {_image_summary(frame.ev)}]\n")
             elif not frame.final and self.tty:
                 out.write(f"\r\x1b[K[image {index}: step {frame.ev.step}/{frame.ev.total_steps}, "
+                          f"{eta_words(frame.ev.eta_s)}]")
+                self.progress_shown = True
+        for index in sorted(view.videos):
+            frame = view.videos[index]
+            if frame.final and index not in self.summarized_videos:
+                self.summarized_videos.add(index)
+                self._clear_progress()
+                out.write(f"[video {index}: {_video_summary(frame.ev)}]\n")  # type: ignore[arg-type]
+            elif not frame.final and self.tty:
+                out.write(f"\r\x1b[K[video {index}: step {frame.ev.step}/{frame.ev.total_steps}, "
                           f"{eta_words(frame.ev.eta_s)}]")
                 self.progress_shown = True
         if view.audio_final is not None and final:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
 from ..stream import Stream
 
 __all__ = ["CONFIDENCE_CSS", "Frame", "LiveView", "Throttle", "TokenSpan", "confidence_color", "confidence_html",
@@ -180,7 +180,7 @@ def confidence_html(view: LiveView, *, markdown_safe: bool = False) -> str:
 
 
 def eta_words(eta_s: float | None) -> str:
-    """An image event's ``eta_s`` for people: "about 3 s left", "estimating time left" while
+    """An image or video event's ``eta_s`` for people: "about 3 s left", "estimating time left" while
     unknown (before the second step).
 
     Example:
@@ -199,14 +199,15 @@ def eta_words(eta_s: float | None) -> str:
 
 @dataclass
 class Frame:
-    """The newest frame of one image in the batch; ``final`` once it is the full-quality result.
+    """The newest frame of one image in the batch (or the newest preview of one clip: every frame
+    as one animated picture or contact sheet); ``final`` once it is the full-quality result.
 
     Example:
         >>> LiveView().images.get(0) is None     # no frame yet
         True
     """
 
-    ev: ImageEvent
+    ev: ImageEvent | VideoEvent
     final: bool = False
 
 
@@ -216,7 +217,8 @@ class LiveView:
 
     Text follows each event's ``offset`` (``text = text[:offset] + delta``), so after a rewind the
     cut part is gone; a composed stream (``ms.chain``) can hold several text parts, each closed by
-    an event with a ``finish_reason``. ``images`` keeps the newest frame per image index.
+    an event with a ``finish_reason``. ``images`` keeps the newest frame per image index, ``videos``
+    the newest preview per clip (then the clip itself).
 
     Example:
         >>> view = LiveView.starting_with("Hello ")    # a revised answer keeps its first part
@@ -228,6 +230,7 @@ class LiveView:
     texts: list[list[str]] = field(default_factory=list)
     text_done: list[TextEvent | None] = field(default_factory=list)
     images: dict[int, Frame] = field(default_factory=dict)
+    videos: dict[int, Frame] = field(default_factory=dict)
     final: Event | None = None
     error: dict[str, str] | None = None
     events: int = 0
@@ -306,6 +309,10 @@ class LiveView:
                 self.text_done[-1] = ev
         elif isinstance(ev, ImageEvent):
             self.images[ev.index] = Frame(ev, final=ev.finish_reason is not None)
+            if ev.finish_reason is None:
+                self.frames += 1
+        elif isinstance(ev, VideoEvent):
+            self.videos[ev.index] = Frame(ev, final=ev.finish_reason is not None)
             if ev.finish_reason is None:
                 self.frames += 1
         elif isinstance(ev, AudioEvent):

@@ -1,4 +1,4 @@
-"""The Gradio demo: chat, image previews and prompt-to-picture, all streaming live.
+"""The Gradio demo: chat, image previews, prompt-to-picture, video and speech, all streaming live.
 
 ``create_demo()`` builds the page (it is what ``multistream demo``, ``python demos/app.py`` and
 ``multistream serve`` at ``/demo`` run). Every tab reads one multistream `Stream` and pushes
@@ -9,7 +9,9 @@ frame, never a backlog, and always the final one.
 Layout: one module per tab, each a small class with its layout and named handlers: ``_chat``
 (streaming chat; Steer and Regenerate from here edit the answer while it streams), ``_image``
 (live denoising previews; Use this, Apply now), ``_picture`` (the LLM writes an image prompt that
-the image model then draws, one composed stream); ``_shared`` holds what they share (models,
+the image model then draws, one composed stream), ``_video`` (every frame's preview per step,
+then the clip; Use this, Apply now, and "Write and film": the LLM writes the clip's prompt),
+``_speech`` (speech that plays while it is made); ``_shared`` holds what they share (models,
 runs per session, the preview box), ``_prompts`` the LLM prompts, ``_page`` the page and its serving.
 
 Gradio is imported only when ``create_demo``, ``launch`` or ``mount_demo`` is first used, so the
@@ -27,7 +29,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..view import throttled_views
-from ._prompts import DEFAULT_IDEA, prompt_messages, shapes_prompt_pattern
+from ._prompts import (
+    DEFAULT_IDEA,
+    DEFAULT_VIDEO_IDEA,
+    prompt_messages,
+    shapes_prompt_pattern,
+    shapes_video_pattern,
+    video_prompt_messages,
+)
 
 if TYPE_CHECKING:
     from ._page import create_demo, launch, mount_demo
@@ -47,4 +56,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["DEFAULT_IDEA", "create_demo", "launch", "mount_demo", "prompt_messages", "shapes_prompt_pattern", "throttled_views"]
+__all__ = ["DEFAULT_IDEA", "DEFAULT_VIDEO_IDEA", "create_demo", "launch", "mount_demo", "prompt_messages",
+           "shapes_prompt_pattern", "shapes_video_pattern", "throttled_views", "video_prompt_messages"]

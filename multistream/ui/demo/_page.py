@@ -20,11 +20,12 @@ from ._image import ImageTab
 from ._picture import PictureTab
 from ._shared import ActiveRuns, ModelSlot
 from ._speech import SpeechTab
+from ._video import VideoTab
 
 __all__ = ["create_demo", "launch", "mount_demo"]
 
 _PAGE_STYLE = (
-    "<style>#ms-image-final img, #ms-picture-final img {width:100%;height:100%;object-fit:contain}"
+    "<style>#ms-image-final img, #ms-picture-final img, #ms-video-final video {width:100%;height:100%;object-fit:contain}"
     "#ms-style {display:none} .ms-hidden {display:none !important}"
     # "Show confidence" colours the tokens in the chat bubble; their alternatives pop out of it.
     + CONFIDENCE_CSS.replace("\n", " ")
@@ -51,8 +52,9 @@ def create_demo(
     prompt_style: str = "auto",
     title: str = "multistream",
     speech_model: Any = None,
+    video_model: Any = None,
 ) -> gr.Blocks:
-    """Build the demo page: Chat, Image and Prompt-to-picture tabs, each streaming live.
+    """Build the demo page: Chat, Image, Prompt-to-picture and Video tabs, each streaming live.
 
     ``text_model`` / ``image_model`` default to the embedded models (loaded now; a model that
     cannot load leaves its tabs showing why). Either may also be a zero-argument callable that
@@ -60,7 +62,8 @@ def create_demo(
     each page; ``concurrency_limit`` is how many generations run at once (more users wait in
     Gradio's queue). ``speech_model`` (the embedded Piper voice when None and the ``speech``
     extra is installed, loaded at the first request; ``False``: no speech) adds the Speech tab and
-    the Chat tab's "Speak the answer". ``prompt_style`` is ``"shapes"`` (constrain the LLM to the embedded image
+    the Chat tab's "Speak the answer". ``video_model`` (the embedded video model when None, loaded at
+    the first request; ``False``: no Video tab) adds the Video tab. ``prompt_style`` is ``"shapes"`` (constrain the LLM to the embedded image
     model's vocabulary), ``"free"``, or ``"auto"`` (shapes when the image model is the default).
 
     Example:
@@ -76,6 +79,7 @@ def create_demo(
         name = str(getattr(image.model, "name", "") or "")
         prompt_style = "shapes" if default_image or "shapes" in name.lower() else "free"
     speech = _speech_slot(speech_model)
+    video = _video_slot(video_model)
     runs = ActiveRuns()  # one per page: every tab's Stop finds its session's run here
 
     with gr.Blocks(title=title, analytics_enabled=False) as demo:
@@ -89,6 +93,12 @@ def create_demo(
         ChatTab(text, runs, max_fps, speech=speech).build()
         ImageTab(image, runs, max_fps).build()
         PictureTab(text, image, runs, max_fps, prompt_style).build()
+        if video is not None:
+            # The LLM writes in the embedded video model's vocabulary when that is the model filming.
+            video_name = str(getattr(video.model, "name", "") or "")
+            video_style = ("shapes" if video_model is None or "shapes" in video_name.lower() else "free") \
+                if prompt_style == "auto" else prompt_style
+            VideoTab(video, text, runs, max_fps, video_style).build()
         if speech is not None:
             SpeechTab(speech, runs, max_fps).build()
         demo.load(None, None, None, js=SELECTION_JS)
@@ -124,6 +134,39 @@ def _speech_slot(speech_model: Any) -> ModelSlot | None:
             return loaded[0]
 
     return ModelSlot("speech", embedded_voice)
+
+
+def _video_slot(video_model: Any) -> ModelSlot | None:
+    """The video model: as given; None: the embedded model, loaded at its first use (so the page
+    never waits for it; only where `multistream.video` is installed); False: none."""
+    if video_model is False:
+        return None
+    if video_model is not None:
+        return ModelSlot("video", video_model)
+    import importlib.util
+
+    if importlib.util.find_spec("multistream.video") is None:
+        return None
+    from ...video import EMBEDDED_VIDEO_DIR
+
+    if not (EMBEDDED_VIDEO_DIR / "model_index.json").is_file():
+        # The tab says why there is no clip to make, as the other tabs do for a missing model.
+        return ModelSlot("video", None, "the embedded video model is not installed; start the demo with a video "
+                                        "model (create_demo(video_model=...), or multistream serve --video-model PATH)")
+    import threading
+
+    lock = threading.Lock()
+    loaded: list[Any] = []
+
+    def embedded_video_model() -> Any:
+        with lock:
+            if not loaded:
+                from ...video import load_video_model
+
+                loaded.append(load_video_model())
+            return loaded[0]
+
+    return ModelSlot("video", embedded_video_model)
 
 
 def mount_demo(app: Any, text_model: Any = None, image_model: Any = None, path: str = "/demo", *,

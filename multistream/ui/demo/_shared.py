@@ -18,7 +18,7 @@ from typing import Any
 import gradio as gr
 
 from ...errors import MultistreamError
-from ...events import ImageEvent
+from ...events import ImageEvent, VideoEvent
 from ...stream import Stream
 from ..view import LiveView
 
@@ -34,6 +34,7 @@ __all__ = [
     "image_kwargs",
     "image_outputs",
     "preview_html",
+    "progress_box",
     "run_key",
     "ui_error",
 ]
@@ -142,7 +143,7 @@ class ModelSlot:
         (False, 'ScriptedTextModel')
     """
 
-    kind: str  # "text" or "image": names the model in messages and the --text-model flag
+    kind: str  # "text", "image", "speech" or "video": names the model in messages and the --<kind>-model flag
     model: Any = None
     why: str = ""  # why the embedded default could not load
 
@@ -213,7 +214,7 @@ def image_kwargs(steps: float, seed: float | None, preview: str, every: float, q
     }
 
 
-def data_url(ev: ImageEvent) -> str:
+def data_url(ev: ImageEvent | VideoEvent) -> str:
     """The frame inline (``data:`` URL): no file per frame in Gradio's cache, no request per frame."""
     return f"data:{ev.mime};base64,{base64.b64encode(ev.data).decode('ascii')}"
 
@@ -225,37 +226,48 @@ def preview_html(view: LiveView | None, elem: str, note: str = "") -> str:
         >>> 'id="ms-image-preview-box"' in preview_html(None, "ms-image-preview")
         True
     """
-    side = PREVIEW_SIDE_PX
     frame = view.images.get(0) if view is not None else None
+    if frame is None:
+        queued = view.queue_note() if view is not None else ""  # on a busy server: its place in the queue
+        return progress_box(elem, None, 0.0, queued or "waiting", queued or note or "the preview appears here")
+    ev = frame.ev
+    pct = 100.0 * ev.step / ev.total_steps if ev.total_steps else 100.0
+    kb = len(ev.data) / 1024
+    if frame.final:
+        secs = ((ev.metrics or {}).get("duration_ms") or ev.t * 1000) / 1000
+        line = (f"{ev.finish_reason} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · final "
+                f"{ev.width}x{ev.height} {ev.mime.split('/')[-1].upper()} ({kb:.1f} KB)")
+    else:
+        # The time left, when the event says (eta_s: image events of models that estimate it).
+        eta = getattr(ev, "eta_s", None)
+        left = f" · about {eta:.1f} s left" if isinstance(eta, (int, float)) else ""
+        line = (f"step {ev.step}/{ev.total_steps}{left} · {ev.t:.2f} s · preview {ev.width}x{ev.height} "
+                f"({kb:.1f} KB)")
+    if note:
+        line = f"{note} · {line}"
+    return progress_box(elem, ev, pct, line)
+
+
+def progress_box(elem: str, picture: ImageEvent | VideoEvent | None, pct: float, line: str, empty: str = "") -> str:
+    """The live preview box: a picture (an image frame, or a clip's preview of every frame) or the
+    ``empty`` note, a progress bar at ``pct`` percent and a status line.
+
+    Example:
+        >>> 'waiting' in progress_box("ms-x", None, 0.0, "waiting", "the preview appears here")
+        True
+    """
+    side = PREVIEW_SIDE_PX
     box = (
         f"width:{side}px;height:{side}px;border-radius:10px;background:#e5e7eb;display:flex;"
         "align-items:center;justify-content:center;overflow:hidden;color:#6b7280;font-size:14px"
     )
-    if frame is None:
-        queued = view.queue_note() if view is not None else ""  # on a busy server: its place in the queue
-        inner = html.escape(queued or note or "the preview appears here")
-        pct, line = 0.0, queued or "waiting"
-        body = f'<div style="{box}">{inner}</div>'
+    if picture is None:
+        body = f'<div style="{box}">{html.escape(empty)}</div>'
     else:
-        ev = frame.ev
         body = (
-            f'<div style="{box}"><img class="ms-frame" alt="step {ev.step}" src="{data_url(ev)}" '
+            f'<div style="{box}"><img class="ms-frame" alt="step {picture.step}" src="{data_url(picture)}" '
             f'style="width:{side}px;height:{side}px;object-fit:contain"/></div>'
         )
-        pct = 100.0 * ev.step / ev.total_steps if ev.total_steps else 100.0
-        kb = len(ev.data) / 1024
-        if frame.final:
-            secs = ((ev.metrics or {}).get("duration_ms") or ev.t * 1000) / 1000
-            line = (f"{ev.finish_reason} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · final "
-                    f"{ev.width}x{ev.height} {ev.mime.split('/')[-1].upper()} ({kb:.1f} KB)")
-        else:
-            # The time left, when the event says (eta_s: image events of models that estimate it).
-            eta = getattr(ev, "eta_s", None)
-            left = f" · about {eta:.1f} s left" if isinstance(eta, (int, float)) else ""
-            line = (f"step {ev.step}/{ev.total_steps}{left} · {ev.t:.2f} s · preview {ev.width}x{ev.height} "
-                    f"({kb:.1f} KB)")
-        if note:
-            line = f"{note} · {line}"
     return (
         f'<div id="{elem}-box" style="display:flex;flex-direction:column;gap:6px;width:{side}px">{body}'
         f'<div style="height:4px;border-radius:2px;background:rgba(127,127,127,.25)">'

@@ -1,0 +1,198 @@
+"""``multistream video "prompt" --out clip.webm``: make a short clip, watching every frame denoise.
+
+The final clip goes to ``--out`` (``.webm``: VP9, the default; ``.mp4``: H.264); ``--sheet`` also
+writes the clip's frames as one contact sheet (``.jpg``, ``.png`` or ``.webp``: the frames left to
+right, top to bottom), and ``--previews FOLDER`` every step's preview (``step_NNN.webp``, an animated
+picture of all frames, or ``.jpg`` sheets with ``--preview-format sheet``). Paths are checked before
+the model loads and written atomically. Progress goes to stderr as the previews arrive: on a
+terminal a bar with the estimated time left (the events' ``eta_s``), else one line per preview
+(step i/n, ms per step, eta). ``--json`` prints each wire event as one line of JSON on stdout.
+
+Example:
+    $ multistream video "a red circle moving right on a blue background" --out clip.webm --sheet sheet.jpg
+    step 1/20  412 ms/step  9184 bytes  eta 7.9 s
+    ...
+    done: 16 frames 64x64 at 8 fps, video/webm, 20 steps, 8.6 s, finish: stop -> clip.webm
+    $ multistream video "a green star moving up" --out clip.mp4 --steps 10 --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import os
+import sys
+from typing import Any
+
+from .._spec import cli_values
+from ..errors import MultistreamError
+from ._checks import declare_options, device
+from ._console import set_library_progress, show_progress
+from ._files import atomic_write, check_output_file, check_output_folder
+
+__all__ = ["CLIP_SUFFIXES", "SHEET_SUFFIXES", "add_parser", "contact_sheet", "run"]
+
+#: ``--out`` suffixes and the clip format each one asks the model for.
+CLIP_SUFFIXES = {".webm": "webm", ".mp4": "mp4"}
+#: ``--sheet`` suffixes and the Pillow format each one is written in.
+SHEET_SUFFIXES = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".webp": "WEBP"}
+_PREVIEW_EXTENSIONS = {"image/webp": "webp", "image/jpeg": "jpg", "image/png": "png"}
+DEFAULT_OUT = "multistream-video.webm"
+
+
+def add_parser(subparsers: Any) -> None:
+    from ..video import VideoOptions, parse_video_options
+
+    p = subparsers.add_parser("video", help="make a short clip, streaming every frame's preview per step",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="what to film, e.g. 'a red circle moving right on a blue background'")
+    p.add_argument("--out", default=None, metavar="CLIP.webm",
+                   help=f"the final clip: .webm (VP9) or .mp4 (H.264) (default: ./{DEFAULT_OUT}; "
+                   "with --json and no --out, nothing is written)")
+    p.add_argument("--sheet", default=None, metavar="SHEET.jpg",
+                   help="also write the final clip's frames as one contact sheet (.jpg, .png or .webp)")
+    p.add_argument("--previews", default=None, metavar="FOLDER",
+                   help="also write each step's preview of every frame to FOLDER/step_NNN.<webp|jpg>")
+    p.add_argument("--model", default=None, help="diffusers video pipeline folder or hub id (default: the embedded model)")
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA with float16 when present), cpu, cuda, cuda:1, ...")
+    # Every generation option, generated from VideoOptions (defaults and help are Python's) and
+    # checked by it before the model loads; --out's suffix picks the clip format.
+    declare_options(p, p.add_argument_group("generation options (VideoModel.stream)",
+                                            "--out's suffix (.webm, .mp4) sets the clip format"), VideoOptions,
+                    lambda args, given: parse_video_options(args.prompt, **given), exclude=("priority", "video_format"))
+    p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
+    p.set_defaults(func=run, check_paths=check_paths)
+
+
+def out_path(args: argparse.Namespace) -> str | None:
+    """Where the clip goes: ``--out``, else ./multistream-video.webm, unless the run prints its
+    events (``--json``): then nowhere unless asked."""
+    if args.out is not None:
+        return args.out  # type: ignore[no-any-return]
+    return None if args.json else DEFAULT_OUT
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """``--out``, ``--sheet`` and ``--previews`` before the model loads."""
+    out = out_path(args)
+    if out is not None:
+        check_output_file(out, "--out", CLIP_SUFFIXES, "a video file")
+    if args.sheet is not None:
+        check_output_file(args.sheet, "--sheet", SHEET_SUFFIXES, "an image file")
+    if args.previews is not None:
+        check_output_folder(args.previews, "--previews")
+
+
+def contact_sheet(frames: list[Any], fmt: str = "JPEG", max_columns: int | None = None) -> bytes:
+    """The frames as one picture, left to right, top to bottom, ``ceil(sqrt(n))`` per row (the
+    layout of a video event's ``preview_format="sheet"``).
+
+    Example:
+        >>> from PIL import Image
+        >>> data = contact_sheet([Image.new("RGB", (8, 8))] * 5, "PNG")
+        >>> Image.open(io.BytesIO(data)).size
+        (24, 16)
+    """
+    from PIL import Image
+
+    columns = max_columns or math.ceil(math.sqrt(len(frames)))
+    rows = math.ceil(len(frames) / columns)
+    w, h = frames[0].size
+    sheet = Image.new("RGB", (columns * w, rows * h), (0, 0, 0))
+    for i, frame in enumerate(frames):
+        r, c = divmod(i, columns)
+        sheet.paste(frame.convert("RGB"), (c * w, r * h))
+    out = io.BytesIO()
+    sheet.save(out, format=fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}))
+    return out.getvalue()
+
+
+class _StepBar:
+    """A tqdm bar of the denoising steps on a terminal, showing the model's own ``eta_s``."""
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr, leave=False, mininterval=0,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def show(self, step: int, total: int, eta_s: float | None, ms_per_step: float) -> None:
+        if self._bar.total != total:
+            self._bar.total = total
+        eta = "ETA --" if eta_s is None else f"ETA {eta_s:.1f} s"
+        self._bar.set_postfix_str(f"{eta}, {ms_per_step:.0f} ms/step", refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def __enter__(self) -> _StepBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
+
+
+def _line(text: str, final: bool = False) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[2K" + text + ("\n" if final else ""))
+    else:
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def load_model(name: str | None, device: str) -> Any:
+    """The video model the command runs (a seam the tests replace with a scripted model)."""
+    from ..video import load_video_model
+
+    return load_video_model(name, device=device)
+
+
+def run(args: argparse.Namespace) -> int:
+    set_library_progress(show_progress())
+    out = out_path(args)
+    video_format = CLIP_SUFFIXES[os.path.splitext(out)[1].lower()] if out is not None else "webm"  # checked
+    try:
+        model = load_model(args.model, args.device)
+        stream = model.stream(args.prompt, **cli_values(args, args.option_names), video_format=video_format)
+    except MultistreamError as exc:
+        print(f"multistream: {exc}", file=sys.stderr)
+        return 2
+    last_t, last_step = 0.0, 0
+    bar = _StepBar() if show_progress() else None
+    with stream, bar if bar is not None else contextlib.nullcontext():
+        for ev in stream:
+            if args.json:
+                print(ev.to_json(), flush=True)
+            if ev.type != "video" or ev.is_final:
+                continue
+            if args.previews is not None:
+                name = f"step_{ev.step:03d}.{_PREVIEW_EXTENSIONS.get(ev.mime, 'bin')}"
+                atomic_write(os.path.join(args.previews, name), ev.data)
+            # Steps between two previews may be several (preview_every, or a slow reader's skipped ones).
+            ms_per_step = (ev.t - last_t) * 1e3 / max(1, ev.step - last_step)
+            last_t, last_step = ev.t, ev.step
+            if bar is not None:
+                bar.show(ev.step, ev.total_steps, ev.eta_s, ms_per_step)
+            else:
+                eta = f"  eta {ev.eta_s:.1f} s" if ev.eta_s is not None else ""
+                _line(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
+    final = stream.final
+    if final is None or final.type == "error":
+        message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
+        _line(f"multistream: error: {message}", final=True)
+        return 1
+    if not final.mime.startswith("video/"):  # type: ignore[union-attr]
+        # A cancelled run ends on its newest preview, not a clip: nothing to write as one.
+        _line(f"multistream: {final.finish_reason} at step {final.step}/{final.total_steps}; no clip written",  # type: ignore[union-attr]
+              final=True)
+        return 1
+    if out is not None:
+        atomic_write(out, final.data)  # type: ignore[union-attr]
+    if args.sheet is not None:
+        atomic_write(args.sheet, contact_sheet(final.frames, SHEET_SUFFIXES[os.path.splitext(args.sheet)[1].lower()]))  # type: ignore[union-attr]
+    m = final.metrics or {}  # type: ignore[union-attr]
+    written = " -> " + ", ".join(p for p in (out, args.sheet) if p) if out or args.sheet else ""
+    _line(f"done: {final.num_frames} frames {final.width}x{final.height} at {final.fps:g} fps, {final.mime}, "  # type: ignore[union-attr]
+          f"{int(m.get('steps', final.step))} steps, {m.get('duration_ms', 0) / 1e3:.1f} s, "  # type: ignore[union-attr]
+          f"finish: {final.finish_reason}{written}", final=True)  # type: ignore[union-attr]
+    return 0
