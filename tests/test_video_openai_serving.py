@@ -1,5 +1,7 @@
-"""OpenAI's Videos API translator without a server: VideoEvents -> the job object the SDK polls
-(status, progress, error), the assets it downloads (clip, thumbnail, spritesheet), the job store."""
+"""The video family's server pieces without a server: OpenAI's Videos API translator (VideoEvents ->
+the job object the SDK polls, the assets it downloads, the job store), the `POST /v1/videos` body
+and its mapping onto the model's sizes and frame rate, and the native `/v1/video` body, limits and
+server-written final."""
 
 from __future__ import annotations
 
@@ -11,8 +13,20 @@ import pytest
 from openai._models import construct_type
 from openai.types import Video
 from PIL import Image
+from starlette.datastructures import FormData, UploadFile
 
+from multistream._spec import option_fields
+from multistream.errors import InvalidArgumentError
 from multistream.events import ErrorEvent, VideoEvent
+from multistream.image import ImageSizes
+from multistream.server import ServerSettings
+from multistream.server.openai.videos.protocol import (
+    VIDEO_OPTION_FIELDS,
+    VideoCreateBody,
+    VideoFormat,
+    form_body,
+    parse_video_create,
+)
 from multistream.server.openai.videos.serving import (
     VideoJob,
     VideoJobStore,
@@ -20,6 +34,13 @@ from multistream.server.openai.videos.serving import (
     video_id,
 )
 from multistream.server.problems import Problem
+from multistream.server.video_bodies import (
+    VideoBody,
+    check_video,
+    parse_video_body,
+    video_final,
+)
+from multistream.video import VIDEO_STREAM_ARGS, VideoOptions
 
 COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255)]
 
@@ -211,3 +232,147 @@ def test_contact_sheet_layout() -> None:
     assert sheet.format == "JPEG" and sheet.size == (30, 12)
     with pytest.raises(ValueError, match="at least one frame"):
         contact_sheet([])
+
+
+# -- POST /v1/videos: the body and its mapping onto the model (protocol.py) --------------------------
+
+
+
+FMT = VideoFormat(sizes=ImageSizes(multiple=16, min_side=32, max_side=128, native=(64, 64),
+                                   why="trained on 64x64 clips"), num_frames=16, fps=8.0)
+
+
+def _problem_of(body: dict, *, form: bool = False) -> Problem:
+    with pytest.raises(Problem) as info:
+        parse_video_create(body, FMT, form=form)
+    return info.value
+
+
+def test_a_bare_prompt_is_the_models_own_clip_as_mp4() -> None:
+    req, kwargs = parse_video_create({"prompt": "a red circle moving right"}, FMT)
+    assert kwargs == {"prompt": "a red circle moving right", "video_format": "mp4"}
+    assert req.priority == 0  # type: ignore[attr-defined]
+    assert (FMT.size_of(None, None), FMT.seconds_of(None)) == ("64x64", "2")
+
+
+def test_size_and_seconds_map_onto_the_model() -> None:
+    _, kwargs = parse_video_create({"prompt": "p", "size": "96x64", "seconds": "4"}, FMT)
+    assert (kwargs["width"], kwargs["height"], kwargs["num_frames"]) == (96, 64, 32)
+    assert FMT.size_of(96, 64) == "96x64" and FMT.seconds_of(32) == "4"
+    _, kwargs = parse_video_create({"prompt": "p", "seconds": 2.5, "size": "auto"}, FMT)
+    assert kwargs["num_frames"] == 20 and "width" not in kwargs and FMT.seconds_of(20) == "2.5"
+
+
+def test_a_size_the_model_cannot_make_is_a_400_naming_the_sizes_it_can() -> None:
+    problem = _problem_of({"prompt": "p", "size": "720x1280"})
+    assert problem.status == 400 and problem.param == "size"
+    assert "'720x1280' is not one this video model makes" in problem.message
+    assert "multiples of 16 from 32 to 128 pixels" in problem.message and "size='64x64'" in problem.message
+    for bad in ("big", "64x", "x64", "６４x64", "64*64"):
+        problem = _problem_of({"prompt": "p", "size": bad})
+        assert problem.param == "size" and "WIDTHxHEIGHT" in problem.message
+
+
+@pytest.mark.parametrize("seconds", ["0", "-4", "nan", "inf", "four", "601", True])
+def test_bad_seconds_are_a_400(seconds: object) -> None:
+    problem = _problem_of({"prompt": "p", "seconds": seconds})
+    assert problem.status == 400 and problem.param == "seconds"
+
+
+def test_input_reference_is_refused_by_name() -> None:
+    for value in ({"image_url": "https://example.com/a.png"}, {"file": "ref.png"}):
+        problem = _problem_of({"prompt": "p", "input_reference": value})
+        assert problem.status == 400 and problem.param == "input_reference" and "text prompt only" in problem.message
+
+
+def test_the_extensions_are_the_specs_namesakes() -> None:
+    schema = VideoCreateBody.model_json_schema()["properties"]
+    declared = {f.name: f.metadata["option"].doc for f in option_fields(VideoOptions)}
+    for name in VIDEO_OPTION_FIELDS:
+        assert schema[name]["description"].endswith(declared[name]), name
+    _, kwargs = parse_video_create({"prompt": "p", "steps": 8, "seed": 3, "guidance_scale": 2.5,
+                                    "negative_prompt": "blurry", "video_format": "webm", "priority": 2,
+                                    "user": "ignored like OpenAI's other fields"}, FMT)
+    assert kwargs == {"prompt": "p", "video_format": "webm", "steps": 8, "seed": 3, "guidance_scale": 2.5,
+                      "negative_prompt": "blurry"}
+
+
+def test_json_is_strict_and_a_form_is_read_from_strings() -> None:
+    problem = _problem_of({"prompt": "p", "steps": "8"})
+    assert problem.status == 400 and problem.param == "steps"
+    _, kwargs = parse_video_create({"prompt": "p", "steps": "8", "guidance_scale": "2.5", "seconds": "4"}, FMT,
+                                   form=True)
+    assert (kwargs["steps"], kwargs["guidance_scale"], kwargs["num_frames"]) == (8, 2.5, 32)
+    assert _problem_of({"prompt": "p", "steps": "many"}, form=True).param == "steps"
+    assert _problem_of({"seconds": "4"}).type == "missing_field"
+
+
+def test_form_body_marks_a_file_part_without_reading_it() -> None:
+    upload = UploadFile(io.BytesIO(b"\x89PNG..."), filename="ref.png")
+    body = form_body(FormData([("prompt", "p"), ("seconds", "4"), ("input_reference", upload)]))
+    assert body == {"prompt": "p", "seconds": "4", "input_reference": {"file": "ref.png"}}
+    assert _problem_of(body, form=True).param == "input_reference"
+
+
+# -- the native body and the family's pieces (video_bodies.py) ----------------------------------------
+
+
+
+def _native_problem(body: dict, **settings: object) -> Problem:
+    with pytest.raises(Problem) as info:
+        parse_video_body(body, ServerSettings(**settings))  # type: ignore[arg-type]
+    return info.value
+
+
+def test_the_native_body_is_the_video_options() -> None:
+    assert set(VideoBody.model_fields) == {"prompt", *VIDEO_STREAM_ARGS}
+    schema = VideoBody.model_json_schema()["properties"]
+    for f in option_fields(VideoOptions):
+        assert schema[f.name]["description"] == f.metadata["option"].doc, f.name
+    kwargs, priority = parse_video_body({"prompt": "p", "num_frames": 16, "preview": "latent", "priority": 3},
+                                        ServerSettings())
+    assert (kwargs, priority) == ({"prompt": "p", "num_frames": 16, "preview": "latent"}, 3)
+
+
+def test_a_bad_option_gets_the_models_own_message_naming_it() -> None:
+    problem = _native_problem({"prompt": "p", "preview_format": "gif"})
+    assert (problem.status, problem.type, problem.param) == (400, "invalid_argument", "preview_format")
+    assert "use 'webp' (an animated image) or 'sheet'" in problem.message
+    problem = _native_problem({"prompt": "p", "fps": "eight"})
+    assert (problem.type, problem.param) == ("invalid_type", "fps")
+    problem = _native_problem({"prompt": "p", "frames": 16})
+    assert (problem.type, problem.param) == ("unknown_field", "frames")
+
+
+def test_the_servers_limits() -> None:
+    problem = _native_problem({"prompt": "p", "steps": 500}, max_steps=50)
+    assert (problem.type, problem.param) == ("limit_exceeded", "steps") and "max_steps" in problem.message
+    problem = _native_problem({"prompt": "p", "width": 4096})
+    assert (problem.type, problem.param) == ("limit_exceeded", "width")
+    problem = _native_problem({"prompt": "p", "num_frames": 5000})
+    assert (problem.type, problem.param) == ("limit_exceeded", "num_frames") and "max_video_frames" in problem.message
+    problem = _native_problem({"prompt": "x" * 20}, max_prompt_chars=10)
+    assert (problem.type, problem.param) == ("limit_exceeded", "prompt")
+
+
+def test_check_video_is_the_familys_own_check() -> None:
+    check_video({"prompt": "p", "steps": 4})
+    with pytest.raises(InvalidArgumentError, match="steps must be an integer >= 1"):
+        check_video({"prompt": "p", "steps": 0})
+
+
+class _Record:
+    def __init__(self, events: list) -> None:
+        self.events, self.stream_id = events, "s1"
+
+
+def test_the_server_written_final_is_the_newest_preview_or_an_error() -> None:
+    record = _Record([_preview(0, 1), _preview(1, 2)])
+    final = video_final(record, "cancelled", 2, 1.5)
+    assert isinstance(final, VideoEvent) and final.is_final and final.finish_reason == "cancelled"
+    assert (final.seq, final.step, final.mime, final.eta_s) == (2, 2, "image/webp", 0.0)
+    # ... which a job reads as failed (a preview is not a clip)
+    assert _job().fold([*record.events, final], now=1).status == "failed"
+    error = video_final(record, "timeout", 2, 1.5)
+    assert isinstance(error, ErrorEvent) and "timeout" in error.error["message"]
+    assert isinstance(video_final(_Record([]), "cancelled", 0, 0.1), ErrorEvent)

@@ -76,6 +76,8 @@ class VideoJob:
     seconds: str
     created_at: int
     owner: str | None = None
+    owner_keyed: bool = False
+    token: str = field(default="", repr=False)
     status: Status = "queued"
     progress: int = 0
     completed_at: int | None = None
@@ -124,6 +126,11 @@ class VideoJob:
         for ev in events:
             self.apply(ev, at)
         return self
+
+    def fail(self, code: str, message: str, now: float) -> None:
+        """End the job as failed (e.g. its request was refused while it waited for a slot)."""
+        if not self.done:
+            self._end("failed", now, {"code": code, "message": message})
 
     def _end(self, status: Status, now: float, error: dict[str, Any] | None) -> None:
         self.status, self.error, self.eta_s = status, error, 0.0
