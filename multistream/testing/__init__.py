@@ -1,4 +1,4 @@
-"""Scripted stand-ins for the text and image models, for fast tests of anything built on streams.
+"""Scripted stand-ins for the text, image, speech and video models, for fast tests of anything built on streams.
 
 `ScriptedTextModel` and `ScriptedImageModel` have the same ``.stream()`` / ``.generate()``
 signatures as the real models and emit scripted events through a real `Stream` (so seq,
@@ -30,5 +30,6 @@ from __future__ import annotations
 from ._image import ScriptedImageModel
 from ._speech import ScriptedSpeechModel
 from ._text import DEFAULT_TOKENS, ScriptedTextModel
+from ._video import ScriptedVideoModel
 
-__all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedSpeechModel", "ScriptedTextModel"]
+__all__ = ["DEFAULT_TOKENS", "ScriptedImageModel", "ScriptedSpeechModel", "ScriptedTextModel", "ScriptedVideoModel"]
