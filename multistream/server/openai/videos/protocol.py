@@ -36,7 +36,7 @@ from ...bodies import LAX_BODY, _problem
 from ...openai_protocol import _option_fields
 from ...problems import Problem
 
-__all__ = ["VIDEO_OPTION_FIELDS", "VideoCreateBody", "VideoFormat", "form_body", "parse_video_create"]
+__all__ = ["VIDEO_OPTION_FIELDS", "OneSize", "VideoCreateBody", "VideoFormat", "form_body", "parse_video_create"]
 
 #: The ``POST /v1/videos`` fields that have a `VideoOptions` namesake (extensions of OpenAI's body).
 VIDEO_OPTION_FIELDS = ("steps", "seed", "guidance_scale", "negative_prompt", "priority", "video_format")
@@ -63,9 +63,13 @@ class VideoFormat:
 
     @classmethod
     def of(cls, model: Any) -> VideoFormat:
-        """The format a loaded video model declares (`VideoModel.sizes`, ``default_num_frames``,
-        ``default_fps``)."""
-        return cls(sizes=model.sizes, num_frames=int(model.default_num_frames), fps=float(model.default_fps))
+        """The format a loaded video model declares: its ``sizes`` (`VideoModel.sizes`; a model
+        that declares none makes only its own ``width`` x ``height``), ``default_num_frames`` and
+        ``default_fps``."""
+        sizes = getattr(model, "sizes", None)
+        if sizes is None:
+            sizes = OneSize(int(model.height), int(model.width))
+        return cls(sizes=sizes, num_frames=int(model.default_num_frames), fps=float(model.default_fps))
 
     def size_of(self, width: int | None, height: int | None) -> str:
         """The ``size`` a job shows: the one asked for, else the model's native size."""
@@ -78,6 +82,32 @@ class VideoFormat:
         """The ``seconds`` a job shows: its frames at the model's rate (``"2"``, ``"2.5"``)."""
         n = self.num_frames if num_frames is None else num_frames
         return f"{n / self.fps:.3f}".rstrip("0").rstrip(".")
+
+
+@dataclass(frozen=True)
+class OneSize:
+    """The sizes of a model that makes one size only (``check``, ``describe``, ``native`` as
+    `multistream.image.ImageSizes` has them).
+
+    Example:
+        >>> OneSize(64, 96).describe()
+        'one size only: 96x64 (width x height)'
+    """
+
+    height: int
+    width: int
+
+    @property
+    def native(self) -> tuple[int, int]:
+        return self.height, self.width
+
+    def describe(self) -> str:
+        return f"one size only: {self.width}x{self.height} (width x height)"
+
+    def check(self, height: int | None, width: int | None) -> tuple[int | None, int | None]:
+        if (height is None or height == self.height) and (width is None or width == self.width):
+            return height, width
+        raise InvalidArgumentError(f"this model makes {self.describe()}, not {width}x{height}")
 
 
 class _VideoCreateBase(BaseModel):
@@ -109,7 +139,8 @@ class _VideoCreateBase(BaseModel):
         kwargs: dict[str, Any] = {"prompt": self.prompt, "video_format": "mp4"}
         if self.size not in (None, "auto"):
             width, height = _size(self.size, fmt)
-            kwargs["width"], kwargs["height"] = width, height
+            if not isinstance(fmt.sizes, OneSize):  # a model of one size takes no size arguments
+                kwargs["width"], kwargs["height"] = width, height
         if self.seconds is not None:
             kwargs["num_frames"] = _frames(self.seconds, fmt)
         for name in VIDEO_OPTION_FIELDS:

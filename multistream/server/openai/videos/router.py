@@ -176,7 +176,7 @@ async def create_video(request: Request, state: ServerState = Depends(get_state)
                        principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
     body, form = await _read_create(request, state)
-    model = state.model("video")  # 404 when none is served, 503 while it loads
+    model = state.model_for("video")  # 404 when none is served, 503 while it loads
     state.check_model_name("video", body.get("model"))
     fmt = VideoFormat.of(model)
     req, kwargs = parse_video_create(body, fmt, form=form)
