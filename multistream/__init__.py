@@ -46,11 +46,13 @@ _LAZY = {
     "ImageCheckpoint": ".image",
     "load_image_model": ".image",
     "fit_latent_rgb": ".image",
-    "fit_preview_decoder": ".image",
+    "fit_preview_decoder": ".video",  # any VAE: the video decoder for a 3D one, else the image one
     "encode_frame": ".image",
     "SpeechModel": ".speech",
     "load_speech_model": ".speech",
     "speak": ".speech",
+    "VideoModel": ".video",
+    "load_video_model": ".video",
     "chain": ".compose",
     "merge": ".compose",
     "show": ".ui",
@@ -63,12 +65,12 @@ if TYPE_CHECKING:
         ImageModel,
         encode_frame,
         fit_latent_rgb,
-        fit_preview_decoder,
         load_image_model,
     )
     from .speech import SpeechModel, load_speech_model, speak
     from .text import TextModel, load_text_model
     from .ui import show
+    from .video import VideoModel, fit_preview_decoder, load_video_model
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY, globals())
@@ -95,6 +97,7 @@ __all__ = [
     "TextEvent",
     "TextModel",
     "VideoEvent",
+    "VideoModel",
     "chain",
     "encode_frame",
     "event_from_dict",
@@ -105,6 +108,7 @@ __all__ = [
     "load_image_model",
     "load_speech_model",
     "load_text_model",
+    "load_video_model",
     "merge",
     "show",
     "speak",

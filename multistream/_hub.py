@@ -148,6 +148,7 @@ def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
 FAMILY_FILES = {
     "text": "a transformers causal LM (config.json, weights, tokenizer files)",
     "image": "a diffusers pipeline (model_index.json inside)",
+    "video": "a diffusers text-to-video pipeline (model_index.json inside)",
     "speech": "a Piper voice (.onnx with its .onnx.json) or a transformers VitsModel folder",
 }
 

@@ -294,7 +294,16 @@ def _decode_frames(ev: VideoEvent) -> list[PILImage.Image]:
             return [frame.to_image().convert("RGB") for frame in container.decode(video=0)]
     img = Image.open(io.BytesIO(ev.data))
     if getattr(img, "n_frames", 1) > 1:
-        return [frame.convert("RGB") for frame in ImageSequence.Iterator(img)]
+        # An animated encoder merges identical consecutive frames into one longer frame (a preview
+        # whose frames repeat a latent frame in time); each is counted back by its duration.
+        frames: list[PILImage.Image] = []
+        period = 1000.0 / ev.fps if ev.fps else 0.0
+        for frame in ImageSequence.Iterator(img):
+            rgb = frame.convert("RGB")  # loads the frame, which is when its duration is read
+            duration = float(frame.info.get("duration") or 0)
+            repeat = max(1, round(duration / period)) if period and ev.num_frames > 1 else 1
+            frames.extend([rgb] * repeat)
+        return frames
     sheet = img.convert("RGB")
     if ev.num_frames <= 1:
         return [sheet]

@@ -1,11 +1,12 @@
 """The Stream object: one producer thread runs the model; sync or async consumers read events.
 
-Adapters do not build events themselves. They get a `StreamWriter` and call ``writer.text(...)``,
-``writer.image(...)`` and ``writer.finish_text(...)``; the stream assigns ``seq`` when the consumer
+Adapters do not build events themselves. They get a `StreamWriter` and call ``writer.text(...)``
+(deltas) or the generic ``writer.emit(EventClass, **fields)`` (``finish_text``, ``image`` and
+``finish_audio`` are short forms of it); the stream assigns ``seq`` when the consumer
 takes an event, so merging under backpressure never leaves a gap in the sequence.
 
 Backpressure: the model never waits for the consumer. Undelivered text deltas merge into one
-(nothing is lost); an undelivered preview frame is replaced by the newer one for the same image;
+(nothing is lost); an undelivered preview frame is replaced by the newer one for the same image or clip;
 the final event is never dropped. So the buffer stays small however slow the consumer is.
 
 Example:
@@ -33,9 +34,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import StreamConsumedError
-from .events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from .events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
 
-__all__ = ["Stream", "StreamWriter"]
+__all__ = ["MergeKey", "Stream", "StreamWriter"]
 
 logger = logging.getLogger("multistream")
 
@@ -64,12 +65,43 @@ def reserved_stream_id(stream_id: str) -> Iterator[None]:
         _RESERVED_ID.reset(token)
 
 
+@dataclasses.dataclass(frozen=True)
+class MergeKey:
+    """How an undelivered event may be folded under backpressure: ``kind`` ``"text"`` (deltas merge
+    into one, nothing is lost) or ``"preview"`` (a newer preview of the same ``family`` and
+    ``index`` replaces it). Events without a key (finals, audio chunks) are always kept.
+
+    Example:
+        >>> MergeKey.preview("video", 0) == MergeKey("preview", "video", 0)
+        True
+    """
+
+    kind: str
+    family: str = ""
+    index: int = 0
+
+    @classmethod
+    def preview(cls, family: str, index: int = 0) -> MergeKey:
+        return cls("preview", family, index)
+
+    @property
+    def is_preview(self) -> bool:
+        return self.kind == "preview"
+
+
+TEXT_KEY = MergeKey("text")
+
+# The preview family of each event class whose non-final events are previews (`_merge_key`); a
+# new family with previews adds one entry here, not a method.
+_PREVIEW_TYPES = {ImageEvent: "image", VideoEvent: "video"}
+
+
 class _Pending:
     """An event waiting for its consumer; ``seq`` is given when it is taken."""
 
     __slots__ = ("cls", "fields", "merge_key")
 
-    def __init__(self, cls: type, fields: dict[str, Any], merge_key: Any) -> None:
+    def __init__(self, cls: type, fields: dict[str, Any], merge_key: MergeKey | None) -> None:
         self.cls = cls
         self.fields = fields
         self.merge_key = merge_key
@@ -127,7 +159,7 @@ class _Channel:
 
     # -- producer side -------------------------------------------------------------------------
 
-    def put(self, cls: type, fields: dict[str, Any], merge_key: Any = None) -> bool:
+    def put(self, cls: type, fields: dict[str, Any], merge_key: MergeKey | None = None) -> bool:
         """Queue an event; returns False (and drops it) if the final event was already queued."""
         fields["t"] = time.perf_counter() - self.started_at
         with self._cond:
@@ -141,7 +173,7 @@ class _Channel:
                 self.text_length = fields["offset"] + len(fields["delta"])
                 # Without beams everything sent is settled; a beam search says how much is.
                 fields.setdefault("committed", self.text_length)
-            text_target = self._undelivered_text() if merge_key == ("text",) else None
+            text_target = self._undelivered_text() if merge_key == TEXT_KEY else None
             if text_target is not None:
                 _merge_into(text_target, fields)
                 # The merged delta now carries the newest time; moving it behind any preview it
@@ -150,8 +182,8 @@ class _Channel:
                 if self._pending[-1] is not text_target:
                     self._pending.remove(text_target)
                     self._pending.append(text_target)
-            elif merge_key is not None and merge_key[0] == "preview":
-                # Only the newest preview of each image is worth showing to a slow consumer.
+            elif merge_key is not None and merge_key.is_preview:
+                # Only the newest preview of each image (or clip) is worth showing to a slow consumer.
                 stale = next((p for p in self._pending if p.merge_key == merge_key), None)
                 if stale is not None:
                     self._pending.remove(stale)
@@ -174,9 +206,9 @@ class _Channel:
         """The newest undelivered text delta, looking back past previews only (which are replaced,
         not kept, so in a text+image stream the buffer stays at one text item and one preview)."""
         for item in reversed(self._pending):
-            if item.merge_key == ("text",):
+            if item.merge_key == TEXT_KEY:
                 return item
-            if item.merge_key is None or item.merge_key[0] != "preview":
+            if item.merge_key is None or not item.merge_key.is_preview:
                 return None
         return None
 
@@ -309,7 +341,7 @@ class StreamWriter:
             fields["offset"] = offset
         elif not delta:
             return  # the protocol promises no empty non-final deltas
-        self._channel.put(TextEvent, fields, ("text",))
+        self._channel.put(TextEvent, fields, TEXT_KEY)
 
     @property
     def text_length(self) -> int:
@@ -403,7 +435,7 @@ class StreamWriter:
             fields.update(is_final=is_final, finish_reason=finish_reason or "stop", metrics=dict(metrics or {}))
             self._channel.put(ImageEvent, fields)
         else:
-            self._channel.put(ImageEvent, fields, ("preview", index))
+            self._channel.put(ImageEvent, fields, MergeKey.preview("image", index))
 
     def audio(self, *, data: bytes, sample_rate: int, sample_offset: int, num_samples: int,
               text_span: tuple[int, int], mime: str) -> None:
@@ -439,13 +471,26 @@ class StreamWriter:
             fields.pop("committed", None)
         if is_final is not None:
             fields["is_final"] = is_final
-        merge_key: Any = None
-        if not fields["is_final"] and fields.get("finish_reason") is None:
-            if isinstance(ev, TextEvent):
-                merge_key = ("text",)
-            elif isinstance(ev, ImageEvent):
-                merge_key = ("preview", ev.index)
-        self._channel.put(type(ev), fields, merge_key)
+        self._channel.put(type(ev), fields, _merge_key(type(ev), fields))
+
+    def emit(self, cls: type[Event], **fields: Any) -> None:
+        """Emit an event of any type: ``cls`` (an event class of `multistream.events`) with ``fields``
+        (all but ``stream_id``, ``seq`` and ``t``, which the stream sets).
+
+        A family needs no method of its own here. Under backpressure a non-final text delta merges
+        with an undelivered one; a non-final image or video event (a preview: no ``finish_reason``)
+        replaces the undelivered preview of the same ``index``; anything else, finals included, is
+        never dropped.
+
+        Example:
+            >>> from multistream.events import VideoEvent
+            >>> def producer(w):
+            ...     w.emit(VideoEvent, step=1, total_steps=1, num_frames=1, fps=8.0, width=1, height=1,
+            ...            mime="video/webm", data=b"", is_final=True, finish_reason="stop", metrics={})
+            >>> [ev.finish_reason for ev in Stream(producer)]
+            ['stop']
+        """
+        self._channel.put(cls, dict(fields), _merge_key(cls, fields))
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with an ``error`` event describing ``exc`` (kept as ``stream.exception``)."""
@@ -454,6 +499,16 @@ class StreamWriter:
         self._channel.exception = exc
         message = str(exc) or repr(exc)
         self._channel.put(ErrorEvent, {"is_final": True, "error": {"type": type(exc).__name__, "message": message}})
+
+
+def _merge_key(cls: type, fields: dict[str, Any]) -> MergeKey | None:
+    """The backpressure key of an event about to be queued (see `MergeKey`); None: keep it."""
+    if fields.get("is_final") or fields.get("finish_reason") is not None:
+        return None
+    if cls is TextEvent:
+        return TEXT_KEY
+    family = _PREVIEW_TYPES.get(cls)
+    return MergeKey.preview(family, int(fields.get("index", 0))) if family is not None else None
 
 
 class Stream:

@@ -5,7 +5,8 @@ on garbage collection and interpreter exit) and fault isolation. What one step m
 *backend*'s business: `TextBatcher` runs one batched forward for every active text request
 (continuous batching), `ImageStepper` runs one denoising step of the request that comes first by
 priority (step-level interleaving), together with same-priority requests whose UNet calls it
-batches (`denoiser_batch`).
+batches (`denoiser_batch`). `EngineModel` is the base of every engine-backed model class (its
+``engine``, ``close()``, ``with``, closing on collection).
 
 Example:
     >>> import multistream as ms
@@ -17,5 +18,6 @@ Example:
 from __future__ import annotations
 
 from .core import DEFAULT_CAPACITY, Backend, Engine, capacity_of
+from .model import ENGINE_CLOSE_TIMEOUT, EngineModel
 
-__all__ = ["DEFAULT_CAPACITY", "Backend", "Engine", "capacity_of"]
+__all__ = ["DEFAULT_CAPACITY", "ENGINE_CLOSE_TIMEOUT", "Backend", "Engine", "EngineModel", "capacity_of"]

@@ -45,7 +45,6 @@ import os
 import random
 import threading
 import warnings
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -53,7 +52,7 @@ import torch
 from .._checks import is_int
 from .._devices import resolve_device, resolve_dtype
 from .._eta import PerPixelTime
-from ..engine import DEFAULT_CAPACITY, Engine
+from ..engine import DEFAULT_CAPACITY, EngineModel
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
@@ -73,7 +72,7 @@ __all__ = ["ImageModel"]
 logger = logging.getLogger("multistream")
 
 
-class ImageModel:
+class ImageModel(EngineModel):
     """A diffusers pipeline that streams denoising previews and its final image as events.
 
     Build it with `load_image_model`, or wrap a pipeline you already have: ``ImageModel(pipe)``
@@ -184,35 +183,12 @@ class ImageModel:
         # Steps are shared only where the denoiser's calls can be batched (a UNet; `denoiser_batch`).
         self._batch_steps = max_batch > 1 and isinstance(getattr(pipeline, "unet", None), torch.nn.Module)
         self._stepper = ImageStepper(max_batch if self._batch_steps else 1)
-        self._engine = Engine(self._stepper, name=f"image-{self.name}", setup=engine_thread_setup)
-        # The engine thread must not keep this object alive; closing on collection ends it.
-        self._finalizer = weakref.finalize(self, self._engine.close, 30.0)
+        self.start_engine(self._stepper, name=f"image-{self.name}", setup=engine_thread_setup)
 
     #: Streams a server runs at once on this model (at least ``max_batch``); up to ``max_batch``
     #: of them share each denoising step, more take turns, which only stretches every one of
     #: them (set it on the instance to change it).
     capacity = DEFAULT_CAPACITY
-
-    @property
-    def engine(self) -> Engine:
-        """The engine thread that runs every stream of this model."""
-        return self._engine
-
-    def close(self) -> None:
-        """End the engine thread; running streams end with ``finish_reason="cancelled"``.
-
-        Also happens when the model is garbage collected and at interpreter exit.
-
-        Example:
-            >>> sd = load_image_model(); sd.close()      # doctest: +SKIP
-        """
-        self._finalizer()
-
-    def __enter__(self) -> ImageModel:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     # -- properties --------------------------------------------------------------------------
 

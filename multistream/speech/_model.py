@@ -15,10 +15,9 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
-from ..engine import Engine
+from ..engine import EngineModel
 from ..events import Event
 from ..stream import Stream, StreamWriter
 from ._options import parse_speech_options
@@ -49,7 +48,7 @@ class SpeechFeed:
         self._request.end()
 
 
-class SpeechModel:
+class SpeechModel(EngineModel):
     """A text-to-speech model that streams audio events; one engine thread runs all its requests.
 
     Concurrent streams take turns sentence by sentence (higher ``priority`` first). ``voices``
@@ -77,13 +76,7 @@ class SpeechModel:
             # time to first audio.
             synth.synthesize("Hello.", None, 1.0)
 
-        self._engine = Engine(self._scheduler, name=f"speech-{self.name}", setup=start)
-        self._scheduler.wake = self._engine.wake
-        self._finalizer = weakref.finalize(self, self._engine.close, 30.0)
-
-    @property
-    def engine(self) -> Engine:
-        return self._engine
+        self._scheduler.wake = self.start_engine(self._scheduler, name=f"speech-{self.name}", setup=start).wake
 
     @property
     def sample_rate(self) -> int:
@@ -100,16 +93,6 @@ class SpeechModel:
     @property
     def device(self) -> str:
         return str(getattr(self.synth, "device", "cpu"))
-
-    def close(self) -> None:
-        """End the engine thread; running streams end with ``finish_reason="cancelled"``."""
-        self._finalizer()
-
-    def __enter__(self) -> SpeechModel:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<SpeechModel {self.name!r} {self.sample_rate} Hz on {self.device}>"

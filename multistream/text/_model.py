@@ -28,7 +28,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
-from ..engine import Engine
+from ..engine import EngineModel
 from ..engine.settings import engine_thread_setup
 from ..errors import EngineClosedError, InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
@@ -89,7 +89,7 @@ def _interleave(prompt_ids: list[int], answer: list[int],
     return context, positions
 
 
-class TextModel:
+class TextModel(EngineModel):
     """A causal language model that streams. Build it with `load_text_model`.
 
     ``.model`` and ``.tokenizer`` are the underlying transformers objects.
@@ -135,36 +135,13 @@ class TextModel:
         self._finished: OrderedDict[str, TextRequest] = OrderedDict()
         self._finished_lock = threading.Lock()
         self._batcher = TextBatcher(model, max_batch=max_batch, prefill_budget=prefill_budget)
-        self._engine = Engine(self._batcher, name=f"text-{name}", setup=engine_thread_setup)
-        self._batcher.enable_prefill_points(self._engine.poll_arrivals, self._engine.arrivals)
-        # The engine thread must not keep this object alive; closing on collection ends it.
-        self._finalizer = weakref.finalize(self, self._engine.close, 5.0)
-
-    @property
-    def engine(self) -> Engine:
-        """The engine thread that runs every stream of this model."""
-        return self._engine
+        engine = self.start_engine(self._batcher, name=f"text-{name}", setup=engine_thread_setup)
+        self._batcher.enable_prefill_points(engine.poll_arrivals, engine.arrivals)
 
     @property
     def capacity(self) -> int:
         """Streams decoded together per step (``max_batch``); a server admits this many at once."""
         return self.max_batch
-
-    def close(self) -> None:
-        """End the engine thread; running streams end with ``finish_reason="cancelled"``.
-
-        Also happens when the model is garbage collected and at interpreter exit.
-
-        Example:
-            >>> llm = load_text_model(); llm.close()      # doctest: +SKIP
-        """
-        self._finalizer()
-
-    def __enter__(self) -> TextModel:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<TextModel {self.name} on {self.device}>"
