@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -60,16 +61,18 @@ class VideoFormat:
     sizes: Any
     num_frames: int
     fps: float
+    check_num_frames: Callable[[int], int] | None = None
 
     @classmethod
     def of(cls, model: Any) -> VideoFormat:
         """The format a loaded video model declares: its ``sizes`` (`VideoModel.sizes`; a model
-        that declares none makes only its own ``width`` x ``height``), ``default_num_frames`` and
-        ``default_fps``."""
+        that declares none makes only its own ``width`` x ``height``), ``default_num_frames``,
+        ``default_fps`` and the frame counts it makes (`VideoModel.check_num_frames`, where it has one)."""
         sizes = getattr(model, "sizes", None)
         if sizes is None:
             sizes = OneSize(int(model.height), int(model.width))
-        return cls(sizes=sizes, num_frames=int(model.default_num_frames), fps=float(model.default_fps))
+        return cls(sizes=sizes, num_frames=int(model.default_num_frames), fps=float(model.default_fps),
+                   check_num_frames=getattr(model, "check_num_frames", None))
 
     def size_of(self, width: int | None, height: int | None) -> str:
         """The ``size`` a job shows: the one asked for, else the model's native size."""
@@ -173,7 +176,15 @@ def _frames(seconds: str | int | float, fmt: VideoFormat) -> int:
     if isinstance(seconds, bool) or not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
         raise Problem(400, "invalid_argument", f"seconds must be a number of seconds > 0 and <= {MAX_SECONDS:g} "
                       f"(e.g. '4'), got {str(seconds)[:20]!r}", param="seconds")
-    return max(1, round(value * fmt.fps))
+    frames = max(1, round(value * fmt.fps))
+    if fmt.check_num_frames is not None:
+        try:
+            fmt.check_num_frames(frames)
+        except InvalidArgumentError as exc:
+            raise Problem(400, "invalid_argument", f"seconds={str(seconds)[:20]!r} is {frames} frames at this model's "
+                          f"{fmt.fps:g} fps, which it cannot make: {exc}; pick seconds that give such a count",
+                          param="seconds") from None
+    return frames
 
 
 VideoCreateBody = create_model(
