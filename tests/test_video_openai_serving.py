@@ -207,6 +207,19 @@ def test_the_store_is_bounded_and_expires_ended_jobs() -> None:
     assert store.get(123) is None  # type: ignore[arg-type]
 
 
+def test_the_store_drops_the_oldest_ended_clips_past_its_byte_budget() -> None:
+    clip = _clip()
+    store = VideoJobStore(max_jobs=10, retention_s=60, max_bytes=2 * len(clip) + 10, clock=lambda: 2.0)
+    jobs = [store.add(_job(id=f"video_{i}", stream_id=str(i), created_at=i)) for i in range(4)]
+    for job in jobs[:3]:
+        job.fold([_final(0, data=clip)], now=1)
+    # Three clips do not fit: the oldest ended job goes; the running one stays whatever its age.
+    assert [j.id for j in store.jobs()] == ["video_1", "video_2", "video_3"]
+    assert jobs[1].nbytes == len(clip) and jobs[3].nbytes == 0
+    jobs[1].content("spritesheet")  # its assets count too
+    assert [j.id for j in store.jobs()] == ["video_2", "video_3"]
+
+
 def test_the_page_lists_newest_first_with_a_cursor() -> None:
     store = VideoJobStore(max_jobs=10, retention_s=60)
     for i in range(5):

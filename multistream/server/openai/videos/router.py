@@ -70,7 +70,8 @@ def jobs_of(state: ServerState) -> VideoJobStore:
     store = getattr(state, "video_jobs", None)
     if store is None:
         s = state.settings
-        store = VideoJobStore(max_jobs=max(64, s.max_retained_streams * 2), retention_s=s.retention_s)
+        store = VideoJobStore(max_jobs=max(64, s.max_retained_streams * 2), retention_s=s.retention_s,
+                              max_bytes=s.max_retained_bytes)
         state.video_jobs = store  # type: ignore[attr-defined]
         state.video_keepers = set()  # type: ignore[attr-defined]
     return store

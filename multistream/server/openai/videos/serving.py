@@ -93,6 +93,11 @@ class VideoJob:
     def done(self) -> bool:
         return self.status in ("completed", "failed")
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes this job keeps: its clip and the assets made from it."""
+        return (len(self.final.data) if self.final is not None else 0) + sum(len(a.data) for a in self._assets.values())
+
     def apply(self, ev: Event, now: float) -> None:
         """Fold one event in (events at or below ``last_seq`` were seen already and are skipped)."""
         if ev.seq <= self.last_seq or self.done:
@@ -212,8 +217,9 @@ def contact_sheet(frames: list[Any], quality: int = 90) -> bytes:
 
 
 class VideoJobStore:
-    """The jobs by id: at most ``max_jobs`` (the oldest dropped first), and an ended job's
-    assets for ``retention_s`` after its end (then it is gone, as its stream is).
+    """The jobs by id: at most ``max_jobs`` (the oldest dropped first), ended jobs' clips and
+    assets in at most ``max_bytes`` (the oldest ended ones dropped first), and an ended job for
+    ``retention_s`` after its end (then it is gone, as its stream is).
 
     Example:
         >>> store = VideoJobStore(max_jobs=2, retention_s=60)
@@ -224,11 +230,13 @@ class VideoJobStore:
         (['video_1', 'video_2'], None)
     """
 
-    def __init__(self, max_jobs: int, retention_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, max_jobs: int, retention_s: float, max_bytes: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
         self.max_jobs = max_jobs
         self.retention_s = retention_s
+        self.max_bytes = max_bytes
         self.clock = clock
         self._jobs: OrderedDict[str, VideoJob] = OrderedDict()
 
@@ -242,21 +250,31 @@ class VideoJobStore:
     def _expired(self, job: VideoJob) -> bool:
         return job.expires_at is not None and self.clock() >= job.expires_at
 
+    def _trim(self) -> None:
+        """Drop the expired jobs, then the oldest ended ones while the clips kept pass ``max_bytes``
+        (a running job keeps no clip yet, so it is never dropped for its size)."""
+        for job in [j for j in self._jobs.values() if self._expired(j)]:
+            del self._jobs[job.id]
+        if self.max_bytes is None:
+            return
+        total = sum(j.nbytes for j in self._jobs.values())
+        for job in [j for j in self._jobs.values() if j.done]:
+            if total <= self.max_bytes:
+                break
+            total -= job.nbytes
+            del self._jobs[job.id]
+
     def get(self, job_id: str) -> VideoJob | None:
         """The job, unless it is unknown, dropped or expired."""
-        job = self._jobs.get(job_id) if isinstance(job_id, str) else None
-        if job is not None and self._expired(job):
-            del self._jobs[job_id]
-            return None
-        return job
+        self._trim()
+        return self._jobs.get(job_id) if isinstance(job_id, str) else None
 
     def delete(self, job_id: str) -> VideoJob | None:
         return self._jobs.pop(job_id, None)
 
     def jobs(self) -> list[VideoJob]:
         """Every live job, oldest first."""
-        for job in [j for j in self._jobs.values() if self._expired(j)]:
-            del self._jobs[job.id]
+        self._trim()
         return list(self._jobs.values())
 
     def page(self, *, after: str | None = None, limit: int = 20, order: str = "desc",
