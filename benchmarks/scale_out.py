@@ -41,7 +41,7 @@ import httpx  # noqa: E402
 
 from multistream.events import TextEvent  # noqa: E402
 from multistream.server import ServerSettings  # noqa: E402
-from multistream.server.event_log import RedisEventLog, entry_id  # noqa: E402
+from multistream.server.durable.event_log import RedisEventLog, entry_id
 from redis_fixtures import free_port, redis_server  # noqa: E402
 from server_fixtures import iter_events  # noqa: E402
 

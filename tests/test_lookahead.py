@@ -220,7 +220,7 @@ def test_speculate_is_checked_with_a_clear_message() -> None:
 
 
 def test_the_openai_body_has_speculate_as_an_extension() -> None:
-    from multistream.server.openai_protocol import ChatCompletionRequest
+    from multistream.server.openai.chat.protocol import ChatCompletionRequest
 
     field = ChatCompletionRequest.model_fields["speculate"]
     assert field.description.startswith("extension:")

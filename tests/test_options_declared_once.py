@@ -44,10 +44,10 @@ def test_no_capacity_literal_left_in_the_server() -> None:
 
 
 def test_rewind_options_are_declared_once() -> None:
-    from multistream.server.bodies import RewindRequest
+    from multistream.server.bodies import RewindBody
     from multistream.text import REWIND_OPTIONS, TextOptions
 
-    fields = RewindRequest.model_fields
+    fields = RewindBody.model_fields
     assert set(fields) == {"offset", "instruction", "token_id", *REWIND_OPTIONS}
     specs = {f.name: f.metadata["option"].doc for f in __import__("dataclasses").fields(TextOptions)
              if "option" in f.metadata}
@@ -61,7 +61,7 @@ def test_rewind_options_are_declared_once() -> None:
 def test_openai_chat_option_fields_come_from_the_specs() -> None:
     import dataclasses
 
-    from multistream.server.openai_protocol import CHAT_OPTION_FIELDS, ChatCompletionRequest
+    from multistream.server.openai.chat.protocol import CHAT_OPTION_FIELDS, ChatCompletionRequest
     from multistream.text import TextOptions
 
     docs = {f.name: f.metadata["option"].doc for f in dataclasses.fields(TextOptions) if "option" in f.metadata}
@@ -79,7 +79,7 @@ def test_openai_image_option_fields_come_from_the_specs() -> None:
 
     from multistream._spec import body_fields
     from multistream.image import ImageOptions
-    from multistream.server.openai_protocol import IMAGE_OPTION_FIELDS, ImageGenerationRequest
+    from multistream.server.openai.images.protocol import IMAGE_OPTION_FIELDS, ImageGenerationRequest
 
     specs = body_fields(ImageOptions)
     docs = {f.name: f.metadata["option"].doc for f in dataclasses.fields(ImageOptions) if "option" in f.metadata}
@@ -93,17 +93,17 @@ def test_openai_image_option_fields_come_from_the_specs() -> None:
         wire = specs[name][0]
         assert fields[name].annotation in (wire, Optional[wire]), name
     assert ImageGenerationRequest.__name__ == "ImageGenerationRequest" and "prompt" in fields and "size" in fields
-    text = (ROOT / "multistream/server/openai_protocol.py").read_text(encoding="utf-8")
+    text = (ROOT / "multistream/server/openai/images/protocol.py").read_text(encoding="utf-8")
     assert 'description="extension: denoising steps"' not in text
 
 
 def test_native_image_body_fields_are_the_specs() -> None:
     from multistream._spec import body_fields
     from multistream.image import ImageOptions
-    from multistream.server.bodies import ImageRequest
+    from multistream.server.bodies import ImageBody
 
     specs = body_fields(ImageOptions)
-    fields = ImageRequest.model_fields
+    fields = ImageBody.model_fields
     assert set(fields) == {"prompt", *specs}
     for name, (wire, field) in specs.items():
         assert fields[name].description == field.description and fields[name].default == field.default, name

@@ -156,14 +156,14 @@ def test_openapi_bodies_are_the_python_options(srv: Any) -> None:
     schema = httpx.get(srv.url + "/openapi.json", timeout=30).json()["components"]["schemas"]
     import dataclasses
 
-    for body, options in (("TextRequest", TextOptions), ("ImageRequest", ImageOptions)):
+    for body, options in (("TextBody", TextOptions), ("ImageBody", ImageOptions)):
         props = schema[body]["properties"]
         fields = {f.name: f for f in dataclasses.fields(options) if "option" in f.metadata}
         assert set(props) == set(fields) | {"prompt"}
         for name, field in fields.items():
             assert props[name]["description"] == field.metadata["option"].doc
     # the Python default (the model's generation_config), not a server's own 0.0
-    assert schema["TextRequest"]["properties"]["temperature"].get("default") is None
+    assert schema["TextBody"]["properties"]["temperature"].get("default") is None
 
 
 @pytest.mark.model

@@ -16,7 +16,7 @@ import websockets
 from server_fixtures import ScriptedTextModel, iter_sse, make_server
 from test_server import check_sequence, wait_until
 
-from multistream.server.admission import Admission
+from multistream.server.streams.admission import Admission
 
 SLOW = [f" s{i}" for i in range(400)]
 

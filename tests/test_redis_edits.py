@@ -15,7 +15,7 @@ import pytest
 import websockets
 
 from multistream.server import ServerSettings
-from multistream.server.event_log import RedisEventLog, RemoteRecord
+from multistream.server.durable.event_log import RedisEventLog, RemoteRecord
 from redis_fixtures import needs_redis, redis_server
 from server_fixtures import LiveServer, ScriptedTextModel, iter_events, make_server
 
@@ -162,7 +162,7 @@ def test_websocket_steer_on_another_server(servers: Any) -> None:
 
 def test_owner_that_does_not_answer_gives_202_and_a_gone_one_409(servers: Any) -> None:
     """The verdict wait is bounded: a silent owner -> 202 pending with a note; no owner -> 409."""
-    from multistream.server.edits import apply_parsed_edit
+    from multistream.server.streams.edits import apply_parsed_edit
 
     _, _, url = servers
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from multistream.server import ServerSettings
-from multistream.server.event_log import RedisEventLog, entry_id
+from multistream.server.durable.event_log import RedisEventLog, entry_id
 from redis_fixtures import free_port, needs_redis, redis_server
 from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, serve_subprocess, \
     wait_until

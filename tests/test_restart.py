@@ -104,8 +104,8 @@ def test_a_generation_that_keeps_killing_its_server_ends_with_an_error() -> None
     from server_fixtures import make_server
 
     from multistream.server import ServerSettings
-    from multistream.server.continuation import MAX_RESTARTS
-    from multistream.server.event_log import RedisEventLog, entry_id
+    from multistream.server.durable.continuation import MAX_RESTARTS
+    from multistream.server.durable.event_log import RedisEventLog, entry_id
 
     sid, token = "f" * 32, "tok"
     first = {"type": "text", "stream_id": sid, "seq": 0, "t": 0.0, "is_final": False, "delta": " w0",
@@ -140,7 +140,7 @@ def test_continuing_logged_tokens_equals_an_uninterrupted_run(text_model) -> Non
     to an uninterrupted run, on the default model."""
     import asyncio
 
-    from multistream.server.continuation import continuation_stream
+    from multistream.server.durable.continuation import continuation_stream
 
     llm = text_model
     kwargs = {"prompt": [{"role": "user", "content": "Write one sentence about the sea."}], "max_new_tokens": 16,

@@ -258,7 +258,7 @@ def test_openai_stream_after_a_rewind_is_as_documented(keyed: Any) -> None:
 
 def test_rewind_through_the_content_filter() -> None:
     """The filter holds text back; a rewind must cut the held text too, and offsets stay the client's."""
-    from multistream.server.filtering import Blocklist
+    from multistream.server.streams.filtering import Blocklist
 
     tokens = [" alpha", " secret", " beta", " gamma", " delta", " eps", " zeta", " eta", " theta", " iota"] * 3
     with make_server(ScriptedTextModel(tokens, delay_s=0.04), content_filter=Blocklist(["secret"])) as s:

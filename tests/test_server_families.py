@@ -331,7 +331,7 @@ def test_every_ref_in_the_openapi_document_resolves(all_families):
     """Before: /v1/completions' body was a $ref to CompletionRequest, which the document lacked."""
     doc = httpx.get(f"{all_families.url}/openapi.json", timeout=30).json()
     refs = set(_refs(doc))
-    assert "#/components/schemas/CompletionRequest" in refs and "#/components/schemas/SpeechRequest" in refs
+    assert "#/components/schemas/CompletionRequest" in refs and "#/components/schemas/SpeechBody" in refs
     for ref in sorted(refs):
         assert ref.startswith("#/"), ref
         node = doc
@@ -355,7 +355,7 @@ def test_a_text_stream_continued_after_a_restart_is_still_filtered(tmp_path):
     from redis_fixtures import REDIS, redis_server
     from server_fixtures import make_server
 
-    from multistream.server.event_log import RedisEventLog, entry_id
+    from multistream.server.durable.event_log import RedisEventLog, entry_id
 
     if REDIS is None:
         pytest.skip("redis-server is not installed (scripts/setup.sh --test)")

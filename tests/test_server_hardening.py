@@ -18,7 +18,7 @@ import websockets
 from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, wait_until
 
 from multistream.server import Blocklist, decode_message
-from multistream.server.filtering import OutputFilter
+from multistream.server.streams.filtering import OutputFilter
 
 JSON = {"content-type": "application/json"}
 STATIC = Path(__file__).resolve().parent.parent / "multistream" / "static"
@@ -165,11 +165,11 @@ async def test_websocket_checks_origin(srv: Any) -> None:
 def test_openapi_describes_the_bodies_and_docs_are_served(srv: Any) -> None:
     spec = httpx.get(srv.url + "/openapi.json").json()
     schemas = spec["components"]["schemas"]
-    for name in ("TextRequest", "ImageRequest", "ChatCompletionRequest", "ImageGenerationRequest", "ErrorResponse"):
+    for name in ("TextBody", "ImageBody", "ChatCompletionRequest", "ImageGenerationRequest", "ErrorResponse"):
         assert name in schemas, name
     body = spec["paths"]["/v1/text"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert body["$ref"].endswith("/TextRequest")
-    assert "max_new_tokens" in schemas["TextRequest"]["properties"]
+    assert body["$ref"].endswith("/TextBody")
+    assert "max_new_tokens" in schemas["TextBody"]["properties"]
     assert "/readyz" in spec["paths"] and "/v1/ws" not in spec["paths"]
     assert httpx.get(srv.url + "/docs").status_code == 200
 
@@ -310,7 +310,7 @@ def test_keys_own_streams_cap_priority_and_quota(tmp_path: Path) -> None:
 
 
 def test_keys_are_redacted_from_logs() -> None:
-    from multistream.server.security import install_log_redaction
+    from multistream.server.access.security import install_log_redaction
 
     install_log_redaction()
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',

@@ -173,7 +173,7 @@ async def test_websocket_speech_as_binary_frames(server):
 
     websockets = pytest.importorskip("websockets")
     from multistream.server import decode_message
-    from multistream.server.websocket import encode_audio_frame
+    from multistream.server.native.websocket import encode_audio_frame
 
     async with websockets.connect(server.ws_url + "/v1/ws", open_timeout=30) as ws:
         await ws.send(json.dumps({"type": "speech", "id": "s1", "text": TEXT, "voice": "alloy"}))

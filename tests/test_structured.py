@@ -14,8 +14,8 @@ from pydantic import BaseModel
 
 import multistream as ms
 from multistream.server import ServerSettings
-from multistream.server.openai_protocol import chat_kwargs
-from multistream.server.problems import Problem
+from multistream.server.openai.chat.protocol import chat_kwargs
+from multistream.server.http.problems import Problem
 from multistream.text import ToolCallParser, parse_text_options, parse_tool_calls
 from multistream.text import _schemas
 

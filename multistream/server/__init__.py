@@ -14,22 +14,22 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from .access.metrics import Metrics
     from .app import create_app
-    from .filtering import STOP, Blocklist, ContentFilter
-    from .metrics import Metrics
-    from .registry import Registry, StreamRecord
+    from .native.websocket import decode_message, encode_image_frame
     from .runner import serve, uvicorn_config
     from .settings import ServerSettings
     from .state import ServerState
-    from .websocket import decode_message, encode_image_frame
+    from .streams.filtering import STOP, Blocklist, ContentFilter
+    from .streams.registry import Registry, StreamRecord
 
 # Loaded on first use: the command line reads ServerSettings (its flags) at every start, also for
 # `multistream text`, and should not pay for fastapi, starlette and the routes there.
 _LAZY = {
-    "create_app": ".app", "STOP": ".filtering", "Blocklist": ".filtering", "ContentFilter": ".filtering",
-    "Metrics": ".metrics", "Registry": ".registry", "StreamRecord": ".registry", "serve": ".runner",
+    "create_app": ".app", "STOP": ".streams.filtering", "Blocklist": ".streams.filtering", "ContentFilter": ".streams.filtering",
+    "Metrics": ".access.metrics", "Registry": ".streams.registry", "StreamRecord": ".streams.registry", "serve": ".runner",
     "uvicorn_config": ".runner", "ServerSettings": ".settings", "ServerState": ".state",
-    "decode_message": ".websocket", "encode_image_frame": ".websocket",
+    "decode_message": ".native.websocket", "encode_image_frame": ".native.websocket",
 }
 __all__ = [
     "STOP",

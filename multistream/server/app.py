@@ -2,17 +2,18 @@
 
 Routes (every native payload is the event wire form, ``ev.to_dict()``), one `APIRouter` per surface:
 
-- native (`routes_native`): ``POST /v1/text``, ``POST /v1/image``: JSON body = the arguments of
+- native (`native.routes`: one ``POST /v1/<family>`` per entry of `families.FAMILIES`): ``POST /v1/text``, ``POST /v1/image``: JSON body = the arguments of
   ``.stream()`` (+ ``priority``); answers ``text/event-stream`` (``id:`` seq, ``event:`` type,
   ``data:`` wire JSON) with ``X-Stream-Id`` and ``X-Resume-Token`` headers.
   ``GET /v1/streams/{id}/events``: resume with ``Last-Event-ID`` (or ``?after=SEQ``); replays what
   came after, then follows live; 204 when nothing is left. ``GET`` / ``DELETE /v1/streams/{id}``.
-- WebSocket (`websocket`): ``WS /v1/ws``.
-- OpenAI (`openai_routes`, `openai_completions`): ``POST /v1/chat/completions``, ``POST /v1/completions``,
-  ``POST /v1/images/generations``, ``GET /v1/models``.
-- OpenAI Responses (`openai_responses`): ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``
+- WebSocket (`native.websocket`): ``WS /v1/ws``.
+- OpenAI (`openai.<endpoint>.router`): ``POST /v1/chat/completions`` (`chat`), ``POST /v1/completions``
+  (`completions`), ``POST /v1/images/generations`` (`images`), ``POST /v1/audio/speech`` (`audio`),
+  ``GET /v1/models`` (`openai.models`).
+- OpenAI Responses (`openai.responses`): ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``
   (``?stream=true&starting_after=N``), ``POST /v1/responses/{id}/cancel``, ``GET .../input_items``.
-- health (`routes_health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
+- health (`native.health`): ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics``
   (Prometheus), ``GET /`` (a small web client).
 - ``GET /openapi.json`` and ``GET /docs`` describe every body.
 
@@ -43,25 +44,28 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from . import (
-    openai_completions,
-    openai_responses,
-    openai_routes,
-    routes_health,
-    routes_native,
-    speech_routes,
-    websocket,
-)
-from .bodies import ErrorResponse, OpenAIErrorResponse, RewindRequest, SteerRequest
+from .access.security import KeyRing, SecurityMiddleware, install_log_redaction
+from .bodies import RewindBody, SteerBody
 from .families import FAMILIES
-from .filtering import ContentFilter, chain, load_blocklist
-from .openai_protocol import ChatCompletionRequest, ImageGenerationRequest
-from .problems import Problem
-from .responses_protocol import ResponsesRequest
-from .routes_health import STATIC_DIR
-from .security import KeyRing, SecurityMiddleware, install_log_redaction
+from .http.bodies import ErrorResponse, OpenAIErrorResponse
+from .http.problems import Problem
+from .native import health, websocket
+from .native import routes as native_routes
+from .native.health import STATIC_DIR
+from .openai import models as openai_models
+from .openai.audio import router as openai_audio
+from .openai.audio.protocol import AudioSpeechRequest
+from .openai.chat import router as openai_chat
+from .openai.chat.protocol import ChatCompletionRequest
+from .openai.completions import router as openai_completions
+from .openai.completions.protocol import CompletionRequest
+from .openai.images import router as openai_images
+from .openai.images.protocol import ImageGenerationRequest
+from .openai.responses import router as openai_responses
+from .openai.responses.protocol import ResponsesRequest
 from .settings import ServerSettings
 from .state import ModelSlot, ServerState
+from .streams.filtering import ContentFilter, chain, load_blocklist
 
 __all__ = ["ServerState", "create_app"]
 
@@ -70,9 +74,9 @@ logger = logging.getLogger("multistream.server")
 _OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses")
 # Every body a route's OpenAPI names by `$ref` (`openapi_extra`): the document must define each one.
 _BODY_MODELS = tuple(dict.fromkeys((
-    *(f.body for f in FAMILIES), ChatCompletionRequest, openai_completions.CompletionRequest, ImageGenerationRequest,
-    SteerRequest, RewindRequest, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
-    speech_routes.AudioSpeechRequest)))
+    *(f.body for f in FAMILIES), ChatCompletionRequest, CompletionRequest, ImageGenerationRequest,
+    SteerBody, RewindBody, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
+    AudioSpeechRequest)))
 
 
 def create_app(
@@ -132,7 +136,7 @@ def create_app(
         janitor = asyncio.get_running_loop().create_task(_janitor(state))
         continuer = None
         if state.registry.log is not None:
-            from .continuation import Continuer
+            from .durable.continuation import Continuer
 
             continuer = Continuer(state)  # continues the generations of a server that went away
             continuer.start()
@@ -196,15 +200,11 @@ def create_app(
             problem = Problem(exc.status_code, "http_error", str(exc.detail), dict(exc.headers or {}))
         return problem.response(openai=openai_path(request))
 
-    app.include_router(routes_native.router)
-    app.include_router(openai_routes.router)
-    app.include_router(openai_completions.router)
-    app.include_router(openai_responses.router)
-    app.include_router(speech_routes.router)
-    app.include_router(websocket.router)
-    app.include_router(routes_health.router)
+    for module in (native_routes, openai_models, openai_chat, openai_images, openai_completions, openai_responses,
+                   openai_audio, websocket, health):
+        app.include_router(module.router)
     if settings.enable_test_hooks:
-        app.include_router(routes_native.test_router)
+        app.include_router(native_routes.test_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     def openapi() -> dict[str, Any]:
@@ -230,7 +230,7 @@ def create_app(
 def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False) -> None:
     """Serve the Gradio demo; its generations run through this server's gates (`GatedModel`)."""
     from ..ui.demo import mount_demo
-    from .gated import GatedModel
+    from .streams.gated import GatedModel
 
     def provider(kind: str) -> Any:
         return lambda: GatedModel(app, kind)

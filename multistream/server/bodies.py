@@ -18,32 +18,27 @@ Example:
 from __future__ import annotations
 
 import functools
-import json
 import math
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
-from starlette.requests import Request
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, create_model
 
 from .._spec import body_fields
 from ..errors import InvalidArgumentError
 from ..image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
 from ..speech import MAX_INPUT_CHARACTERS, SpeechOptions, parse_speech_options
 from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, parse_text_options
-from .problems import Problem
+from .http.bodies import STRICT_BODY, validate_body
+from .http.problems import Problem
 from .settings import ServerSettings
 
 __all__ = [
-    "ChatMessage", "EditResult", "ErrorBody", "ErrorResponse",
-    "ImageRequest", "OPENAI_VOICES", "OpenAIErrorBody", "OpenAIErrorResponse", "RewindRequest", "SpeechRequest",
-    "SteerRequest", "TextRequest", "ToolCall", "ToolCallFunction",
-    "parse_image_body", "parse_json_object", "parse_rewind_body", "parse_speech_body", "parse_steer_body",
-    "parse_text_body", "read_json", "speech_voice", "validate_body",
+    "ChatMessage", "EditResult", "ImageBody", "OPENAI_VOICES", "RewindBody", "SpeechBody",
+    "SteerBody", "TextBody", "ToolCall", "ToolCallFunction",
+    "parse_image_body", "parse_rewind_body", "parse_speech_body", "parse_steer_body",
+    "parse_text_body", "speech_voice",
 ]
 
-STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-LAX_BODY = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-_MAX_DEPTH = 32
 
 
 # -- request bodies ------------------------------------------------------------------------------
@@ -84,24 +79,24 @@ class _StrictBody(BaseModel):
 # The native bodies are built from the families' one definition of their options (`TextOptions`,
 # `ImageOptions`): the same names, defaults and descriptions as ``TextModel.stream()`` and
 # ``ImageModel.stream()``, so ``/openapi.json`` describes exactly the Python options.
-TextRequest = create_model(
-    "TextRequest",
+TextBody = create_model(
+    "TextBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/text`` (and a WebSocket ``{\"type\": \"text\", ...}`` message): `TextModel.stream` arguments.",
     prompt=(Union[str, list[ChatMessage]], Field(description="a string, or a non-empty list of chat messages")),
     **body_fields(TextOptions),
 )
 
-ImageRequest = create_model(
-    "ImageRequest",
+ImageBody = create_model(
+    "ImageBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/image`` (and a WebSocket ``{\"type\": \"image\", ...}`` message): `ImageModel.stream` arguments.",
     prompt=(str, Field(description="a string describing the image")),
     **body_fields(ImageOptions),
 )
 
-SpeechRequest = create_model(
-    "SpeechRequest",
+SpeechBody = create_model(
+    "SpeechBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/speech`` (and a WebSocket ``{\"type\": \"speech\", ...}`` message): `SpeechModel.stream` "
     "arguments.",
@@ -109,192 +104,6 @@ SpeechRequest = create_model(
     **body_fields(SpeechOptions),
 )
 
-
-# -- response bodies -----------------------------------------------------------------------------
-
-
-class ErrorBody(BaseModel):
-    type: str = Field(description="machine-readable kind, e.g. 'invalid_type', 'queue_full'")
-    message: str = Field(description="what went wrong and how to fix it")
-    request_id: Optional[str] = Field(default=None, description="quote it when reporting a server error")
-
-
-class ErrorResponse(BaseModel):
-    """Every refusal on the native routes."""
-
-    error: ErrorBody
-
-
-class OpenAIErrorBody(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
-
-
-class OpenAIErrorResponse(BaseModel):
-    """Every refusal on the OpenAI routes (the official SDK's error shape)."""
-
-    error: OpenAIErrorBody
-
-
-# -- reading -------------------------------------------------------------------------------------
-
-
-async def read_json(request: Request, max_bytes: int, *, require_json_type: bool = True) -> Any:
-    """The request body parsed as JSON; 413 past ``max_bytes`` (checked while reading), 415 when
-    the content type is not JSON (a cross-site form cannot send ``application/json``), 400 when
-    it is not valid JSON."""
-    if require_json_type:
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
-            raise Problem(415, "unsupported_media_type",
-                          f"send the body as JSON with 'Content-Type: application/json' (got {ctype or 'none'!r})")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(size, max_bytes)
-        chunks.append(chunk)
-    return parse_json(b"".join(chunks))
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON; send a finite number")
-
-
-def parse_json(raw: bytes | str) -> Any:
-    """JSON text -> value, refusing what would crash or stall a parser: deep nesting, huge integer
-    literals, NaN/Infinity, lone surrogates. Every failure is a 400 ``invalid_json``."""
-    if not raw:
-        raise Problem(400, "invalid_json", "the request body is empty; send a JSON object")
-    try:
-        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
-    except UnicodeDecodeError as exc:
-        raise Problem(400, "invalid_json", f"the request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
-    depth = _max_depth(text)
-    if depth > _MAX_DEPTH:
-        raise Problem(400, "invalid_json", f"the JSON nests {depth} levels deep; at most {_MAX_DEPTH} are accepted")
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise Problem(400, "invalid_json", f"the request body is not valid JSON: {exc}") from None
-    except (ValueError, RecursionError) as exc:
-        # ValueError: an integer literal over sys.get_int_max_str_digits() digits, or NaN/Infinity.
-        raise Problem(400, "invalid_json", f"the request body is not acceptable JSON: {str(exc)[:200]}") from None
-    bad = _lone_surrogate(body)
-    if bad is not None:
-        raise Problem(400, "invalid_text", f"{bad} contains a lone surrogate (an unpaired \\ud800-\\udfff escape), "
-                      "which is not text; send valid Unicode", param=bad.strip("'"))
-    return body
-
-
-def parse_json_object(raw: bytes | str) -> dict[str, Any]:
-    body = parse_json(raw)
-    if not isinstance(body, dict):
-        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _max_depth(text: str) -> int:
-    """Nesting depth of brackets outside strings, without recursion (a cheap pre-check)."""
-    if "[" not in text and "{" not in text:
-        return 0
-    depth = best = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > best:
-                best = depth
-                if best > _MAX_DEPTH:
-                    return best
-        elif ch in "]}":
-            depth -= 1
-    return best
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    stack: list[tuple[str, Any]] = [("the body", value)]
-    while stack:
-        where, v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return where
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                if not isinstance(k, str):
-                    continue
-                try:
-                    k.encode("utf-8")
-                except UnicodeEncodeError:
-                    return "a field name"
-                stack.append((f"'{k}'", item))
-        elif isinstance(v, list):
-            stack.extend((where, item) for item in v)
-    return None
-
-
-def _too_large(size: int, limit: int) -> Problem:
-    return Problem(413, "body_too_large",
-                   f"the request body has {size} bytes or more; this server accepts at most {limit} (max_body_bytes)")
-
-
-# -- validating ----------------------------------------------------------------------------------
-
-
-def _show(value: Any) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=True)[:80]
-    except (TypeError, ValueError):
-        return type(value).__name__
-
-
-def validate_body(model: type[BaseModel], body: Any, what: str) -> BaseModel:
-    """``model.model_validate(body)``, with pydantic's errors turned into one clear 400."""
-    if not isinstance(body, dict):
-        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise _problem(model, exc, body, what) from None
-
-
-def _problem(model: type[BaseModel], exc: ValidationError, body: dict[str, Any], what: str) -> Problem:
-    errors = exc.errors(include_url=False)
-    fields = model.model_fields
-    unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and e["loc"])
-    if unknown:
-        return Problem(400, "unknown_field", f"unknown field(s) {unknown} for {what}; accepted fields: {sorted(fields)}",
-                       param=unknown[0])
-    missing = [str(e["loc"][0]) for e in errors if e["type"] == "missing" and len(e["loc"]) == 1]
-    if missing:
-        name = missing[0]
-        return Problem(400, "missing_field", f"'{name}' is required ({fields[name].description})", param=name)
-    first = errors[0]
-    name = str(first["loc"][0]) if first["loc"] else "body"
-    where = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"][1:])
-    expected = fields[name].description if name in fields else "a valid value"
-    value = body.get(name)
-    if first["type"] in ("finite_number",):
-        return Problem(400, "invalid_argument", f"'{where}' must be a finite number, got {_show(value)}", param=name)
-    kind = "invalid_argument" if first["type"] in ("too_short", "too_long") else "invalid_type"
-    return Problem(400, kind, f"'{where}' must be {expected}, got {_show(value)} ({first['msg']})", param=name)
 
 
 def _limit(name: str, value: int, limit: int, setting: str) -> None:
@@ -348,8 +157,8 @@ def _check_image_options(body: dict[str, Any], given: dict[str, Any]) -> None:
 
 # Per family: its option names, the family's own check of them and the body they belong to.
 _OPTION_CHECKS: dict[str, tuple[tuple[str, ...], Any, type[BaseModel]]] = {
-    "text": (TEXT_STREAM_ARGS, lambda body, given: parse_text_options(**given), TextRequest),
-    "image": (IMAGE_STREAM_ARGS, _check_image_options, ImageRequest),
+    "text": (TEXT_STREAM_ARGS, lambda body, given: parse_text_options(**given), TextBody),
+    "image": (IMAGE_STREAM_ARGS, _check_image_options, ImageBody),
 }
 
 
@@ -369,7 +178,7 @@ def _json_type_fits(body_model: type[BaseModel], name: str, value: Any) -> bool:
 def parse_text_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
     """``POST /v1/text`` body -> (keyword arguments for ``TextModel.stream``, priority)."""
     check_family_options("text", body)
-    req = validate_body(TextRequest, body, "POST /v1/text")
+    req = validate_body(TextBody, body, "POST /v1/text")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)
     if isinstance(req.prompt, list):
@@ -420,14 +229,14 @@ def parse_speech_body(body: Any, settings: ServerSettings | None = None) -> tupl
     (``SpeechModel.stream`` keyword arguments, priority)."""
     if isinstance(body, dict) and isinstance(body.get("text"), str):
         check_speech_options(body["text"], **{k: body[k] for k in ("voice", "speed", "priority") if k in body})
-    req = validate_body(SpeechRequest, body, "POST /v1/speech")
+    req = validate_body(SpeechBody, body, "POST /v1/speech")
     return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
 
 
 def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
     """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
     check_family_options("image", body)
-    req = validate_body(ImageRequest, body, "POST /v1/image")
+    req = validate_body(ImageBody, body, "POST /v1/image")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)
     check_image_limits(kwargs, settings)
@@ -448,7 +257,7 @@ def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None
 # -- edits of a running stream ------------------------------------------------------------------
 
 
-class SteerRequest(BaseModel):
+class SteerBody(BaseModel):
     """``POST /v1/streams/{id}/steer`` (and a WebSocket ``{"type": "steer", ...}`` message).
 
     Text streams take ``instruction``; image streams take ``prompt``, ``negative_prompt`` and
@@ -463,8 +272,8 @@ class SteerRequest(BaseModel):
     guidance_scale: Optional[float] = Field(default=None, description="image streams: a finite number >= 0")
 
 
-RewindRequest = create_model(
-    "RewindRequest",
+RewindBody = create_model(
+    "RewindBody",
     __base__=_StrictBody,
     __doc__="``POST /v1/streams/{id}/rewind`` (and a WebSocket ``{\"type\": \"rewind\", ...}`` message): text "
     "streams only. The answer from character ``offset`` on (a code point index, as Python counts) is dropped and "
@@ -489,7 +298,7 @@ class EditResult(BaseModel):
 
 def parse_steer_body(body: Any, settings: ServerSettings) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A steer body -> (args, kwargs) for `Stream.steer` (only the fields the client sent)."""
-    req = validate_body(SteerRequest, body, "steer")
+    req = validate_body(SteerBody, body, "steer")
     kwargs = {k: v for k, v in _given(req).items() if v is not None}
     for name in ("instruction", "prompt", "negative_prompt"):
         if name in kwargs:
@@ -504,7 +313,7 @@ def parse_steer_body(body: Any, settings: ServerSettings) -> tuple[tuple[Any, ..
 
 def parse_rewind_body(body: Any, settings: ServerSettings) -> tuple[int, dict[str, Any]]:
     """A rewind body -> (offset, keyword arguments for `Stream.rewind`)."""
-    req = validate_body(RewindRequest, body, "rewind")
+    req = validate_body(RewindBody, body, "rewind")
     kwargs = {k: v for k, v in _given(req).items() if v is not None}
     offset = kwargs.pop("offset")
     if offset < 0:

@@ -4,7 +4,7 @@ The first signal stops admitting (new generation requests get 503, the socket st
 clients hear why), lets running streams finish up to ``shutdown_deadline_s``, cancels the rest
 (each ends with a final ``cancelled`` event; with a Redis event log those another server can
 continue are handed off instead, unfinished, for the next server on the log: see
-`multistream.server.continuation`), then stops the server. A second signal exits at once.
+`multistream.server.durable.continuation`), then stops the server. A second signal exits at once.
 
 A model that fails to load stops the server at once (`serve` returns 1, as vLLM exits at start-up),
 with the reason and its fix in the log; with ``ServerSettings.allow_partial`` the server keeps

@@ -55,11 +55,11 @@ class ServerSettings:
             against DNS rebinding.
     Scale-out:
         event_log: ``redis://HOST:PORT/DB`` writes every stream's events to Redis too, so a resume
-            works from any process and across a restart (see `multistream.server.event_log`);
+            works from any process and across a restart (see `multistream.server.durable.event_log`);
             None or ``"memory"``: the in-memory log only (the default).
         image_checkpoint_every: with a Redis event log, an image stream's newest checkpoint is
             written to Redis every this many denoising steps, so a restarted server (or a Ray
-            replica taking over) continues it from there (see `multistream.server.continuation`).
+            replica taking over) continues it from there (see `multistream.server.durable.continuation`).
         blocklist_file: words or phrases (one a line, case-insensitive) the content filter
             redacts from prompts and outputs; filter_holdback_chars: how much output the content
             filter holds back so a word split across tokens is still caught.

@@ -21,15 +21,15 @@ from starlette.requests import HTTPConnection, Request
 from ..engine import capacity_of
 from ..errors import ModelLoadError
 from ..stream import Stream, StreamWriter, reserved_stream_id
-from .admission import Admission
-from .disconnect import until_done_or_gone
+from .access.metrics import Metrics
+from .access.security import KeyRing, Principal
 from .families import FAMILIES, Family, check_model_name, family
-from .filtering import STOP, ContentFilter
-from .metrics import Metrics
-from .problems import Problem, problem_from_exception
-from .registry import Registry, StreamRecord
-from .security import KeyRing, Principal
+from .http.disconnect import until_done_or_gone
+from .http.problems import Problem, problem_from_exception
 from .settings import ServerSettings
+from .streams.admission import Admission
+from .streams.filtering import STOP, ContentFilter
+from .streams.registry import Registry, StreamRecord
 
 __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]
 
@@ -272,9 +272,9 @@ class ServerState:
                 kwargs["priority"] = priority  # the engine serves higher priorities first at every step
             plan = None
             if self.registry.log is not None and fam.continues:
-                from .continuation import durable_plan
+                from .durable.continuation import durable_plan
 
-                # A restart continues it (`continuation`): an image's seed fixed, its checkpoints kept.
+                # A restart continues it (`durable.continuation`): an image's seed fixed, its checkpoints kept.
                 plan = durable_plan(self.registry.log, kind, model, kwargs, self.settings.image_checkpoint_every,
                                     resumable)
                 kwargs = plan.kwargs
@@ -307,7 +307,7 @@ class ServerState:
         if self.content_filter is not None:
             record.input_filter = self._run_filter  # a steer's or rewind's new instruction is input too
         if plan is not None:
-            from .continuation import remember_request
+            from .durable.continuation import remember_request
 
             remember_request(self.registry.log, record, kwargs, plan.checkpoints)
         return record
@@ -402,8 +402,8 @@ class ServerState:
     async def _on_control(self, message: dict[str, Any]) -> dict[str, Any]:
         """An edit another process forwarded (its body already checked there) for a stream that
         runs here: apply it, answer the verdict (`event_log.serve_control`)."""
-        from .edits import apply_parsed_edit
-        from .event_log import verdict
+        from .durable.event_log import verdict
+        from .streams.edits import apply_parsed_edit
 
         sid, command = message.get("stream_id"), message.get("command")
         args, kwargs = message.get("args"), message.get("kwargs")
@@ -438,8 +438,8 @@ class ServerState:
         while self.registry.live and time.monotonic() < end:
             await asyncio.sleep(0.05)
         if self.registry.log is not None:
-            # A durable log: what another server can continue is handed off, not ended (`continuation`).
-            from .continuation import hand_off
+            # A durable log: what another server can continue is handed off, not ended (`durable.continuation`).
+            from .durable.continuation import hand_off
 
             try:
                 await hand_off(self)
@@ -545,7 +545,7 @@ def _event_log(settings: ServerSettings) -> Any:
     url = settings.event_log
     if not url or url == "memory" or not _has_loop():
         return None
-    from .event_log import RedisEventLog
+    from .durable.event_log import RedisEventLog
 
     return RedisEventLog(url, settings)
 

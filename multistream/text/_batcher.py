@@ -90,7 +90,7 @@ def _left_padding(mask: torch.Tensor) -> list[int] | None:
 
 def _rank(req: TextRequest) -> tuple[int, int]:
     """Sort key: higher priority first, then first come first served."""
-    return (-req.priority, req.order)
+    return (-req.priority, req.row.order)
 
 
 # JSON has no -inf; vLLM reports impossible tokens as -9999.0 too.
@@ -119,8 +119,8 @@ class SharedPrompt:
         self.context: list[int] | None = None
 
     def ready_for(self, req: TextRequest) -> bool:
-        return (self.rows is not None and req.prefilled == 0 and req.own_cache is None
-                and req.context == self.context)
+        return (self.rows is not None and req.row.prefilled == 0 and req.row.own_cache is None
+                and req.row.context == self.context)
 
     def waits(self, req: TextRequest) -> bool:
         """True while another member's prefill, which will serve ``req`` too, is under way."""
@@ -129,14 +129,14 @@ class SharedPrompt:
 
     def keep(self, req: TextRequest, rows: RowCache, index: int, logits: torch.Tensor) -> None:
         """The leader's prefill is done: keep a copy of its row (before its first token is added)."""
-        req.share = None
+        req.row.share = None
         self.remaining -= 1
         if self.remaining > 0:
-            self.rows, self.logits, self.context = rows.select([index]), logits.detach().clone(), list(req.context)
+            self.rows, self.logits, self.context = rows.select([index]), logits.detach().clone(), list(req.row.context)
 
     def take(self, req: TextRequest) -> tuple[RowCache, torch.Tensor]:
         assert self.rows is not None and self.logits is not None
-        req.share = None
+        req.row.share = None
         rows, logits = self.rows.select([0]), self.logits  # a copy each: a row's cache grows in place
         self.remaining -= 1
         if self.remaining <= 0:
@@ -178,7 +178,7 @@ class TextBatcher:
     # -- Backend --------------------------------------------------------------------------------
 
     def admit(self, request: TextRequest) -> None:
-        request.order = next(self._arrivals)
+        request.row.order = next(self._arrivals)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -253,7 +253,7 @@ class TextBatcher:
         outer = self._prefilling
         try:
             self._guarded(self._prefill_group, group)  # closes the points for its own forward
-            self.prefills_inside_steps += sum(1 for r in group if not r.needs_prefill)
+            self.prefills_inside_steps += sum(1 for r in group if not r.row.needs_prefill)
         finally:
             self._open_for, self._prefilling = open_for, outer
         self.waiting = [r for r in self.waiting if not r.done]
@@ -262,20 +262,20 @@ class TextBatcher:
         """Fresh whole prompts (one priority, within what is left of this step's prefill budget,
         ranked before ``open_for``) that will get a row at the next step boundary: a free one, or
         one that `_make_room_for_priority` takes from a lower-ranked running request (one each)."""
-        ready = sum(r.width for r in self.waiting if not r.needs_prefill and not r.done)
+        ready = sum(r.width for r in self.waiting if not r.row.needs_prefill and not r.done)
         free_rows = self.capacity - self._rows_used() - ready - sum(r.width for r in self._prefilling)
         # Rows a newcomer can take by pausing a running request, worst first (a cache that cannot
         # be split gives none; beam searches are not paused).
         victims = sorted((_rank(r) for r in self.batch if r.beams is None), reverse=True) if self._mergeable else []
         group: list[TextRequest] = []
         for req in sorted(self.waiting, key=_rank):
-            if req.done or not req.needs_prefill or req in self._prefilling or req.check_flags():
+            if req.done or not req.row.needs_prefill or req in self._prefilling or req.check_flags():
                 continue
-            if req.share is not None:
-                if req.share.rows is not None or req.share.waits(req):
+            if req.row.share is not None:
+                if req.row.share.rows is not None or req.row.share.waits(req):
                     continue  # served by a copy of another member's prefill, at the boundary
-                req.share.leader = req
-            fresh = req.prefilled == 0 and req.own_cache is None and len(req.context) <= self._budget_left
+                req.row.share.leader = req
+            fresh = req.row.prefilled == 0 and req.row.own_cache is None and len(req.row.context) <= self._budget_left
             if not fresh or req.width > 1 or _rank(req) >= open_for or (group and req.priority != group[0].priority):
                 break
             if free_rows > 0:
@@ -285,7 +285,7 @@ class TextBatcher:
             else:
                 break
             group.append(req)
-            self._budget_left -= len(req.context)
+            self._budget_left -= len(req.row.context)
         return group
 
     # -- capacity -------------------------------------------------------------------------------
@@ -324,28 +324,28 @@ class TextBatcher:
     def _apply_edits(self) -> None:
         """Steers and rewinds: the row leaves the batch with its cache, cut back as the edit says,
         and rejoins after its new tokens are prefilled (only those: the rest stays cached)."""
-        edited = [i for i, req in enumerate(self.batch) if req.has_edits]
+        edited = [i for i, req in enumerate(self.batch) if req.edits]
         if edited:
             assert self.rows is not None
             for i in edited:
-                self.batch[i].own_cache = (self.rows.select([self._first_row(i)]), 0) if self._mergeable else (self.rows, 0)
+                self.batch[i].row.own_cache = (self.rows.select([self._first_row(i)]), 0) if self._mergeable else (self.rows, 0)
             moved = [self.batch[i] for i in edited]
             self._remove_rows(edited)
             self.waiting.extend(moved)
         for req in self.waiting:
-            if not req.has_edits or req.done:
+            if not req.edits or req.done:
                 continue
             own: RowCache | None = None
-            if req.own_cache is not None:
-                rows, index = req.own_cache
+            if req.row.own_cache is not None:
+                rows, index = req.row.own_cache
                 own = rows if rows.rows == 1 else rows.select([index])
-            for edit in req.take_edits():
+            for edit in req.edits.take():
                 keep = req.apply_edit(edit)
                 if own is not None:
                     own = own.crop(keep) if keep > 0 else None
-            req.own_cache = (own, 0) if own is not None else None
+            req.row.own_cache = (own, 0) if own is not None else None
             if own is None:
-                req.prefilled = 0
+                req.row.prefilled = 0
 
     def _make_room_for_priority(self) -> None:
         """Pause the lowest-ranked running rows while better-ranked requests wait for a row."""
@@ -361,7 +361,7 @@ class TextBatcher:
                 return
             paused = self.batch[worst]
             assert self.rows is not None
-            paused.own_cache = (self.rows.select([self._first_row(worst)]), 0)
+            paused.row.own_cache = (self.rows.select([self._first_row(worst)]), 0)
             self._remove_rows([worst])
             self.waiting.append(paused)
             waiting.pop(0)
@@ -389,17 +389,17 @@ class TextBatcher:
         for req in sorted(self.waiting, key=_rank):
             if free_rows < req.width or budget <= 0:
                 break
-            if not req.needs_prefill:
+            if not req.row.needs_prefill:
                 free_rows -= req.width  # paused earlier, its cache is ready: it takes a row first
                 continue
-            if req.share is not None:
-                if req.share.waits(req):
+            if req.row.share is not None:
+                if req.row.share.waits(req):
                     continue  # another member's prefill serves it (copied just after)
-                req.share.leader = req
-            remaining = len(req.context) - req.prefilled
+                req.row.share.leader = req
+            remaining = len(req.row.context) - req.row.prefilled
             if group and req.priority != group[0].priority:
                 break  # a higher priority is prefilled on its own, so its first token is not held up
-            if req.prefilled == 0 and req.own_cache is None and remaining <= budget:
+            if req.row.prefilled == 0 and req.row.own_cache is None and remaining <= budget:
                 group.append(req)
                 budget -= remaining
                 free_rows -= req.width
@@ -415,16 +415,16 @@ class TextBatcher:
     def _copy_shared(self) -> None:
         """Members of an n-choice request whose prompt another member prefilled: each copies that
         row (no forward) and draws its first token, while rows are free."""
-        free_rows = self.capacity - len(self.batch) - sum(1 for r in self.waiting if not r.needs_prefill and not r.done)
+        free_rows = self.capacity - len(self.batch) - sum(1 for r in self.waiting if not r.row.needs_prefill and not r.done)
         for req in sorted(self.waiting, key=_rank):
             if free_rows <= 0:
                 return
-            share = req.share
-            if req.done or not req.needs_prefill or share is None or not share.ready_for(req) or req.check_flags():
+            share = req.row.share
+            if req.done or not req.row.needs_prefill or share is None or not share.ready_for(req) or req.check_flags():
                 continue
             rows, logits = share.take(req)
-            req.own_cache = (rows, 0)
-            req.prefilled = len(req.context)
+            req.row.own_cache = (rows, 0)
+            req.row.prefilled = len(req.row.context)
             self._first_token(req, logits)
             free_rows -= 1
 
@@ -460,13 +460,13 @@ class TextBatcher:
 
         if len(group) > 1 and self._mergeable is False:
             group = group[:1]
-        width = max(len(r.context) for r in group)
+        width = max(len(r.row.context) for r in group)
         ids, mask, positions = [], [], []
         for req in group:
-            pad = width - len(req.context)
-            ids.append([req.context[0]] * pad + req.context)
-            mask.append([0] * pad + [1] * len(req.context))
-            positions.append([0] * pad + list(range(len(req.context))))
+            pad = width - len(req.row.context)
+            ids.append([req.row.context[0]] * pad + req.row.context)
+            mask.append([0] * pad + [1] * len(req.row.context))
+            positions.append([0] * pad + list(range(len(req.row.context))))
         cache = DynamicCache()
         mask_t = torch.tensor(mask, device=self.device)
         # Only a higher priority may be prefilled part-way through this one.
@@ -481,52 +481,52 @@ class TextBatcher:
             self._open_for, self._prefilling = None, []
         rows = RowCache(_returned_cache(out, self._cache_arg, cache), mask_t)
         for i, req in enumerate(group):
-            req.prefilled = len(req.context)
-            req.own_cache = (rows, i)
-            if req.share is not None:
-                req.share.keep(req, rows, i, out.logits[i, -1])
+            req.row.prefilled = len(req.row.context)
+            req.row.own_cache = (rows, i)
+            if req.row.share is not None:
+                req.row.share.keep(req, rows, i, out.logits[i, -1])
             self._first_token(req, out.logits[i, -1])
 
     def _prefill_chunk(self, reqs: list[TextRequest], n: int) -> None:
         from transformers import DynamicCache
 
         (req,) = reqs
-        start = req.prefilled
-        ids = req.context[start : start + n]
-        cache = req.own_cache[0].cache if req.own_cache is not None else DynamicCache()
+        start = req.row.prefilled
+        ids = req.row.context[start : start + n]
+        cache = req.row.own_cache[0].cache if req.row.own_cache is not None else DynamicCache()
         mask = torch.ones(1, start + n, dtype=torch.long, device=self.device)
         out = self._forward(
             torch.tensor([ids], device=self.device), mask,
             torch.arange(start, start + n, device=self.device).unsqueeze(0), cache,
         )
-        req.own_cache = (RowCache(_returned_cache(out, self._cache_arg, cache), mask), 0)
-        req.prefilled += n
-        if req.prefilled >= len(req.context):
-            if req.share is not None:
-                req.share.keep(req, req.own_cache[0], 0, out.logits[0, -1])
+        req.row.own_cache = (RowCache(_returned_cache(out, self._cache_arg, cache), mask), 0)
+        req.row.prefilled += n
+        if req.row.prefilled >= len(req.row.context):
+            if req.row.share is not None:
+                req.row.share.keep(req, req.row.own_cache[0], 0, out.logits[0, -1])
             self._first_token(req, out.logits[0, -1])
 
     def _first_token(self, req: TextRequest, logits: torch.Tensor) -> None:
         # The first token goes out now: time to first token is queueing plus prefill.
-        req.needs_prefill = False
+        req.row.needs_prefill = False
         try:
             if req.beams is not None:
                 # The beams start from the prompt's one row; the first step picks k distinct tokens
                 # and the row is copied k times (the join selects it once per beam).
                 req.accept_beams(logits.unsqueeze(0))
-                rows, index = req.own_cache if req.own_cache is not None else (None, 0)
+                rows, index = req.row.own_cache if req.row.own_cache is not None else (None, 0)
                 if rows is not None:
-                    req.own_cache = (rows, [index] * req.width)
+                    req.row.own_cache = (rows, [index] * req.width)
                 return
             raw_logits = logits  # logprobs are the model's own, before any mask
-            if req.forced_token is not None:  # a branch: the caller chose this token
-                token, req.forced_token = req.forced_token, None
+            if req.row.forced_token is not None:  # a branch: the caller chose this token
+                token, req.row.forced_token = req.row.forced_token, None
             else:
                 if req.constraint is not None:
                     logits = apply_masks(logits.unsqueeze(0), [req.constraint])[0]
                 token = self._pick(req, logits)
             entry = None
-            if req.wants_logprobs:
+            if req.out.wants_logprobs:
                 entry = self._logprob_entries([req], raw_logits.unsqueeze(0), [token])[0]
             req.accept(token, entry)
         except Exception as exc:  # noqa: BLE001
@@ -539,16 +539,16 @@ class TextBatcher:
         """Ready requests join the batch, best first; rows prefilled together join together."""
         ready = []
         free_rows = self.capacity - self._rows_used()
-        for req in sorted((r for r in self.waiting if not r.needs_prefill and not r.done), key=_rank):
+        for req in sorted((r for r in self.waiting if not r.row.needs_prefill and not r.done), key=_rank):
             if req.width > free_rows:
                 break
             ready.append(req)
             free_rows -= req.width
         by_cache: dict[int, tuple[RowCache, list[tuple[Any, TextRequest]]]] = {}
         for req in ready:
-            rows, index = req.own_cache
+            rows, index = req.row.own_cache
             by_cache.setdefault(id(rows), (rows, []))[1].append((index, req))
-            req.own_cache = None
+            req.row.own_cache = None
             self.waiting.remove(req)
         for rows, members in by_cache.values():
             # A beam search's index is a list: its prompt row, once per beam.
@@ -574,9 +574,9 @@ class TextBatcher:
         drafts: list[list[int]] = [[] for _ in batch]
         if spans is not None:
             for i, req in enumerate(batch):
-                if req.lookahead is not None:
-                    room = min(req.max_new_tokens - len(req.answer_ids), req.context_length - len(req.context)) - 1
-                    drafts[i] = req.lookahead.drafts(req.context, rows=size, room=room, version=req.rewinds)
+                if req.row.lookahead is not None:
+                    room = min(req.spec.max_new_tokens - len(req.row.answer_ids), req.spec.context_length - len(req.row.context)) - 1
+                    drafts[i] = req.row.lookahead.drafts(req.row.context, rows=size, room=room, version=req.row.rewinds)
         ids: list[int] = []
         places: list[int] = []
         counts: list[int] = []  # positions per row of the cache
@@ -584,12 +584,12 @@ class TextBatcher:
             if req.beams is not None:
                 for beam in req.beams.running:
                     ids.append(beam[-1])
-                    places.append(req.prefilled)
+                    places.append(req.row.prefilled)
                     counts.append(1)
             else:
-                ids.append(req.context[req.prefilled])
+                ids.append(req.row.context[req.row.prefilled])
                 ids.extend(drafts[i])
-                places.extend(range(req.prefilled, req.prefilled + 1 + len(drafts[i])))
+                places.extend(range(req.row.prefilled, req.row.prefilled + 1 + len(drafts[i])))
                 counts.append(1 + len(drafts[i]))
         self._engine_thread = threading.get_ident()
         self._open_for = _ANY if self._poll_arrivals is not None else None
@@ -627,9 +627,9 @@ class TextBatcher:
         if len(ids) != size:
             logits = every.index_select(0, torch.tensor(offsets[:-1], device=every.device))
         for i, req in enumerate(batch):
-            req.decode_steps += 1
+            req.row.decode_steps += 1
             if not drafts[i]:
-                req.prefilled += 1
+                req.row.prefilled += 1
         raw_logits = logits
         # Each request takes ``width`` rows of the batch (a beam search one per beam); its first row:
         row_of = [self._first_row(i) for i in range(len(batch))]
@@ -671,7 +671,7 @@ class TextBatcher:
                 logger.exception("stream %s failed", req.writer.stream_id)
                 req.fail(exc)
                 ended.append(i)
-        want = [i for i, req in enumerate(batch) if req.wants_logprobs and tokens[i] is not None]
+        want = [i for i, req in enumerate(batch) if req.out.wants_logprobs and tokens[i] is not None]
         found: dict[int, dict[str, Any]] = {}
         if want:
             # Logprobs are the model's own (raw logits, before masks and penalties), one pass for all.
@@ -711,15 +711,15 @@ class TextBatcher:
             raw = logits[j]
             row = apply_masks(raw.unsqueeze(0), [req.constraint])[0] if req.constraint is not None else raw
             token = self._pick(req, row)
-            entry = self._logprob_entries([req], raw.unsqueeze(0), [token])[0] if req.wants_logprobs else None
+            entry = self._logprob_entries([req], raw.unsqueeze(0), [token])[0] if req.out.wants_logprobs else None
             done = req.accept(token, entry, hold=True)
             match = j < len(drafts) and token == drafts[j]
             accepted += match
             if done or not match:
                 break
-        assert req.lookahead is not None
-        req.lookahead.verified(len(drafts), accepted)
-        req.prefilled += accepted + 1
+        assert req.row.lookahead is not None
+        req.row.lookahead.verified(len(drafts), accepted)
+        req.row.prefilled += accepted + 1
         req.release()
         return accepted + 1, done
 
@@ -752,7 +752,7 @@ class TextBatcher:
         sampler = req.sampler
         if sampler.penalties is None:
             sampler.penalties = Penalties(sampler.plan, int(logits.shape[-1]), logits.device)
-        sampler.penalties.sync(req.answer_ids, req.rewinds)
+        sampler.penalties.sync(req.row.answer_ids, req.row.rewinds)
         return sampler.penalties
 
     def _adjusted(self, batch: list[TextRequest], logits: torch.Tensor, row_of: list[int],
@@ -773,14 +773,14 @@ class TextBatcher:
             logits = adjust_rows(logits.unsqueeze(0), [self._penalties(req, logits)])[0]
         if req.sampler.plan.greedy and req.sampler.plan.repetition_penalty == 1.0:
             return int(torch.argmax(logits))
-        return req.sampler.pick(logits, req.context, req.output_position, req.answer_ids)
+        return req.sampler.pick(logits, req.row.context, req.row.output_position, req.row.answer_ids)
 
     def _logprob_entries(self, reqs: list[TextRequest], logits: torch.Tensor, tokens: list[int]) -> list[dict[str, Any]]:
         """Logprob entries of each row's chosen token: one log-softmax over the rows' raw logits in
         fp32, one top-k at the largest k asked, one move to the CPU."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
-        k = max(req.top_logprobs for req in reqs)
+        k = max(req.out.top_logprobs for req in reqs)
         if k > 0:
             top_values, top_ids = logprobs.topk(k, dim=-1)
             numbers = torch.cat([chosen, top_values], 1).clamp_min(_LOGPROB_FLOOR).tolist()
@@ -790,8 +790,8 @@ class TextBatcher:
             ids = [[] for _ in reqs]
         out = []
         for req, token, row, row_ids in zip(reqs, tokens, numbers, ids):
-            kk = req.top_logprobs
-            out.append(entries(req.token_table, token, row[0], row_ids[:kk], row[1 : 1 + kk]))
+            kk = req.out.top_logprobs
+            out.append(entries(req.out.token_table, token, row[0], row_ids[:kk], row[1 : 1 + kk]))
         return out
 
     def score(self, ids: list[int], table: TokenTable, top_logprobs: int) -> list[dict[str, Any] | None]:

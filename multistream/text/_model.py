@@ -36,9 +36,11 @@ from ..stream import Stream, StreamWriter
 from ._batcher import DEFAULT_MAX_BATCH, SharedPrompt, TextBatcher
 from ._beams import new_beam_search
 from ._constraints import TokenConstraint, constraint_for, grammar_of
+from ._edits import Edit
 from ._logprobs import TokenTable
 from ._options import REWIND_OPTIONS, TextOptions, check_prompt, parse_text_options
-from ._request import Edit, TextRequest
+from ._request import TextRequest
+from ._request_spec import History, RequestSpec
 from ._sampling import RowSampler, SamplingPlan, choice_seed
 from ._tools import render_tool_messages, tools_active
 
@@ -279,7 +281,7 @@ class TextModel(EngineModel):
         is_chat = not isinstance(prompt, str) or (
             checked.chat if checked.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
         )
-        history = None
+        history: History | None = None
         if on_edit is not None and not callable(on_edit):
             raise InvalidArgumentError(f"on_edit must be callable (it gets a revision dict), got {type(on_edit).__name__}")
         if resume_inserted is not None and resume_tokens is None:
@@ -295,10 +297,11 @@ class TextModel(EngineModel):
                 raise PromptTooLongError(
                     f"the prompt, the answer so far and its instructions are {len(context)} tokens but {self.name} has "
                     f"a context of {self.context_length} tokens")
-            history = (context, ids, positions)
-        return self._start(prompt_ids, checked, plan, max_new, checked.priority, is_chat, history=history,
-                           on_edit=on_edit, share=share if history is None else None,
-                           constraint=self._constraint(checked))
+            history = (tuple(context), tuple(ids), tuple(positions))
+        spec = RequestSpec(prompt_ids=tuple(prompt_ids), options=checked, plan=plan, max_new_tokens=max_new,
+                           eos_token_ids=self.eos_token_ids, context_length=self.context_length,
+                           priority=checked.priority, is_chat=is_chat, history=history, on_edit=on_edit)
+        return self._start(spec, share=share if history is None else None)
 
     def share_prompt(self, n: int) -> SharedPrompt:
         """A handle that ``n`` streams of the same prompt pass as ``replica_stream(..., share=)``, so
@@ -363,16 +366,14 @@ class TextModel(EngineModel):
             raise InvalidArgumentError(f"logit_bias names token {bad[0]}, but {self.name} has {self.vocab_size} "
                                        f"tokens (ids 0..{self.vocab_size - 1})")
 
-    def _start(
-        self, prompt_ids: list[int], options: TextOptions, plan: SamplingPlan, max_new: int, priority: int,
-        is_chat: bool, *, history: tuple[list[int], list[int], list[int]] | None = None, echo: bool = False,
-        edit: Edit | None = None, on_edit: Callable[[dict[str, Any]], Any] | None = None,
-        share: SharedPrompt | None = None, history_logprobs: list[Any] | None = None,
-        constraint: TokenConstraint | None = None,
-    ) -> Stream:
+    def _start(self, spec: RequestSpec, *, share: SharedPrompt | None = None) -> Stream:
+        """The stream of ``spec``, submitted to the engine when it is first read (``share``: the
+        `SharedPrompt` of an ``n``-choice request). Grammars are compiled here, on the caller's thread."""
+        options = spec.options
+        constraint = self._constraint(options)
         model_ref = weakref.ref(self)
         table = self.token_table() if options.wants_logprobs else None
-        if history is not None and options.num_beams > 1:
+        if spec.history is not None and options.num_beams > 1:
             raise InvalidArgumentError(
                 f"num_beams={options.num_beams} starts from the prompt; continuing an answer (revise, resume) "
                 "goes token by token: pass num_beams=1"
@@ -380,19 +381,11 @@ class TextModel(EngineModel):
 
         def submit(writer: StreamWriter) -> None:
             request = TextRequest(
-                writer=writer, prompt_ids=prompt_ids, options=options, sampler=self._sampler(plan, options),
-                tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_new_tokens=max_new,
-                context_length=self.context_length, priority=priority, is_chat=is_chat, history=history,
-                echo_history=echo, on_edit=on_edit, share=share, history_logprobs=history_logprobs,
-                token_table=table, constraint=constraint,
+                spec, writer, tokenizer=self.tokenizer, sampler=self._sampler(spec.plan, options),
+                constraint=constraint, token_table=table, share=share,
+                beams=new_beam_search(options, spec.max_new_tokens, self.eos_token_ids),
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
-                beams=new_beam_search(options, max_new, self.eos_token_ids),
             )
-            if edit is not None:
-                request.forced_token = edit.token_id
-                request.context.extend(edit.inserted)
-                request.revisions.append({"kind": "rewind", "step": 0, "offset": len(request._text),
-                                          "instruction": edit.instruction, "token_ids": list(edit.inserted)})
 
             def on_command(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 model = model_ref()
@@ -453,10 +446,10 @@ class TextModel(EngineModel):
         """Check a steer/rewind on the caller's thread and queue it for the engine's next step."""
         if request.beams is not None:
             raise InvalidArgumentError(
-                f"a beam search (num_beams={request.options.num_beams}) cannot be steered or rewound while it runs; "
+                f"a beam search (num_beams={request.spec.options.num_beams}) cannot be steered or rewound while it runs; "
                 "cancel it and start again, or revise the finished answer (llm.revise(final, offset))"
             )
-        is_chat = request.is_chat
+        is_chat = request.spec.is_chat
         if name == "steer":
             if kwargs:
                 raise InvalidArgumentError(
@@ -467,7 +460,7 @@ class TextModel(EngineModel):
                 raise InvalidArgumentError("steer() needs an instruction, e.g. stream.steer('make it shorter')")
             inserted = self._instruction_tokens(args[0], is_chat)
             self._check_room(request, inserted)
-            request.queue_edit(Edit("steer", inserted, instruction=args[0]))
+            request.edits.put(Edit("steer", inserted, instruction=args[0]))
         elif name == "rewind":
             (offset,) = args
             length = request.writer.text_length
@@ -486,11 +479,11 @@ class TextModel(EngineModel):
                     raise InvalidArgumentError(
                         f"rewind() takes the sampling options {', '.join(REWIND_OPTIONS)}; not {sorted(unknown)}"
                     )
-                current = dataclasses.asdict(request.options)
+                current = dataclasses.asdict(request.spec.options)
                 current.update(kwargs)
                 options = parse_text_options(**current)
                 sampler = self._sampler(SamplingPlan.resolve(options, getattr(self.model, "generation_config", None)), options)
-            request.queue_edit(Edit("rewind", inserted, instruction=instruction, offset=offset, sampler=sampler,
+            request.edits.put(Edit("rewind", inserted, instruction=instruction, offset=offset, sampler=sampler,
                                     token_id=token_id))
         else:
             raise InvalidArgumentError(f"text streams support steer() and rewind(), not {name}()")
@@ -509,9 +502,10 @@ class TextModel(EngineModel):
         return token_id
 
     def _check_room(self, request: TextRequest, inserted: list[int]) -> None:
-        if len(request.context) + len(inserted) + 1 >= self.context_length:
+        held = len(request.row.context)
+        if held + len(inserted) + 1 >= self.context_length:
             raise PromptTooLongError(
-                f"the instruction ({len(inserted)} tokens) does not fit: the context holds {len(request.context)} of "
+                f"the instruction ({len(inserted)} tokens) does not fit: the context holds {held} of "
                 f"{self.context_length} tokens; use a shorter instruction, or rewind first to free room"
             )
 
@@ -547,12 +541,13 @@ class TextModel(EngineModel):
         text = final_event.text or ""
         if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= len(text):
             raise InvalidArgumentError(f"offset {offset!r} is outside the text, which has {len(text)} characters; use 0..{len(text)}")
-        inserted = [] if instruction is None else self._instruction_tokens(instruction, old.is_chat)
+        inserted = [] if instruction is None else self._instruction_tokens(instruction, old.spec.is_chat)
         branch = self._check_branch_token(token_id)
         k = old.snap(offset)
-        cut = old.answer_pos[k] if k < len(old.answer_pos) else len(old.context)
-        history = (old.context[:cut], old.answer_ids[:k], old.answer_pos[:k])
-        merged = dataclasses.asdict(old.options)
+        row = old.row
+        cut = row.answer_pos[k] if k < len(row.answer_pos) else len(row.context)
+        history = (tuple(row.context[:cut]), tuple(row.answer_ids[:k]), tuple(row.answer_pos[:k]))
+        merged = dataclasses.asdict(old.spec.options)
         merged["num_beams"] = 1  # a revision continues the kept text token by token
         merged.update(options)
         new_options = parse_text_options(**merged)
@@ -561,12 +556,13 @@ class TextModel(EngineModel):
             raise PromptTooLongError("the kept text and the instruction fill the context; revise from an earlier offset")
         max_new = min(new_options.max_new_tokens, self.context_length - cut - len(inserted))
         self._check_token_ids(new_options)
-        return self._start(
-            old.prompt_ids, new_options, plan, max_new, new_options.priority, old.is_chat, history=history, echo=True,
-            edit=Edit("rewind", inserted, instruction=instruction, offset=offset, token_id=branch),
-            history_logprobs=old.answer_logprobs[:k],
-            constraint=self._constraint(new_options),
+        spec = RequestSpec(
+            prompt_ids=old.spec.prompt_ids, options=new_options, plan=plan, max_new_tokens=max_new,
+            eos_token_ids=self.eos_token_ids, context_length=self.context_length, priority=new_options.priority,
+            is_chat=old.spec.is_chat, history=history, echo_history=True, history_logprobs=tuple(old.out.answer_logprobs[:k]),
+            first_edit=Edit("rewind", inserted, instruction=instruction, offset=offset, token_id=branch),
         )
+        return self._start(spec)
 
     def generate(
         self, prompt: str | list[dict[str, str]], *, on_event: Callable[[Event], Any] | None = None, **kwargs: Any

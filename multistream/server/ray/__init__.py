@@ -47,9 +47,10 @@ import signal
 import threading
 from typing import Any
 
+from ..durable.resume import checkpoint_key
 from ..families import FAMILIES, family
 from ..settings import ServerSettings
-from ._common import APP_NAME, checkpoint_key
+from ._common import APP_NAME
 from ._handle import RemoteModel
 from ._ingress import Ingress
 from ._replica import ModelReplica

@@ -14,8 +14,9 @@ from typing import Any
 from ...engine import DEFAULT_CAPACITY
 from ...events import Event, ImageEvent, TextEvent
 from ...stream import Stream, StreamWriter
+from ..durable.resume import PREFIX, redis_client
 from ..families import family
-from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, PREFIX, retryable_errors
+from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, retryable_errors
 
 logger = logging.getLogger("multistream.server")
 
@@ -64,7 +65,7 @@ class RemoteModel:
             writer.on_cancel(lambda: loop.call_soon_threadsafe(task.cancel))
 
         stream = Stream(kind=self.kind, submit=submit)
-        # The server's edit routes look for this (`routes_native.apply_edit`): edits travel to the replica.
+        # The server's edit routes look for this (`streams.edits.apply_edit`): edits travel to the replica.
         stream.forward_edit = functools.partial(self.forward_edit, stream.stream_id)  # type: ignore[attr-defined]
         return stream
 
@@ -72,16 +73,14 @@ class RemoteModel:
                            kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """Send finish/steer/rewind to the replica generating ``stream_id`` (Redis control channel):
         its verdict, ``{"gone": True}``, or None when it did not answer in time."""
-        from ..event_log import control_request
-        from ..problems import Problem
+        from ..durable.event_log import control_request
+        from ..http.problems import Problem
 
         if self.event_log is None:
             raise Problem(501, "edits_need_event_log", "on Ray Serve, finish/steer/rewind reach the model replica "
                           "through the shared event log; start with --event-log redis://HOST:PORT/DB")
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(self.event_log, socket_connect_timeout=2.0, socket_timeout=5.0)
+            self._redis = redis_client(self.event_log)
         answer: dict[str, Any] | None = {"gone": True}
         seen = False
         for _ in range(10):  # not started on a replica yet, a failover in progress, a listener subscribing
@@ -92,7 +91,7 @@ class RemoteModel:
                     answer = await control_request(self._redis, PREFIX, f"replica:{replica}", {
                         "stream_id": stream_id, "command": command, "args": list(args), "kwargs": kwargs})
                 except Exception as exc:  # noqa: BLE001
-                    from ..event_log import unavailable
+                    from ..durable.event_log import unavailable
 
                     raise unavailable("forward the edit", exc) from None
                 if answer is None or not answer.get("gone"):

@@ -14,9 +14,9 @@ from typing import Any
 from ...engine import capacity_of
 from ...events import ErrorEvent, ImageEvent, TextEvent
 from ...stream import Stream
+from ..durable.checkpoints import CheckpointWriter, already_sent
+from ..durable.resume import PREFIX, checkpoint_key, redis_client, start_from_checkpoint, trim_text
 from ..families import family
-from ..image_checkpoints import CheckpointWriter, already_sent
-from ._common import PREFIX, checkpoint_key, trim_text
 
 logger = logging.getLogger("multistream.server")
 
@@ -65,9 +65,7 @@ class ModelReplica:
 
     def _client(self) -> Any:
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(self.event_log, socket_connect_timeout=2.0, socket_timeout=5.0)
+            self._redis = redis_client(self.event_log)
         return self._redis
 
     async def _newest_checkpoint(self, key: str) -> bytes | None:
@@ -82,17 +80,15 @@ class ModelReplica:
         """Start answering edits for the streams running here (``ms:ctl:replica:{name}``)."""
         if self._control is not None or self.event_log is None or not self.replica:
             return
-        import redis.asyncio as aioredis
+        from ..durable.event_log import serve_control
 
-        from ..event_log import serve_control
-
-        client = aioredis.from_url(self.event_log, socket_connect_timeout=2.0)
+        client = redis_client(self.event_log, timeout_s=None)
         self._control = asyncio.get_running_loop().create_task(
             serve_control(client, PREFIX, f"replica:{self.replica}", self._on_control), name="multistream-replica-control")
 
     async def _on_control(self, message: dict[str, Any]) -> dict[str, Any]:
-        from ..event_log import apply_command, verdict
-        from ..problems import Problem
+        from ..durable.event_log import apply_command, verdict
+        from ..http.problems import Problem
 
         stream = self.streams.get(str(message.get("stream_id")))
         command, args, kwargs = message.get("command"), message.get("args"), message.get("kwargs")
@@ -128,27 +124,17 @@ class ModelReplica:
             else:
                 trim_tokens, trim_chars = len(tokens), int(resume.get("chars", 0))
         writer: CheckpointWriter | None = None
+        checkpoint: bytes | None = None
         if self.checkpoints and key is not None:
             writer = CheckpointWriter(self._client(), checkpoint_key(key), asyncio.get_running_loop())
             kwargs.update(on_checkpoint=writer.put, checkpoint_every=self.checkpoint_every)
             if failover:
-                data = await self._newest_checkpoint(key)
-                if data is not None:
-                    kwargs["resume_from"] = data
+                checkpoint = await self._newest_checkpoint(key)
         start = self._replica_stream if self.native_resume else self.model.stream
         try:
-            try:
-                stream = start(**kwargs)
-            except Exception as exc:  # noqa: BLE001
-                if "resume_from" not in kwargs:
-                    raise
-                # A checkpoint this run cannot use (another model version, a corrupt value): from step 0.
-                logger.warning("stream %s: its image checkpoint is unusable (%s); denoising from step 0", key, exc)
-                del kwargs["resume_from"]
-                stream = start(**kwargs)
-            else:
-                if "resume_from" in kwargs:
-                    logger.info("stream %s: image resumed from its checkpoint on replica %s", key, self.replica)
+            stream, resumed = start_from_checkpoint(start, kwargs, checkpoint, key)
+            if resumed:
+                logger.info("stream %s: image resumed from its checkpoint on replica %s", key, self.replica)
         except Exception as exc:  # noqa: BLE001 - a refusal reaches the client as an error event
             yield ErrorEvent(stream_id="", seq=0, t=0.0, error={"type": type(exc).__name__, "message": str(exc)})
             return
@@ -160,7 +146,7 @@ class ModelReplica:
                 while edits:
                     yield {"edit": edits.popleft()}
                 if isinstance(ev, TextEvent) and (trim_tokens or trim_chars):
-                    ev = _trim_text(ev, trim_tokens, trim_chars)
+                    ev = trim_text(ev, trim_tokens, trim_chars)
                     if ev is None:
                         continue
                 elif already_sent(ev, trim_step):
@@ -178,5 +164,3 @@ class ModelReplica:
                 # that takes over; it expires on its own.
                 await writer.close(delete=ended)
 
-
-_trim_text = trim_text  # the failover's trim, shared with the restart continuation (`_common`)

@@ -1,0 +1,39 @@
+"""Server-sent-event helpers shared by every streaming route: the response options and one JSON frame.
+
+Example:
+    >>> json_event({"a": 1}).data
+    '{"a":1}'
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+if TYPE_CHECKING:
+    from ..settings import ServerSettings
+
+__all__ = ["DONE", "event_source", "json_event", "sse_options"]
+
+DONE = "[DONE]"  # the OpenAI streams' last data line
+
+
+def sse_options(settings: ServerSettings) -> dict[str, Any]:
+    """`EventSourceResponse` keywords from the settings: heartbeat, send timeout, shutdown grace."""
+    return {"ping": settings.heartbeat_s, "send_timeout": settings.send_timeout_s or None,
+            # Our own drain ends the streams on SIGTERM; sse-starlette must not cut them first.
+            "shutdown_grace_period": settings.shutdown_deadline_s + settings.cancel_timeout_s + 5}
+
+
+def event_source(events: AsyncIterator[Any], settings: ServerSettings, stream_id: str,
+                 headers: dict[str, str] | None = None) -> EventSourceResponse:
+    """An SSE response of ``events`` that names its stream in ``X-Stream-Id``."""
+    return EventSourceResponse(events, headers={"X-Stream-Id": stream_id, **(headers or {})}, **sse_options(settings))
+
+
+def json_event(obj: Any, event: str | None = None, id: str | None = None) -> ServerSentEvent:  # noqa: A002
+    """One SSE frame whose ``data`` is ``obj`` as compact JSON (non-ASCII kept as is)."""
+    return ServerSentEvent(data=json.dumps(obj, ensure_ascii=False, separators=(",", ":")), event=event, id=id)

@@ -1,0 +1,100 @@
+"""What every OpenAI endpoint shares: its refusals' table, reading a body whose ``model`` must name
+the served model, the finish-reason map, an error event's body, the SSE response of one or more
+streams and of a translator's chunks, and collecting a whole answer for ``stream: false``.
+
+Example:
+    >>> openai_finish("cancelled"), openai_finish("length"), openai_finish(None)
+    ('stop', 'length', 'stop')
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from ...events import ErrorEvent, Event
+from ..http.bodies import OpenAIErrorResponse, read_body
+from ..http.disconnect import until_done_or_gone
+from ..http.errors import error_responses
+from ..http.sse import DONE, event_source, json_event
+from ..settings import ServerSettings
+from ..streams.view import StreamView
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from ..state import ServerState
+
+__all__ = ["ERRORS", "FINISH", "ChunkTranslator", "chunk_events", "collect_events", "error_body", "openai_finish",
+           "read_model_body", "sse_of"]
+
+ERRORS = error_responses(OpenAIErrorResponse)
+
+# Our finish reasons in OpenAI's words: OpenAI has no "cancelled" or "finished_early" (a stream
+# stopped early ends as "stop"), and a stop sequence is a "stop".
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "content_filter": "content_filter",
+          "cancelled": "stop", "finished_early": "stop"}
+
+
+def openai_finish(reason: str | None) -> str:
+    """OpenAI's ``finish_reason`` for ours (``None``: the stream ended normally, "stop")."""
+    return FINISH.get(reason or "stop", "stop")
+
+
+def error_body(ev: ErrorEvent) -> dict[str, Any]:
+    """An error event in OpenAI's error shape (its message was already made safe by the registry)."""
+    return {"error": {"message": ev.error.get("message", "generation failed"), "type": "server_error",
+                      "param": None, "code": ev.error.get("type")}}
+
+
+def sse_of(records: Sequence[StreamView], settings: ServerSettings, events: AsyncIterator[Any]) -> EventSourceResponse:
+    """An SSE response of ``events``, naming every stream it reads in ``X-Stream-Id`` (comma-separated)."""
+    return event_source(events, settings, ",".join(r.stream_id for r in records))
+
+
+async def collect_events(record: StreamView, request: Any) -> list[Any]:
+    """Every event of a stream, for the non-streaming routes; a client that goes away meanwhile
+    (an SDK timeout, say) cancels the generation instead of leaving it running to the end."""
+
+    async def collect() -> list[Any]:
+        return [ev async for ev in record.subscribe()]
+
+    return await until_done_or_gone(collect(), request, on_gone=record.cancel)
+
+
+async def read_model_body(request: Request, state: ServerState, family: str) -> Any:
+    """The JSON body of an OpenAI route of ``family``; its ``model`` (when given) must name the
+    served model, else 404 ``model_not_found``."""
+    body = await read_body(request, state)
+    state.check_model_name(family, body.get("model") if isinstance(body, dict) else None)
+    return body
+
+
+class ChunkTranslator(Protocol):
+    """A `serving` translator of choices' events into chunks (`ChatChunks`, `CompletionChunks`)."""
+
+    failed: bool
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def feed(self, i: int, ev: Event) -> list[dict[str, Any]]: ...
+
+    def closing(self) -> list[dict[str, Any]]: ...
+
+
+async def chunk_events(chunks: ChunkTranslator, events: AsyncIterator[tuple[int, Event]]
+                       ) -> AsyncIterator[ServerSentEvent]:
+    """The SSE frames of a streamed answer: the translator's chunks for ``events`` (choice index,
+    event), then ``[DONE]``; an error event's chunk ends it (no ``[DONE]``)."""
+    for chunk in chunks.opening():
+        yield json_event(chunk)
+    async for i, ev in events:
+        for chunk in chunks.feed(i, ev):
+            yield json_event(chunk)
+        if chunks.failed:
+            return
+    for chunk in chunks.closing():
+        yield json_event(chunk)
+    yield ServerSentEvent(data=DONE)

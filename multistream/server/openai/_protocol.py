@@ -1,0 +1,86 @@
+"""What the OpenAI bodies share: `StreamOptions`, the namesake fields built from a family's options
+(`option_fields`), the chat messages' conversion (`chat_messages`) and the text options' checks
+(`check_options`).
+
+Example:
+    >>> chat_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    [{'role': 'user', 'content': 'hi'}]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel, Field
+
+from ..._spec import body_fields
+from ..bodies import check_family_options
+from ..http.bodies import STRICT_BODY
+from ..http.problems import Problem
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT_BODY
+    include_usage: Optional[bool] = Field(default=None, description="true: a last chunk carries the usage")
+    include_obfuscation: Optional[bool] = Field(default=None, description="accepted and ignored")
+    continuous_usage_stats: Optional[bool] = Field(default=None, description="vLLM's: every chunk carries the "
+                                                   "usage so far")
+
+
+def option_fields(options: type, names: tuple[str, ...], extensions: tuple[str, ...]) -> dict[str, Any]:
+    """``{name: (annotation, Field)}`` of the ``names`` of the options class ``options``: its type
+    and description (``extensions`` marked as such), a null default, except priority's."""
+    out: dict[str, Any] = {}
+    for name, (wire, field) in body_fields(options).items():
+        if name not in names:
+            continue
+        doc = ("extension: " if name in extensions else "") + (field.description or "")
+        if name == "priority":
+            out[name] = (wire, Field(default=field.default, description=doc))
+        else:
+            out[name] = (Optional[wire], Field(default=None, description=doc))
+    missing = set(names) - set(out)
+    assert not missing, f"{options.__name__} has no {sorted(missing)}"
+    return out
+
+
+def unsupported(name: str, message: str) -> Problem:
+    return Problem(400, "unsupported", message, param=name)
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m.get("role"), str):
+            raise Problem(400, "invalid_type", f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise Problem(400, "invalid_type", f"messages[{i}].content parts must be text parts "
+                              '({"type": "text", "text": ...}); this server has a text-only model', param="messages")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise Problem(400, "invalid_type", f"messages[{i}].content must be a string or text parts", param="messages")
+        entry: dict[str, Any] = {"role": m["role"], "content": content}
+        # An assistant turn's calls and a tool turn's answer to one: the model renders them.
+        if m.get("tool_calls"):
+            entry["tool_calls"] = m["tool_calls"]
+        if m.get("tool_call_id") is not None:
+            entry["tool_call_id"] = m["tool_call_id"]
+        out.append(entry)
+    return out
+
+
+def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> the text family's (text content parts joined; tool calls and
+    tool answers kept); a 400 naming ``messages`` otherwise. The Responses route uses it too."""
+    return _messages(raw)
+
+
+def check_options(kwargs: dict[str, Any]) -> None:
+    """The `TextOptions` values checked here, together (some depend on each other, e.g.
+    ``tool_choice`` on ``tools``), so a bad one is a 400 naming its ``param`` (OpenAI's error
+    shape) with the message ``TextModel.stream()`` gives."""
+    check_family_options("text", kwargs)

@@ -1,0 +1,1 @@
+"""OpenAI `audio` endpoint: protocol (bodies), serving (events to chunks), router (routes)."""

@@ -1,0 +1,1 @@
+"""OpenAI `chat` endpoint: protocol (bodies), serving (events to chunks), router (routes)."""

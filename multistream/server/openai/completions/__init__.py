@@ -1,0 +1,1 @@
+"""OpenAI `completions` endpoint: protocol (bodies), serving (events to chunks), router (routes)."""

@@ -1,0 +1,1 @@
+"""OpenAI `images` endpoint: protocol (bodies), serving (events to chunks), router (routes)."""

@@ -1,0 +1,1 @@
+"""OpenAI `responses` endpoint: protocol (bodies), serving (events to chunks), router (routes)."""

@@ -1,0 +1,1 @@
+"""Native kernels and fast decode paths of the text family (private)."""
