@@ -398,7 +398,7 @@ class StreamWriter:
             fields["logprobs"] = list(logprobs)
         if tool_calls is not None:
             fields["tool_calls"] = [dict(c) for c in tool_calls]
-        self._channel.put(TextEvent, fields)
+        self.emit(TextEvent, **fields)
 
     def image(
         self,
@@ -433,29 +433,22 @@ class StreamWriter:
         if is_final or finish_reason is not None:
             # A finished image (the stream's last, or one of a batch) is never merged or dropped.
             fields.update(is_final=is_final, finish_reason=finish_reason or "stop", metrics=dict(metrics or {}))
-            self._channel.put(ImageEvent, fields)
-        else:
-            self._channel.put(ImageEvent, fields, MergeKey.preview("image", index))
+        self.emit(ImageEvent, **fields)
 
     def audio(self, *, data: bytes, sample_rate: int, sample_offset: int, num_samples: int,
               text_span: tuple[int, int], mime: str) -> None:
         """Emit a chunk of speech. Chunks are never merged or dropped (each is audio to play)."""
-        self._channel.put(AudioEvent, {
-            "data": data, "sample_rate": sample_rate, "sample_offset": sample_offset,
-            "num_samples": num_samples, "text_span": tuple(text_span), "mime": mime,
-        })
+        self.emit(AudioEvent, data=data, sample_rate=sample_rate, sample_offset=sample_offset, num_samples=num_samples,
+                  text_span=tuple(text_span), mime=mime)
 
     def finish_audio(self, *, sample_rate: int, sample_offset: int, text_span: tuple[int, int], mime: str,
                      audio: bytes, duration_s: float, finish_reason: str, usage: dict[str, Any],
                      metrics: dict[str, float], text: str | None = None) -> None:
         """Emit the final audio event: no samples of its own, the whole utterance as ``audio`` (WAV),
         and ``text``, the input as it was spoken."""
-        self._channel.put(AudioEvent, {
-            "data": b"", "sample_rate": sample_rate, "sample_offset": sample_offset, "num_samples": 0,
-            "text_span": tuple(text_span), "mime": mime, "is_final": True, "audio": audio,
-            "duration_s": duration_s, "finish_reason": finish_reason, "usage": dict(usage),
-            "metrics": dict(metrics), "text": text,
-        })
+        self.emit(AudioEvent, data=b"", sample_rate=sample_rate, sample_offset=sample_offset, num_samples=0,
+                  text_span=tuple(text_span), mime=mime, is_final=True, audio=audio, duration_s=duration_s,
+                  finish_reason=finish_reason, usage=dict(usage), metrics=dict(metrics), text=text)
 
     def forward(self, ev: Event, *, is_final: bool | None = None) -> None:
         """Re-emit an event from another stream as part of this one (for composed streams).

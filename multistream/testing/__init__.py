@@ -1,6 +1,6 @@
 """Scripted stand-ins for the text, image, speech and video models, for fast tests of anything built on streams.
 
-`ScriptedTextModel` and `ScriptedImageModel` have the same ``.stream()`` / ``.generate()``
+`ScriptedTextModel`, `ScriptedImageModel` and `ScriptedVideoModel` have the same ``.stream()`` / ``.generate()``
 signatures as the real models and emit scripted events through a real `Stream` (so seq,
 backpressure, cancel and error handling behave exactly as in production), without torch or
 weights. They check their arguments with the code the real models use

@@ -18,17 +18,32 @@ from typing import Any
 
 import torch
 
-from ._random_pipelines import _clip_config, _seeded, offline_clip_tokenizer, offline_t5_tokenizer
+from ._random_pipelines import offline_clip_tokenizer, offline_t5_tokenizer
 
 __all__ = [
     "RANDOM_VIDEO_FAMILIES",
     "shapes_animatediff_pipeline",
+    "standin_video_model",
     "tiny_animatediff_pipeline",
     "tiny_cogvideox_pipeline",
     "tiny_ltx_pipeline",
     "tiny_video_pipeline",
     "tiny_wan_pipeline",
 ]
+
+
+def _seeded(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def _tiny_clip() -> Any:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=32, intermediate_size=37, layer_norm_eps=1e-05,
+        num_attention_heads=4, num_hidden_layers=2, pad_token_id=1, vocab_size=1000, hidden_act="gelu",
+        projection_dim=32,
+    ))  # fmt: skip
 
 
 def _tiny_t5(d_model: int = 32) -> Any:
@@ -103,7 +118,6 @@ def tiny_ltx_pipeline(seed: int = 0) -> Any:
 def tiny_animatediff_pipeline(seed: int = 0) -> Any:
     """AnimateDiff: a Stable Diffusion UNet with a motion adapter; latents ``(B, 4, F, H/2, W/2)``."""
     from diffusers import AnimateDiffPipeline, AutoencoderKL, DDIMScheduler, MotionAdapter, UNet2DConditionModel
-    from transformers import CLIPTextModel
 
     _seeded(seed)
     unet = UNet2DConditionModel(
@@ -117,7 +131,7 @@ def tiny_animatediff_pipeline(seed: int = 0) -> Any:
                             motion_num_attention_heads=2, use_motion_mid_block=False)
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="linear", clip_sample=False)
     return AnimateDiffPipeline(unet=unet, vae=vae, scheduler=scheduler, motion_adapter=adapter,
-                               text_encoder=CLIPTextModel(_clip_config()), tokenizer=offline_clip_tokenizer(),
+                               text_encoder=_tiny_clip(), tokenizer=offline_clip_tokenizer(),
                                feature_extractor=None, image_encoder=None)
 
 
@@ -139,6 +153,22 @@ def shapes_animatediff_pipeline(seed: int = 0) -> Any:
     return AnimateDiffPipeline(unet=image.unet, vae=image.vae, scheduler=image.scheduler, motion_adapter=adapter,
                                text_encoder=image.text_encoder, tokenizer=image.tokenizer,
                                feature_extractor=None, image_encoder=None)
+
+
+#: What the stand-in makes when nothing else is asked: the embedded image model's size, 16 frames.
+STANDIN_DEFAULTS = {"num_frames": 16, "fps": 8, "steps": 20, "guidance_scale": 7.5, "width": 64, "height": 64}
+
+
+def standin_video_model(seed: int = 0, **kw: Any) -> Any:
+    """`shapes_animatediff_pipeline` as a `multistream.video.VideoModel` that previews with the embedded
+    image model's shipped decoder and latent map (per frame): the embedded video model's stand-in
+    for tests and benchmarks until ``multistream/_models/shapes_video`` is installed."""
+    from ..image import EMBEDDED_IMAGE_SIZES, EMBEDDED_MODEL_DIR
+    from ..video import VideoModel
+
+    kw.setdefault("defaults", STANDIN_DEFAULTS)
+    kw.setdefault("sizes", EMBEDDED_IMAGE_SIZES)
+    return VideoModel(shapes_animatediff_pipeline(seed), model_dir=EMBEDDED_MODEL_DIR, name="standin:shapes-animatediff", **kw)
 
 
 #: Builder and the arguments of a small call of each random family: ``{name: (builder, kwargs)}``.

@@ -2,8 +2,8 @@
 
 Example:
     >>> import multistream as ms
-    >>> vm = ms.load_video_model()                                   # doctest: +SKIP  (embedded, offline)
-    >>> vm = ms.load_video_model("./models/wan2.1-1.3b", device="cuda")  # doctest: +SKIP
+    >>> vm = ms.load_video_model()          # doctest: +SKIP
+    >>> vm = ms.load_video_model("./models/wan", device="cuda")   # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ _RESERVED = {
     "return_dict": None,
     "callback": "callback_on_step_end=",
     "callback_steps": "callback_on_step_end=",
-    "callback_on_step_end": None,
     "callback_on_step_end_tensor_inputs": None,
 }
 
@@ -185,10 +184,12 @@ def parse_video_options(prompt: Any, **options: Any) -> VideoOptions:
         multistream.errors.InvalidArgumentError: fps must be a number from 1 to 120 (frames per second), got 0
     """
     parsed = parse_options(VideoOptions, "VideoModel.stream()", options, extra="pipeline_kwargs", prompt=_prompt(prompt))
-    for key, _value in parsed.pipeline_kwargs.items():
+    for key, value in parsed.pipeline_kwargs.items():
         if key in _RESERVED:
             instead = _RESERVED[key]
             raise InvalidArgumentError(f"{key!r} is set by VideoModel.stream() itself" + (f"; use {instead}" if instead else ""))
+        if key == "callback_on_step_end" and not callable(value):
+            raise InvalidArgumentError("callback_on_step_end must be callable (it runs after multistream's own)")
         if key == "generator" and parsed.seed is not None:
             raise InvalidArgumentError("pass either seed= or generator=, not both")
     return parsed

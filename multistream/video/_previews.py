@@ -58,7 +58,7 @@ _fits: weakref.WeakKeyDictionary[Any, LatentRGB] = weakref.WeakKeyDictionary()
 _fit_lock = threading.Lock()
 
 
-def fit_video_latent_rgb(layout: VideoLatents, *, num_clips: int = 6, latent_size: int = 8, seed: int = 0) -> LatentRGB:
+def fit_video_latent_rgb(layout: VideoLatents, *, num_clips: int = 6, latent_size: int = 4, seed: int = 0) -> LatentRGB:
     """A linear latent->RGB map for a 3D video VAE, by least squares (cached per VAE object).
 
     Moving-shape clips are encoded by the VAE (random latents where it cannot encode), perturbed

@@ -159,14 +159,23 @@ class VideoSteering:
             encoded = pipe.encode_prompt(**{k: v for k, v in given.items() if k in params})
             positive, negative = encoded[0], encoded[2] if len(encoded) == 4 else encoded[1]
             positive = positive.to(current.dtype)
-            if cfg and negative is not None and current.shape[0] == 2 * positive.shape[0]:
-                out["prompt_embeds"] = torch.cat([negative.to(current.dtype), positive])
+            joined = cfg and negative is not None and current.shape[0] % (2 * positive.shape[0]) == 0
+            if joined:
+                out["prompt_embeds"] = _like(torch.cat([negative.to(current.dtype), positive]), current)
             else:
-                out["prompt_embeds"] = positive
-                if cfg and negative is not None and callback_kwargs.get("negative_prompt_embeds") is not None:
-                    out["negative_prompt_embeds"] = negative.to(current.dtype)
+                out["prompt_embeds"] = _like(positive, current)
+                old_negative = callback_kwargs.get("negative_prompt_embeds")
+                if cfg and negative is not None and old_negative is not None:
+                    out["negative_prompt_embeds"] = _like(negative.to(current.dtype), old_negative)
         self.applied += 1
         return out
+
+
+def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` repeated as the pipeline repeated the embeddings it holds (AnimateDiff: once per frame)."""
+    if old.shape[0] != new.shape[0] and old.shape[0] % new.shape[0] == 0:
+        new = new.repeat_interleave(old.shape[0] // new.shape[0], dim=0)
+    return new.to(device=old.device)
 
 
 def _encode_params(pipe: Any) -> set[str]:

@@ -10,7 +10,8 @@ the spatial factor. It runs on all frames at once (the memory is a shift in time
 `fit_video_preview_decoder` distils it from the VAE: synthetic clips of moving discs and squares
 are encoded by the VAE (random latents where it cannot encode), perturbed like early-step
 estimates (noise, blur), decoded by the VAE, and the net learns that mapping. Fitted once per
-VAE object (kept in memory). A 2D image VAE (AnimateDiff) needs none of this: the image family's
+VAE: kept in memory per VAE object and on disk under the VAE's weights' fingerprint (the image
+family's cache directory), so a later process loads it in a moment. A 2D image VAE (AnimateDiff) needs none of this: the image family's
 fitted decoder runs per frame (`multistream.image.fit_preview_decoder`).
 
 Example:
@@ -21,10 +22,14 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +38,8 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from ._layout import VideoLatents
+
+_RECIPE = 1  # bump when the fitting recipe changes, so old cached fits are not reused
 
 __all__ = ["VideoPreviewNet", "cached_video_preview_decoder", "fit_video_preview_decoder", "moving_shapes"]
 
@@ -122,8 +129,45 @@ _memory: weakref.WeakKeyDictionary[Any, VideoPreviewNet] = weakref.WeakKeyDictio
 _lock = threading.Lock()
 
 
+def _cache_path(vae: Any, options: dict[str, Any]) -> Path:
+    from .._cache import cache_dir
+    from ..image._preview_decoder import vae_fingerprint
+
+    tag = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:8]
+    return cache_dir() / "video_preview_decoders" / f"{vae_fingerprint(vae)[:32]}-r{_RECIPE}-{tag}.safetensors"
+
+
+def _save(net: VideoPreviewNet, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {"latent_channels": net.latent_channels, "spatial": net.spatial, "temporal": net.temporal,
+              "width": net.width, "blocks": net.blocks}
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in net.state_dict().items()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # never half a file
+    save_file(tensors, str(tmp), metadata={"config": json.dumps(config), "fit_seconds": str(getattr(net, "fit_seconds", ""))})
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> VideoPreviewNet | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        config = json.loads(meta["config"])
+        net = VideoPreviewNet(config.pop("latent_channels"), **config)
+        net.load_state_dict(tensors)
+    except Exception:  # noqa: BLE001 - a damaged or old file: fit again
+        logger.warning("ignoring the unreadable cached video preview decoder %s", path)
+        return None
+    net.fit_seconds = float(meta.get("fit_seconds") or 0.0)  # type: ignore[assignment]
+    return net.eval().requires_grad_(False)
+
+
 def cached_video_preview_decoder(vae: Any) -> VideoPreviewNet | None:
-    """The decoder fitted before for this VAE object, or None (nothing is fitted here)."""
+    """The decoder fitted before for this VAE object (in memory), or None (nothing is fitted here)."""
     with _lock:
         try:
             return _memory.get(vae)
@@ -131,23 +175,40 @@ def cached_video_preview_decoder(vae: Any) -> VideoPreviewNet | None:
             return None
 
 
+def _remember(vae: Any, net: VideoPreviewNet) -> None:
+    with _lock:
+        try:
+            _memory[vae] = net
+        except TypeError:
+            pass
+
+
 def fit_video_preview_decoder(
-    vae: Any, *, steps: int = 400, num_clips: int = 8, latent_frames: int = 3, latent_size: int = 8,
+    vae: Any, *, steps: int = 300, num_clips: int = 6, latent_frames: int = 3, latent_size: int = 6,
     width: int = 32, blocks: int = 2, seed: int = 0, cache: bool = True,
 ) -> VideoPreviewNet:
     """Fit a `VideoPreviewNet` to a 3D video VAE (Wan, CogVideoX, LTX-Video); see the module docstring.
 
     Costs ``num_clips * 3`` VAE decodes of ``latent_frames`` latent frames plus ``steps`` Adam
-    steps of the tiny net. Cached per VAE object unless ``cache=False``; the fit time is in
-    ``net.fit_seconds``.
+    steps of the tiny net. Cached per VAE (in memory, and on disk by the weights' fingerprint and
+    these options) unless ``cache=False``; the fit time is in ``net.fit_seconds``.
 
     Example:
         >>> net = fit_video_preview_decoder(pipe.vae)               # doctest: +SKIP
     """
+    options = {"steps": steps, "num_clips": num_clips, "latent_frames": latent_frames, "latent_size": latent_size,
+               "width": width, "blocks": blocks, "seed": seed}
+    path: Path | None = None
     if cache:
         hit = cached_video_preview_decoder(vae)
         if hit is not None:
             return hit
+        path = _cache_path(vae, options)
+        loaded = _load(path) if path.is_file() else None
+        if loaded is not None:
+            loaded = loaded.to(next(vae.parameters()).device)
+            _remember(vae, loaded)
+            return loaded
     if steps < 1 or num_clips < 1 or latent_frames < 1 or latent_size < 1:
         raise InvalidArgumentError("fit_video_preview_decoder needs steps, num_clips, latent_frames and latent_size >= 1")
     started = time.perf_counter()
@@ -170,7 +231,7 @@ def fit_video_preview_decoder(
     spread = clean.std().clamp_min(1e-3)
     # What a preview decodes mid-run: the clean estimate, plus noise (early steps) and blur.
     noisy = clean + 0.4 * spread * torch.randn(clean.shape, generator=gen)
-    blurred = F.avg_pool3d(clean, (1, 3, 3), stride=1, padding=(0, 1, 1), count_include_pad=False)
+    blurred = F.avg_pool3d(F.pad(clean, (1, 1, 1, 1, 0, 0), mode="replicate"), (1, 3, 3), stride=1)
     inputs = torch.cat([clean, noisy, blurred])
     with torch.inference_mode():
         targets = torch.cat([layout.decode(inputs[i : i + 2]).float().cpu() for i in range(0, len(inputs), 2)])
@@ -191,10 +252,10 @@ def fit_video_preview_decoder(
     net.fit_seconds = time.perf_counter() - started  # type: ignore[assignment]
     net.fit_loss = float(loss.detach())  # type: ignore[assignment]
     logger.info("fitted a video preview decoder to %s in %.1f s (L1 %.3f)", type(vae).__name__, net.fit_seconds, net.fit_loss)
-    if cache:
-        with _lock:
-            try:
-                _memory[vae] = net
-            except TypeError:
-                pass
+    if cache and path is not None:
+        _remember(vae, net)
+        try:
+            _save(net, path)
+        except OSError:  # a read-only cache only costs the next process a fit
+            logger.warning("could not write the video preview decoder cache %s", path, exc_info=True)
     return net

@@ -1,0 +1,213 @@
+"""The video model's machinery on random-weight pipelines: cancel, finish_early, steer, priority,
+newest-preview-only backpressure, the engine base, loading errors."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+
+import multistream as ms
+from multistream.engine import EngineModel
+from multistream.errors import InvalidArgumentError, ModelLoadError, StreamFinishedError
+from multistream.events import VideoEvent
+from multistream.stream import MergeKey, Stream
+from multistream.testing._random_video import RANDOM_VIDEO_FAMILIES, tiny_video_pipeline
+from multistream.video import VideoModel
+
+WAN = RANDOM_VIDEO_FAMILIES["wan"][1]
+ANIMATEDIFF = RANDOM_VIDEO_FAMILIES["animatediff"][1]
+
+
+@pytest.fixture(scope="module")
+def wan():
+    vm = VideoModel(tiny_video_pipeline("wan"))
+    yield vm
+    vm.close()
+
+
+@pytest.fixture(scope="module")
+def animatediff():
+    vm = VideoModel(tiny_video_pipeline("animatediff"))
+    yield vm
+    vm.close()
+
+
+@contextlib.contextmanager
+def engine_busy(vm: VideoModel):
+    """Hold the model's engine between two steps while the block runs: what the block sends
+    (requests, cancels, steers) is all there at the engine's next step, whatever the machine's speed."""
+    gate = threading.Event()
+    blocker = threading.Thread(target=vm.engine.run_on_engine, args=(gate.wait,))
+    blocker.start()
+    try:
+        yield
+    finally:
+        gate.set()
+        blocker.join()
+
+
+def _pixels(ev: VideoEvent) -> np.ndarray:
+    return np.stack([np.asarray(f, dtype=np.float64) for f in ev.frames])
+
+
+def test_cancel_stops_within_a_step_and_ends_with_the_newest_preview(wan):
+    s = wan.stream("x", steps=40, seed=0, preview="vae", **WAN)
+    first = next(s)
+    s.cancel()
+    rest = list(s)
+    final = rest[-1]
+    assert final.is_final and final.finish_reason == "cancelled"
+    assert final.mime == "image/webp" and len(final.frames) == WAN["num_frames"]
+    assert final.metrics["steps"] < 40
+    assert first.step >= 1
+
+
+def test_cancel_before_the_first_step(wan):
+    with engine_busy(wan):
+        s = wan.stream("x", steps=5, seed=0, preview="vae", **WAN)
+        s.cancel()
+    events = list(s)
+    assert len(events) == 1 and events[0].finish_reason == "cancelled" and events[0].metrics["steps"] == 0
+
+
+def test_finish_early_gives_the_current_estimate_through_the_full_vae(wan):
+    s = wan.stream("x", steps=30, seed=0, preview="vae", preview_max_side=None, **WAN)
+    events = []
+    for ev in s:
+        events.append(ev)
+        if ev.step == 2 and not ev.is_final:
+            s.finish_early()
+    final = events[-1]
+    assert final.finish_reason == "finished_early" and final.mime == "video/webm"
+    assert 2 <= final.metrics["steps"] < 30
+    assert len(final.frames) == WAN["num_frames"]
+    # The clip is the estimate the last preview showed (same VAE decode; only the codecs differ).
+    last_preview = [e for e in events if not e.is_final][-1]
+    assert last_preview.step == final.metrics["steps"]
+    assert np.abs(_pixels(last_preview) - _pixels(final)).mean() < 12.0
+
+
+def test_generate_returns_the_final_with_its_seed(wan):
+    seen: list[VideoEvent] = []
+    final = wan.generate("a red circle", steps=3, seed=5, preview="latent", on_event=seen.append, **WAN)
+    assert final is seen[-1] and final.is_final and final.metrics["seed"] == 5 and final.total_steps == 3
+    assert final.metrics["previews"] == 3 and "ttfp_ms" in final.metrics
+
+
+@pytest.mark.parametrize("fixture,call", [("wan", WAN), ("animatediff", ANIMATEDIFF)])
+def test_steer_changes_the_conditioning_from_the_next_step(request, fixture, call):
+    """Wan keeps negative and positive embeddings apart; AnimateDiff batches them: both steer."""
+    vm = request.getfixturevalue(fixture)
+    embeds: dict[int, object] = {}
+
+    def spy(pipe, i, t, kwargs):
+        embeds[int(i) + 1] = kwargs["prompt_embeds"].clone()
+        return {}
+
+    with engine_busy(vm):  # the steer waits for the run's first step, so it applies from step 2 on
+        s = vm.stream("a red circle", steps=4, seed=1, guidance_scale=3.0, preview="vae", callback_on_step_end=spy,
+                      **call)
+        s.steer(prompt="a green square on a yellow background")
+    s.wait()
+    assert s.final.finish_reason == "stop" and s.final.metrics["steers"] == 1
+    assert embeds[1].shape == embeds[2].shape
+    assert not embeds[1].equal(embeds[2])  # step 2 ran on the new prompt
+    assert embeds[2].equal(embeds[4])
+    with pytest.raises(StreamFinishedError):
+        s.steer(prompt="too late")
+
+
+def test_steer_checks_its_arguments(wan):
+    s = wan.stream("x", steps=20, seed=0, preview="vae", **WAN)
+    try:
+        with pytest.raises(InvalidArgumentError, match="takes prompt, negative_prompt and guidance_scale"):
+            s.steer(prompt="y", seed=3)
+        with pytest.raises(InvalidArgumentError, match="takes keywords"):
+            s.steer("make it blue")
+    finally:
+        s.cancel()
+        list(s)
+
+
+def test_higher_priority_takes_every_step_first(wan):
+    with engine_busy(wan):  # both requests are there at the engine's next step
+        low = wan.stream("low", steps=3, seed=0, preview="none", priority=0, **WAN)
+        high = wan.stream("high", steps=6, seed=0, preview="none", priority=5, **WAN)
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def consume(name: str, s: Stream) -> None:
+        s.wait()
+        with lock:
+            order.append(name)
+
+    threads = [threading.Thread(target=consume, args=(n, s)) for n, s in (("low", low), ("high", high))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert order == ["high", "low"]
+
+
+def test_a_slow_consumer_gets_the_newest_preview_only_and_the_final():
+    def producer(w):
+        for step in range(1, 6):
+            w.emit(VideoEvent, step=step, total_steps=5, num_frames=2, fps=8.0, width=1, height=1, mime="image/webp",
+                   data=bytes([step]))
+        w.emit(VideoEvent, step=5, total_steps=5, num_frames=2, fps=8.0, width=1, height=1, mime="video/webm",
+               data=b"clip", is_final=True, finish_reason="stop", metrics={})
+
+    s = Stream(producer, kind="video")
+    assert s.join(5.0)
+    events = list(s)
+    assert [(e.step, e.data, e.is_final) for e in events] == [(5, bytes([5]), False), (5, b"clip", True)]
+    assert [e.seq for e in events] == [0, 1]
+
+
+def test_merge_keys_are_named():
+    assert MergeKey.preview("video", 1) != MergeKey.preview("image", 1)
+    assert MergeKey.preview("video").is_preview and not MergeKey("text").is_preview
+
+
+def test_every_engine_backed_model_shares_one_base(wan):
+    from multistream.image import ImageModel
+    from multistream.speech._model import SpeechModel
+    from multistream.text import TextModel
+
+    for cls in (TextModel, ImageModel, SpeechModel, VideoModel):
+        assert issubclass(cls, EngineModel)
+    with VideoModel(tiny_video_pipeline("cogvideox")) as vm:
+        assert not vm.engine.closed
+    assert vm.engine.closed
+    with pytest.raises(ms.EngineClosedError):
+        vm.stream("x", num_frames=9, height=16, width=16, max_sequence_length=16, preview="none")
+
+
+def test_the_embedded_model_missing_is_a_clear_error(monkeypatch, tmp_path):
+    from multistream.video import _loading
+
+    monkeypatch.setattr(_loading, "EMBEDDED_VIDEO_DIR", tmp_path / "shapes_video")
+    with pytest.raises(ModelLoadError, match="embedded video model is not installed"):
+        ms.load_video_model()
+
+
+def test_a_folder_and_its_video_json_defaults(tmp_path):
+    pipe = tiny_video_pipeline("wan")
+    pipe.save_pretrained(tmp_path)
+    (tmp_path / "video.json").write_text('{"num_frames": 5, "fps": 12, "steps": 2, "width": 32, "height": 16}')
+    vm = ms.load_video_model(str(tmp_path), device="cpu")
+    try:
+        assert (vm.default_num_frames, vm.default_fps, vm.default_steps, vm.default_size) == (5, 12.0, 2, (16, 32))
+        assert vm.sizes.native == (16, 32) and vm.sizes.multiple == 16
+        final = vm.generate("x", seed=0, preview="none")
+        assert (final.num_frames, final.fps, final.total_steps, final.width, final.height) == (5, 12.0, 2, 32, 16)
+    finally:
+        vm.close()
+
+
+def test_wrapping_a_path_points_to_the_loader():
+    with pytest.raises(InvalidArgumentError, match="ms.load_video_model"):
+        VideoModel("./some/folder")

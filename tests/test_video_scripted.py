@@ -1,0 +1,52 @@
+"""The scripted video fake: the real model's options, events and controls, without a pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from multistream.errors import InvalidArgumentError
+from multistream.testing import ScriptedVideoModel
+
+
+def test_previews_of_every_frame_then_the_clip_moving_as_the_prompt_says():
+    vm = ScriptedVideoModel(steps=4, num_frames=6, size=32)
+    events = list(vm.stream("a red circle moving right on a blue background", preview_format="sheet"))
+    final = events[-1]
+    assert [e.step for e in events[:-1]] == [1, 2, 3, 4][-len(events[:-1]):]
+    assert all(e.mime == "image/jpeg" and len(e.frames) == 6 for e in events[:-1])
+    assert final.mime == "video/webm" and final.finish_reason == "stop" and len(final.frames) == 6
+    red = [np.asarray(f, dtype=float)[..., 0] > 150 for f in (final.frames[0], final.frames[-1])]
+    xs = [np.nonzero(m)[1].mean() for m in red]
+    assert xs[1] > xs[0] + 4  # the disc moved right
+
+
+def test_cancel_finish_early_and_steer():
+    vm = ScriptedVideoModel(steps=50, num_frames=4, size=16, delay_s=0.01)
+    s = vm.stream("a red circle", preview="latent")
+    next(s)
+    s.finish_early()
+    final = list(s)[-1]
+    assert final.finish_reason == "finished_early" and final.mime == "video/webm"
+    s = vm.stream("a red circle", preview="latent")
+    next(s)
+    s.cancel()
+    assert list(s)[-1].finish_reason == "cancelled"
+    vm = ScriptedVideoModel(steps=3, num_frames=4, size=16)
+    s = vm.stream("a red circle on a blue background", preview="none")
+    s.steer(prompt="a green circle on a yellow background")
+    final = s.wait()
+    assert final.metrics["steers"] == 1.0
+    with pytest.raises(InvalidArgumentError, match="takes keywords"):
+        vm.stream("x").steer("make it green")
+
+
+def test_the_fake_refuses_what_the_real_model_refuses():
+    vm = ScriptedVideoModel(size=32)
+    with pytest.raises(InvalidArgumentError, match="unknown preview_format='gif'"):
+        vm.stream("x", preview_format="gif")
+    with pytest.raises(InvalidArgumentError, match="height=20 is not a multiple of 8"):
+        vm.stream("x", height=20)
+    with pytest.raises(InvalidArgumentError, match="takes no 'eta' argument"):
+        vm.stream("x", eta=0.1)
+    assert vm.generate("x", video_format="mp4", preview="none").mime == "video/mp4"
