@@ -42,13 +42,21 @@ MAX_LENGTH = 24
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
 
 
-def build_tokenizer(max_length: int = MAX_LENGTH):  # -> PreTrainedTokenizerFast
-    """Word-level tokenizer over the caption vocabulary; unknown words map to ``<unk>``."""
+def build_tokenizer(
+    max_length: int = MAX_LENGTH, extra_words: list[str] | None = None
+):  # -> PreTrainedTokenizerFast
+    """Word-level tokenizer over the caption vocabulary; unknown words map to ``<unk>``.
+
+    ``extra_words`` are appended after the image vocabulary, so every image word keeps its id
+    (the video model extends the image model's text encoder this way).
+    """
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + all_words())}
+    words = SPECIAL + all_words()
+    words += [w for w in extra_words or [] if w not in words]
+    vocab = {tok: i for i, tok in enumerate(words)}
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     # Punctuation is dropped rather than mapped to <unk>: "a red circle, on blue" should read
     # exactly like the captions the model was trained on.

@@ -26,8 +26,16 @@ __all__ = [
     "POSITIONS",
     "SHAPES",
     "SIZES",
+    "MOTIONS",
+    "Clip",
     "Scene",
+    "all_video_words",
     "all_words",
+    "clip_caption",
+    "draw_clip",
+    "make_clip_dataset",
+    "parse_video_prompt",
+    "sample_clip",
     "caption",
     "draw_scene",
     "make_dataset",
@@ -246,3 +254,16 @@ def make_dataset(
         images[i] = np.asarray(draw_scene(s, size))
         scenes.append(s)
     return images, scenes
+
+
+# The moving-shapes clips build on the scenes above, so they are imported last.
+from ._motion import (  # noqa: E402
+    MOTIONS,
+    Clip,
+    all_video_words,
+    clip_caption,
+    draw_clip,
+    make_clip_dataset,
+    parse_video_prompt,
+    sample_clip,
+)
