@@ -20,6 +20,9 @@ from multistream.errors import InvalidArgumentError
 from multistream.events import ErrorEvent, VideoEvent
 from multistream.image import ImageSizes
 from multistream.server import ServerSettings
+from multistream.server.bodies import VideoBody, parse_video_body
+from multistream.server.families import family
+from multistream.server.http.problems import Problem
 from multistream.server.openai.videos.protocol import (
     VIDEO_OPTION_FIELDS,
     VideoCreateBody,
@@ -32,13 +35,6 @@ from multistream.server.openai.videos.serving import (
     VideoJobStore,
     contact_sheet,
     video_id,
-)
-from multistream.server.problems import Problem
-from multistream.server.video_bodies import (
-    VideoBody,
-    check_video,
-    parse_video_body,
-    video_final,
 )
 from multistream.video import VIDEO_STREAM_ARGS, VideoOptions
 
@@ -91,6 +87,14 @@ def test_a_job_goes_queued_in_progress_completed_with_progress_from_the_steps() 
     obj = job.to_object()
     assert obj["completed_at"] == 1_700_000_010 and obj["expires_at"] == 1_700_000_310
     assert obj["error"] is None and obj["object"] == "video" and obj["id"] == "video_s1"
+
+
+def test_a_job_is_in_progress_once_admitted_before_its_first_step() -> None:
+    job = _job()
+    job.admitted()
+    assert (job.status, job.progress) == ("in_progress", 0)
+    job.fold([_final(0)], now=1).admitted()
+    assert job.status == "completed"  # an ended job stays ended
 
 
 def test_the_object_is_what_the_official_sdk_reads() -> None:
@@ -327,7 +331,7 @@ def test_form_body_marks_a_file_part_without_reading_it() -> None:
     assert _problem_of(body, form=True).param == "input_reference"
 
 
-# -- the native body and the family's pieces (video_bodies.py) ----------------------------------------
+# -- the native body (bodies.py) and the family's pieces (families.py) ----------------------------------
 
 
 
@@ -369,6 +373,8 @@ def test_the_servers_limits() -> None:
 
 
 def test_check_video_is_the_familys_own_check() -> None:
+    check_video = family("video").check
+    assert check_video is not None
     check_video({"prompt": "p", "steps": 4})
     with pytest.raises(InvalidArgumentError, match="steps must be an integer >= 1"):
         check_video({"prompt": "p", "steps": 0})
@@ -381,6 +387,7 @@ class _Record:
 
 def test_the_server_written_final_is_the_newest_preview_or_an_error() -> None:
     record = _Record([_preview(0, 1), _preview(1, 2)])
+    video_final = family("video").server_final
     final = video_final(record, "cancelled", 2, 1.5)
     assert isinstance(final, VideoEvent) and final.is_final and final.finish_reason == "cancelled"
     assert (final.seq, final.step, final.mime, final.eta_s) == (2, 2, "image/webp", 0.0)

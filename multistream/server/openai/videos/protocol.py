@@ -29,13 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, Field, ValidationError, create_model
+from pydantic import BaseModel, Field, create_model
 
 from ....errors import InvalidArgumentError
 from ....video import VideoOptions
-from ...bodies import LAX_BODY, _problem
-from ...openai_protocol import _option_fields
-from ...problems import Problem
+from ...http.bodies import LAX_BODY, validate_body
+from ...http.problems import Problem
+from .._protocol import option_fields
 
 __all__ = ["VIDEO_OPTION_FIELDS", "OneSize", "VideoCreateBody", "VideoFormat", "form_body", "parse_video_create"]
 
@@ -189,7 +189,7 @@ def _frames(seconds: str | int | float, fmt: VideoFormat) -> int:
 
 VideoCreateBody = create_model(
     "VideoCreateBody", __base__=_VideoCreateBase, __doc__=_VideoCreateBase.__doc__,
-    **_option_fields(VideoOptions, VIDEO_OPTION_FIELDS, VIDEO_OPTION_FIELDS))
+    **option_fields(VideoOptions, VIDEO_OPTION_FIELDS, VIDEO_OPTION_FIELDS))
 
 
 def form_body(form: Any) -> dict[str, Any]:
@@ -207,10 +207,5 @@ def parse_video_create(body: Any, fmt: VideoFormat, *, form: bool = False) -> tu
 
     ``form``: the body came as a form, whose values are all strings: numbers are read from them
     (``"20"`` -> 20); a JSON body is checked strictly (a number must be a number)."""
-    if not isinstance(body, dict):
-        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
-    try:
-        req = VideoCreateBody.model_validate(body, strict=False if form else None)
-    except ValidationError as exc:
-        raise _problem(VideoCreateBody, exc, body, "POST /v1/videos") from None
+    req = validate_body(VideoCreateBody, body, "POST /v1/videos", strict=False if form else None)
     return req, req.to_video_options(fmt)  # type: ignore[attr-defined]

@@ -27,19 +27,21 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...bodies import OpenAIErrorResponse, parse_json_object
-from ...problems import Problem, problem_from_exception
-from ...registry import StreamRecord, new_token
-from ...security import Principal
-from ...sse import admit_or_queue
+from ....engine import capacity_of
+from ...access.security import Principal
+from ...bodies import check_video_limits
+from ...http.bodies import OpenAIErrorResponse, parse_json_object, read_body
+from ...http.errors import error_responses
+from ...http.problems import Problem, problem_from_exception
 from ...state import ServerState, get_principal, get_state
-from ...video_bodies import check_video_limits
+from ...streams.registry import StreamRecord, new_token
 from .protocol import VideoCreateBody, VideoFormat, form_body, parse_video_create
 from .serving import VideoJob, VideoJobStore, video_id
 
@@ -47,13 +49,9 @@ __all__ = ["jobs_of", "router"]
 
 logger = logging.getLogger("multistream.server")
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": OpenAIErrorResponse, "description": text} for status, text in (
-        (400, "bad request: the message names the field and the fix"), (401, "missing or wrong API key"),
-        (404, "no such video, or no video model"), (408, "the body came too slowly"),
-        (409, "the video has no content (yet)"), (413, "body too large"),
-        (415, "neither JSON nor a form"), (429, "queue or quota full"), (500, "server failure"),
-        (503, "loading, busy or shutting down"))}
+_ERRORS = error_responses(OpenAIErrorResponse, {404: "no such video, or no video model",
+                                                  409: "the video has no content (yet)",
+                                                  415: "neither JSON nor a form"})
 
 _VIDEO_OBJECT = {"description": "the job (openai.types.Video); header openai-poll-after-ms: when to ask again",
                  "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -74,26 +72,8 @@ def jobs_of(state: ServerState) -> VideoJobStore:
                               max_bytes=s.max_retained_bytes)
         state.video_jobs = store  # type: ignore[attr-defined]
         state.video_keepers = set()  # type: ignore[attr-defined]
+        state.video_runs = {}  # type: ignore[attr-defined]
     return store
-
-
-async def _read_bytes(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(size, max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(size: int, limit: int) -> Problem:
-    return Problem(413, "body_too_large",
-                   f"the request body has {size} bytes or more; this server accepts at most {limit} (max_body_bytes)")
 
 
 async def _read_create(request: Request, state: ServerState) -> tuple[dict[str, Any], bool]:
@@ -104,12 +84,7 @@ async def _read_create(request: Request, state: ServerState) -> tuple[dict[str, 
     if not form and ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
         raise Problem(415, "unsupported_media_type", f"send the body as JSON ('Content-Type: application/json') or "
                       f"as multipart/form-data, as the OpenAI SDK does (got {ctype or 'none'!r})")
-    s = state.settings
-    try:
-        raw = await asyncio.wait_for(_read_bytes(request, s.max_body_bytes), s.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise Problem(408, "request_timeout", f"the request body did not arrive within {s.body_timeout_s:g} s "
-                      "(body_timeout_s); send it at once") from None
+    raw = await read_body(request, state, raw=True)
     if not form:
         return parse_json_object(raw), False
 
@@ -150,24 +125,50 @@ def _owned(state: ServerState, job_id: str, request: Request, principal: Princip
     return job
 
 
-def _follow(state: ServerState, job: VideoJob, task: asyncio.Task[StreamRecord]) -> None:
+def _runs(state: ServerState) -> dict[str, asyncio.Future[StreamRecord]]:
+    """Each running job's stream, by job id: a future of its record (pending while it is queued)."""
+    jobs_of(state)
+    return state.video_runs  # type: ignore[attr-defined,no-any-return]
+
+
+def _follow(state: ServerState, job: VideoJob, started: asyncio.Future[StreamRecord]) -> None:
     """One reader to the stream's end, folding its events into the job; a refusal while it was
-    queued fails the job."""
+    queued (``started`` still awaiting its admission) fails the job."""
+    runs = _runs(state)
+    runs[job.id] = started
 
     async def follow() -> None:
         try:
-            record = await task
+            record = await started
+        except asyncio.CancelledError:
+            job.fail("cancelled", "the job was deleted while it waited for a slot", time.time())
+            return
         except Exception as exc:  # noqa: BLE001 - refused after the create answered: the job says why
             problem = problem_from_exception(exc)
             job.fail(problem.type, problem.message, time.time())
             return
-        async for ev in record.subscribe():
-            job.apply(ev, time.time())
+        job.admitted()
+        try:
+            async for ev in record.subscribe():
+                job.apply(ev, time.time())
+        finally:
+            runs.pop(job.id, None)
 
     keeper = asyncio.get_running_loop().create_task(follow(), name=f"multistream-video-job-{job.stream_id[:8]}")
     keepers: set[asyncio.Task[None]] = state.video_keepers  # type: ignore[attr-defined]
     keepers.add(keeper)
     keeper.add_done_callback(keepers.discard)
+
+
+def _stop(state: ServerState, job: VideoJob) -> None:
+    """Stop a job's generation: its stream is cancelled, or, still queued, it gives up its place."""
+    started = _runs(state).pop(job.id, None)
+    if started is None:
+        return
+    if not started.done():
+        started.cancel()
+    elif not started.cancelled() and started.exception() is None and not started.result().done:
+        started.result().cancel()
 
 
 @router.post("/v1/videos", responses={200: _VIDEO_OBJECT, **_ERRORS}, openapi_extra={"requestBody": {
@@ -185,9 +186,17 @@ async def create_video(request: Request, state: ServerState = Depends(get_state)
     check_video_limits(kwargs, state.settings)
     kwargs.update(_JOB_PREVIEWS)
     stream_id, token = uuid.uuid4().hex, new_token()
-    record, task, _ = await admit_or_queue(lambda on_queued: state.open_stream(
-        "video", kwargs, priority=priority, arrived_at=arrived, principal=principal,
-        on_queued=on_queued, reserved=(stream_id, token), resumable=False))
+
+    def start() -> Awaitable[StreamRecord]:
+        return state.open_stream("video", kwargs, priority=priority, arrived_at=arrived, principal=principal,
+                                 reserved=(stream_id, token), resumable=False)
+
+    gate = state.gates.get("video")
+    if gate is not None and not gate.concurrency:
+        gate.concurrency = capacity_of(model)  # as the first stream would set it: the engine's capacity
+    record: StreamRecord | None = None
+    if gate is None or not gate.would_wait():
+        record = await start()  # a free slot: refusals (a bad option, a full quota) are this answer's 4xx
     store = jobs_of(state)
     job = store.add(VideoJob(
         id=video_id(stream_id), stream_id=stream_id, model=req.model or state.models["video"].name,
@@ -195,8 +204,14 @@ async def create_video(request: Request, state: ServerState = Depends(get_state)
         seconds=fmt.seconds_of(kwargs.get("num_frames")), created_at=int(time.time()), owner=principal.id,
         owner_keyed=principal.keyed, token=token))
     if record is not None:
+        job.admitted()
         job.fold([ev for ev in record.events if ev is not None], time.time())
-    _follow(state, job, task)
+    if record is not None:
+        started: asyncio.Future[StreamRecord] = asyncio.get_running_loop().create_future()
+        started.set_result(record)
+    else:  # queued: the admission goes on after this answer (the job says "queued" until it runs)
+        started = asyncio.ensure_future(start())
+    _follow(state, job, started)
     return JSONResponse(job.to_object(), headers={**_headers(job), "X-Resume-Token": token})
 
 
@@ -242,8 +257,6 @@ async def download_video(video_id: str, request: Request, state: ServerState = D
 async def delete_video(video_id: str, request: Request, state: ServerState = Depends(get_state),
                        principal: Principal = Depends(get_principal)) -> Response:
     job = _owned(state, video_id, request, principal)
-    record = state.registry.get(job.stream_id)
-    if record is not None and not record.done:
-        record.cancel()  # a job still running is stopped: nobody can ask for it any more
+    _stop(state, job)  # a job still running or queued is stopped: nobody can ask for it any more
     jobs_of(state).delete(job.id)
     return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ....events import ErrorEvent, Event, VideoEvent
-from ...problems import Problem
+from ...http.problems import Problem
 
 __all__ = ["VARIANTS", "VIDEO_ID_PREFIX", "VideoAsset", "VideoJob", "VideoJobStore", "contact_sheet", "video_id"]
 
@@ -131,6 +131,11 @@ class VideoJob:
         for ev in events:
             self.apply(ev, at)
         return self
+
+    def admitted(self) -> None:
+        """Its stream got a slot and runs: "in_progress" from now (before its first step's event)."""
+        if self.status == "queued":
+            self.status = "in_progress"
 
     def fail(self, code: str, message: str, now: float) -> None:
         """End the job as failed (e.g. its request was refused while it waited for a slot)."""
