@@ -54,8 +54,10 @@ def test_post_video_streams_every_frame_per_step_then_the_clip(srv: Any) -> None
         events = [event_from_dict(d) for d in iter_events(r)]
     assert [e.seq for e in events] == list(range(len(events))) and all(isinstance(e, VideoEvent) for e in events)
     previews, final = events[:-1], events[-1]
-    assert [e.step for e in previews] == [1, 2, 3, 4] and all(e.mime == "image/jpeg" for e in previews)
-    assert all(len(e.frames) == 6 for e in previews)  # every frame, per step
+    # A reader slower than the model gets the newest preview only (never a backlog): steps may be skipped.
+    steps = [e.step for e in previews]
+    assert steps and steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] <= 4
+    assert all(e.mime == "image/jpeg" and e.total_steps == 4 and len(e.frames) == 6 for e in previews)  # every frame
     assert final.is_final and final.finish_reason == "stop" and final.mime == "video/webm"
     assert len(final.frames) == 6 and final.frames[0].size == (32, 32)
 
@@ -231,7 +233,7 @@ def test_json_body_content_before_the_end_and_delete_stops_the_job() -> None:
         waiting = httpx.post(srv.url + "/v1/videos", json={"prompt": "a green square moving up"}).json()
         assert waiting["status"] == "queued" and waiting["progress"] == 0
         gate = srv.state.gates["video"]
-        assert gate.queued == 1
+        wait_until(lambda: gate.queued == 1, what="the second job to join the queue")
         # Deleting a queued job gives up its place; deleting a running one stops its stream.
         assert httpx.delete(f"{srv.url}/v1/videos/{waiting['id']}").json()["deleted"] is True
         wait_until(lambda: gate.queued == 0, what="the deleted job to leave the queue")
