@@ -56,6 +56,10 @@ def test_the_video_view_shows_every_frames_preview_then_plays_the_clip(browser_p
     assert page.evaluate("document.querySelector('#status').innerText").startswith("step ")
     assert " · 16 frames" in page.evaluate("document.querySelector('#status').innerText")
     _shot(page, "webclient_video_preview.png")
+    # Halfway, the previews have converged towards the clip (an artifact to look at, no timing asserted).
+    page.wait_for_function("() => window.__ms.finalEvent || (window.__ms.seqs.length && "
+                           "/^step (2|3)\\d\\//.test(document.querySelector('#status').innerText))", timeout=60_000)
+    _shot(page, "webclient_video_midrun.png")
 
     page.wait_for_selector("#final", timeout=60_000)
     # The browser decodes the clip: its metadata (size, length) is known and it plays.
