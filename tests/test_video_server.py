@@ -251,6 +251,8 @@ def test_openapi_publishes_both_bodies(srv: Any) -> None:
     assert "/v1/video" in doc["paths"] and "/v1/videos/{video_id}/content" in doc["paths"]
     health = httpx.get(srv.url + "/healthz").json()
     assert "video" in health["models"]
+    listed = {m.id: m.model_extra for m in _sdk(srv).models.list().data}
+    assert listed["scripted-video"]["kind"] == "video" and "sora-2" in listed["scripted-video"]["aliases"]
 
 
 def test_sse_is_json_per_event(srv: Any) -> None:
