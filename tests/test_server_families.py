@@ -250,7 +250,7 @@ def test_serve_speaks_by_default_and_speech_model_none_turns_it_off():
         proc.wait(30)
     port = _free_port()
     proc = serve_subprocess(port, "--text-model", "multistream.testing:ScriptedTextModel", "--image-model", "none",
-                            "--speech-model", "none", wait_s=120)
+                            "--speech-model", "none", "--video-model", "none", wait_s=120)
     try:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", json={"model": "tts-1", "input": "Hello."},
                        timeout=30)
