@@ -218,6 +218,21 @@ def test_openai_refusals(srv: Any) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "video_not_found"
 
 
+def test_a_job_is_its_owners_on_a_keyed_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    keys = tmp_path / "keys"
+    keys.write_text("k-alice name=alice\nk-bob name=bob\n")
+    with _server(ScriptedVideoModel(steps=2, num_frames=2, size=16), keys_file=str(keys)) as srv:
+        alice = openai.OpenAI(base_url=srv.url + "/v1", api_key="k-alice", max_retries=0)
+        bob = openai.OpenAI(base_url=srv.url + "/v1", api_key="k-bob", max_retries=0)
+        video = alice.videos.create_and_poll(prompt="a red circle")
+        assert alice.videos.retrieve(video.id).status == "completed"
+        for call in (lambda: bob.videos.retrieve(video.id), lambda: bob.videos.download_content(video.id),
+                     lambda: bob.videos.delete(video.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert [v.id for v in bob.videos.list().data] == [] and [v.id for v in alice.videos.list().data] == [video.id]
+
+
 def test_json_body_content_before_the_end_and_delete_stops_the_job() -> None:
     vm = ScriptedVideoModel(steps=200, num_frames=4, size=32, delay_s=0.05)
     with _server(vm, video_concurrency=1) as srv:

@@ -23,8 +23,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import logging
-import secrets
 import time
 import uuid
 from collections.abc import Awaitable
@@ -42,12 +40,11 @@ from ...http.errors import error_responses
 from ...http.problems import Problem, problem_from_exception
 from ...state import ServerState, get_principal, get_state
 from ...streams.registry import StreamRecord, new_token
+from .._common import owner_allows
 from .protocol import VideoCreateBody, VideoFormat, form_body, parse_video_create
 from .serving import VideoJob, VideoJobStore, video_id
 
 __all__ = ["jobs_of", "router"]
-
-logger = logging.getLogger("multistream.server")
 
 _ERRORS = error_responses(OpenAIErrorResponse, {404: "no such video, or no video model",
                                                   409: "the video has no content (yet)",
@@ -106,13 +103,7 @@ def _headers(job: VideoJob) -> dict[str, str]:
 
 
 def _allows(job: VideoJob, state: ServerState, request: Request, principal: Principal) -> bool:
-    token = request.headers.get("x-resume-token")
-    if token and job.token and secrets.compare_digest(token.encode(), job.token.encode()):
-        return True
-    if job.owner_keyed:
-        return principal.id == job.owner
-    # An open server: the client address that made it (an id alone is not a credential).
-    return not state.keyring.enabled and principal.id == job.owner
+    return owner_allows(job, request, principal, state.keyring.enabled)
 
 
 def _owned(state: ServerState, job_id: str, request: Request, principal: Principal) -> VideoJob:
