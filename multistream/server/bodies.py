@@ -250,23 +250,35 @@ def parse_speech_body(body: Any, settings: ServerSettings | None = None) -> tupl
     return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
 
 
-def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
-    """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
-    check_family_options("image", body)
-    req = validate_body(ImageBody, body, "POST /v1/image")
+def _parse_denoising_body(kind: str, model: type[BaseModel], body: Any, settings: ServerSettings,
+                          check_limits: Any) -> tuple[dict[str, Any], int]:
+    """An image or video body -> (the ``.stream`` keyword arguments the client sent, priority):
+    the family's own checks first, then the body's, then the server's limits."""
+    check_family_options(kind, body)
+    req = validate_body(model, body, f"POST /v1/{kind}")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)
-    check_image_limits(kwargs, settings)
+    check_limits(kwargs, settings)
     return kwargs, priority
 
 
-def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+def _check_denoising_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+    """What images and video share: the prompt, the steps and a picture's sides (``max_image_side``)."""
     check_prompt_limit(kwargs["prompt"], settings)
     if kwargs.get("steps") is not None:
         _limit("steps", kwargs["steps"], settings.max_steps, "max_steps")
     for side in ("height", "width", "preview_max_side"):
         if kwargs.get(side) is not None:
             _limit(side, kwargs[side], settings.max_image_side, "max_image_side")
+
+
+def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
+    """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
+    return _parse_denoising_body("image", ImageBody, body, settings, check_image_limits)
+
+
+def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+    _check_denoising_limits(kwargs, settings)
     if "num_images" in kwargs:
         _limit("num_images", kwargs["num_images"], settings.max_images, "max_images")
 
@@ -275,26 +287,18 @@ def parse_video_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any
     """``POST /v1/video`` body -> (keyword arguments for ``VideoModel.stream``, priority).
 
     Example:
-        >>> parse_video_body({"prompt": "a red circle moving right", "steps": 8, "priority": 1}, ServerSettings())
-        ({'prompt': 'a red circle moving right', 'steps': 8}, 1)
+        >>> kwargs, priority = parse_video_body({"prompt": "a red circle moving right", "steps": 8, "priority": 1},
+        ...                                     ServerSettings())
+        >>> sorted(kwargs.items()), priority
+        ([('prompt', 'a red circle moving right'), ('steps', 8)], 1)
     """
-    check_family_options("video", body)
-    req = validate_body(VideoBody, body, "POST /v1/video")
-    kwargs = _given(req)
-    priority = kwargs.pop("priority", 0)
-    check_video_limits(kwargs, settings)
-    return kwargs, priority
+    return _parse_denoising_body("video", VideoBody, body, settings, check_video_limits)
 
 
 def check_video_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
     """The server's own limits on a video request, native or OpenAI (a 400 ``limit_exceeded``
     names the setting): the prompt, steps, a frame's sides (``max_image_side``) and the frames."""
-    check_prompt_limit(kwargs["prompt"], settings)
-    if kwargs.get("steps") is not None:
-        _limit("steps", kwargs["steps"], settings.max_steps, "max_steps")
-    for side in ("height", "width", "preview_max_side"):
-        if kwargs.get(side) is not None:
-            _limit(side, kwargs[side], settings.max_image_side, "max_image_side")
+    _check_denoising_limits(kwargs, settings)
     if kwargs.get("num_frames") is not None:
         _limit("num_frames", kwargs["num_frames"], settings.max_video_frames, "max_video_frames")
 
