@@ -2,7 +2,8 @@
 
 In one plain process, the runs of each mode are interleaved (the order rotates every round, so
 drift in the machine's speed hits all modes alike) and the median of ``--reps`` rounds is kept,
-after one warm-up round. All runs use the same prompt, seed, frame count and step count.
+after one warm-up round. Both wall time and the process's CPU time (all threads) are reported: on a
+machine shared with other work a run's wall time is mostly waiting for a core, its CPU time is not. All runs use the same prompt, seed, frame count and step count.
 
 * ``bare``: the pipeline called on the main thread (``output_type="pt"``) and its frames encoded
   to the same WebM a stream's final event carries: the baseline;
@@ -49,28 +50,24 @@ def load(model: str | None) -> Any:
     return standin_video_model()
 
 
-def bare(vm: Any, steps: int, frames: int, seed: int) -> float:
+def bare(vm: Any, steps: int, frames: int, seed: int) -> None:
     import torch
 
     from multistream.video import encode_clip
     from multistream.video._previews import to_uint8
 
     h, w = vm.default_size
-    started = time.perf_counter()
     out = vm.pipeline(PROMPT, num_inference_steps=steps, num_frames=frames, height=h, width=w, output_type="pt",
                       guidance_scale=vm.default_guidance_scale, generator=torch.Generator("cpu").manual_seed(seed))
     encode_clip(to_uint8(out.frames[0].float(), None), "webm", fps=vm.default_fps)
-    return time.perf_counter() - started
 
 
-def streamed(vm: Any, mode: str, steps: int, frames: int, seed: int, fmt: str = "webp") -> tuple[float, Any, list[Any]]:
-    started = time.perf_counter()
+def streamed(vm: Any, mode: str, steps: int, frames: int, seed: int, fmt: str = "webp") -> tuple[Any, list[Any]]:
     events = list(vm.stream(PROMPT, steps=steps, num_frames=frames, seed=seed, preview=mode, preview_format=fmt))
-    elapsed = time.perf_counter() - started
     final = events[-1]
     if final.finish_reason != "stop":
         raise RuntimeError(f"the {mode} run failed: {final}")
-    return elapsed, final, events[:-1]
+    return final, events[:-1]
 
 
 def mid_error(final: Any, previews: list[Any], step: int) -> float | None:
@@ -116,16 +113,20 @@ def main() -> None:
         vm.stream(PROMPT, steps=1, num_frames=frames, preview=mode).wait()
 
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
     ttfp: dict[str, list[float]] = {m: [] for m in MODES}
     nbytes: dict[str, list[float]] = {m: [] for m in MODES}
     errors: dict[str, float | None] = {}
     for rnd in range(args.reps + 1):
         order = MODES[rnd % len(MODES):] + MODES[: rnd % len(MODES)]
         for mode in order:
+            started, cpu_started = time.perf_counter(), time.process_time()
             if mode == "bare":
-                elapsed = bare(vm, args.steps, frames, args.seed)
+                bare(vm, args.steps, frames, args.seed)
             else:
-                elapsed, final, previews = streamed(vm, mode, args.steps, frames, args.seed)
+                final, previews = streamed(vm, mode, args.steps, frames, args.seed)
+            elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+            if mode != "bare":
                 if rnd == 0 and mode != "none":
                     errors[mode] = mid_error(final, previews, args.steps // 2)
                 if rnd > 0 and "ttfp_ms" in final.metrics:
@@ -133,15 +134,18 @@ def main() -> None:
                     nbytes[mode].append(final.metrics["preview_bytes_mean"])
             if rnd > 0:  # round 0 warms up
                 times[mode].append(elapsed)
-    base = statistics.median(times["bare"])
-    print(f"\n{'mode':8} {'clip s':>8} {'x bare':>7} {'1st preview ms':>15} {'bytes/preview':>14} {'err@' + str(args.steps // 2):>8}")
+                cpu[mode].append(cpu_s)
+    base, cpu_base = statistics.median(times["bare"]), statistics.median(cpu["bare"])
+    print(f"\n{'mode':8} {'clip s':>8} {'x bare':>7} {'cpu s':>7} {'x bare':>7} {'1st preview ms':>15} {'bytes/preview':>14} "
+          f"{'err@' + str(args.steps // 2):>8}")
     for mode in MODES:
-        t = statistics.median(times[mode])
+        t, c = statistics.median(times[mode]), statistics.median(cpu[mode])
         first = f"{statistics.median(ttfp[mode]):.0f}" if ttfp[mode] else "-"
         size = f"{statistics.median(nbytes[mode]):.0f}" if nbytes[mode] else "-"
         err = errors.get(mode)
-        print(f"{mode:8} {t:8.2f} {t / base:7.3f} {first:>15} {size:>14} {'-' if err is None else f'{err:.1f}':>8}")
-    _, final, previews = streamed(vm, "tiny", args.steps, frames, args.seed, fmt="sheet")
+        print(f"{mode:8} {t:8.2f} {t / base:7.3f} {c:7.2f} {c / cpu_base:7.3f} {first:>15} {size:>14} "
+              f"{'-' if err is None else f'{err:.1f}':>8}")
+    final, previews = streamed(vm, "tiny", args.steps, frames, args.seed, fmt="sheet")
     print(f"\ncontact sheet (tiny): {statistics.median([len(p.data) for p in previews]):.0f} bytes a preview; "
           f"final clip {final.mime} {len(final.data)} bytes")
     if not args.no_fit:

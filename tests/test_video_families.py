@@ -133,3 +133,22 @@ def test_previews_converge_to_the_final(models):
     last = np.stack([np.asarray(f, float) for f in events[-2].frames])
     assert events[-2].step == 4
     assert np.abs(last - final).mean() < 12.0
+
+
+def test_the_standin_previews_converge_to_the_final_in_every_mode():
+    """The embedded model's stand-in (the image model per frame, with a motion adapter): each mode's
+    preview at the last step is nearer the final clip than its first one, the VAE's nearly the clip."""
+    from multistream.testing._random_video import standin_video_model
+
+    with standin_video_model() as vm:
+        for mode in ("latent", "x0", "tiny", "vae"):
+            events = list(vm.stream("a red circle moving right on a blue background", steps=4, num_frames=4, seed=0,
+                                    preview=mode))
+            final = np.stack([np.asarray(f, dtype=np.float64) for f in events[-1].frames])
+            size = events[-1].frames[0].size
+            errors = [np.abs(np.stack([np.asarray(f.resize(size), dtype=np.float64) for f in ev.frames]) - final).mean()
+                      for ev in events[:-1]]
+            assert events[-2].step == 4, mode
+            assert errors[-1] < errors[0], (mode, errors)
+            if mode == "vae":
+                assert errors[-1] < 10.0, errors
