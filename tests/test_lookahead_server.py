@@ -82,8 +82,8 @@ def test_n_choices_over_http_are_exact_with_lookahead(text_model: Any) -> None:
 
 def _serve(redis_url: str, port: int) -> subprocess.Popen[bytes]:
     """A ``multistream serve`` process with the default text model, logging events to Redis."""
-    return serve_subprocess(port, "--image-model", "none", "--speech-model", "none", "--event-log", redis_url,
-                            wait_s=180)
+    return serve_subprocess(port, "--image-model", "none", "--speech-model", "none", "--video-model", "none",
+                            "--event-log", redis_url, wait_s=180)
 
 
 def _text_and_ids(events: list[dict[str, Any]]) -> tuple[str, list[int]]:

@@ -36,16 +36,19 @@ def _free_port() -> int:
 
 
 def test_the_table_names_each_family_once_and_its_old_spellings():
-    assert [f.name for f in FAMILIES] == ["text", "image", "speech"]
+    assert [f.name for f in FAMILIES] == ["text", "image", "speech", "video"]
     assert find_family("audio") is family("speech")  # Stream.kind and WebSocket type of old
-    assert find_family("video") is None
+    assert find_family("movie") is None
     assert {f.name: f.filter_fields for f in FAMILIES} == {
-        "text": ("prompt",), "image": ("prompt", "negative_prompt"), "speech": ("text",)}
-    assert [f.concurrency_setting for f in FAMILIES] == ["text_concurrency", "image_concurrency", "speech_concurrency"]
+        "text": ("prompt",), "image": ("prompt", "negative_prompt"), "speech": ("text",),
+        "video": ("prompt", "negative_prompt")}
+    assert [f.concurrency_setting for f in FAMILIES] == ["text_concurrency", "image_concurrency", "speech_concurrency",
+                                                         "video_concurrency"]
     # Each family checks its own arguments where its model is not (a Ray ingress), with its own messages.
     for name, bad, message in (("text", {"prompt": "hi", "temperature": -1}, "temperature"),
                                ("image", {"prompt": "x", "steps": 0}, "steps"),
-                               ("speech", {"text": "Hi.", "speed": 9}, "0.25 to 4")):
+                               ("speech", {"text": "Hi.", "speed": 9}, "0.25 to 4"),
+                               ("video", {"prompt": "x", "fps": 0}, "fps")):
         with pytest.raises(InvalidArgumentError, match=message):
             family(name).check(bad)
     # One name everywhere a client sees the family: a speech model's streams say "speech" too.
@@ -235,7 +238,7 @@ def test_serve_speaks_by_default_and_speech_model_none_turns_it_off():
     """Before: `multistream serve` answered /v1/audio/speech with 404 unless given --speech-model default."""
     pytest.importorskip("piper")
     port = _free_port()
-    proc = serve_subprocess(port, "--text-model", "none", "--image-model", "none", wait_s=120)
+    proc = serve_subprocess(port, "--text-model", "none", "--image-model", "none", "--video-model", "none", wait_s=120)
     try:
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -247,7 +250,7 @@ def test_serve_speaks_by_default_and_speech_model_none_turns_it_off():
         proc.wait(30)
     port = _free_port()
     proc = serve_subprocess(port, "--text-model", "multistream.testing:ScriptedTextModel", "--image-model", "none",
-                            "--speech-model", "none", wait_s=120)
+                            "--speech-model", "none", "--video-model", "none", wait_s=120)
     try:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", json={"model": "tts-1", "input": "Hello."},
                        timeout=30)

@@ -14,6 +14,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance  # noq
 from server_fixtures import ScriptedImageModel, ScriptedTextModel, live_server  # noqa: E402
 
 from multistream.server import ServerSettings, create_app  # noqa: E402
+from multistream.testing import ScriptedVideoModel  # noqa: E402
 
 FUZZ_SETTINGS = dict(max_new_tokens=32, default_max_new_tokens=8, max_steps=4, max_image_side=64, max_images=2,
                      max_prompt_chars=2000, queue_timeout_s=5.0, grace_period_s=1.0)
@@ -21,6 +22,7 @@ FUZZ_SETTINGS = dict(max_new_tokens=32, default_max_new_tokens=8, max_steps=4, m
 
 def fuzz_app() -> Any:
     return create_app(ScriptedTextModel(), ScriptedImageModel(steps=2, size=16),
+                      video_model=ScriptedVideoModel(steps=2, num_frames=2, size=16),
                       settings=ServerSettings(**FUZZ_SETTINGS))  # type: ignore[arg-type]
 
 

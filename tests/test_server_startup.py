@@ -75,7 +75,8 @@ def test_allow_partial_serves_the_models_that_loaded_and_readyz_says_degraded() 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _serve(port, "--allow-partial", "--text-model", "multistream.testing:ScriptedTextModel",
-                  "--image-model", "server_fixtures:missing_module_model", "--log-level", "warning")
+                  "--image-model", "server_fixtures:missing_module_model", "--video-model", "none", "--log-level",
+                  "warning")
     try:
         deadline = time.monotonic() + 60
         while (r := _get(url + "/readyz")) is None or r.status_code != 200:
@@ -105,7 +106,7 @@ def test_allow_partial_serves_the_models_that_loaded_and_readyz_says_degraded() 
 
 def test_allow_partial_still_exits_when_no_model_loaded() -> None:
     proc = _serve(_free_port(), "--allow-partial", "--text-model", "server_fixtures:missing_module_model",
-                  "--image-model", "none", "--speech-model", "none")
+                  "--image-model", "none", "--speech-model", "none", "--video-model", "none")
     try:
         assert proc.wait(60) == 1
     finally:

@@ -62,12 +62,14 @@ _MODEL_HELP = {
     "image": "a diffusers pipeline id or path, or 'module:factory'",
     "speech": "a Piper .onnx voice, a transformers VitsModel id or path, or 'module:factory'; 'default' is the "
               "embedded Piper voice (the `speech` extra). Serves /v1/audio/speech and /v1/speech",
+    "video": "a diffusers video pipeline id or path (Wan, CogVideoX, LTX-Video, AnimateDiff), or 'module:factory'; "
+             "'default' is the embedded text-to-video model. Serves /v1/video and OpenAI's /v1/videos",
 }
 
 
 # The names of `server.families.FAMILIES` (tests/test_startup.py keeps them equal): spelled here so that
 # building the parser, which every command does, does not import the server (pydantic, starlette).
-FAMILY_NAMES = ("text", "image", "speech")
+FAMILY_NAMES = ("text", "image", "speech", "video")
 
 
 def _add_model_flags(parser: Any) -> None:

@@ -63,6 +63,8 @@ from .openai.images import router as openai_images
 from .openai.images.protocol import ImageGenerationRequest
 from .openai.responses import router as openai_responses
 from .openai.responses.protocol import ResponsesRequest
+from .openai.videos import router as openai_videos
+from .openai.videos.protocol import VideoCreateBody
 from .settings import ServerSettings
 from .state import ModelSlot, ServerState
 from .streams.filtering import ContentFilter, chain, load_blocklist
@@ -71,12 +73,13 @@ __all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("multistream.server")
 
-_OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses")
+_OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses",
+                 "/v1/videos")
 # Every body a route's OpenAPI names by `$ref` (`openapi_extra`): the document must define each one.
 _BODY_MODELS = tuple(dict.fromkeys((
     *(f.body for f in FAMILIES), ChatCompletionRequest, CompletionRequest, ImageGenerationRequest,
     SteerBody, RewindBody, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
-    AudioSpeechRequest)))
+    AudioSpeechRequest, VideoCreateBody)))
 
 
 def create_app(
@@ -87,6 +90,7 @@ def create_app(
     content_filter: ContentFilter | None = None,
     demo_path: str | None = None,
     speech_model: Any = None,
+    video_model: Any = None,
     models: dict[str, Any] | None = None,
 ) -> FastAPI:
     """Build the ASGI app serving ``text_model`` and/or ``image_model``.
@@ -95,8 +99,10 @@ def create_app(
     model, a hub id or path, ``"module:factory"``, or a zero-argument callable; names are loaded
     in a background thread at startup (``/readyz`` says when they are ready). ``None`` = not served.
     ``speech_model`` likewise (``"default"``: the embedded Piper voice) serves ``/v1/audio/speech``
-    and ``/v1/speech``. ``models`` gives them by family name instead (``{"text": ..., "speech":
-    ...}``, one entry per family of `multistream.server.families.FAMILIES`; it wins over the keywords).
+    and ``/v1/speech``; ``video_model`` (``"default"``: the embedded text-to-video model) serves
+    ``/v1/video`` and OpenAI's ``/v1/videos``. ``models`` gives them by family name instead
+    (``{"text": ..., "speech": ...}``, one entry per family of `multistream.server.families.FAMILIES`;
+    it wins over the keywords).
 
     ``content_filter(text, part)`` sees each prompt and chat message (``part="prompt"``) and the
     output accumulated so far (``part="output"``, again as it grows; the server holds back the
@@ -116,7 +122,7 @@ def create_app(
         >>> app = create_app(ScriptedTextModel(), content_filter=lambda text, part: text.replace("secret", "***"))
     """
     settings = settings or ServerSettings()
-    specs = {"text": text_model, "image": image_model, "speech": speech_model, **(models or {})}
+    specs = {"text": text_model, "image": image_model, "speech": speech_model, "video": video_model, **(models or {})}
     unknown = sorted(set(specs) - {f.name for f in FAMILIES})
     if unknown:
         raise InvalidArgumentError(f"no model family {unknown[0]!r}; the families are {[f.name for f in FAMILIES]}")
@@ -201,7 +207,7 @@ def create_app(
         return problem.response(openai=openai_path(request))
 
     for module in (native_routes, openai_models, openai_chat, openai_images, openai_completions, openai_responses,
-                   openai_audio, websocket, health):
+                   openai_audio, openai_videos, websocket, health):
         app.include_router(module.router)
     if settings.enable_test_hooks:
         app.include_router(native_routes.test_router)

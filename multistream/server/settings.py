@@ -37,13 +37,14 @@ class ServerSettings:
         shutdown_deadline_s: on SIGTERM, running streams get this long to finish; the rest are
             cancelled.
     Admission:
-        text_concurrency / image_concurrency / speech_concurrency: generations running at once per
-            model, one setting per family (None: the model's engine capacity, ``model.capacity``: a
-            text model's ``max_batch`` rows, an image model's interleaved requests, a speech
-            model's streams taking turns by sentence).
+        text_concurrency / image_concurrency / speech_concurrency / video_concurrency: generations
+            running at once per model, one setting per family (None: the model's engine capacity,
+            ``model.capacity``: a text model's ``max_batch`` rows, an image or video model's
+            interleaved requests, a speech model's streams taking turns by sentence).
         queue_size: requests waiting per model; beyond it, 429 with Retry-After.
     Per-request limits (a 4xx names the limit): max_new_tokens, default_max_new_tokens,
-        max_prompt_chars, max_steps, max_image_side, max_images, max_body_bytes.
+        max_prompt_chars, max_steps, max_image_side (images and video frames), max_images,
+        max_video_frames, max_body_bytes.
     Security:
         api_key: one key for everyone (None: open); keys_file: one key a line with its own priority
             ceiling and concurrency quota (see `ApiKey.parse_file`); either turns on stream
@@ -85,6 +86,7 @@ class ServerSettings:
     text_concurrency: int | None = None
     image_concurrency: int | None = None
     speech_concurrency: int | None = None
+    video_concurrency: int | None = None
     queue_size: int = 64
     max_new_tokens: int = 4096
     default_max_new_tokens: int = 256
@@ -92,6 +94,7 @@ class ServerSettings:
     max_steps: int = 150
     max_image_side: int = 2048
     max_images: int = 4
+    max_video_frames: int = 256
     max_body_bytes: int = 1024 * 1024
     api_key: str | None = None
     keys_file: str | None = None

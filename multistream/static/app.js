@@ -1,4 +1,4 @@
-// multistream web client: three modes (text, image, speech), each with its own options and output.
+// multistream web client: four modes (text, image, speech, video), each with its own options and output.
 // POST a request, read the SSE reply with fetch + ReadableStream, and resume with the last event id
 // (GET /v1/streams/{id}/events) whenever the connection drops. DOM updates are batched with
 // requestAnimationFrame so a fast stream does not thrash layout.
@@ -19,16 +19,25 @@
 // Speech (POST /v1/speech) plays as it arrives: each audio event's 16-bit PCM is scheduled on a
 // Web Audio clock right after the previous chunk; "Play again" replays it, "Save WAV" keeps the
 // final event's whole utterance.
+// Video (POST /v1/video): each preview event carries every frame of the clip's current estimate as
+// one animated WebP, shown in an <img> (it plays by itself) and replaced per step; the final event
+// is the clip (WebM or MP4), played in a looping <video> from a blob URL, with "Save clip". "Use
+// this" ends it now with the current estimate through the full VAE, as for an image.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const ui = { go: $("go"), stop: $("stop"), finish: $("finish"), prompt: $("prompt"), key: $("apikey"),
              maxTokens: $("max-tokens"), beams: $("beams"), confidence: $("confidence"), steps: $("steps"),
              seed: $("seed"), speed: $("speed"), output: $("output"), frame: $("frame"), progress: $("progress"),
-             spoken: $("spoken"), replay: $("replay"), save: $("save"), status: $("status") };
-const MODES = ["text", "image", "speech"];
+             spoken: $("spoken"), replay: $("replay"), save: $("save"), status: $("status"),
+             videoSteps: $("video-steps"), videoFrames: $("video-frames"), videoSeed: $("video-seed"),
+             videoFrame: $("video-frame"), clip: $("clip"), videoProgress: $("video-progress"),
+             saveClip: $("save-clip") };
+const MODES = ["text", "image", "speech", "video"];
 const PROMPTS = { text: "Write a haiku about rivers", image: "a red circle on a blue background",
-                  speech: "Hello there! This is multistream speaking, sentence by sentence." };
+                  speech: "Hello there! This is multistream speaking, sentence by sentence.",
+                  video: "a red circle moving right on a blue background" };
+const EDITABLE = ["image", "video"];     // "Use this" keeps what there is: a picture or a clip
 ui.key.value = sessionStorage.getItem("multistream.apikey") || "";
 ui.key.addEventListener("change", () => sessionStorage.setItem("multistream.apikey", ui.key.value));
 try { localStorage.removeItem("multistream.apikey"); } catch (e) { /* older versions kept it there */ }
@@ -41,7 +50,8 @@ const state = window.__ms = { mode: "text", streamId: null, token: null, lastSeq
                               firstAudioT: null };
 const audio = window.__msAudio = { ctx: null, buffers: [], sources: [], next: 0, firstStart: null };
 const prompts = Object.assign({}, PROMPTS);
-let pending = { text: "", redraw: false, image: null, status: null, spoken: null, progress: null };
+let pending = { text: "", redraw: false, image: null, status: null, spoken: null, progress: null, video: null,
+                videoProgress: null, clip: null };
 let frameRequested = false;
 let controller = null;
 
@@ -62,6 +72,12 @@ function schedule() {
     if (pending.text) { ui.output.append(document.createTextNode(pending.text)); pending.text = ""; }
     if (pending.image) { drawFrame(pending.image); pending.image = null; }
     if (pending.progress !== null) { ui.progress.style.width = pending.progress + "%"; pending.progress = null; }
+    if (pending.video) { drawVideoPreview(pending.video); pending.video = null; }
+    if (pending.clip) { showClip(pending.clip); pending.clip = null; }
+    if (pending.videoProgress !== null) {
+      ui.videoProgress.style.width = pending.videoProgress + "%";
+      pending.videoProgress = null;
+    }
     if (pending.spoken) { drawSpoken(pending.spoken); pending.spoken = null; }
     if (pending.status) { renderStatus(pending.status); pending.status = null; }
   });
@@ -75,6 +91,14 @@ function clearOutputs() {
   ui.output.replaceChildren();
   ui.frame.replaceChildren();            // no <img> at all until an image run sends a frame
   ui.progress.style.width = "0";
+  ui.videoFrame.replaceChildren();       // likewise no preview <img> until a video run sends one
+  ui.videoProgress.style.width = "0";
+  if (ui.clip.src) URL.revokeObjectURL(ui.clip.src);
+  ui.clip.removeAttribute("src");
+  ui.clip.hidden = true;
+  if (ui.saveClip.href) URL.revokeObjectURL(ui.saveClip.href);
+  ui.saveClip.removeAttribute("href");
+  ui.saveClip.hidden = true;
   ui.spoken.replaceChildren();
   ui.replay.disabled = true;
   if (ui.save.href) URL.revokeObjectURL(ui.save.href);
@@ -84,7 +108,8 @@ function clearOutputs() {
   audio.buffers = [];
   restNode = null;
   drawnTokens = [];
-  pending = { text: "", redraw: false, image: null, status: null, spoken: null, progress: null };
+  pending = { text: "", redraw: false, image: null, status: null, spoken: null, progress: null, video: null,
+              videoProgress: null, clip: null };
 }
 
 function showMode(mode) {
@@ -94,10 +119,10 @@ function showMode(mode) {
     $(m + "-options").hidden = m !== mode;
     $(m + "-out").hidden = m !== mode;
   }
-  ui.finish.hidden = mode !== "image";   // "Use this" keeps a picture: images only
+  ui.finish.hidden = !EDITABLE.includes(mode);
   ui.prompt.value = prompts[mode];
   ui.prompt.placeholder = { text: "Ask or write something", image: "Describe a picture",
-                            speech: "Text to speak" }[mode];
+                            speech: "Text to speak", video: "Describe a clip (a shape, its colour and where it moves)" }[mode];
   clearOutputs();
   renderStatus(["idle"]);
 }
@@ -198,8 +223,26 @@ function speechStatus(ev) {
   return [`speaking · ${seconds(state.audioSeconds)} of audio${first}`];
 }
 
+function videoStatus(ev) {
+  if (ev.is_final && ev.type === "video") {
+    const m = ev.metrics || {};
+    const took = m.duration_ms != null ? m.duration_ms / 1000 : ev.t;
+    const at = ev.finish_reason === "stop" ? `${ev.total_steps} steps` : `step ${ev.step}/${ev.total_steps}`;
+    const clip = `${ev.num_frames} frames at ${ev.fps} fps (${seconds(ev.num_frames / ev.fps)})`;
+    return [endingPart(ev), ` · ${at} in ${seconds(took)} · ${clip} · ${ev.width}×${ev.height} ` +
+            String(ev.mime || "").split("/").pop().toUpperCase()];
+  }
+  if (ev.type !== "video") return ["starting…"];
+  let left = typeof ev.eta_s === "number" ? ev.eta_s : null;
+  if (left !== null) state.serverEtas += 1;
+  if (left === null && ev.step > 0) left = (ev.t / ev.step) * (ev.total_steps - ev.step);
+  return [`step ${ev.step}/${ev.total_steps} · ${ev.num_frames} frames` +
+          (left !== null ? ` · about ${seconds(Math.max(0, left))} left` : "")];
+}
+
 function statusFor(ev) {
-  const parts = state.kind === "image" ? imageStatus(ev) : state.kind === "speech" ? speechStatus(ev) : textStatus(ev);
+  const parts = state.kind === "image" ? imageStatus(ev) : state.kind === "speech" ? speechStatus(ev)
+    : state.kind === "video" ? videoStatus(ev) : textStatus(ev);
   if (state.revision) parts.push(` · revision ${state.revision}`);
   if (state.reconnects) parts.push(` · reconnected ${state.reconnects}×`);
   if (ev.type === "error") {
@@ -358,6 +401,47 @@ function drawFrame(src) {
   img.src = src;
 }
 
+// -- video -----------------------------------------------------------------------------------------
+
+// Every frame of the current estimate, as one animated WebP: an <img> plays it by itself.
+function drawVideoPreview(src) {
+  let img = $("video-preview");
+  if (!img) {
+    img = document.createElement("img");
+    img.id = "video-preview";
+    img.alt = "every frame of the clip being made";
+    ui.videoFrame.append(img);
+  }
+  img.hidden = false;
+  img.src = src;
+}
+
+// The finished clip in a looping <video>; the preview makes way for it.
+function showClip(ev) {
+  const blob = new Blob([b64bytes(ev.data)], { type: ev.mime });
+  const url = URL.createObjectURL(blob);
+  ui.clip.src = url;
+  ui.clip.hidden = false;
+  const img = $("video-preview");
+  if (img) img.hidden = true;
+  ui.saveClip.href = URL.createObjectURL(blob);
+  ui.saveClip.download = "clip." + (ev.mime.split("/").pop() || "webm");
+  ui.saveClip.hidden = false;
+  ui.clip.play().catch(() => { /* autoplay refused: the controls are there */ });
+}
+
+function applyVideo(ev) {
+  if (ev.is_final && String(ev.mime).startsWith("video/")) {
+    pending.clip = ev;
+    pending.video = null;
+  } else {
+    // A preview, or a final the server cut short (its newest preview, still a picture).
+    state.frames += 1;
+    pending.video = "data:" + ev.mime + ";base64," + ev.data;
+  }
+  pending.videoProgress = ev.is_final ? 100 : (ev.total_steps ? Math.round(100 * ev.step / ev.total_steps) : 0);
+}
+
 // -- speech ----------------------------------------------------------------------------------------
 
 function b64bytes(b64) {
@@ -444,6 +528,8 @@ function handle(ev) {
     pending.progress = ev.total_steps ? Math.round(100 * ev.step / ev.total_steps) : 100;
   } else if (ev.type === "audio") {
     applyAudio(ev);
+  } else if (ev.type === "video") {
+    applyVideo(ev);
   }
   if (ev.is_final) state.finalEvent = ev;
   setStatus(...statusFor(ev));
@@ -482,7 +568,7 @@ function setRunning(running) {
   state.running = running;
   ui.go.disabled = running;
   ui.stop.disabled = !running;
-  ui.finish.disabled = !running || state.kind !== "image";
+  ui.finish.disabled = !running || !EDITABLE.includes(state.kind);
   // One run at a time, in the mode it started in.
   for (const input of document.querySelectorAll("input[name=mode]")) {
     if (running) { input.dataset.wasDisabled = input.disabled ? "1" : ""; input.disabled = true; }
@@ -553,6 +639,14 @@ ui.go.addEventListener("click", () => {
       path = "/v1/image";
       body = { prompt, steps: positiveInt(ui.steps, "steps") };
       if (ui.seed.value !== "") body.seed = parseInt(ui.seed.value, 10);
+    } else if (kind === "video") {
+      path = "/v1/video";
+      // Animated WebP previews (every frame, per step) of the model's clean estimate through the
+      // linear latent map: free, where the default "tiny" first fits a decoder (minutes on a CPU).
+      // The final is the model's clip (WebM).
+      body = { prompt, steps: positiveInt(ui.videoSteps, "steps"), preview: "x0", preview_format: "webp" };
+      if (ui.videoFrames.value !== "") body.num_frames = positiveInt(ui.videoFrames, "frames");
+      if (ui.videoSeed.value !== "") body.seed = parseInt(ui.videoSeed.value, 10);
     } else {
       path = "/v1/speech";
       body = { text: prompt, speed: Number(ui.speed.value) || 1 };
@@ -574,7 +668,7 @@ ui.stop.addEventListener("click", async () => {
   }
 });
 
-// "Use this": stop the image now and keep it (the final is the current estimate, full quality).
+// "Use this": stop the image or clip now and keep it (the final is the current estimate, full quality).
 ui.finish.addEventListener("click", async () => {
   if (!state.streamId) return;
   const response = await fetch(`/v1/streams/${encodeURIComponent(state.streamId)}/finish`, { method: "POST",

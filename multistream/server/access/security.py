@@ -41,7 +41,7 @@ __all__ = ["ApiKey", "Principal", "SecurityMiddleware", "install_log_redaction",
 
 logger = logging.getLogger("multistream.server")
 
-_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses")
+_OPENAI_PATHS = ("/v1/chat/", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses", "/v1/videos")
 _OPEN_PATHS = ("/healthz", "/readyz", "/", "/favicon.ico", "/static/app.js")
 _RESUME = re.compile(r"^/v1/streams/[^/]+/events$")
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAX_BODY", "STRICT_BODY", "ErrorBody", "ErrorResponse", "OpenAIErrorBody", "OpenAIErrorResponse",
-    "parse_json", "parse_json_object", "read_body", "read_json", "validate_body",
+    "parse_json", "parse_json_object", "read_body", "read_bytes", "read_json", "validate_body",
 ]
 
 STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -80,6 +80,11 @@ async def read_json(request: Request, max_bytes: int, *, require_json_type: bool
         if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
             raise Problem(415, "unsupported_media_type",
                           f"send the body as JSON with 'Content-Type: application/json' (got {ctype or 'none'!r})")
+    return parse_json(await read_bytes(request, max_bytes))
+
+
+async def read_bytes(request: Request, max_bytes: int) -> bytes:
+    """The request body's bytes; 413 past ``max_bytes`` (declared, or counted while reading)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
@@ -90,7 +95,7 @@ async def read_json(request: Request, max_bytes: int, *, require_json_type: bool
         if size > max_bytes:
             raise _too_large(size, max_bytes)
         chunks.append(chunk)
-    return parse_json(b"".join(chunks))
+    return b"".join(chunks)
 
 
 def _reject_constant(name: str) -> Any:
@@ -195,12 +200,13 @@ def _show(value: Any) -> str:
         return type(value).__name__
 
 
-def validate_body(model: type[BaseModel], body: Any, what: str) -> BaseModel:
-    """``model.model_validate(body)``, with pydantic's errors turned into one clear 400."""
+def validate_body(model: type[BaseModel], body: Any, what: str, *, strict: bool | None = None) -> BaseModel:
+    """``model.model_validate(body)``, with pydantic's errors turned into one clear 400.
+    ``strict=False`` reads numbers from strings (a form's values are all strings)."""
     if not isinstance(body, dict):
         raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, strict=strict)
     except ValidationError as exc:
         raise _problem(model, exc, body, what) from None
 
@@ -227,10 +233,13 @@ def _problem(model: type[BaseModel], exc: ValidationError, body: dict[str, Any],
     return Problem(400, kind, f"'{where}' must be {expected}, got {_show(value)} ({first['msg']})", param=name)
 
 
-async def read_body(request: Request, state: HasSettings) -> Any:
-    """The JSON body, within ``body_timeout_s`` (a client that trickles its body is cut off)."""
+async def read_body(request: Request, state: HasSettings, *, raw: bool = False) -> Any:
+    """The JSON body, within ``body_timeout_s`` (a client that trickles its body is cut off);
+    ``raw``: its bytes, unparsed, whatever their type (e.g. a form, which the route reads)."""
+    limit = state.settings.max_body_bytes
     try:
-        return await asyncio.wait_for(read_json(request, state.settings.max_body_bytes), state.settings.body_timeout_s)
+        reading = read_bytes(request, limit) if raw else read_json(request, limit)
+        return await asyncio.wait_for(reading, state.settings.body_timeout_s)
     except asyncio.TimeoutError:
         raise Problem(408, "request_timeout", f"the request body did not arrive within "
                       f"{state.settings.body_timeout_s:g} s (body_timeout_s); send it at once") from None

@@ -25,8 +25,9 @@ from ..state import ServerState, get_state
 __all__ = ["router"]
 
 STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
+# media-src blob:: the video view plays the finished clip from a blob URL of the event's bytes.
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
-       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+       "media-src 'self' blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 router = APIRouter(tags=["health"])
 

@@ -1,5 +1,6 @@
 """The native routes: ``POST /v1/<family>`` for each entry of the family table (``/v1/text``,
-``/v1/image``, ``/v1/speech``: the family's ``.stream()`` arguments in, SSE of wire events out),
+``/v1/image``, ``/v1/speech``, ``/v1/video``: the family's ``.stream()`` arguments in, SSE of wire
+events out),
 resume, info, cancel and edits.
 
 ``POST /v1/speech`` takes `SpeechModel.stream`'s arguments (``text``, ``voice``, ``speed``,
@@ -16,7 +17,7 @@ Edits of a running stream (all answer `EditResult`; the effect shows in the stre
 
 - ``POST /v1/streams/{id}/finish``: stop now and keep the result (``finish_reason
   "finished_early"``; an image's final is its current estimate through the full VAE).
-- ``POST /v1/streams/{id}/steer``: text ``{"instruction": "..."}``; image ``{"prompt": ...,
+- ``POST /v1/streams/{id}/steer``: text ``{"instruction": "..."}``; image and video ``{"prompt": ...,
   "negative_prompt": ..., "guidance_scale": ...}``. From the model's next step on.
 - ``POST /v1/streams/{id}/rewind``: text only, ``{"offset": 120, "instruction": null, "token_id": null, ...}``:
   regenerate from character ``offset``; later events carry a smaller ``offset`` and a new

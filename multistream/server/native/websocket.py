@@ -6,7 +6,8 @@ Client -> server (JSON text messages):
   stream (the body of ``POST /v1/text``; ``id`` is an optional client tag echoed back).
 - ``{"type": "image", "id": "c2", "prompt": "...", "steps": 20, ...}``: start an image stream.
 - ``{"type": "speech", "id": "c3", "text": "Hello there.", "speed": 1.0, ...}``: start a speech
-  stream (the body of ``POST /v1/speech``).
+  stream (the body of ``POST /v1/speech``); ``{"type": "video", ...}`` likewise a video stream
+  (the body of ``POST /v1/video``).
 - ``{"type": "cancel", "stream_id": "...", "token": "..."}``: cancel a stream (it ends with
   ``finish_reason="cancelled"``).
 - ``{"type": "resume", "stream_id": "...", "after": 12, "token": "..."}``: follow an existing
@@ -33,7 +34,7 @@ Server -> client:
 - ``{"type": "accepted", "id": "c1", "stream_id": "...", "resume_token": "..."}`` once a stream is
   admitted; then its
   events: ``text`` and ``error`` events as JSON text messages in the wire form.
-- ``image`` events as **binary** messages, no base64::
+- ``image`` and ``video`` events as **binary** messages, no base64::
 
       [4 bytes: N, big-endian unsigned][N bytes: UTF-8 JSON header][image bytes]
 
@@ -77,7 +78,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ...events import AudioEvent, Event, ImageEvent, event_from_dict
+from ...events import AudioEvent, Event, ImageEvent, VideoEvent, event_from_dict
 from ..access.security import Principal
 from ..families import FAMILIES, find_family
 from ..http.bodies import parse_json_object
@@ -89,8 +90,8 @@ __all__ = ["decode_message", "encode_image_frame", "router"]
 
 logger = logging.getLogger("multistream.server")
 
-def encode_image_frame(ev: ImageEvent) -> bytes:
-    """An image event as one binary message: 4-byte header length, JSON header, raw bytes."""
+def encode_image_frame(ev: ImageEvent | VideoEvent) -> bytes:
+    """An image or video event as one binary message: 4-byte header length, JSON header, raw bytes."""
     header = ev.to_dict()
     header.pop("data", None)
     raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -129,7 +130,7 @@ def decode_message(message: str | bytes) -> dict[str, Any] | Event:
             return dataclasses.replace(ev, data=payload[:sizes[0]], audio=audio)  # type: ignore[type-var]
         return dataclasses.replace(ev, data=payload)  # type: ignore[type-var]
     payload = json.loads(message)
-    if payload.get("type") in ("text", "image", "audio", "error"):
+    if payload.get("type") in ("text", "image", "audio", "video", "error"):
         return event_from_dict(payload)
     return payload  # type: ignore[no-any-return]
 
@@ -152,7 +153,7 @@ class _Connection:
         async with self.lock:
             if self.closed:
                 raise WebSocketDisconnect(1006)
-            if isinstance(message, ImageEvent):
+            if isinstance(message, (ImageEvent, VideoEvent)):
                 message = encode_image_frame(message)
             elif isinstance(message, AudioEvent):
                 message = encode_audio_frame(message)

@@ -1,5 +1,5 @@
 """What every OpenAI endpoint shares: its refusals' table, reading a body whose ``model`` must name
-the served model, the finish-reason map, an error event's body, the SSE response of one or more
+the served model, who may read a stored object (a response, a video job), the finish-reason map, an error event's body, the SSE response of one or more
 streams and of a translator's chunks, and collecting a whole answer for ``stream: false``.
 
 Example:
@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from ..state import ServerState
 
 __all__ = ["ERRORS", "FINISH", "ChunkTranslator", "chunk_events", "collect_events", "error_body", "openai_finish",
-           "read_model_body", "sse_of"]
+           "owner_allows", "read_model_body", "sse_of"]
 
 ERRORS = error_responses(OpenAIErrorResponse)
 
@@ -98,3 +99,21 @@ async def chunk_events(chunks: ChunkTranslator, events: AsyncIterator[tuple[int,
     for chunk in chunks.closing():
         yield json_event(chunk)
     yield ServerSentEvent(data=DONE)
+
+
+class _Owned(Protocol):
+    token: str
+    owner: str | None
+    owner_keyed: bool
+
+
+def owner_allows(item: _Owned, request: Any, principal: Any, keyed_server: bool) -> bool:
+    """May ``principal`` read ``item`` (a stored response, a video job)? Whoever sends its resume
+    token (``X-Resume-Token``); with API keys the key that created it; on an open server
+    (``keyed_server`` False) the client address that made it: an id alone is not a credential."""
+    token = request.headers.get("x-resume-token")
+    if token and item.token and secrets.compare_digest(token.encode(), item.token.encode()):
+        return True
+    if item.owner_keyed:
+        return bool(principal.id == item.owner)
+    return not keyed_server and principal.id == item.owner

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -58,7 +57,7 @@ from ...http.disconnect import until_done_or_gone
 from ...http.problems import Problem
 from ...http.sse import event_source, json_event
 from ...state import ServerState, get_principal, get_state
-from .._common import ERRORS
+from .._common import ERRORS, owner_allows
 from .protocol import ResponsesRequest, parse_responses_body, request_view
 from .serving import ResponseBuilder, output_messages
 
@@ -182,19 +181,9 @@ def _not_found(response_id: str, state: ServerState) -> Problem:
                    f"(retention_s), or must be asked for with {hint}", param="response_id")
 
 
-def _allows(entry: ResponseEntry, state: ServerState, request: Request, principal: Principal) -> bool:
-    token = request.headers.get("x-resume-token")
-    if token and entry.token and secrets.compare_digest(token.encode(), entry.token.encode()):
-        return True
-    if entry.owner_keyed:
-        return principal.id == entry.owner
-    # An open server: the client address that made it (an id alone is not a credential).
-    return not state.keyring.enabled and principal.id == entry.owner
-
-
 async def _owned(state: ServerState, response_id: str, request: Request, principal: Principal) -> ResponseEntry:
     entry = await responses_of(state).get(response_id)
-    if entry is None or not _allows(entry, state, request, principal):
+    if entry is None or not owner_allows(entry, request, principal, state.keyring.enabled):
         raise _not_found(response_id, state)
     return entry
 
@@ -247,7 +236,7 @@ async def _history(state: ServerState, previous: Any, request: Request, principa
     if not isinstance(previous, str):
         raise Problem(400, "invalid_type", "previous_response_id must be a string", param="previous_response_id")
     entry = await responses_of(state).get(previous)
-    if entry is None or not _allows(entry, state, request, principal):
+    if entry is None or not owner_allows(entry, request, principal, state.keyring.enabled):
         raise Problem(404, "previous_response_not_found", f"previous response {previous[:80]!r} not found (it must "
                       "be stored, yours, and within retention_s)", param="previous_response_id")
     record = await _record(state, entry)
