@@ -90,7 +90,12 @@ def parse_options(cls: type[T], owner: str, given: Mapping[str, Any], *, extra: 
             unknown[name] = value
             continue
         check = info(field).check
-        values[name] = check(value) if check is not None else value
+        try:
+            values[name] = check(value) if check is not None else value
+        except InvalidArgumentError as exc:
+            if exc.param is None:
+                exc.param = name  # the option's own check: the fault is this option's, whatever the message says
+            raise
     if unknown:
         if extra is None:
             reject_unknown(unknown, tuple(fields), owner)
@@ -104,7 +109,8 @@ def reject_unknown(unknown: Mapping[str, Any], known: tuple[str, ...], owner: st
     name = sorted(unknown)[0]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise InvalidArgumentError(f"unknown argument {name!r} for {owner}.{hint} Known arguments: {', '.join(known)}.")
+    raise InvalidArgumentError(f"unknown argument {name!r} for {owner}.{hint} Known arguments: {', '.join(known)}.",
+                               param=name)
 
 
 def body_fields(cls: type) -> dict[str, tuple[Any, Any]]:

@@ -130,6 +130,8 @@ def _add_setting_flags(parser: Any) -> None:
         help_text = f"{_setting_help(field.name)}; default {field.default!r}"
         if "bool" in kind:
             group.add_argument(*flags, dest=field.name, action="store_true", default=None, help=help_text)
+        elif field.name == "speculate":  # "auto" or a number: ServerSettings' check reads the digits
+            group.add_argument(*flags, dest=field.name, default=None, metavar="auto|0|N", help=help_text)
         elif "tuple" in kind:
             group.add_argument(*flags, dest=field.name, default=None, metavar="LIST", help=help_text + " (comma-separated)")
         else:

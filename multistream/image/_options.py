@@ -159,15 +159,15 @@ def _check_pipeline_kwargs(pipeline_kwargs: dict[str, Any], seed: Any) -> None:
         if key in _RESERVED:
             instead = _RESERVED[key]
             hint = f"; use {instead}" if instead else ""
-            raise InvalidArgumentError(f"{key!r} is set by stream() itself{hint}")
+            raise InvalidArgumentError(f"{key!r} is set by stream() itself{hint}", param=key)
         if key == "callback_on_step_end" and value is not None and not callable(value):
-            raise InvalidArgumentError("callback_on_step_end must be callable")
+            raise InvalidArgumentError("callback_on_step_end must be callable", param=key)
         if key == "output_type" and value not in ("pil", "np", "pt"):
             raise InvalidArgumentError(
-                f"output_type={value!r} is not supported: the stream encodes images; use 'pil' (default), 'np' or 'pt'"
-            )
+                f"output_type={value!r} is not supported: the stream encodes images; use 'pil' (default), 'np' or 'pt'",
+                param=key)
         if key == "generator" and seed is not None:
-            raise InvalidArgumentError("pass either seed= or generator=, not both")
+            raise InvalidArgumentError("pass either seed= or generator=, not both", param="generator")
 
 
 def _prompt(v: Any) -> str:

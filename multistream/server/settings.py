@@ -67,6 +67,10 @@ class ServerSettings:
             header_timeout_s / body_timeout_s: a client must send its request head / body within
             these (slowloris); max_followers: SSE/WebSocket readers per stream;
         ws_max_streams: streams a WebSocket may follow or have in flight at once.
+    Request defaults:
+        speculate: the text requests' lookahead when a request does not say (its own
+            ``speculate`` wins): "auto", 0 (off) or an integer (drafts per step at most), checked as
+            `TextOptions.speculate` is.
     Start-up:
         allow_partial: when a model fails to load, serve the models that did (``/readyz`` says
             ``"degraded"`` and names the failed model and why) instead of exiting with status 1.
@@ -110,6 +114,7 @@ class ServerSettings:
     allow_partial: bool = False
     event_log: str | None = None
     image_checkpoint_every: int = 1
+    speculate: str | int = "auto"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -117,6 +122,16 @@ class ServerSettings:
             if f.name in ("api_key", "keys_file", "blocklist_file", "event_log"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise InvalidArgumentError(f"ServerSettings.{f.name} must be a non-empty string or None")
+                continue
+            if f.name == "speculate":  # the text family's own check: the same values as a request's
+                from ..text._options import TextOptions
+                from .._spec import parse_options
+
+                try:
+                    checked = parse_options(TextOptions, "ServerSettings", {"speculate": value}).speculate
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(f"ServerSettings.{exc}", param="speculate") from None
+                object.__setattr__(self, f.name, checked)
                 continue
             if f.name in ("allowed_origins", "allowed_hosts"):
                 if isinstance(value, str):
@@ -165,6 +180,8 @@ class ServerSettings:
                 continue
             if f.name in ("api_key", "keys_file", "blocklist_file", "event_log"):
                 values[f.name] = raw or None
+            elif f.name == "speculate":
+                values[f.name] = raw  # "auto" or digits: the check reads them
             elif f.name in ("allowed_origins", "allowed_hosts"):
                 values[f.name] = raw
             elif f.name in ("enable_test_hooks", "allow_partial"):

@@ -284,7 +284,8 @@ class TextOptions:
     def __post_init__(self) -> None:
         # Checks that span options (each option alone was checked by its own check).
         if self.allowed is not None and self.json_schema is not None:
-            raise InvalidArgumentError("allowed= and json_schema= cannot constrain one answer together; give one")
+            raise InvalidArgumentError("allowed= and json_schema= cannot constrain one answer together; give one",
+                                       param="allowed")
         if self.tools is not None or self.tool_choice is not None:
             from ._tools import check_tool_options
 
@@ -323,8 +324,8 @@ def _check_beams(options: TextOptions) -> None:
     if sampling:
         raise InvalidArgumentError(
             f"num_beams={options.num_beams} is greedy beam search; sampling ({', '.join(sampling)}) cannot be "
-            "combined with it: drop the sampling options (or set temperature=0), or use num_beams=1 to sample"
-        )
+            "combined with it: drop the sampling options (or set temperature=0), or use num_beams=1 to sample",
+            param="num_beams")
     # Beam search scores the model's own log-probabilities: what would change the scores or
     # constrain a row is not built for beams (yet).
     others = [name for name, on in (
@@ -338,8 +339,7 @@ def _check_beams(options: TextOptions) -> None:
     if others:
         raise InvalidArgumentError(
             f"num_beams={options.num_beams} does not combine with {', '.join(others)} yet; drop "
-            f"{'it' if len(others) == 1 else 'them'} or use num_beams=1"
-        )
+            f"{'it' if len(others) == 1 else 'them'} or use num_beams=1", param="num_beams")
 
 
 def _check_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
