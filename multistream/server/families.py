@@ -47,6 +47,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from ..image import ImageOptions
+from ..speech import SpeechOptions
+from ..text import TextOptions
 from .bodies import (
     ImageBody,
     SpeechBody,
@@ -56,9 +59,6 @@ from .bodies import (
     parse_text_body,
     speech_voice,
 )
-from ..image import ImageOptions
-from ..speech import SpeechOptions
-from ..text import TextOptions
 from .http.problems import Problem
 from .settings import ServerSettings
 

@@ -124,8 +124,8 @@ class ServerSettings:
                     raise InvalidArgumentError(f"ServerSettings.{f.name} must be a non-empty string or None")
                 continue
             if f.name == "speculate":  # the text family's own check: the same values as a request's
-                from ..text._options import TextOptions
                 from .._spec import parse_options
+                from ..text._options import TextOptions
 
                 try:
                     checked = parse_options(TextOptions, "ServerSettings", {"speculate": value}).speculate
