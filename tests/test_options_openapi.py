@@ -12,9 +12,10 @@ from typing import Any, Optional
 import pytest
 from pydantic import TypeAdapter
 
-from multistream._spec import body_fields
+from multistream._spec import OptionInfo, body_fields, info, option_fields
+from multistream.errors import InvalidArgumentError
 from multistream.image import ImageOptions
-from multistream.server import create_app
+from multistream.server import ServerSettings, create_app
 from multistream.server.families import FAMILIES
 from multistream.speech import SpeechOptions
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
@@ -107,12 +108,46 @@ def test_every_namesake_in_every_body_is_the_spec(document: dict[str, Any]) -> N
             where = f"{name}.{prop} ({path})"
             assert prop in specs, f"{where} names a Python-only option of {options.__name__}"
             wire, field = specs[prop]
-            expected = TypeAdapter(Optional[wire]).json_schema()
+            bounds = _declared(options, prop).schema_bounds
+            expected = {**TypeAdapter(Optional[wire]).json_schema(), **bounds}
             assert _without_null(got) == _without_null(expected), f"{where}: type or bounds differ from the spec"
             assert got.get("default") == field.default, f"{where}: default {got.get('default')!r} is not the spec's"
             assert got["description"].removeprefix("extension: ") == field.description, f"{where}: description"
             checked += 1
     assert checked >= 60  # text in five bodies, image in three, speech in two
+
+
+def _declared(options: type, name: str) -> OptionInfo:
+    return next(info(f) for f in option_fields(options) if f.name == name)
+
+
+def _probes(wire: Any, key: str, bound: float) -> tuple[Any, Any]:
+    """(a value the bound allows, the nearest one it refuses) for a bound of a number option."""
+    kinds = [a for a in getattr(wire, "__args__", (wire,)) if a is not type(None)]
+    step: float = 1 if float not in kinds else 1e-6
+    number: Any = int if float not in kinds else float
+    inside = {"minimum": bound, "maximum": bound, "exclusiveMinimum": bound + step, "exclusiveMaximum": bound - step}
+    outside = {"minimum": bound - step, "maximum": bound + step, "exclusiveMinimum": bound, "exclusiveMaximum": bound}
+    return number(inside[key]), number(outside[key])
+
+
+@pytest.mark.parametrize("options", [TextOptions, ImageOptions, SpeechOptions, ServerSettings],
+                         ids=lambda c: c.__name__)
+def test_every_declared_bound_is_the_one_its_check_enforces(options: type) -> None:
+    """The bounds ``/openapi.json`` publishes are the checks' own: each check takes the value at an
+    inclusive bound and refuses the nearest value beyond it, naming the option."""
+    probed = 0
+    for field in option_fields(options):
+        meta = info(field)
+        for key, bound in meta.bounds:
+            ok, bad = _probes(meta.wire, key, bound)
+            assert meta.check is not None
+            meta.check(ok)
+            with pytest.raises(InvalidArgumentError) as err:
+                meta.check(bad)
+            assert field.name in str(err.value), (field.name, key, bad)
+            probed += 1
+    assert probed >= {TextOptions: 20, ImageOptions: 12, SpeechOptions: 2, ServerSettings: 30}[options]
 
 
 def test_the_openai_bodies_carry_the_options_they_forward(document: dict[str, Any]) -> None:

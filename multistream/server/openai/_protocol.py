@@ -30,7 +30,7 @@ class StreamOptions(BaseModel):
 
 def option_fields(options: type, names: tuple[str, ...], extensions: tuple[str, ...] = ()) -> dict[str, Any]:
     """``{name: (annotation, Field)}`` for `pydantic.create_model`: the ``names`` of the options
-    class ``options`` as an OpenAI body's fields, each with the spec's type, default and
+    class ``options`` as an OpenAI body's fields, each with the spec's type, default, bounds and
     description (``extensions``, fields OpenAI's own body lacks, marked as such). Each takes null
     too (OpenAI clients send it for "not given"), except priority (an integer). Read the values a
     client gave with `given_options`, so an option left out keeps the model's (or the server's)
@@ -46,7 +46,8 @@ def option_fields(options: type, names: tuple[str, ...], extensions: tuple[str, 
         if name not in names:
             continue
         doc = ("extension: " if name in extensions else "") + (field.description or "")
-        out[name] = (wire if name == "priority" else Optional[wire], Field(default=field.default, description=doc))
+        out[name] = (wire if name == "priority" else Optional[wire],
+                     Field(default=field.default, description=doc, json_schema_extra=field.json_schema_extra))
     missing = set(names) - set(out)
     assert not missing, f"{options.__name__} has no {sorted(missing)}"
     return out
