@@ -107,8 +107,14 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return _messages(raw)
 
 
-def check_options(kwargs: dict[str, Any]) -> None:
+def check_options(kwargs: dict[str, Any], max_tokens_field: str = "max_tokens") -> None:
     """The `TextOptions` values checked here, together (some depend on each other, e.g.
     ``tool_choice`` on ``tools``), so a bad one is a 400 naming its ``param`` (OpenAI's error
-    shape) with the message ``TextModel.stream()`` gives."""
-    check_family_options("text", kwargs)
+    shape) with the message ``TextModel.stream()`` gives; ``max_new_tokens`` is named by the
+    body's own field for it (``max_tokens_field``)."""
+    try:
+        check_family_options("text", kwargs)
+    except Problem as problem:
+        if problem.param == "max_new_tokens":
+            problem.param = max_tokens_field
+        raise

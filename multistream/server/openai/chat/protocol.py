@@ -138,6 +138,6 @@ def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], in
     if ignored or req.tools == []:
         logger.info("chat completion: ignoring field(s) %s", ignored or ["tools (empty)"])
     kwargs = req.to_text_options(settings)
-    check_options(kwargs)
+    check_options(kwargs, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
     return kwargs, req.priority, bool(req.stream), include_usage

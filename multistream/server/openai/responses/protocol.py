@@ -206,7 +206,7 @@ def parse_responses_body(body: Any, settings: ServerSettings,
     if ignored or extra:
         logger.info("responses: ignoring field(s) %s", ignored + extra)
     kwargs = req.to_text_options(settings, history)
-    check_options(kwargs)
+    check_options(kwargs, "max_output_tokens")
     return req, kwargs
 
 
