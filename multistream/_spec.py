@@ -49,12 +49,26 @@ class OptionInfo:
     wire: Any  # the type a JSON body declares (pydantic annotation)
     body: bool  # part of the server's request bodies (False: Python-only, e.g. objects)
     body_default: Any = dataclasses.MISSING  # a JSON body's default when it differs from Python's
+    bounds: tuple[tuple[str, float], ...] = ()  # JSON Schema's minimum/maximum/exclusive*: what the check enforces
+
+    @property
+    def schema_bounds(self) -> dict[str, float]:
+        """The bounds as JSON Schema keywords (``{"minimum": 0, "maximum": 1}``)."""
+        return dict(self.bounds)
 
 
 def option(default: Any, doc: str, check: Callable[[Any], Any] | None = None, *, wire: Any = Any,
-           body: bool = True, body_default: Any = dataclasses.MISSING, default_factory: Any = None) -> Any:
-    """A dataclass field that is a user-facing option: its default, description, check and JSON type."""
-    info = OptionInfo(doc=doc, check=check, wire=wire, body=body, body_default=body_default)
+           body: bool = True, body_default: Any = dataclasses.MISSING, default_factory: Any = None,
+           ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None) -> Any:
+    """A dataclass field that is a user-facing option: its default, description, check and JSON type.
+
+    ``ge``/``gt``/``le``/``lt`` declare the range the check enforces (the check keeps the message
+    with the fix): the server's bodies publish them in ``/openapi.json``, and a test holds every
+    check to them (tests/test_options_openapi.py)."""
+    bounds = tuple((key, value) for key, value in (("minimum", ge), ("exclusiveMinimum", gt), ("maximum", le),
+                                                   ("exclusiveMaximum", lt)) if value is not None)
+    info = OptionInfo(doc=doc, check=check, wire=wire, body=body, body_default=body_default, bounds=bounds)
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={"option": info}, hash=False)
     return dataclasses.field(default=default, metadata={"option": info})
@@ -90,7 +104,12 @@ def parse_options(cls: type[T], owner: str, given: Mapping[str, Any], *, extra: 
             unknown[name] = value
             continue
         check = info(field).check
-        values[name] = check(value) if check is not None else value
+        try:
+            values[name] = check(value) if check is not None else value
+        except InvalidArgumentError as exc:
+            if exc.param is None:
+                exc.param = name  # the option's own check: the fault is this option's, whatever the message says
+            raise
     if unknown:
         if extra is None:
             reject_unknown(unknown, tuple(fields), owner)
@@ -104,7 +123,8 @@ def reject_unknown(unknown: Mapping[str, Any], known: tuple[str, ...], owner: st
     name = sorted(unknown)[0]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise InvalidArgumentError(f"unknown argument {name!r} for {owner}.{hint} Known arguments: {', '.join(known)}.")
+    raise InvalidArgumentError(f"unknown argument {name!r} for {owner}.{hint} Known arguments: {', '.join(known)}.",
+                               param=name)
 
 
 def body_fields(cls: type) -> dict[str, tuple[Any, Any]]:
@@ -125,7 +145,8 @@ def body_fields(cls: type) -> dict[str, tuple[Any, Any]]:
             default = None
         if isinstance(default, tuple):
             default = list(default) or None
-        out[field.name] = (meta.wire, Field(default=default, description=meta.doc))
+        out[field.name] = (meta.wire, Field(default=default, description=meta.doc,
+                                            json_schema_extra=meta.schema_bounds or None))
     return out
 
 

@@ -31,7 +31,20 @@ class MultistreamError(Exception):
 
 
 class InvalidArgumentError(MultistreamError, ValueError):
-    """A call got an argument it cannot use; the message names it and says what would work."""
+    """A call got an argument it cannot use; the message names it and says what would work.
+
+    ``param`` is the argument's name where one argument is at fault (set where the error is
+    raised: an option's own check gets it from its declaration), so a server's 400 names the
+    parameter without reading the message; None when the fault spans several.
+
+    Example:
+        >>> InvalidArgumentError("top_p must be in (0, 1]", param="top_p").param
+        'top_p'
+    """
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class PromptTooLongError(InvalidArgumentError):

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import multistream as ms
 import multistream.server as server_pkg
 from multistream import cli
 from multistream.server import ServerSettings
@@ -55,11 +56,36 @@ def test_older_flag_names_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (settings.grace_period_s, settings.heartbeat_s, settings.shutdown_deadline_s) == (5.0, 2.0, 3.0)
 
 
-def test_help_comes_from_the_settings_docstring(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_comes_from_the_settings_declaration(capsys: pytest.CaptureFixture[str]) -> None:
+    from multistream._spec import option_fields
+
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
-    out = capsys.readouterr().out
-    assert "--client-concurrency" in out and "(ServerSettings.client_concurrency)" in out
+    out = " ".join(capsys.readouterr().out.split())
+    for field in option_fields(ServerSettings):  # every field is a flag, its help the declared description
+        assert "--" + field.name.replace("_", "-") in out, field.name
+    doc = next(f for f in option_fields(ServerSettings) if f.name == "client_concurrency").metadata["option"].doc
+    assert " ".join(doc.split()) in out
+
+
+def test_environment_variables_are_read_by_each_fields_type() -> None:
+    settings = ServerSettings.from_env({"MULTISTREAM_GRACE_PERIOD_S": "5", "MULTISTREAM_ALLOW_PARTIAL": "true",
+                                        "MULTISTREAM_ALLOWED_HOSTS": "a.example, b.example", "MULTISTREAM_API_KEY": "",
+                                        "MULTISTREAM_TEXT_CONCURRENCY": "3", "MULTISTREAM_SPECULATE": "0"})
+    assert (settings.grace_period_s, settings.allow_partial, settings.allowed_hosts, settings.api_key,
+            settings.text_concurrency, settings.speculate) == (5.0, True, ("a.example", "b.example"), None, 3, 0)
+    with pytest.raises(ms.InvalidArgumentError) as info:
+        ServerSettings.from_env({"MULTISTREAM_QUEUE_SIZE": "many"})
+    assert info.value.param == "queue_size" and "MULTISTREAM_QUEUE_SIZE='many' is not a number" in str(info.value)
+    with pytest.raises(ms.InvalidArgumentError) as info:
+        ServerSettings(max_priority=-1)
+    assert info.value.param == "max_priority"
+    assert str(info.value) == "ServerSettings.max_priority must be an integer >= 0, got -1"
+
+
+def test_a_bad_setting_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--text-model", "none", "--image-model", "none", "--queue-size", "0"]) == 2
+    assert "ServerSettings.queue_size must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_serve_quantize_reaches_the_text_model_loader() -> None:

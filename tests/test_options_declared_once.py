@@ -1,5 +1,5 @@
 """Options declared once (issue 26, item 4): one engine capacity default, one text max_batch default,
-the rewind options, the OpenAI chat and image option fields and the native image body from the specs."""
+the rewind options. Every body's namesakes of the families' options: tests/test_options_openapi.py."""
 
 from __future__ import annotations
 
@@ -53,58 +53,3 @@ def test_rewind_options_are_declared_once() -> None:
              if "option" in f.metadata}
     for name in REWIND_OPTIONS:
         assert fields[name].description == specs[name], name  # the spec's description, not a copy
-    for path in ("multistream/text/_model.py", "multistream/testing/_text.py", "multistream/server/bodies.py"):
-        text = (ROOT / path).read_text(encoding="utf-8")
-        assert '"temperature", "top_p", "top_k", "repetition_penalty", "seed"' not in text, path
-
-
-def test_openai_chat_option_fields_come_from_the_specs() -> None:
-    import dataclasses
-
-    from multistream.server.openai.chat.protocol import CHAT_OPTION_FIELDS, ChatCompletionRequest
-    from multistream.text import TextOptions
-
-    docs = {f.name: f.metadata["option"].doc for f in dataclasses.fields(TextOptions) if "option" in f.metadata}
-    fields = ChatCompletionRequest.model_fields
-    assert len(CHAT_OPTION_FIELDS) >= 18
-    for name in CHAT_OPTION_FIELDS:
-        assert fields[name].description.removeprefix("extension: ") == docs[name], name
-        assert fields[name].default == (0 if name == "priority" else None), name
-    assert ChatCompletionRequest.__name__ == "ChatCompletionRequest" and "messages" in fields
-
-
-def test_openai_image_option_fields_come_from_the_specs() -> None:
-    import dataclasses
-    from typing import Optional
-
-    from multistream._spec import body_fields
-    from multistream.image import ImageOptions
-    from multistream.server.openai.images.protocol import IMAGE_OPTION_FIELDS, ImageGenerationRequest
-
-    specs = body_fields(ImageOptions)
-    docs = {f.name: f.metadata["option"].doc for f in dataclasses.fields(ImageOptions) if "option" in f.metadata}
-    fields = ImageGenerationRequest.model_fields
-    # Every OpenAI image field with an ImageOptions namesake is one of them (none hand-written).
-    assert set(IMAGE_OPTION_FIELDS) == set(fields) & set(docs)
-    assert {"steps", "seed", "guidance_scale", "negative_prompt", "priority"} <= set(IMAGE_OPTION_FIELDS)
-    for name in IMAGE_OPTION_FIELDS:
-        assert fields[name].description == "extension: " + docs[name], name  # the spec's description
-        assert fields[name].default == specs[name][1].default, name  # null (the model's default), priority 0
-        wire = specs[name][0]
-        assert fields[name].annotation in (wire, Optional[wire]), name
-    assert ImageGenerationRequest.__name__ == "ImageGenerationRequest" and "prompt" in fields and "size" in fields
-    text = (ROOT / "multistream/server/openai/images/protocol.py").read_text(encoding="utf-8")
-    assert 'description="extension: denoising steps"' not in text
-
-
-def test_native_image_body_fields_are_the_specs() -> None:
-    from multistream._spec import body_fields
-    from multistream.image import ImageOptions
-    from multistream.server.bodies import ImageBody
-
-    specs = body_fields(ImageOptions)
-    fields = ImageBody.model_fields
-    assert set(fields) == {"prompt", *specs}
-    for name, (wire, field) in specs.items():
-        assert fields[name].description == field.description and fields[name].default == field.default, name
-        assert fields[name].annotation == wire, name

@@ -48,10 +48,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 # Every ServerSettings field is a flag of its own name (``--client-concurrency``), generated from
-# the settings with their help from its docstring; these older, shorter names stay as aliases.
+# its declaration (help: its description); these older, shorter names stay as aliases.
 ALIASES = {
-    "grace_period_s": ["--grace-period"], "shutdown_deadline_s": ["--shutdown-deadline"], "heartbeat_s": ["--heartbeat"],
-    "keys_file": ["--keys"], "blocklist_file": ["--blocklist"],
+    "grace_period_s": ("--grace-period",), "shutdown_deadline_s": ("--shutdown-deadline",), "heartbeat_s": ("--heartbeat",),
+    "keys_file": ("--keys",), "blocklist_file": ("--blocklist",),
 }
 
 
@@ -106,37 +106,15 @@ def model_spec(name: str, value: str) -> str | None:
     return value
 
 
-def _setting_help(name: str) -> str:
-    """The sentence of `ServerSettings`' docstring that describes ``name`` (written once, there)."""
-    from ..server import ServerSettings
-
-    doc = " ".join((ServerSettings.__doc__ or "").split())
-    at = doc.find(name)
-    if at < 0:
-        return f"ServerSettings.{name}"
-    end = min((i for i in (doc.find(";", at), doc.find(". ", at)) if i > 0), default=len(doc))
-    return doc[at:end].strip(" .;") + f" (ServerSettings.{name})"
-
-
 def _add_setting_flags(parser: Any) -> None:
-    import dataclasses
-
+    from .._spec import add_cli_options
     from ..server import ServerSettings
 
     group = parser.add_argument_group(
-        "server settings", "one flag per ServerSettings field; each also reads MULTISTREAM_<FIELD> from the environment "
-        "(e.g. MULTISTREAM_API_KEY, MULTISTREAM_EVENT_LOG)")
-    for field in dataclasses.fields(ServerSettings):
-        flags = ["--" + field.name.replace("_", "-"), *ALIASES.get(field.name, [])]
-        kind = str(field.type)
-        help_text = f"{_setting_help(field.name)}; default {field.default!r}"
-        if "bool" in kind:
-            group.add_argument(*flags, dest=field.name, action="store_true", default=None, help=help_text)
-        elif "tuple" in kind:
-            group.add_argument(*flags, dest=field.name, default=None, metavar="LIST", help=help_text + " (comma-separated)")
-        else:
-            number = float if ("float" in kind or field.name.endswith("_s")) else int if "int" in kind else str
-            group.add_argument(*flags, dest=field.name, type=number, default=None, help=help_text)
+        "server settings", "one flag per ServerSettings field, from its declaration; each also reads "
+        "MULTISTREAM_<FIELD> from the environment (e.g. MULTISTREAM_API_KEY, MULTISTREAM_EVENT_LOG)")
+    names = add_cli_options(group, ServerSettings, flags=ALIASES)
+    parser.set_defaults(setting_names=names)
 
 
 def text_model_spec(value: str, quantize: str = "auto", compile: bool = False) -> Any:
@@ -182,14 +160,13 @@ def model_path_problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
+    from .._spec import cli_values
     from ..server import ServerSettings, create_app, serve
     from ..server.families import FAMILIES
 
-    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
-    given["api_key"] = given["api_key"] or None  # an empty --api-key "" means open, as unset does
-    given["event_log"] = given["event_log"] or None
+    given = cli_values(args, args.setting_names)
+    for name in ("api_key", "event_log"):  # an empty --api-key "" means open, as unset does
+        given[name] = given.get(name) or None
     from ..errors import InvalidArgumentError
 
     try:

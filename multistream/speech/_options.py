@@ -68,7 +68,7 @@ class SpeechOptions:
     text: str
     voice: Optional[str] = option(None, "a voice name of the model; null: its default voice", _voice,
                                   wire=Optional[str])
-    speed: float = option(1.0, "a number from 0.25 to 4: speaking rate (1 is normal)", _speed, wire=float)
+    speed: float = option(1.0, "a number from 0.25 to 4: speaking rate (1 is normal)", _speed, wire=float, ge=MIN_SPEED, le=MAX_SPEED)
     priority: int = option(0, "an integer; higher is synthesized first, sentence by sentence", _priority, wire=int)
 
 

@@ -208,22 +208,22 @@ class TextOptions:
     """
 
     max_new_tokens: int = option(256, "an integer >= 1: tokens to generate at most", _max_new_tokens,
-                                 wire=Optional[int], body_default=None)
+                                 wire=Optional[int], body_default=None, ge=1)
     temperature: Optional[float] = option(
-        None, "a number >= 0 (0 = greedy); null: the model's generation_config", _temperature, wire=Optional[float])
+        None, "a number >= 0 (0 = greedy); null: the model's generation_config", _temperature, wire=Optional[float], ge=0)
     top_p: Optional[float] = option(None, "a number in (0, 1] (1 = off); null: the model's default", _top_p,
-                                    wire=Optional[float])
+                                    wire=Optional[float], gt=0, le=1)
     top_k: Optional[int] = option(None, "an integer >= 0 (0 = off); null: the model's default", _top_k,
-                                  wire=Optional[int])
+                                  wire=Optional[int], ge=0)
     repetition_penalty: Optional[float] = option(
-        None, "a number > 0 (1 = off); null: the model's default", _repetition_penalty, wire=Optional[float])
+        None, "a number > 0 (1 = off); null: the model's default", _repetition_penalty, wire=Optional[float], gt=0)
     seed: Optional[int] = option(None, "an integer in [0, 2**63): reproducible sampling; null: random", _seed,
-                                 wire=Optional[int])
+                                 wire=Optional[int], ge=0, lt=2**63)
     stop: tuple[str, ...] = option((), "a string or a list of strings that end the text (never emitted)", _stop,
                                    wire=Union[str, list[str], None])
-    chunk_tokens: Optional[int] = option(None, "an integer >= 1: tokens per event", _chunk_tokens, wire=Optional[int])
+    chunk_tokens: Optional[int] = option(None, "an integer >= 1: tokens per event", _chunk_tokens, wire=Optional[int], ge=1)
     chunk_ms: Optional[float] = option(None, "a number of milliseconds > 0: group tokens into events this long",
-                                       _chunk_ms, wire=Optional[float])
+                                       _chunk_ms, wire=Optional[float], gt=0)
     chat: Optional[bool] = option(None, "true/false: apply the chat template to a prompt string; null = auto",
                                   _chat, wire=Optional[bool])
     allowed: Optional[str] = option(
@@ -235,16 +235,16 @@ class TextOptions:
     logprobs: bool = option(False, "true: each text event carries the log-probability of its tokens (raw model "
                             "log-softmax in fp32, before temperature, penalties and masks)", _logprobs, wire=bool)
     top_logprobs: int = option(0, "an integer 0..20: the most likely alternatives per token (implies logprobs)",
-                               _top_logprobs, wire=int)
+                               _top_logprobs, wire=int, ge=0, le=20)
     presence_penalty: float = option(0.0, "a number -2..2: subtracted from the logit of every token already "
-                                     "generated (OpenAI's)", _penalty("presence_penalty"), wire=float)
+                                     "generated (OpenAI's)", _penalty("presence_penalty"), wire=float, ge=-2, le=2)
     frequency_penalty: float = option(0.0, "a number -2..2: subtracted once per earlier occurrence of a token in "
-                                      "the answer (OpenAI's)", _penalty("frequency_penalty"), wire=float)
+                                      "the answer (OpenAI's)", _penalty("frequency_penalty"), wire=float, ge=-2, le=2)
     logit_bias: Optional[dict[int, float]] = option(
         None, "token id -> a bias -100..100 added to its logit (-100 bans it)", _logit_bias,
         wire=Optional[dict[str, float]], default_factory=lambda: None)
     min_p: Optional[float] = option(None, "a number in [0, 1]: drop tokens less likely than min_p times the most "
-                                    "likely one (0 = off); null: the model's default", _min_p, wire=Optional[float])
+                                    "likely one (0 = off); null: the model's default", _min_p, wire=Optional[float], ge=0, le=1)
 
     # Structured outputs and tools (docs/constrained.md); stored as canonical JSON text.
     json_schema: Optional[str] = option(
@@ -262,10 +262,10 @@ class TextOptions:
 
     num_beams: int = option(
         1, "an integer from 1 to 8: beam search over this many hypotheses (greedy; events show the best one, "
-        "`committed` says how much of it can no longer change); 1 = off", _num_beams, wire=int)
+        "`committed` says how much of it can no longer change); 1 = off", _num_beams, wire=int, ge=1, le=8)
     length_penalty: float = option(
         1.0, "a number: beam scores are divided by length ** length_penalty (as in transformers)", _length_penalty,
-        wire=float)
+        wire=float, ge=-100, le=100)
     early_stopping: Union[bool, str] = option(
         False, "true, false or \"never\": when beam search stops (as in transformers' generate)", _early_stopping,
         wire=Union[bool, str])
@@ -279,12 +279,13 @@ class TextOptions:
     speculate: Union[str, int] = option(
         "auto", '"auto" (drafts from the prompt and the answer, when they pay), 0 (off) or an integer (at most '
         "that many drafts per step): verified exactly, the text, ids and logprobs are those of 0", _speculate,
-        wire=Union[str, int])
+        wire=Union[str, int], ge=0, le=MAX_SPECULATE)
 
     def __post_init__(self) -> None:
         # Checks that span options (each option alone was checked by its own check).
         if self.allowed is not None and self.json_schema is not None:
-            raise InvalidArgumentError("allowed= and json_schema= cannot constrain one answer together; give one")
+            raise InvalidArgumentError("allowed= and json_schema= cannot constrain one answer together; give one",
+                                       param="allowed")
         if self.tools is not None or self.tool_choice is not None:
             from ._tools import check_tool_options
 
@@ -323,8 +324,8 @@ def _check_beams(options: TextOptions) -> None:
     if sampling:
         raise InvalidArgumentError(
             f"num_beams={options.num_beams} is greedy beam search; sampling ({', '.join(sampling)}) cannot be "
-            "combined with it: drop the sampling options (or set temperature=0), or use num_beams=1 to sample"
-        )
+            "combined with it: drop the sampling options (or set temperature=0), or use num_beams=1 to sample",
+            param="num_beams")
     # Beam search scores the model's own log-probabilities: what would change the scores or
     # constrain a row is not built for beams (yet).
     others = [name for name, on in (
@@ -338,8 +339,7 @@ def _check_beams(options: TextOptions) -> None:
     if others:
         raise InvalidArgumentError(
             f"num_beams={options.num_beams} does not combine with {', '.join(others)} yet; drop "
-            f"{'it' if len(others) == 1 else 'them'} or use num_beams=1"
-        )
+            f"{'it' if len(others) == 1 else 'them'} or use num_beams=1", param="num_beams")
 
 
 def _check_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:

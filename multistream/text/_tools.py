@@ -133,13 +133,15 @@ def tools_active(tools: str | None, tool_choice: Any) -> bool:
 def check_tool_options(tools: str | None, tool_choice: Any, allowed: str | None) -> None:
     """The checks that span options (called by `TextOptions`)."""
     if tool_choice not in (None, "none", "auto") and not tools:
-        raise InvalidArgumentError(f"tool_choice={tool_choice!r} needs tools=[...] to choose from")
+        raise InvalidArgumentError(f"tool_choice={tool_choice!r} needs tools=[...] to choose from", param="tool_choice")
     name = chosen_name(tool_choice)
     if name is not None and name not in {t["function"]["name"] for t in tool_list(tools)}:
         known = ", ".join(t["function"]["name"] for t in tool_list(tools))
-        raise InvalidArgumentError(f"tool_choice names the function {name!r}, which is not in tools ({known})")
+        raise InvalidArgumentError(f"tool_choice names the function {name!r}, which is not in tools ({known})",
+                                   param="tool_choice")
     if allowed is not None and tools_active(tools, tool_choice):
-        raise InvalidArgumentError("allowed= and tools= cannot constrain one answer together; give one of them")
+        raise InvalidArgumentError("allowed= and tools= cannot constrain one answer together; give one of them",
+                                   param="allowed")
 
 
 def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:

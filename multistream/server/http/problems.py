@@ -55,9 +55,9 @@ def problem_from_exception(exc: BaseException) -> Problem:
     if isinstance(exc, Problem):
         return exc
     if isinstance(exc, PromptTooLongError):
-        return Problem(400, "prompt_too_long", str(exc))
+        return Problem(400, "prompt_too_long", str(exc), param=exc.param or "prompt")
     if isinstance(exc, InvalidArgumentError):
-        return Problem(400, "invalid_argument", str(exc))
+        return Problem(400, "invalid_argument", str(exc), param=exc.param)  # the option named where it was raised
     if isinstance(exc, MultistreamError):
         return Problem(400, type(exc).__name__, str(exc))
     return Problem(500, "internal_error", "the server failed on this request; the server log has the details")

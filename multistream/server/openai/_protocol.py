@@ -17,6 +17,7 @@ from ..._spec import body_fields
 from ..bodies import check_family_options
 from ..http.bodies import STRICT_BODY
 from ..http.problems import Problem
+from ..settings import ServerSettings
 
 
 class StreamOptions(BaseModel):
@@ -27,21 +28,48 @@ class StreamOptions(BaseModel):
                                                    "usage so far")
 
 
-def option_fields(options: type, names: tuple[str, ...], extensions: tuple[str, ...]) -> dict[str, Any]:
-    """``{name: (annotation, Field)}`` of the ``names`` of the options class ``options``: its type
-    and description (``extensions`` marked as such), a null default, except priority's."""
+def option_fields(options: type, names: tuple[str, ...], extensions: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``{name: (annotation, Field)}`` for `pydantic.create_model`: the ``names`` of the options
+    class ``options`` as an OpenAI body's fields, each with the spec's type, default, bounds and
+    description (``extensions``, fields OpenAI's own body lacks, marked as such). Each takes null
+    too (OpenAI clients send it for "not given"), except priority (an integer). Read the values a
+    client gave with `given_options`, so an option left out keeps the model's (or the server's)
+    default.
+
+    Example:
+        >>> from multistream.speech import SpeechOptions
+        >>> option_fields(SpeechOptions, ("speed",))["speed"][1].default
+        1.0
+    """
     out: dict[str, Any] = {}
     for name, (wire, field) in body_fields(options).items():
         if name not in names:
             continue
         doc = ("extension: " if name in extensions else "") + (field.description or "")
-        if name == "priority":
-            out[name] = (wire, Field(default=field.default, description=doc))
-        else:
-            out[name] = (Optional[wire], Field(default=None, description=doc))
+        out[name] = (wire if name == "priority" else Optional[wire],
+                     Field(default=field.default, description=doc, json_schema_extra=field.json_schema_extra))
     missing = set(names) - set(out)
     assert not missing, f"{options.__name__} has no {sorted(missing)}"
     return out
+
+
+def given_options(body: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
+    """The ``names`` a client gave in ``body`` (not null): the family's keyword arguments. An
+    option left out (or null) is not passed, so the spec's default, or the server's
+    (``--speculate``), applies."""
+    return {name: getattr(body, name) for name in names
+            if name in body.model_fields_set and getattr(body, name) is not None}
+
+
+def max_tokens(value: int | None, name: str, settings: ServerSettings, default: int | None = None) -> int:
+    """A body's max-tokens field (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``)
+    -> ``max_new_tokens``: the server's default when left out, a 400 ``limit_exceeded`` over its cap."""
+    if value is None:
+        value = settings.default_max_new_tokens if default is None else default
+    if value > settings.max_new_tokens:
+        raise Problem(400, "limit_exceeded", f"{name} is {value} but this server allows at most "
+                      f"{settings.max_new_tokens}", param=name)
+    return value
 
 
 def unsupported(name: str, message: str) -> Problem:
@@ -79,8 +107,14 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return _messages(raw)
 
 
-def check_options(kwargs: dict[str, Any]) -> None:
+def check_options(kwargs: dict[str, Any], max_tokens_field: str = "max_tokens") -> None:
     """The `TextOptions` values checked here, together (some depend on each other, e.g.
     ``tool_choice`` on ``tools``), so a bad one is a 400 naming its ``param`` (OpenAI's error
-    shape) with the message ``TextModel.stream()`` gives."""
-    check_family_options("text", kwargs)
+    shape) with the message ``TextModel.stream()`` gives; ``max_new_tokens`` is named by the
+    body's own field for it (``max_tokens_field``)."""
+    try:
+        check_family_options("text", kwargs)
+    except Problem as problem:
+        if problem.param == "max_new_tokens":
+            problem.param = max_tokens_field
+        raise

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
-from ....speech import MAX_INPUT_CHARACTERS
+from ....speech import MAX_INPUT_CHARACTERS, SpeechOptions
 from ...families import family
 from ...http.bodies import LAX_BODY
+from .._protocol import option_fields
 
 #: OpenAI's speech model names: each means the served speech model (the family table's entry).
 OPENAI_SPEECH_MODELS = family("speech").openai_models
@@ -22,7 +23,7 @@ OPENAI_SPEECH_MODELS = family("speech").openai_models
 OPENAI_PCM_RATE = 24000
 
 
-class AudioSpeechRequest(BaseModel):
+class _AudioSpeechBase(BaseModel):
     """OpenAI's ``POST /v1/audio/speech`` body (unknown fields are ignored, as OpenAI's SDK may send more)."""
 
     model_config = LAX_BODY
@@ -31,7 +32,14 @@ class AudioSpeechRequest(BaseModel):
     voice: str = Field(default="alloy", description="an OpenAI voice name (the default voice) or one of the model's")
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
         default="mp3", description="pcm is 24 kHz 16-bit mono little-endian, as OpenAI's")
-    speed: float = Field(default=1.0, description="0.25 to 4 (1 is normal)")
     instructions: Optional[str] = Field(default=None, description="not supported by these voices: leave it out")
     stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio: the bytes; sse: events")
-    priority: int = Field(default=0, description="extension: higher is synthesized first")
+
+
+# The fields that have a `SpeechOptions` namesake (type, default, description from the spec).
+# ``voice`` is OpenAI's own (its voice names mean the default voice: `speech_voice`).
+SPEECH_OPTION_FIELDS = ("speed", "priority")
+
+AudioSpeechRequest = create_model(
+    "AudioSpeechRequest", __base__=_AudioSpeechBase, __doc__=_AudioSpeechBase.__doc__,
+    **option_fields(SpeechOptions, SPEECH_OPTION_FIELDS, ("priority",)))

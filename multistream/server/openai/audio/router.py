@@ -42,6 +42,7 @@ from ...http.bodies import OpenAIErrorResponse, read_body, validate_body
 from ...http.errors import error_responses, json_body
 from ...http.problems import Problem
 from ...state import ServerState, get_principal, get_state
+from .._protocol import given_options
 from .protocol import OPENAI_PCM_RATE, AudioSpeechRequest
 from .serving import SpeechEvents
 
@@ -71,8 +72,9 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
         raise Problem(400, "unsupported_parameter", "this speech model cannot follow `instructions` (it has no "
                       "style control); leave `instructions` out", param="instructions")
     voice = speech_voice(model, body.voice)
-    check_speech_options(body.input, voice=voice, speed=body.speed)
-    kwargs = {"text": body.input, "voice": voice, "speed": body.speed}
+    options = given_options(body, ("speed",))  # left out or null: the spec's default
+    check_speech_options(body.input, text_param="input", voice=voice, priority=body.priority, **options)
+    kwargs = {"text": body.input, "voice": voice, **options}
     record = await state.open_stream("speech", kwargs, priority=body.priority, request=request, resumable=False,
                                      principal=principal)
     from ....speech import AudioEncoder

@@ -20,12 +20,12 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, Field, create_model
 
-from ....text import TEXT_STREAM_ARGS, TextOptions
+from ....text import TextOptions
 from ...bodies import check_prompt_limit
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
-from .._protocol import StreamOptions, chat_messages, check_options, option_fields
+from .._protocol import StreamOptions, chat_messages, check_options, given_options, max_tokens, option_fields
 
 logger = logging.getLogger("multistream.server")
 
@@ -62,21 +62,14 @@ class _ChatCompletionBase(BaseModel):
         messages = chat_messages(self.messages)
         check_prompt_limit(messages, settings)
         kwargs: dict[str, Any] = {"prompt": messages}
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if max_tokens is None:
-            max_tokens = settings.default_max_new_tokens
-        if max_tokens > settings.max_new_tokens:
-            raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
-                          f"{settings.max_new_tokens}", param="max_tokens")
-        kwargs["max_new_tokens"] = max_tokens
+        if self.max_completion_tokens is not None:
+            kwargs["max_new_tokens"] = max_tokens(self.max_completion_tokens, "max_completion_tokens", settings)
+        else:
+            kwargs["max_new_tokens"] = max_tokens(self.max_tokens, "max_tokens", settings)
         schema = _response_schema(self.response_format)
         if schema is not None:
             kwargs["json_schema"] = schema
-        for name in TEXT_STREAM_ARGS:
-            if name in type(self).model_fields and name not in ("max_new_tokens", "priority"):
-                value = getattr(self, name)
-                if value is not None:
-                    kwargs[name] = value
+        kwargs.update(given_options(self, tuple(n for n in CHAT_OPTION_FIELDS if n != "priority")))
         if not self.logprobs:  # OpenAI: top_logprobs only counts with logprobs true
             kwargs.pop("logprobs", None)
             kwargs.pop("top_logprobs", None)
@@ -145,6 +138,6 @@ def chat_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], in
     if ignored or req.tools == []:
         logger.info("chat completion: ignoring field(s) %s", ignored or ["tools (empty)"])
     kwargs = req.to_text_options(settings)
-    check_options(kwargs)
+    check_options(kwargs, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     include_usage = bool(req.stream_options is not None and req.stream_options.include_usage)
     return kwargs, req.priority, bool(req.stream), include_usage

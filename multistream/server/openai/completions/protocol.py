@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
-from ....text import TEXT_STREAM_ARGS
+from ....text import TextOptions
 from ...bodies import check_prompt_limit
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
 from .._choices import MAX_CHOICES
-from .._protocol import StreamOptions
+from .._protocol import StreamOptions, given_options, max_tokens, option_fields
 
 
-class CompletionRequest(BaseModel):
+class _CompletionBase(BaseModel):
     """``POST /v1/completions`` (OpenAI's legacy completions; see the module docstring)."""
 
     model_config = LAX_BODY
@@ -29,25 +29,15 @@ class CompletionRequest(BaseModel):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(description="a string or a list of strings")
     suffix: Optional[str] = Field(default=None, description="not supported (insertion)")
     max_tokens: Optional[int] = Field(default=16, description="an integer >= 0 (0: only score the prompt, with echo)")
-    temperature: Optional[float] = Field(default=None, description="a number >= 0")
-    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
     n: Optional[int] = Field(default=None, description="1..8 completions per prompt")
     best_of: Optional[int] = Field(default=None, description="only equal to n")
     stream: Optional[bool] = Field(default=None, description="true: server-sent chunks")
     stream_options: Optional[StreamOptions] = Field(default=None, description="{'include_usage': true}")
+    # OpenAI's own meaning, not `TextOptions.logprobs` (a bool): how many alternatives per token.
     logprobs: Optional[int] = Field(default=None, description="0..20: logprobs of each token and that many "
                                     "alternatives")
     echo: Optional[bool] = Field(default=None, description="true: the prompt (and its logprobs) first")
-    stop: Union[str, list[str], None] = Field(default=None, description="a string or a list of strings")
-    presence_penalty: Optional[float] = Field(default=None, description="a number -2..2")
-    frequency_penalty: Optional[float] = Field(default=None, description="a number -2..2")
-    logit_bias: Optional[dict[str, float]] = Field(default=None, description="token id (a string) -> bias -100..100")
-    seed: Optional[int] = Field(default=None, description="an integer")
     user: Optional[str] = Field(default=None, description="accepted and ignored")
-    top_k: Optional[int] = Field(default=None, description="extension (vLLM): an integer >= 0")
-    min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
-    repetition_penalty: Optional[float] = Field(default=None, description="extension (vLLM): a number > 0")
-    priority: int = Field(default=0, description="extension: an integer; higher runs first")
 
     def prompts(self) -> list[str]:
         raw = self.prompt
@@ -65,19 +55,24 @@ class CompletionRequest(BaseModel):
         """``TextModel.stream`` keyword arguments for one prompt (a raw completion: ``chat=False``)."""
         check_prompt_limit(prompt, settings)
         kwargs: dict[str, Any] = {"prompt": prompt, "chat": False}
-        max_tokens = self.max_tokens if self.max_tokens is not None else 16
-        if max_tokens > settings.max_new_tokens:
-            raise Problem(400, "limit_exceeded", f"max_tokens is {max_tokens} but this server allows at most "
-                          f"{settings.max_new_tokens}", param="max_tokens")
-        kwargs["max_new_tokens"] = max_tokens
-        for name in TEXT_STREAM_ARGS:
-            if name in type(self).model_fields and name not in ("max_new_tokens", "priority", "logprobs"):
-                value = getattr(self, name)
-                if value is not None:
-                    kwargs[name] = value
+        kwargs["max_new_tokens"] = max_tokens(self.max_tokens, "max_tokens", settings, default=16)
+        kwargs.update(given_options(self, tuple(n for n in COMPLETION_OPTION_FIELDS if n != "priority")))
         if self.logprobs is not None:
             kwargs["logprobs"], kwargs["top_logprobs"] = True, self.logprobs
         return kwargs
+
+
+# The completions fields that have a `TextOptions` namesake (type, default, description from the
+# spec; vLLM's extensions marked as such).
+COMPLETION_OPTION_FIELDS = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+                            "seed", "top_k", "min_p", "repetition_penalty", "priority", "stop_on_repetition",
+                            "speculate")
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "priority", "stop_on_repetition", "speculate")
+
+
+CompletionRequest = create_model(
+    "CompletionRequest", __base__=_CompletionBase, __doc__=_CompletionBase.__doc__,
+    **option_fields(TextOptions, COMPLETION_OPTION_FIELDS, _EXTENSIONS))
 
 
 def parse_completion(body: Any, settings: ServerSettings) -> CompletionRequest:

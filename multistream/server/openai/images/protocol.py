@@ -14,12 +14,12 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, Field, create_model
 
-from ....image import IMAGE_STREAM_ARGS, ImageOptions
+from ....image import ImageOptions
 from ...bodies import check_image_limits
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
-from .._protocol import option_fields, unsupported
+from .._protocol import given_options, option_fields, unsupported
 
 
 class _ImageGenerationBase(BaseModel):
@@ -56,9 +56,7 @@ class _ImageGenerationBase(BaseModel):
                 raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
                               f"'auto', got {self.size[:20]!r}", param="size")
             kwargs["width"], kwargs["height"] = int(w), int(h)
-        for name in IMAGE_STREAM_ARGS:
-            if name in type(self).model_fields and name != "priority" and getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
+        kwargs.update(given_options(self, tuple(n for n in IMAGE_OPTION_FIELDS if n != "priority")))
         if previews:
             kwargs["preview_format"] = fmt
             if "width" in kwargs:

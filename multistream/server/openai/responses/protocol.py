@@ -16,14 +16,14 @@ import json
 import logging
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
-from ....text import TEXT_STREAM_ARGS
+from ....text import TextOptions
 from ...bodies import check_prompt_limit
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
-from .._protocol import chat_messages, check_options
+from .._protocol import chat_messages, check_options, given_options, max_tokens, option_fields
 
 logger = logging.getLogger("multistream.server")
 
@@ -33,7 +33,7 @@ _IGNORED = ("user", "include", "reasoning", "service_tier", "truncation", "promp
             "stream_options", "top_logprobs", "max_tool_calls", "prompt", "conversation")
 
 
-class ResponsesRequest(BaseModel):
+class _ResponsesBase(BaseModel):
     """``POST /v1/responses`` (OpenAI). Text in, text or function calls out; ``text.format``
     ``json_schema`` / ``json_object`` and function ``tools`` run under the grammar engine.
     Built-in tools (web search, file search, ...) are refused: this server has none."""
@@ -44,14 +44,11 @@ class ResponsesRequest(BaseModel):
                                                     "function_call, function_call_output)")
     instructions: Optional[str] = Field(default=None, description="a system message for this response only "
                                         "(not carried on by previous_response_id)")
-    max_output_tokens: Optional[int] = Field(default=None, description="an integer >= 1")
-    temperature: Optional[float] = Field(default=None, description="a number >= 0")
-    top_p: Optional[float] = Field(default=None, description="a number in (0, 1]")
+    max_output_tokens: Optional[int] = Field(default=None, description="an integer >= 1; null: the server's default")
     tools: Optional[list[dict[str, Any]]] = Field(default=None, description='function tools: [{"type": "function", '
                                                   '"name", "description", "parameters"}]')
     tool_choice: Union[str, dict[str, Any], None] = Field(default=None, description='"none", "auto", "required" or '
                                                           '{"type": "function", "name": ...}')
-    parallel_tool_calls: Optional[bool] = Field(default=None, description="true (default): several calls may follow")
     text: Optional[dict[str, Any]] = Field(default=None, description='{"format": {"type": "text" | "json_object" | '
                                            '"json_schema", "name", "schema", "strict"}}')
     store: Optional[bool] = Field(default=None, description="true (default): keep the response for GET, "
@@ -62,13 +59,6 @@ class ResponsesRequest(BaseModel):
     background: Optional[bool] = Field(default=None, description="true: answer at once; the generation runs on, "
                                        "read it with GET /v1/responses/{id} (?stream=true&starting_after=N)")
     stream: Optional[bool] = Field(default=None, description="true: server-sent typed events")
-    seed: Optional[int] = Field(default=None, description="extension: an integer")
-    top_k: Optional[int] = Field(default=None, description="extension: an integer >= 0")
-    min_p: Optional[float] = Field(default=None, description="extension (vLLM): a number in [0, 1]")
-    repetition_penalty: Optional[float] = Field(default=None, description="extension: a number > 0")
-    stop_on_repetition: Optional[bool] = Field(default=None, description="extension: end a detected loop "
-                                               "(status incomplete, reason repetition)")
-    priority: int = Field(default=0, description="extension: an integer; higher runs first")
 
     def to_text_options(self, settings: ServerSettings, history: list[dict[str, Any]]) -> dict[str, Any]:
         """``TextModel.stream`` keyword arguments: ``history`` (the conversation of the previous
@@ -82,11 +72,7 @@ class ResponsesRequest(BaseModel):
         messages = chat_messages(messages)
         check_prompt_limit(messages, settings)
         kwargs: dict[str, Any] = {"prompt": messages}
-        max_tokens = self.max_output_tokens if self.max_output_tokens is not None else settings.default_max_new_tokens
-        if max_tokens > settings.max_new_tokens:
-            raise Problem(400, "limit_exceeded", f"max_output_tokens is {max_tokens} but this server allows at most "
-                          f"{settings.max_new_tokens}", param="max_output_tokens")
-        kwargs["max_new_tokens"] = max_tokens
+        kwargs["max_new_tokens"] = max_tokens(self.max_output_tokens, "max_output_tokens", settings)
         schema = format_schema(self.text)
         if schema is not None:
             kwargs["json_schema"] = schema
@@ -95,13 +81,22 @@ class ResponsesRequest(BaseModel):
             kwargs["tools"] = tools
             if self.tool_choice is not None:
                 kwargs["tool_choice"] = chat_tool_choice(self.tool_choice)
-            if self.parallel_tool_calls is not None:
-                kwargs["parallel_tool_calls"] = self.parallel_tool_calls
-        for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop_on_repetition"):
-            value = getattr(self, name)
-            if value is not None and name in TEXT_STREAM_ARGS:
-                kwargs[name] = value
+            kwargs.update(given_options(self, ("parallel_tool_calls",)))
+        kwargs.update(given_options(self, _SAMPLING))
         return kwargs
+
+
+# The Responses fields that have a `TextOptions` namesake (type, default, description from the
+# spec). ``tools`` and ``tool_choice`` are OpenAI's Responses shapes (flat function tools), converted
+# by `chat_tools` / `chat_tool_choice`, so they are this body's own.
+_SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop_on_repetition",
+             "speculate")
+RESPONSES_OPTION_FIELDS = (*_SAMPLING, "parallel_tool_calls", "priority")
+_EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "stop_on_repetition", "speculate", "priority")
+
+ResponsesRequest = create_model(
+    "ResponsesRequest", __base__=_ResponsesBase, __doc__=_ResponsesBase.__doc__,
+    **option_fields(TextOptions, RESPONSES_OPTION_FIELDS, _EXTENSIONS))
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -211,7 +206,7 @@ def parse_responses_body(body: Any, settings: ServerSettings,
     if ignored or extra:
         logger.info("responses: ignoring field(s) %s", ignored + extra)
     kwargs = req.to_text_options(settings, history)
-    check_options(kwargs)
+    check_options(kwargs, "max_output_tokens")
     return req, kwargs
 
 
