@@ -24,9 +24,12 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 BOT_TEXT = """() => { const m = document.querySelectorAll('#ms-chatbot .bot, #ms-chatbot [data-testid="bot"]');
   return m.length ? m[m.length - 1].innerText : ''; }"""
+# The demo samples (temperature 0.7, a random seed): an unbounded integer can run on to the token
+# limit ("851118888..."), so the schema bounds it, as a user asking for a population would.
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "country": {"type": "string", "maxLength": 20},
-                                           "population": {"type": "integer"}},
+                                           "population": {"type": "integer", "minimum": 0,
+                                                          "maximum": 99_999_999}},
           "required": ["city", "country", "population"], "additionalProperties": False}
 
 

@@ -20,6 +20,7 @@ from multistream.server.families import FAMILIES
 from multistream.speech import SpeechOptions
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
 from multistream.text import TextOptions
+from multistream.video import VideoOptions
 
 # The OpenAI routes' bodies and the family whose options they carry (the native routes' come from
 # the family table: `Family.route` and `Family.options`).
@@ -31,6 +32,7 @@ OPENAI_BODIES: dict[str, type] = {
     "/v1/audio/speech": SpeechOptions,
     "/v1/streams/{stream_id}/rewind": TextOptions,
     "/v1/streams/{stream_id}/steer": ImageOptions,
+    "/v1/videos": VideoOptions,
 }
 
 # Properties named like an option that mean something else, each with why.
@@ -41,6 +43,7 @@ OWN_MEANING: dict[tuple[str, str], str] = {
     ("/v1/responses", "tool_choice"): "the Responses API's {'type': 'function', 'name'} form",
     ("/v1/streams/{stream_id}/steer", "negative_prompt"): "an edit: null means unchanged",
     ("/v1/streams/{stream_id}/steer", "guidance_scale"): "an edit: null means unchanged",
+    ("/v1/videos", "video_format"): "OpenAI's clips are MP4, so mp4 is the default there (the spec's is webm)",
 }
 
 # What a JSON Schema says about a value's type and range (everything else is presentation).

@@ -227,13 +227,15 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
 
     if demo_path:
-        _mount_demo(app, demo_path, specs["image"], keyring, speech=specs["speech"] is not None)
+        _mount_demo(app, demo_path, specs["image"], keyring, speech=specs["speech"] is not None,
+                    video=specs["video"] is not None)
     app.add_middleware(SecurityMiddleware, settings=settings, keyring=keyring, demo_path=demo_path)
     app.multistream_settings = settings  # type: ignore[attr-defined]  # read by runner.uvicorn_config
     return app
 
 
-def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False) -> None:
+def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False,
+                video: bool = False) -> None:
     """Serve the Gradio demo; its generations run through this server's gates (`GatedModel`)."""
     from ..ui.demo import mount_demo
     from .streams.gated import GatedModel
@@ -249,8 +251,10 @@ def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, spee
     style = "shapes" if image_spec == "default" else "auto"
     # The demo speaks with the server's own speech model (no second copy), when it serves one.
     speech_model = (lambda: app.state.multistream.models["speech"].get()) if speech else False
+    # The Video tab likewise films with the server's video model; none served, no tab.
+    video_model = (lambda: app.state.multistream.models["video"].get()) if video else False
     mount_demo(app, provider("text"), provider("image"), path=path, prompt_style=style, auth=auth,
-               speech_model=speech_model)
+               speech_model=speech_model, video_model=video_model)
 
 
 async def _janitor(state: ServerState) -> None:

@@ -35,7 +35,7 @@ from ....errors import InvalidArgumentError
 from ....video import VideoOptions
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
-from .._protocol import option_fields
+from .._protocol import given_options, option_fields
 
 __all__ = ["VIDEO_OPTION_FIELDS", "OneSize", "VideoCreateBody", "VideoFormat", "form_body", "parse_video_create"]
 
@@ -146,9 +146,7 @@ class _VideoCreateBase(BaseModel):
                 kwargs["width"], kwargs["height"] = width, height
         if self.seconds is not None:
             kwargs["num_frames"] = _frames(self.seconds, fmt)
-        for name in VIDEO_OPTION_FIELDS:
-            if name != "priority" and getattr(self, name, None) is not None:
-                kwargs[name] = getattr(self, name)
+        kwargs.update(given_options(self, tuple(n for n in VIDEO_OPTION_FIELDS if n != "priority")))
         return kwargs
 
 
@@ -187,9 +185,18 @@ def _frames(seconds: str | int | float, fmt: VideoFormat) -> int:
     return frames
 
 
+def _openai_video_fields() -> dict[str, Any]:
+    """The namesake fields, but ``video_format`` defaults to ``"mp4"`` here: OpenAI's clips are
+    MP4 and its clients expect one (the spec's default, WebM, is the Python and native one)."""
+    fields = option_fields(VideoOptions, VIDEO_OPTION_FIELDS, VIDEO_OPTION_FIELDS)
+    wire, spec = fields["video_format"]
+    fields["video_format"] = (wire, Field(default="mp4", description=spec.description,
+                                          json_schema_extra=spec.json_schema_extra))
+    return fields
+
+
 VideoCreateBody = create_model(
-    "VideoCreateBody", __base__=_VideoCreateBase, __doc__=_VideoCreateBase.__doc__,
-    **option_fields(VideoOptions, VIDEO_OPTION_FIELDS, VIDEO_OPTION_FIELDS))
+    "VideoCreateBody", __base__=_VideoCreateBase, __doc__=_VideoCreateBase.__doc__, **_openai_video_fields())
 
 
 def form_body(form: Any) -> dict[str, Any]:
