@@ -18,6 +18,7 @@ from multistream._shapes import (
     all_words,
     clip_caption,
     draw_clip,
+    judged_video_prompts,
     make_clip_dataset,
     parse_prompt,
     parse_video_prompt,
@@ -225,18 +226,7 @@ def _clip(pipe, prompt: str, seed: int = 0, steps: int = 20, **kw) -> np.ndarray
     return out.frames[0]
 
 
-def judged_prompts() -> list[str]:
-    """24 prompts: every colour three times, every shape six times, every motion six times."""
-    names = list(COLORS)
-    motions = list(MOTIONS)
-    prompts = []
-    for i in range(24):
-        color = names[i % 8]
-        shape = SHAPES[(i + i // 8) % 4]
-        motion = motions[(i // 2 + i // 8) % 4]
-        background = names[(i % 8 + 3 + i // 8) % 8]
-        prompts.append(f"a {color} {shape} {motion} on a {background} background")
-    return prompts
+judged_prompts = judged_video_prompts
 
 
 def test_judged_prompts_cover_the_vocabulary() -> None:

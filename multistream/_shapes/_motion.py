@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image
 
-from . import Scene, all_words, draw_scene, parse_prompt, sample_scene
+from . import COLORS, SHAPES, Scene, all_words, draw_scene, parse_prompt, sample_scene
 
 __all__ = [
     "MOTIONS",
@@ -28,6 +28,7 @@ __all__ = [
     "all_video_words",
     "clip_caption",
     "draw_clip",
+    "judged_video_prompts",
     "make_clip_dataset",
     "parse_video_prompt",
     "sample_clip",
@@ -165,3 +166,23 @@ def make_clip_dataset(n: int, seed: int = 0, num_frames: int = 16, size: int = 6
         out[i] = np.stack([np.asarray(f) for f in draw_clip(c, num_frames, size)])
         clips.append(c)
     return out, clips
+
+
+def judged_video_prompts() -> list[str]:
+    """The 24 prompts the embedded video model is judged on (its test, the preview benchmark):
+    every colour three times, every shape and every motion six times, never a shape on its own colour.
+
+    Example:
+        >>> judged_video_prompts()[0]
+        'a red circle moving left on a yellow background'
+    """
+    names = list(COLORS)
+    motions = list(MOTIONS)
+    prompts = []
+    for i in range(24):
+        color = names[i % 8]
+        shape = SHAPES[(i + i // 8) % 4]
+        motion = motions[(i // 2 + i // 8) % 4]
+        background = names[(i % 8 + 3 + i // 8) % 8]
+        prompts.append(f"a {color} {shape} {motion} on a {background} background")
+    return prompts

@@ -644,7 +644,7 @@ ui.go.addEventListener("click", () => {
       // Animated WebP previews (every frame, per step) of the model's clean estimate through the
       // linear latent map: free, where the default "tiny" first fits a decoder (minutes on a CPU).
       // The final is the model's clip (WebM).
-      body = { prompt, steps: positiveInt(ui.videoSteps, "steps"), preview: "x0", preview_format: "webp" };
+      body = { prompt, steps: positiveInt(ui.videoSteps, "steps"), preview_format: "webp" };  // preview: the model's default (tiny)
       if (ui.videoFrames.value !== "") body.num_frames = positiveInt(ui.videoFrames, "frames");
       if (ui.videoSeed.value !== "") body.seed = parseInt(ui.videoSeed.value, 10);
     } else {

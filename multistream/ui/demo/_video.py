@@ -219,9 +219,10 @@ class VideoTab:
                     steps = gr.Slider(1, 100, value=20, step=1, label="Steps", elem_id="ms-video-steps")
                     frames = gr.Slider(1, 64, value=frames_default, step=1, label="Frames", elem_id="ms-video-frames")
                     seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)")
-                    # "x0" is free (a linear map of the clean estimate); "tiny" first fits a decoder to the
-                    # VAE (once, cached), minutes on a CPU: not what a first click should wait for.
-                    preview = gr.Radio(list(PREVIEW_MODES), value="x0", label="Preview (tiny: fits a decoder once)")
+                    # "tiny", the library's default, is instant on the embedded model (it ships its
+                    # decoder); another model's first tiny run fits one to its VAE (once, cached).
+                    preview = gr.Radio(list(PREVIEW_MODES), value="tiny",
+                                       label="Preview (tiny: a decoder fitted to the VAE; x0: a linear map, free)")
                     preview_format = gr.Radio([("animated (WebP)", "webp"), ("contact sheet (JPEG)", "sheet")],
                                               value="webp", label="Preview of every frame as")
                     with gr.Accordion("Let the LLM write the prompt", open=False):
