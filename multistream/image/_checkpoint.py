@@ -1,4 +1,6 @@
 """Resumable image runs: a checkpoint of a denoising run after step k, and a run that starts from it.
+Video runs use the same checkpoints (``VideoModel.stream(..., on_checkpoint=, resume_from=)``):
+what is said here of an image holds for a clip, whose request also records its ``num_frames``.
 
 ``ImageModel.stream(..., on_checkpoint=fn, checkpoint_every=k)`` calls ``fn`` with an
 `ImageCheckpoint` after every k-th step; ``ImageModel.stream(..., resume_from=checkpoint)`` (the
@@ -53,8 +55,9 @@ import inspect
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -62,9 +65,9 @@ import torch
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from ._job import ImageJob, RunContext, SteeringState
+    from ._job import SteeringState
 
-__all__ = ["ImageCheckpoint", "RunCheckpoints", "checkpoint_plan"]
+__all__ = ["CheckpointedContext", "CheckpointedJob", "ImageCheckpoint", "RunCheckpoints", "checkpoint_plan"]
 
 logger = logging.getLogger("multistream")
 
@@ -310,14 +313,34 @@ def _generators(call_kwargs: dict[str, Any]) -> list[torch.Generator]:
     return []
 
 
-def _request_of(context: RunContext, job: ImageJob) -> dict[str, Any]:
-    """What a resumed run must share with the run its checkpoint came from."""
+class CheckpointedContext(Protocol):
+    """What checkpoints read of a run's model (an image or a video model's run context)."""
+
+    pipeline: Any
+    params: Mapping[str, Any]
+
+
+class CheckpointedJob(Protocol):
+    """What checkpoints read of a run's request (`ImageJob`, `multistream.video.VideoJob`)."""
+
+    call_kwargs: dict[str, Any]
+    steps: int
+    height: int | None
+    width: int | None
+    seed: int
+
+
+def _request_of(context: CheckpointedContext, job: CheckpointedJob) -> dict[str, Any]:
+    """What a resumed run must share with the run its checkpoint came from (a clip: its frame count too)."""
     kwargs = job.call_kwargs
     conditioning = json.dumps([kwargs.get("prompt"), kwargs.get("negative_prompt"), kwargs.get("guidance_scale")])
-    return {"steps": job.steps, "height": job.height, "width": job.width, "num_images": job.num_images,
-            "seed": job.seed, "scheduler": type(context.pipeline.scheduler).__name__,
-            "pipeline": type(context.pipeline).__name__,
-            "prompt_sha256": hashlib.sha256(conditioning.encode()).hexdigest()[:32]}
+    request = {"steps": job.steps, "height": job.height, "width": job.width,
+               "num_images": getattr(job, "num_images", 1), "seed": job.seed,
+               "scheduler": type(context.pipeline.scheduler).__name__, "pipeline": type(context.pipeline).__name__,
+               "prompt_sha256": hashlib.sha256(conditioning.encode()).hexdigest()[:32]}
+    if hasattr(job, "num_frames"):
+        request["num_frames"] = job.num_frames
+    return request
 
 
 class RunCheckpoints:
@@ -327,7 +350,7 @@ class RunCheckpoints:
     ``after_step(...)`` takes a checkpoint when one is due and hands it to ``on_checkpoint``.
     """
 
-    def __init__(self, context: RunContext, job: ImageJob, resume: ImageCheckpoint | None,
+    def __init__(self, context: CheckpointedContext, job: CheckpointedJob, resume: ImageCheckpoint | None,
                  on_checkpoint: Callable[[ImageCheckpoint], Any] | None, every: int) -> None:
         self.request = _request_of(context, job)
         self.resume = resume
@@ -467,7 +490,7 @@ class RunCheckpoints:
                                conditioning=conditioning, steers=steers, request=dict(self.request))
 
 
-def checkpoint_plan(context: RunContext, job: ImageJob, resume_from: Any, on_checkpoint: Any,
+def checkpoint_plan(context: CheckpointedContext, job: CheckpointedJob, resume_from: Any, on_checkpoint: Any,
                     checkpoint_every: Any) -> RunCheckpoints | None:
     """Check ``stream()``'s checkpoint arguments; None when the run neither takes nor resumes from one."""
     if on_checkpoint is not None and not callable(on_checkpoint):
@@ -494,9 +517,10 @@ def checkpoint_plan(context: RunContext, job: ImageJob, resume_from: Any, on_che
             raise InvalidArgumentError(
                 f"{type(pipe).__name__} cannot resume from a checkpoint (its denoising loop has no `interrupt` "
                 "check or it has no prepare_latents); start the run afresh")
-        if job.num_images and resume.latents.shape[0] % job.num_images:
+        num_images = getattr(job, "num_images", None)
+        if num_images and resume.latents.shape[0] % num_images:
             raise InvalidArgumentError(
-                f"resume_from holds {resume.latents.shape[0]} latents; this run makes {job.num_images} images")
+                f"resume_from holds {resume.latents.shape[0]} latents; this run makes {num_images} images")
         mine = _request_of(context, job)
         for key, theirs in resume.request.items():
             if key == "seed" and (theirs is None or theirs < 0 or mine["seed"] < 0):

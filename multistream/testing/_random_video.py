@@ -36,6 +36,15 @@ def _seeded(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _in_eval_mode(pipe: Any) -> Any:
+    """``pipe`` with every module in eval mode, as ``from_pretrained`` leaves them: modules built
+    from a config start in training mode, whose dropout makes two runs with one seed differ."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    return pipe
+
+
 def _tiny_clip() -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -64,8 +73,8 @@ def tiny_wan_pipeline(seed: int = 0) -> Any:
         text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )  # fmt: skip
-    return WanPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-                       text_encoder=_tiny_t5(), tokenizer=offline_t5_tokenizer(64))
+    return _in_eval_mode(WanPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+                       text_encoder=_tiny_t5(), tokenizer=offline_t5_tokenizer(64)))
 
 
 def tiny_cogvideox_pipeline(seed: int = 0) -> Any:
@@ -83,8 +92,8 @@ def tiny_cogvideox_pipeline(seed: int = 0) -> Any:
         up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
         layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
     )  # fmt: skip
-    return CogVideoXPipeline(tokenizer=offline_t5_tokenizer(16), text_encoder=_tiny_t5(), vae=vae,
-                             transformer=transformer, scheduler=CogVideoXDDIMScheduler())
+    return _in_eval_mode(CogVideoXPipeline(tokenizer=offline_t5_tokenizer(16), text_encoder=_tiny_t5(), vae=vae,
+                             transformer=transformer, scheduler=CogVideoXDDIMScheduler()))
 
 
 def tiny_ltx_pipeline(seed: int = 0) -> Any:
@@ -111,8 +120,8 @@ def tiny_ltx_pipeline(seed: int = 0) -> Any:
     )  # fmt: skip
     vae.use_framewise_encoding = False
     vae.use_framewise_decoding = False
-    return LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_tiny_t5(),
-                       tokenizer=offline_t5_tokenizer(16), transformer=transformer)
+    return _in_eval_mode(LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_tiny_t5(),
+                       tokenizer=offline_t5_tokenizer(16), transformer=transformer))
 
 
 def tiny_animatediff_pipeline(seed: int = 0) -> Any:
@@ -130,9 +139,9 @@ def tiny_animatediff_pipeline(seed: int = 0) -> Any:
     adapter = MotionAdapter(block_out_channels=(8, 16), motion_layers_per_block=1, motion_norm_num_groups=2,
                             motion_num_attention_heads=2, use_motion_mid_block=False)
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="linear", clip_sample=False)
-    return AnimateDiffPipeline(unet=unet, vae=vae, scheduler=scheduler, motion_adapter=adapter,
+    return _in_eval_mode(AnimateDiffPipeline(unet=unet, vae=vae, scheduler=scheduler, motion_adapter=adapter,
                                text_encoder=_tiny_clip(), tokenizer=offline_clip_tokenizer(),
-                               feature_extractor=None, image_encoder=None)
+                               feature_extractor=None, image_encoder=None))
 
 
 def shapes_animatediff_pipeline(seed: int = 0) -> Any:
@@ -150,9 +159,9 @@ def shapes_animatediff_pipeline(seed: int = 0) -> Any:
     adapter = MotionAdapter(block_out_channels=channels, motion_layers_per_block=int(image.unet.config.layers_per_block),
                             motion_norm_num_groups=groups, motion_num_attention_heads=2, use_motion_mid_block=False,
                             motion_max_seq_length=32)
-    return AnimateDiffPipeline(unet=image.unet, vae=image.vae, scheduler=image.scheduler, motion_adapter=adapter,
+    return _in_eval_mode(AnimateDiffPipeline(unet=image.unet, vae=image.vae, scheduler=image.scheduler, motion_adapter=adapter,
                                text_encoder=image.text_encoder, tokenizer=image.tokenizer,
-                               feature_extractor=None, image_encoder=None)
+                               feature_extractor=None, image_encoder=None))
 
 
 #: What the stand-in makes when nothing else is asked: the embedded image model's size, 16 frames.

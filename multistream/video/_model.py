@@ -33,6 +33,7 @@ from ..engine import DEFAULT_CAPACITY, EngineModel
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
+from ..image._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from ..image._sizes import ImageSizes, sizes_for
 from ..image._stepper import ImageRequest, ImageStepper
 from ..stream import Stream, StreamWriter
@@ -233,7 +234,9 @@ class VideoModel(EngineModel):
 
     # -- streaming ------------------------------------------------------------------------------
 
-    def stream(self, prompt: str, **options: Any) -> Stream:
+    def stream(self, prompt: str, *, resume_from: ImageCheckpoint | bytes | None = None,
+               on_checkpoint: Callable[[ImageCheckpoint], Any] | None = None, checkpoint_every: int = 1,
+               **options: Any) -> Stream:
         """Start generating; returns a `Stream` of ``video`` events (previews, then the clip).
 
         Options (each declared once in `multistream.video.VideoOptions`): ``num_frames``, ``fps``,
@@ -245,17 +248,24 @@ class VideoModel(EngineModel):
         pipeline call (a ``callback_on_step_end`` of yours runs after multistream's own). Bad
         arguments raise `InvalidArgumentError` here, before anything runs.
 
+        ``on_checkpoint=fn`` calls ``fn(checkpoint)`` on the engine thread (keep it quick) after
+        every ``checkpoint_every``-th step with a checkpoint of the run (the image family's
+        `multistream.image.ImageCheckpoint`: latents, scheduler state, conditioning after steers);
+        ``resume_from=checkpoint`` (or its ``to_bytes()``), with the arguments of the run it came
+        from, continues after its step and ends with the same clip (see `multistream.image._checkpoint`).
+
         Example:
             >>> s = vm.stream("a red circle moving right on a blue background", steps=20, seed=0)  # doctest: +SKIP
             >>> for ev in s:                                                                    # doctest: +SKIP
             ...     if ev.step == 10: s.finish_early()
         """
         job = self._prepare(prompt, options)
+        checkpoints = checkpoint_plan(self._run_context(), job, resume_from, on_checkpoint, checkpoint_every)
 
         def submit(writer: StreamWriter) -> None:
             steering = VideoSteering(self._pipe, job.call_kwargs)
             writer.on_command(steering.handle)
-            self.engine.submit(_VideoRequest(self, writer, job, steering))
+            self.engine.submit(_VideoRequest(self, writer, job, steering, checkpoints))
 
         return Stream(submit=submit, kind="video")
 
@@ -353,7 +363,7 @@ class VideoModel(EngineModel):
     def _run_context(self) -> RunContext:
         return RunContext(pipeline=self._pipe, layout=self.layout,
                           decoders=VideoDecoderParts(latent_rgb=self._latent_rgb, tiny_net=self._tiny_net),
-                          device=self.device, tensor_inputs=self._tensor_inputs)
+                          device=self.device, tensor_inputs=self._tensor_inputs, params=self._params)
 
     def __repr__(self) -> str:
         return f"<VideoModel {self.name} ({self.layout.family}) on {self.device}>"
@@ -362,17 +372,20 @@ class VideoModel(EngineModel):
 class _VideoRequest(ImageRequest):
     """Binds one job of a `VideoModel` to the engine's step scheduler."""
 
-    def __init__(self, model: VideoModel, writer: StreamWriter, job: VideoJob, steering: VideoSteering) -> None:
+    def __init__(self, model: VideoModel, writer: StreamWriter, job: VideoJob, steering: VideoSteering,
+                 checkpoints: RunCheckpoints | None = None) -> None:
         super().__init__(self._start, writer.fail, self._cancel, priority=job.priority, steps_left=self._steps_left,
                          cancelled=lambda: writer.cancelled)
         self._model, self._writer, self._job, self._steering = model, writer, job, steering
+        self._checkpoints = checkpoints
         self._run: VideoRun | None = None
 
     def _steps_left(self) -> int:
         return self._job.steps - (self._run.stats.steps if self._run is not None else 0)
 
     def _start(self, yield_step: Callable[[], None]) -> None:
-        self._run = VideoRun(self._model._run_context(), self._writer, self._job, yield_step, self._steering)
+        self._run = VideoRun(self._model._run_context(), self._writer, self._job, yield_step, self._steering,
+                             self._checkpoints)
         self._run.execute()
 
     def _cancel(self) -> None:

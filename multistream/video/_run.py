@@ -16,6 +16,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,6 +26,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..events import VideoEvent
+from ..image._checkpoint import RunCheckpoints
 from ..image._options import PreviewThrottle
 from ..image._previews import X0Tracker, x0_strategy
 from ..stream import StreamWriter
@@ -74,6 +76,7 @@ class RunContext:
     decoders: VideoDecoderParts
     device: torch.device
     tensor_inputs: tuple[str, ...]
+    params: Mapping[str, Any] = field(default_factory=dict)  # the pipeline call's parameters
 
 
 class VideoSteering:
@@ -89,7 +92,23 @@ class VideoSteering:
         self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._closed = False
-        self.applied = 0
+        self.applied: list[dict[str, Any]] = []  # {"step", **changes}: what took effect, in order
+        self.guidance_scale: float | None = call_kwargs.get("guidance_scale")
+
+    @property
+    def prompt(self) -> Any:
+        """The prompt the steps are conditioned on now (after the steers)."""
+        return self._prompt
+
+    @property
+    def negative_prompt(self) -> Any:
+        return self._negative
+
+    def start_from(self, call_kwargs: dict[str, Any]) -> None:
+        """The run starts on ``call_kwargs``' conditioning (a resumed run: its checkpoint's)."""
+        self._prompt = call_kwargs.get("prompt", self._prompt)
+        self._negative = call_kwargs.get("negative_prompt", self._negative)
+        self.guidance_scale = call_kwargs.get("guidance_scale", self.guidance_scale)
 
     def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if name != "steer":
@@ -131,14 +150,15 @@ class VideoSteering:
             self._pending.clear()
             return merged
 
-    def apply(self, pipe: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The tensors to hand back to the pipeline for a pending steer (empty when none)."""
+    def apply(self, pipe: Any, callback_kwargs: dict[str, Any], step: int) -> dict[str, Any]:
+        """The tensors to hand back to the pipeline for a pending steer (empty when none), which
+        conditions the steps after ``step``."""
         change = self.take()
         if change is None:
             return {}
         out: dict[str, Any] = {}
         if change.get("guidance_scale") is not None and hasattr(pipe, "_guidance_scale"):
-            pipe._guidance_scale = float(change["guidance_scale"])
+            pipe._guidance_scale = self.guidance_scale = float(change["guidance_scale"])
         if "prompt" in change or "negative_prompt" in change:
             self._prompt = change.get("prompt", self._prompt)
             self._negative = change.get("negative_prompt", self._negative)
@@ -167,7 +187,7 @@ class VideoSteering:
                 old_negative = callback_kwargs.get("negative_prompt_embeds")
                 if cfg and negative is not None and old_negative is not None:
                     out["negative_prompt_embeds"] = _like(negative.to(current.dtype), old_negative)
-        self.applied += 1
+        self.applied.append({"step": step, **change})
         return out
 
 
@@ -210,11 +230,16 @@ class VideoRun:
     """Runs one `VideoJob` (``context``: what it reads of its model) and emits its events to ``writer``."""
 
     def __init__(self, context: RunContext, writer: StreamWriter, job: VideoJob, yield_step: Callable[[], None],
-                 steering: VideoSteering | None = None) -> None:
+                 steering: VideoSteering | None = None, checkpoints: RunCheckpoints | None = None) -> None:
         self.context, self.writer, self.job = context, writer, job
         self.yield_step = yield_step
         self.steering = steering
+        # Taking checkpoints (``on_checkpoint=``) and resuming from one (``resume_from=``): the
+        # image family's, on this run's own pipeline copy.
+        self.checkpoints = checkpoints
         self.stats = _Stats(started=time.perf_counter())
+        if checkpoints is not None:
+            self.stats.steps = checkpoints.start_step
         self.pipe = own_pipeline(context.pipeline)
         self.estimate: torch.Tensor | None = None  # the newest clean estimate, in (B, C, F', H', W')
         self.last_preview: tuple[bytes, str, int, int] | None = None
@@ -231,6 +256,11 @@ class VideoRun:
         if job.preview != "none":
             previewer = VideoPreviewer(job.preview, self.context.layout, self.context.decoders, max_side=job.preview_max_side)
         kwargs = dict(job.call_kwargs)
+        if self.checkpoints is not None:
+            self.checkpoints.apply_conditioning(kwargs)  # a resumed run: the conditioning after its steers
+            if self.steering is not None:
+                self.steering.start_from(kwargs)
+            self.checkpoints.install(pipe, kwargs)
         kwargs["callback_on_step_end"] = self._callback(previewer, tracker)
         kwargs["callback_on_step_end_tensor_inputs"] = list(self.context.tensor_inputs)
         kwargs["output_type"] = "pt"
@@ -254,13 +284,15 @@ class VideoRun:
         self._emit_final(video.float(), "stop", decode_started=self.stats.last_step_at)
 
     def _callback(self, previewer: VideoPreviewer | None, tracker: X0Tracker | None) -> Callable[..., dict[str, Any]]:
-        writer, job, stats, layout = self.writer, self.job, self.stats, self.context.layout
+        writer, job, stats, layout, checkpoints = self.writer, self.job, self.stats, self.context.layout, self.checkpoints
 
         def callback(pipeline: Any, i: int, t: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             now = time.perf_counter()
             stats.step_times.append(now - (stats.last_step_at or stats.started))
             stats.last_step_at = now
-            step = int(i) + 1
+            step = int(i) + 1  # a resumed run skips the steps before its checkpoint: i keeps its numbering
+            if checkpoints is not None:
+                checkpoints.check_step(step)
             stats.steps = step
             latents = callback_kwargs["latents"]
             x0 = tracker.x0() if tracker is not None else None
@@ -283,7 +315,11 @@ class VideoRun:
             if writer.finish_early_requested and step < job.steps:
                 raise _FinishEarly
             if self.steering is not None:
-                returned.update(self.steering.apply(pipeline, callback_kwargs))
+                returned.update(self.steering.apply(pipeline, callback_kwargs, step))
+            if checkpoints is not None:
+                # After the steers: the checkpoint carries the conditioning of the next step.
+                checkpoints.after_step(step, job.steps, returned.get("latents", callback_kwargs.get("latents")),
+                                       self.steering)
             return returned
 
         return callback
@@ -325,8 +361,15 @@ class VideoRun:
             out["preview_bytes_mean"] = float(np.mean(stats.preview_bytes))
         if stats.step_times:
             out["step_ms_median"] = float(np.median(stats.step_times)) * 1e3
-        if self.steering is not None and self.steering.applied:
-            out["steers"] = float(self.steering.applied)
+        steers = len(self.steering.applied) if self.steering is not None else 0
+        ck = self.checkpoints
+        if ck is not None and ck.resume is not None:
+            steers += ck.resume.steers  # those taken before the checkpoint
+            out["resumed_from_step"] = float(ck.resume.step)
+        if ck is not None and (ck.sink is not None or ck.taken):
+            out["checkpoints"] = float(ck.taken)
+        if steers:
+            out["steers"] = float(steers)
         out.update(extra)
         return out
 
