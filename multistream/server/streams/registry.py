@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ... import errors as error_types
-from ...events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent
+from ...events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
 from ...stream import Stream
 from ..access.metrics import Metrics
 from ..families import family
@@ -377,7 +377,7 @@ class StreamRecord(SharedAccess):
             return
         if ev.seq != len(self.events):
             ev = dataclasses.replace(ev, seq=len(self.events))
-        if self.checkpoints is not None and ev.is_final and isinstance(ev, ImageEvent):
+        if self.checkpoints is not None and ev.is_final and isinstance(ev, (ImageEvent, VideoEvent)):
             # What keeping its checkpoints in the log cost (as a Ray image replica reports it).
             ev = dataclasses.replace(ev, metrics={**(ev.metrics or {}), **self.checkpoints.metrics()})
         now = time.perf_counter()
