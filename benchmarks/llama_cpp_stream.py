@@ -7,6 +7,13 @@ model, then times one run per line read from stdin and prints each run's figures
 line, so the caller can interleave its rounds with its own:
 
     python benchmarks/llama_cpp_stream.py MODEL.gguf PROMPT_TEXT TOKENS THREADS   # then "run" lines
+
+With ``--requests`` it takes one JSON request per line instead (``{"text", "n", "schema"}``: a
+templated prompt, the tokens to make, an optional JSON schema as a grammar), and ``--lookup K``
+gives the model llama-cpp-python's prompt lookup decoding (``LlamaPromptLookupDecoding(
+num_pred_tokens=K)``), as `lookahead.py` compares:
+
+    python benchmarks/llama_cpp_stream.py MODEL.gguf --requests THREADS [--lookup K]
 """
 
 from __future__ import annotations
@@ -48,7 +55,48 @@ def runner(model_path: str, text: str, n: int, threads: int) -> Callable[[], dic
     return run
 
 
+def timed_stream(chunks: Any, start: float) -> dict[str, float]:
+    """Figures of one streamed completion (``chunks``), begun at ``start``."""
+    times = [time.perf_counter() for _ in chunks]
+    gaps = [(b - a) * 1000 for a, b in itertools.pairwise(times)]
+    span = times[-1] - times[0] if len(times) > 1 else float("nan")
+    return {"tok_s": (len(times) - 1) / span, "ttft": (times[0] - start) * 1000, "p50": percentile(gaps, 0.5),
+            "p95": percentile(gaps, 0.95), "tokens": len(times)}
+
+
+def serve_requests(model_path: str, threads: int, lookup: int) -> None:
+    """Answer JSON requests read from stdin (see the module docstring), one JSON line each."""
+    from llama_cpp import Llama, LlamaGrammar
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+    # logits_all=True with a draft model: llama-cpp-python 0.3.16 turns logits_all on itself then,
+    # but sizes its score buffer from the argument (n_batch rows), so a run past 512 tokens fails.
+    model: Any = Llama(model_path=model_path, n_ctx=2048, n_threads=threads, verbose=False, draft_model=draft,
+                       logits_all=draft is not None)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        grammar = LlamaGrammar.from_json_schema(json.dumps(req["schema"]), verbose=False) if req.get("schema") else None
+        model.reset()  # no cache hit from the previous request's prefix: every run prefills
+        start = time.perf_counter()
+        out: list[str] = []
+
+        def chunks(req: dict[str, Any] = req, grammar: Any = grammar, out: list[str] = out) -> Any:
+            for chunk in model.create_completion(req["text"], max_tokens=req["n"], temperature=0.0, stream=True,
+                                                 grammar=grammar):
+                out.append(chunk["choices"][0]["text"])
+                yield chunk
+
+        figures = timed_stream(chunks(), start)
+        print(json.dumps({**figures, "text": "".join(out)}), flush=True)
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[2] == "--requests":
+        lookup = int(sys.argv[sys.argv.index("--lookup") + 1]) if "--lookup" in sys.argv else 0
+        serve_requests(sys.argv[1], int(sys.argv[3]), lookup)
+        return
     path, text, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     run = runner(path, text, n, threads)
     run()  # warm-up

@@ -9,7 +9,16 @@ lookahead is exact). Then 8 concurrent streams (the five tasks, cycled), aggrega
 Rounds are interleaved (default, speculate=0, default, ...) and medians reported, so a noisy
 machine affects both alike; the load average is printed with the figures.
 
+llama.cpp (llama-cpp-python, when it is installed) runs the same GGUF file on the same prompts
+(our chat template's text; the JSON task with the schema as its grammar), greedy, with as many
+threads as torch uses, each configuration in a process of its own (no torch loaded, as
+`llama_cpp_stream.py` does): plain, and with `LlamaPromptLookupDecoding(num_pred_tokens=K)` for
+K in 2, 4, 10 (``--lookups``), whose best is reported. Its rounds are interleaved with ours.
+llama-cpp-python 0.3.16 runs prompt lookup (with ``logits_all=True``, see `llama_cpp_stream.py`);
+0.3.36 crashes (SIGSEGV) as soon as a draft model is given, so with it pass ``--lookups ''``.
+
     python benchmarks/lookahead.py [--rounds 3] [--tokens 128] [--only summary,code] [--no-batch]
+                                   [--no-llama-cpp] [--lookups 2,4,10]
 """
 
 from __future__ import annotations
@@ -18,8 +27,11 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import multistream as ms
@@ -128,6 +140,52 @@ def one(llm: Any, task: str, tokens: int, speculate: Any) -> dict[str, Any]:
             "wall": end - start, "steps": final.metrics["decode_steps"]}
 
 
+LOOKUPS = (2, 4, 10)  # llama-cpp-python's num_pred_tokens tried (its default is 10)
+
+
+class LlamaCpp:
+    """llama.cpp in a process of its own, answering one request per call (`llama_cpp_stream.py
+    --requests`); ``lookup``: prompt lookup decoding's draft length, 0 for none."""
+
+    def __init__(self, lookup: int) -> None:
+        import torch
+
+        from multistream.text._loading import embedded_gguf_path
+
+        script = Path(__file__).with_name("llama_cpp_stream.py")
+        self.lookup = lookup
+        self.child = subprocess.Popen(
+            [sys.executable, str(script), str(embedded_gguf_path()), "--requests", str(torch.get_num_threads()),
+             "--lookup", str(lookup)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.child.stdout is not None
+        if not json.loads(self.child.stdout.readline() or "{}").get("ready"):
+            raise RuntimeError("llama.cpp did not start (is llama-cpp-python installed?)")
+
+    def run(self, llm: Any, task: str, tokens: int) -> dict[str, Any]:
+        messages, extra = TASKS[task]
+        text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps({"text": text, "n": tokens, "schema": extra.get("json_schema")}) + "\n")
+        self.child.stdin.flush()
+        return json.loads(self.child.stdout.readline())  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.child.kill()
+        self.child.wait()
+
+
+def llama_cpp_processes(lookups: tuple[int, ...]) -> dict[int, LlamaCpp]:
+    """One llama.cpp process per configuration (0: plain, then each lookup length), or none when
+    llama-cpp-python is missing."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp columns (pip install llama-cpp-python)")
+        return {}
+    print(f"llama-cpp-python {llama_cpp.__version__}", flush=True)
+    return {k: LlamaCpp(k) for k in (0, *lookups)}
+
+
 def batch(llm: Any, tokens: int, speculate: Any, streams: int = 8) -> dict[str, Any]:
     names = list(TASKS)
     out: list[dict[str, Any] | None] = [None] * streams
@@ -155,25 +213,48 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--only", default=",".join(TASKS))
     parser.add_argument("--no-batch", action="store_true")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--lookups", default=",".join(map(str, LOOKUPS)),
+                        help="llama.cpp prompt lookup lengths to try ('' for plain llama.cpp only: "
+                        "llama-cpp-python 0.3.36 crashes with a draft model)")
     args = parser.parse_args()
+    lookups = tuple(int(k) for k in args.lookups.split(",") if k)
     llm = ms.load_text_model()
+    cpp = {} if args.no_llama_cpp else llama_cpp_processes(lookups)
     print(f"load average before: {os.getloadavg()}", flush=True)
     one(llm, "story", 8, 0)  # warm-up
+    for proc in cpp.values():
+        proc.run(llm, "story", 8)
     results: dict[str, Any] = {}
-    print("| task | default tok/s | speculate=0 tok/s | ratio | tokens/step | identical |")
-    print("|---|---|---|---|---|---|")
+    print("| task | default tok/s | speculate=0 tok/s | ratio | tokens/step | identical | llama.cpp tok/s "
+          "| llama.cpp lookup tok/s (best K) | default / best lookup |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for task in args.only.split(","):
         on, off = [], []
+        theirs: dict[int, list[float]] = {k: [] for k in cpp}
         for _ in range(args.rounds):  # interleaved rounds
             on.append(one(llm, task, args.tokens, "auto"))
             off.append(one(llm, task, args.tokens, 0))
+            for k, proc in cpp.items():
+                theirs[k].append(proc.run(llm, task, args.tokens)["tok_s"])
         a, b = statistics.median(r["tok_s"] for r in on), statistics.median(r["tok_s"] for r in off)
         per_step = statistics.median(r["tokens"] / (r["steps"] + 1) for r in on)
         same = all(x["text"] == off[0]["text"] for x in on + off)
         results[task] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "tokens_per_step": per_step,
                          "identical": same, "tokens": on[0]["tokens"]}
-        print(f"| {task} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {per_step:.2f} | {'yes' if same else 'NO'} |",
+        cells = "| - | - | -"
+        if cpp:
+            medians = {k: statistics.median(v) for k, v in theirs.items()}
+            results[task].update({"llama_cpp_tok_s": medians[0], "llama_cpp_lookup_tok_s": medians})
+            cells = f"| {medians[0]:.1f} | - | -"
+            if lookups:
+                best = max(lookups, key=lambda k: medians[k])
+                results[task].update({"best_lookup": best, "vs_best_lookup": a / medians[best]})
+                cells = f"| {medians[0]:.1f} | {medians[best]:.1f} (K={best}) | {a / medians[best]:.2f}x"
+        print(f"| {task} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {per_step:.2f} | {'yes' if same else 'NO'} {cells} |",
               flush=True)
+    for proc in cpp.values():
+        proc.close()
     if not args.no_batch:
         on_b, off_b = [], []
         for _ in range(args.rounds):
@@ -182,7 +263,7 @@ def main() -> None:
         a, b = statistics.median(r["tok_s"] for r in on_b), statistics.median(r["tok_s"] for r in off_b)
         same = all(r["texts"] == off_b[0]["texts"] for r in on_b + off_b)
         results["8 streams"] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "identical": same}
-        print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {a / b:.2f}x | - | {'yes' if same else 'NO'} |")
+        print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {a / b:.2f}x | - | {'yes' if same else 'NO'} | - | - | - |")
     print(f"load average after: {os.getloadavg()}")
     print(json.dumps(results))
     llm.close()
