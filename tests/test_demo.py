@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -14,8 +15,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import multistream as ms
 from multistream._shapes import COLORS, SHAPES, parse_prompt
-from multistream.ui.demo import create_demo, mount_demo, prompt_messages, shapes_prompt_pattern, throttled_views
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
+from multistream.ui.demo import create_demo, mount_demo, prompt_messages, shapes_prompt_pattern, throttled_views
 
 gradio_client = pytest.importorskip("gradio_client")
 
@@ -81,6 +82,11 @@ def test_image_streams_previews_then_final(served: tuple) -> None:
     outputs = job.outputs()
     previews = [o[0] for o in outputs if "data:image/jpeg;base64," in o[0]]
     assert len(set(previews)) >= 4  # several different frames reached the client
+    # The status line says how long is left once the steps give an estimate (eta_s: none at step 1).
+    lines = [re.search(r"step (\d+)/12(?: · about ([\d.]+) s left)? · ", p) for p in previews]
+    assert all(lines) and any(m.group(2) for m in lines if m), previews[-1]  # type: ignore[union-attr]
+    left = [float(m.group(2)) for m in lines if m and m.group(2)]
+    assert left == sorted(left, reverse=True) or max(left) < 2  # counting down (12 steps of 30 ms)
     last = outputs[-1]
     assert "data:image/png;base64," in last[0] and "stop · 12/12 steps" in last[0]
     assert last[1] and os.path.exists(last[1])  # the final full-quality image

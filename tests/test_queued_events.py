@@ -148,6 +148,31 @@ def test_a_request_refused_while_queued_ends_with_one_error_event() -> None:
         first.thread.join(30)
 
 
+def test_a_queued_request_is_cancelled_by_its_id_and_gives_up_its_place() -> None:
+    model = ScriptedTextModel(SLOW, delay_s=0.05)
+    with make_server(model, text_concurrency=1, queue_size=4) as srv:
+        first = _first_running(srv, model)
+        second = SSEClient(srv.url + "/v1/text", {"prompt": "second", "max_new_tokens": 2})
+        wait_until(lambda: second.queued, what="the second client's queued event")
+        third = SSEClient(srv.url + "/v1/text", {"prompt": "third", "max_new_tokens": 2})
+        wait_until(lambda: len(third.queued) == 1, what="the third client's queued event")
+        sid = second.headers["x-stream-id"]
+        # Only with its resume token (no probing for queued ids), as for a running stream.
+        assert httpx.delete(f"{srv.url}/v1/streams/{sid}", headers={"X-Resume-Token": "wrong"}).status_code == 404
+        _cancel(srv, second)
+        second.thread.join(30)
+        assert len(second.events) == 1  # its response ends with one final event that says so
+        error = second.events[0]
+        assert error["type"] == "error" and error["is_final"] and error["stream_id"] == sid
+        assert error["error"]["type"] == "cancelled" and "queue" in error["error"]["message"]
+        # The one behind it moves up; the cancelled one never reaches the model.
+        wait_until(lambda: third.queued[-1:] == [{"position": 1, "queued": 1}], what="the third client moving up")
+        assert srv.state.gates["text"].queued == 1
+        _cancel(srv, first)
+        third.thread.join(30)
+        assert [c["prompt"] for c in model.calls] == ["first", "third"] and third.events[-1]["is_final"]
+
+
 async def test_websocket_streams_are_told_their_place() -> None:
     model = ScriptedTextModel(SLOW, delay_s=0.05)
     with make_server(model, text_concurrency=1, queue_size=4) as srv:

@@ -279,10 +279,13 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
     sid, _, events, _ = _stream(cluster, IMAGE, kill_after=6, kind="image",
                                 before_kill=freeze_and_spoil if corrupt else None,
                                 after_kill=kill_frozen if corrupt else None)
-    # No duplicate and nothing out of order. A resume may skip the seq of a preview that a newer
-    # preview replaced while the client was away (the log keeps the newest preview of a live image).
+    # No duplicate and nothing out of order. A reader may skip the seq of a preview that a newer
+    # preview replaced before it was read: on a resume (the log keeps the newest preview of a live
+    # image), and at the start too (a slow reader gets the newest preview only; a busy machine can
+    # make the first previews wait behind newer ones), never a final.
     seqs = [e["seq"] for e in events]
-    assert seqs == sorted(set(seqs)) and seqs[0] == 0, "duplicate or out of order"
+    assert seqs == sorted(set(seqs)), "duplicate or out of order"
+    assert events[0]["type"] == "image" and not events[0]["is_final"]
     assert events[-1]["is_final"] and sum(e["is_final"] for e in events) == 1
     steps = [e["step"] for e in events[:-1]]
     assert steps == sorted(set(steps)) and max(steps) >= 6  # previews never repeat a step

@@ -30,6 +30,7 @@ from .settings import ServerSettings
 from .streams.admission import Admission
 from .streams.filtering import STOP, ContentFilter
 from .streams.registry import Registry, StreamRecord
+from .streams.waiting import WaitingStreams
 
 __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]
 
@@ -165,6 +166,7 @@ class ServerState:
         self.started_at = time.time()
         self.loop = asyncio.get_running_loop() if _has_loop() else None
         self.in_use: dict[str, int] = {}  # principal id -> streams queued or running
+        self.waiting = WaitingStreams()  # queued requests whose client holds their id (cancel by id)
         m = self.metrics
         m.gauge("multistream:num_requests_running", "Streams generating now.",
                 lambda: [({"kind": k}, float(self.registry.active(k))) for k in self.gates])

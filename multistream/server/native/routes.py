@@ -80,7 +80,7 @@ class StreamInfo(BaseModel):
 
 class CancelResult(BaseModel):
     stream_id: str
-    cancelled: bool = Field(description="true when the stream was still running")
+    cancelled: bool = Field(description="true when the stream was still running (or waiting in the queue)")
 
 
 def _family_route(fam: Family) -> None:
@@ -166,6 +166,11 @@ async def stream_info(stream_id: str, request: Request, state: ServerState = Dep
 @router.delete("/v1/streams/{stream_id}", response_model=CancelResult, responses=_ERRORS, summary="Cancel a stream")
 async def cancel_stream(stream_id: str, request: Request, state: ServerState = Depends(get_state),
                         principal: Principal = Depends(get_principal)) -> Any:
+    token = request.headers.get("x-resume-token") or request.query_params.get("token")
+    waiting = state.waiting.find(stream_id, principal, token) if state.registry.get(stream_id) is None else None
+    if waiting is not None:  # still in the admission queue: it gives up its place
+        waiting.cancel()
+        return CancelResult(stream_id=stream_id, cancelled=True)
     record = owned_record(state, stream_id, request, principal)
     was_running = not record.done
     record.cancel()

@@ -38,6 +38,7 @@ from ..http.sse import sse_options
 from ..settings import ServerSettings
 from ..streams.registry import StreamRecord, new_token
 from ..streams.view import StreamView
+from ..streams.waiting import WaitingStream
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -113,10 +114,12 @@ async def admit_or_queue(start: Callable[[QueuePosition], Awaitable[StreamRecord
 
 def queued_sse_response(task: asyncio.Task[StreamRecord], where: QueuePosition, stream_id: str, token: str,
                         settings: ServerSettings, on_refused: Callable[[Problem], None] | None = None,
-                        ) -> EventSourceResponse:
+                        waiting: WaitingStream | None = None) -> EventSourceResponse:
     """The SSE response of a request waiting in the queue (see the module's docstring): queued
     events while ``task`` (the admission) waits, then the stream's events. The client going away
-    cancels the wait (its place in the queue is given up)."""
+    cancels the wait (its place in the queue is given up); so does ``DELETE /v1/streams/{id}``
+    (``waiting``, `streams.waiting`), which ends the response with one ``error`` event of type
+    ``cancelled``."""
 
     async def events() -> AsyncIterator[ServerSentEvent | bytes]:
         try:
@@ -130,6 +133,11 @@ def queued_sse_response(task: asyncio.Task[StreamRecord], where: QueuePosition, 
                     await asyncio.wait({task, moved}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     moved.cancel()
+            if task.cancelled() and waiting is not None and waiting.cancelled:
+                error = ErrorEvent(stream_id=stream_id, seq=0, t=0.0, error={
+                    "type": "cancelled", "message": "cancelled while waiting in the queue (DELETE /v1/streams/{id})"})
+                yield ServerSentEvent(data=error.to_json(), event=error.type, id="0")
+                return
             try:
                 record = task.result()
             except Exception as exc:  # noqa: BLE001 - a refusal after the 200: the stream's one event
@@ -176,7 +184,11 @@ async def new_stream_sse(state: ServerState, kind: str, kwargs: dict[str, Any], 
     def refused(problem: Problem) -> None:
         state.metrics.rejected.inc(status=str(problem.status), reason=problem.type)
 
-    return queued_sse_response(task, where, stream_id, token, state.settings, on_refused=refused)
+    # Its client holds the id now: DELETE /v1/streams/{id} cancels the wait.
+    waiting = state.waiting.add(stream_id, token, owner=principal.id if principal is not None else None,
+                                owner_keyed=bool(principal is not None and principal.keyed), cancel=task.cancel)
+    task.add_done_callback(lambda _: state.waiting.remove(stream_id))
+    return queued_sse_response(task, where, stream_id, token, state.settings, on_refused=refused, waiting=waiting)
 
 
 def _created(record: StreamRecord, settings: ServerSettings) -> EventSourceResponse:
