@@ -168,6 +168,12 @@ def save_pipeline(pipe, out: Path) -> None:
         pipe.register_modules(unet=unet, vae=vae)
     (out / "video.json").write_text(json.dumps(VIDEO_DEFAULTS, indent=1) + "\n")
     shutil.copy(IMAGE_MODEL / "latent_rgb.json", out / "latent_rgb.json")
+    shutil.copy(IMAGE_MODEL / "preview_decoder.safetensors", out / "preview_decoder.safetensors")  # the same VAE
+    # diffusers records where each part was loaded from: a path of the machine that trained it.
+    for config in out.glob("*/config.json"):
+        entries = json.loads(config.read_text())
+        if entries.pop("_name_or_path", None) is not None:
+            config.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
 
 
 def train(unet, text_encoder, tokenizer, latents, clips, args, t0, on_checkpoint=None) -> None:

@@ -185,6 +185,9 @@ def test_model_folder_is_small_and_safetensors_only() -> None:
     assert video["num_frames"] >= 16 and (video["width"], video["height"]) == (64, 64)
     # Same VAE as the image model, so its latent-to-RGB preview map is the image model's.
     assert (MODEL_DIR / "latent_rgb.json").read_text() == (MODELS / "shapes" / "latent_rgb.json").read_text()
+    # No path of the machine that trained it (diffusers records where a part was loaded from).
+    for config in MODEL_DIR.rglob("*.json"):
+        assert "_name_or_path" not in json.loads(config.read_text()), config
 
 
 def test_tokenizer_extends_the_image_vocabulary() -> None:
