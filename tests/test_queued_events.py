@@ -58,6 +58,13 @@ def _first_running(srv: Any, model: ScriptedTextModel) -> SSEClient:
     return first
 
 
+def _queued_client(srv: Any, prompt: str, max_new_tokens: int, **kw: Any) -> SSEClient:
+    """A client whose request joined the queue (its first queued event has arrived)."""
+    client = SSEClient(srv.url + "/v1/text", {"prompt": prompt, "max_new_tokens": max_new_tokens}, **kw)
+    wait_until(lambda: client.queued, what=f"the {prompt} client's queued event")
+    return client
+
+
 def _cancel(srv: Any, client: SSEClient) -> None:
     sid = client.headers["x-stream-id"]
     r = httpx.delete(f"{srv.url}/v1/streams/{sid}", headers={"X-Resume-Token": client.headers["x-resume-token"]})
@@ -68,10 +75,8 @@ def test_sse_clients_are_told_their_place_then_get_their_events_and_resume_works
     model = ScriptedTextModel(SLOW, delay_s=0.05)
     with make_server(model, text_concurrency=1, queue_size=4) as srv:
         first = _first_running(srv, model)
-        second = SSEClient(srv.url + "/v1/text", {"prompt": "second", "max_new_tokens": 3})
-        wait_until(lambda: second.queued, what="the second client's queued event")
-        third = SSEClient(srv.url + "/v1/text", {"prompt": "third", "max_new_tokens": 3}, stop_after_events=1)
-        wait_until(lambda: third.queued, what="the third client's queued event")
+        second = _queued_client(srv, "second", 3)
+        third = _queued_client(srv, "third", 3, stop_after_events=1)
         # The response started before admission: with the stream's id and resume token already.
         assert second.status == third.status == 200
         assert {"x-stream-id", "x-resume-token"} <= set(third.headers)
@@ -152,10 +157,8 @@ def test_a_queued_request_is_cancelled_by_its_id_and_gives_up_its_place() -> Non
     model = ScriptedTextModel(SLOW, delay_s=0.05)
     with make_server(model, text_concurrency=1, queue_size=4) as srv:
         first = _first_running(srv, model)
-        second = SSEClient(srv.url + "/v1/text", {"prompt": "second", "max_new_tokens": 2})
-        wait_until(lambda: second.queued, what="the second client's queued event")
-        third = SSEClient(srv.url + "/v1/text", {"prompt": "third", "max_new_tokens": 2})
-        wait_until(lambda: len(third.queued) == 1, what="the third client's queued event")
+        second = _queued_client(srv, "second", 2)
+        third = _queued_client(srv, "third", 2)
         sid = second.headers["x-stream-id"]
         # Only with its resume token (no probing for queued ids), as for a running stream.
         assert httpx.delete(f"{srv.url}/v1/streams/{sid}", headers={"X-Resume-Token": "wrong"}).status_code == 404

@@ -369,6 +369,21 @@ class RunCheckpoints:
         """The number of steps already done when the run starts (0 unless it resumes)."""
         return self.resume.step if self.resume is not None else 0
 
+    @property
+    def steers_before(self) -> int:
+        """The steers that took effect before the checkpoint this run resumes from (0 if none)."""
+        return self.resume.steers if self.resume is not None else 0
+
+    def metrics(self) -> dict[str, float]:
+        """What the final event's ``metrics`` say of checkpoints: ``resumed_from_step`` when the run
+        resumed, ``checkpoints`` taken when it takes them."""
+        out: dict[str, float] = {}
+        if self.resume is not None:
+            out["resumed_from_step"] = float(self.resume.step)
+        if self.sink is not None or self.taken:
+            out["checkpoints"] = float(self.taken)
+        return out
+
     def apply_conditioning(self, call_kwargs: dict[str, Any]) -> None:
         """Start from the conditioning the checkpoint was taken under (after its steers)."""
         cond = self.resume.conditioning if self.resume is not None else None

@@ -543,15 +543,7 @@ class ImageRun:
         return timer.estimate(job.height * job.width * job.num_images) or 0.0
 
     def _checkpoint_metrics(self) -> dict[str, float]:
-        ck = self.checkpoints
-        if ck is None:
-            return {}
-        out: dict[str, float] = {}
-        if ck.resume is not None:
-            out["resumed_from_step"] = float(ck.resume.step)
-        if ck.sink is not None or ck.taken:
-            out["checkpoints"] = float(ck.taken)
-        return out
+        return self.checkpoints.metrics() if self.checkpoints is not None else {}
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -633,8 +625,8 @@ class ImageRun:
     ) -> None:
         writer = self.writer
         steers = len(self.steering.applied) if self.steering is not None else 0
-        if self.checkpoints is not None and self.checkpoints.resume is not None:
-            steers += self.checkpoints.resume.steers  # those taken before the checkpoint
+        if self.checkpoints is not None:
+            steers += self.checkpoints.steers_before
         if steers:
             metrics = {**metrics, "steers": float(steers)}
         if last:

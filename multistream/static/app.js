@@ -641,10 +641,9 @@ ui.go.addEventListener("click", () => {
       if (ui.seed.value !== "") body.seed = parseInt(ui.seed.value, 10);
     } else if (kind === "video") {
       path = "/v1/video";
-      // Animated WebP previews (every frame, per step) of the model's clean estimate through the
-      // linear latent map: free, where the default "tiny" first fits a decoder (minutes on a CPU).
-      // The final is the model's clip (WebM).
-      body = { prompt, steps: positiveInt(ui.videoSteps, "steps"), preview_format: "webp" };  // preview: the model's default (tiny)
+      // Animated WebP previews (every frame, per step) in the model's default preview mode ("tiny":
+      // a decoder fitted to its VAE, shipped with the embedded model). The final is the clip (WebM).
+      body = { prompt, steps: positiveInt(ui.videoSteps, "steps"), preview_format: "webp" };
       if (ui.videoFrames.value !== "") body.num_frames = positiveInt(ui.videoFrames, "frames");
       if (ui.videoSeed.value !== "") body.seed = parseInt(ui.videoSeed.value, 10);
     } else {

@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,13 +38,19 @@ def _seeded(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _in_eval_mode(pipe: Any) -> Any:
-    """``pipe`` with every module in eval mode, as ``from_pretrained`` leaves them: modules built
-    from a config start in training mode, whose dropout makes two runs with one seed differ."""
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            component.eval()
-    return pipe
+def _in_eval_mode(build: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``build``'s pipeline with every module in eval mode, as ``from_pretrained`` leaves them:
+    modules built from a config start in training mode, whose dropout makes two runs with one seed differ."""
+
+    @functools.wraps(build)
+    def built(seed: int = 0) -> Any:
+        pipe = build(seed)
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval()
+        return pipe
+
+    return built
 
 
 def _tiny_clip() -> Any:
@@ -62,6 +70,7 @@ def _tiny_t5(d_model: int = 32) -> Any:
                                    relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0))
 
 
+@_in_eval_mode
 def tiny_wan_pipeline(seed: int = 0) -> Any:
     """Wan 2.1 text-to-video: latents ``(B, 16, F', H/8, W/8)``, ``F' = (F - 1) / 4 + 1``."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
@@ -73,10 +82,11 @@ def tiny_wan_pipeline(seed: int = 0) -> Any:
         text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )  # fmt: skip
-    return _in_eval_mode(WanPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-                       text_encoder=_tiny_t5(), tokenizer=offline_t5_tokenizer(64)))
+    return WanPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+                       text_encoder=_tiny_t5(), tokenizer=offline_t5_tokenizer(64))
 
 
+@_in_eval_mode
 def tiny_cogvideox_pipeline(seed: int = 0) -> Any:
     """CogVideoX: latents ``(B, F', 4, H/8, W/8)`` (frames before channels)."""
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
@@ -92,10 +102,11 @@ def tiny_cogvideox_pipeline(seed: int = 0) -> Any:
         up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
         layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
     )  # fmt: skip
-    return _in_eval_mode(CogVideoXPipeline(tokenizer=offline_t5_tokenizer(16), text_encoder=_tiny_t5(), vae=vae,
-                             transformer=transformer, scheduler=CogVideoXDDIMScheduler()))
+    return CogVideoXPipeline(tokenizer=offline_t5_tokenizer(16), text_encoder=_tiny_t5(), vae=vae,
+                             transformer=transformer, scheduler=CogVideoXDDIMScheduler())
 
 
+@_in_eval_mode
 def tiny_ltx_pipeline(seed: int = 0) -> Any:
     """LTX-Video: packed latents ``(B, F' * H' * W', 8)`` tokens, 8x in time, 32x in space."""
     from diffusers import (
@@ -120,10 +131,11 @@ def tiny_ltx_pipeline(seed: int = 0) -> Any:
     )  # fmt: skip
     vae.use_framewise_encoding = False
     vae.use_framewise_decoding = False
-    return _in_eval_mode(LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_tiny_t5(),
-                       tokenizer=offline_t5_tokenizer(16), transformer=transformer))
+    return LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_tiny_t5(),
+                       tokenizer=offline_t5_tokenizer(16), transformer=transformer)
 
 
+@_in_eval_mode
 def tiny_animatediff_pipeline(seed: int = 0) -> Any:
     """AnimateDiff: a Stable Diffusion UNet with a motion adapter; latents ``(B, 4, F, H/2, W/2)``."""
     from diffusers import AnimateDiffPipeline, AutoencoderKL, DDIMScheduler, MotionAdapter, UNet2DConditionModel
@@ -139,11 +151,12 @@ def tiny_animatediff_pipeline(seed: int = 0) -> Any:
     adapter = MotionAdapter(block_out_channels=(8, 16), motion_layers_per_block=1, motion_norm_num_groups=2,
                             motion_num_attention_heads=2, use_motion_mid_block=False)
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="linear", clip_sample=False)
-    return _in_eval_mode(AnimateDiffPipeline(unet=unet, vae=vae, scheduler=scheduler, motion_adapter=adapter,
+    return AnimateDiffPipeline(unet=unet, vae=vae, scheduler=scheduler, motion_adapter=adapter,
                                text_encoder=_tiny_clip(), tokenizer=offline_clip_tokenizer(),
-                               feature_extractor=None, image_encoder=None))
+                               feature_extractor=None, image_encoder=None)
 
 
+@_in_eval_mode
 def shapes_animatediff_pipeline(seed: int = 0) -> Any:
     """The embedded image model's UNet, VAE and text encoder in an `AnimateDiffPipeline` with a fresh
     `MotionAdapter` (its output layers start at zero, so each frame is the image model's picture):
@@ -159,9 +172,9 @@ def shapes_animatediff_pipeline(seed: int = 0) -> Any:
     adapter = MotionAdapter(block_out_channels=channels, motion_layers_per_block=int(image.unet.config.layers_per_block),
                             motion_norm_num_groups=groups, motion_num_attention_heads=2, use_motion_mid_block=False,
                             motion_max_seq_length=32)
-    return _in_eval_mode(AnimateDiffPipeline(unet=image.unet, vae=image.vae, scheduler=image.scheduler, motion_adapter=adapter,
+    return AnimateDiffPipeline(unet=image.unet, vae=image.vae, scheduler=image.scheduler, motion_adapter=adapter,
                                text_encoder=image.text_encoder, tokenizer=image.tokenizer,
-                               feature_extractor=None, image_encoder=None))
+                               feature_extractor=None, image_encoder=None)
 
 
 #: What the stand-in makes when nothing else is asked: the embedded image model's size, 16 frames.

@@ -362,12 +362,9 @@ class VideoRun:
         if stats.step_times:
             out["step_ms_median"] = float(np.median(stats.step_times)) * 1e3
         steers = len(self.steering.applied) if self.steering is not None else 0
-        ck = self.checkpoints
-        if ck is not None and ck.resume is not None:
-            steers += ck.resume.steers  # those taken before the checkpoint
-            out["resumed_from_step"] = float(ck.resume.step)
-        if ck is not None and (ck.sink is not None or ck.taken):
-            out["checkpoints"] = float(ck.taken)
+        if self.checkpoints is not None:
+            steers += self.checkpoints.steers_before
+            out.update(self.checkpoints.metrics())
         if steers:
             out["steers"] = float(steers)
         out.update(extra)

@@ -65,7 +65,7 @@ from .event_log import entry_id
 from .resume import start_from_checkpoint, trim_text
 
 __all__ = ["CONTINUED_HOOKS", "KINDS", "LIVENESS_TTL_S", "MAX_RESTARTS", "SCAN_EVERY_S", "Continuer", "DurablePlan",
-           "continuation_stream", "durable_plan", "hand_off", "image_continuation_stream", "remember_request"]
+           "checkpoint_continuation_stream", "continuation_stream", "durable_plan", "hand_off", "remember_request"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -237,11 +237,11 @@ def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event],
     return _relay("text", inner, stream_id, events, keep, start=lambda w: w.continue_text(len(text)))
 
 
-def image_continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event], stream_id: str,
-                              checkpoint: bytes | None = None, extra: dict[str, Any] | None = None,
-                              kind: str = "image") -> Stream:
-    """A stream with id ``stream_id`` that continues the image (or video: ``kind``) run ``events``
-    began: from ``checkpoint`` (``stream(resume_from=)``; None, or one the model refuses: from
+def checkpoint_continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event], stream_id: str,
+                                   checkpoint: bytes | None = None, extra: dict[str, Any] | None = None, *,
+                                   kind: str) -> Stream:
+    """A stream with id ``stream_id`` that continues the denoising run (an image or a clip:
+    ``kind``) ``events`` began: from ``checkpoint`` (``stream(resume_from=)``; None, or one the model refuses: from
     step 0 with the same seed), skipping previews of the steps the log already has."""
     extra = dict(extra or {})
     sent = max((ev.step for ev in events if isinstance(ev, (ImageEvent, VideoEvent)) and not ev.is_final), default=0)
@@ -390,8 +390,8 @@ class Continuer:
                 logger.warning("stream %s: reading its image checkpoint failed (%s); denoising from step 0", sid, exc)
                 raw = None
             plan = durable_plan(log, kind, model, kwargs, state.settings.image_checkpoint_every)
-            stream = image_continuation_stream(model, plan.kwargs, events, sid, bytes(raw) if raw else None, plan.extra,
-                                               kind=fam.name)
+            stream = checkpoint_continuation_stream(model, plan.kwargs, events, sid, bytes(raw) if raw else None,
+                                                    plan.extra, kind=fam.name)
         registry = state.registry
         # The content filter goes on reading the output (primed below with what was sent before).
         record = registry.start(stream, kind=fam.name, resumable=True, model_name=state.models[fam.name].name,

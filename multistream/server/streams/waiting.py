@@ -23,19 +23,14 @@ __all__ = ["WaitingStream", "WaitingStreams"]
 
 
 class WaitingStream(SharedAccess):
-    """One queued request (``cancel`` stops its wait); ``cancelled`` once a client cancelled it by id."""
-
-    subscribers = 0
+    """One queued request (``cancel`` stops its wait); ``cancelled`` once a client cancelled it by id.
+    Only `SharedAccess.allows` is used of its base: nobody follows a stream that has not started."""
 
     def __init__(self, stream_id: str, token: str, owner: str | None, owner_keyed: bool,
                  cancel: Callable[[], Any]) -> None:
         self.stream_id, self.token, self.owner, self.owner_keyed = stream_id, token, owner, owner_keyed
         self._cancel = cancel
         self.cancelled = False
-
-    @property
-    def max_followers(self) -> int:
-        return 1  # its one response; nobody else can follow a stream that has not started
 
     def cancel(self) -> None:
         self.cancelled = True
