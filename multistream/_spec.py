@@ -65,7 +65,7 @@ def option(default: Any, doc: str, check: Callable[[Any], Any] | None = None, *,
 
     ``ge``/``gt``/``le``/``lt`` declare the range the check enforces (the check keeps the message
     with the fix): the server's bodies publish them in ``/openapi.json``, and a test holds every
-    check to them (tests/test_options_openapi.py)."""
+    check to them (tests/server/openai/test_options_openapi.py)."""
     bounds = tuple((key, value) for key, value in (("minimum", ge), ("exclusiveMinimum", gt), ("maximum", le),
                                                    ("exclusiveMaximum", lt)) if value is not None)
     info = OptionInfo(doc=doc, check=check, wire=wire, body=body, body_default=body_default, bounds=bounds)

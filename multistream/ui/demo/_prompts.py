@@ -13,7 +13,7 @@ __all__ = ["DEFAULT_IDEA", "DEFAULT_VIDEO_IDEA", "prompt_messages", "shapes_prom
 
 #: The Prompt-to-picture tab's first idea. The embedded models get it right end to end: SmolLM2
 #: writes "a red circle on a blue background" and the shapes model draws exactly that (checked by
-#: tests/test_demo.py on the real models). "the sun over the sea", the old default, came out as "a
+#: tests/ui/test_demo.py on the real models). "the sun over the sea", the old default, came out as "a
 #: blue circle on a red background": the 135M model keeps colours an idea names, not ones it implies.
 DEFAULT_IDEA = "a red ball in the blue sea"
 

@@ -1,0 +1,92 @@
+"""What the command line shows (issue 26, item 5): `--out o.png` is a file, the libraries' import-time
+notices are filtered (real warnings kept), progress bars only on a terminal."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from multistream.cli._console import LibraryNoticeFilter, quiet_library_notices, set_library_progress, show_progress
+from multistream.cli.image import out_target
+from repo_paths import ROOT
+
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_out_with_an_image_suffix_is_the_final_file() -> None:
+    assert out_target("o.png", None) == (None, "o.png", "png")
+    assert out_target("a/b.JPG", None) == (None, "a/b.JPG", "jpeg")
+    assert out_target("o.webp", "webp") == (None, "o.webp", "webp")
+    assert out_target("out", None) == ("out", None, "png")
+    assert out_target("out.d", "jpeg") == ("out.d", None, "jpeg")
+    assert out_target(None, None) == (None, None, "png")
+    with pytest.raises(ValueError, match="--final-format is jpeg"):
+        out_target("o.png", "jpeg")
+
+
+def test_cli_out_png_writes_that_file_and_no_notices(tmp_path: Path) -> None:
+    # A subprocess: the notices come at transformers' import, which this test process has done already.
+    target = tmp_path / "sub" / "o.png"
+    out = subprocess.run([sys.executable, "-m", "multistream", "image", "a red circle on a blue background",
+                          "--steps", "3", "--seed", "0", "--out", str(target)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert target.is_file() and Image.open(target).format == "PNG" and Image.open(target).size == (64, 64)
+    assert list(target.parent.iterdir()) == [target]  # no folder named o.png, no previews beside it
+    assert "torchvision" not in out.stderr, out.stderr
+    assert "Loading pipeline components" not in out.stderr  # not a terminal: no bars
+    assert f"-> {target}" in out.stderr
+
+
+def test_cli_out_jpg_is_a_jpeg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from multistream.cli import main
+
+    target = tmp_path / "o.jpg"
+    assert main(["image", "x", "--steps", "2", "--seed", "0", "--out", str(target)]) == 0
+    assert Image.open(target).format == "JPEG"
+    assert main(["image", "x", "--steps", "2", "--out", str(tmp_path / "p.png"), "--final-format", "webp"]) == 2
+    assert "drop --final-format" in capsys.readouterr().err
+
+
+def test_the_filter_drops_only_the_notices() -> None:
+    quiet_library_notices()
+    quiet_library_notices()  # idempotent
+    logger = logging.getLogger("transformers.utils.import_utils")
+    assert sum(isinstance(f, LibraryNoticeFilter) for f in logger.filters) == 1
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        logger.warning("`CLIPImageProcessor` requires torchvision (not installed); falling back to ...")
+        logger.warning("a real problem: the tokenizer file is damaged")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["a real problem: the tokenizer file is damaged"]
+
+
+def test_progress_bars_only_on_a_terminal() -> None:
+    from transformers.utils import logging as hf_logging
+
+    assert show_progress(_Tty()) is True
+    assert show_progress(io.StringIO()) is False
+    before = hf_logging.is_progress_bar_enabled()
+    try:
+        set_library_progress(True)
+        assert hf_logging.is_progress_bar_enabled()
+        set_library_progress(False)
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        set_library_progress(before)

@@ -1,0 +1,180 @@
+"""A server whose model fails to load says so (issue 26, item 3): `multistream serve` exits with status 1
+within seconds, the log has the reason and the fix; `--allow-partial` serves the models that loaded and
+`/readyz` reports "degraded", naming the failed model and why; a failed model is never "loading"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+from server_fixtures import iter_events, make_server, missing_module_model, slow_failing_model
+from repo_paths import ROOT, suite_path
+
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(port: int, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": suite_path()}
+    return subprocess.Popen([sys.executable, "-m", "multistream", "serve", "--port", str(port), "--no-demo", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _get(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return None
+
+
+def test_serve_exits_with_status_1_when_a_model_fails_to_load() -> None:
+    start = time.monotonic()
+    proc = _serve(_free_port(), "--text-model", "multistream.testing:ScriptedTextModel",
+                  "--image-model", "server_fixtures:missing_module_model")
+    try:
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0].decode(errors="replace")
+    assert rc == 1, output
+    assert time.monotonic() - start < 60
+    assert "the image model server_fixtures:missing_module_model failed to load: ModuleNotFoundError: " \
+           "No module named 'greenlet'" in output, output
+    assert "Fix: install it (pip install greenlet" in output and "--allow-partial" in output, output
+    assert "exiting with status 1" in output
+
+
+def test_exit_status_is_1_while_another_model_is_still_loading() -> None:
+    start = time.monotonic()
+    # Models load one at a time (text first): the text model fails, the image model is then loading.
+    proc = _serve(_free_port(), "--text-model", "server_fixtures:missing_module_model",
+                  "--image-model", "server_fixtures:slow_loading_model")
+    try:
+        rc = proc.wait(25)  # well before the text model's 30 s load ends
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0].decode(errors="replace")
+    assert rc == 1, output
+    assert time.monotonic() - start < 25
+
+
+def test_allow_partial_serves_the_models_that_loaded_and_readyz_says_degraded() -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(port, "--allow-partial", "--text-model", "multistream.testing:ScriptedTextModel",
+                  "--image-model", "server_fixtures:missing_module_model", "--video-model", "none", "--log-level",
+                  "warning")
+    try:
+        deadline = time.monotonic() + 60
+        while (r := _get(url + "/readyz")) is None or r.status_code != 200:
+            assert proc.poll() is None, proc.communicate()[0].decode(errors="replace")
+            assert time.monotonic() < deadline, "the partial server never became ready"
+            time.sleep(0.1)
+        health = r.json()
+        assert health["status"] == "degraded" and health["ready"] is True
+        assert health["models"]["text"]["state"] == "ready"
+        image = health["models"]["image"]
+        assert image["state"] == "failed" and image["error"] == "ModuleNotFoundError"
+        assert "No module named 'greenlet'" in image["reason"] and "Fix:" in image["reason"]
+        with httpx.stream("POST", url + "/v1/text", json={"prompt": "hi"}, timeout=30) as resp:
+            assert resp.status_code == 200
+            events = list(iter_events(resp))
+        assert events[-1]["is_final"] and events[-1]["finish_reason"]
+        refused = httpx.post(url + "/v1/image", json={"prompt": "x"}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "model_failed"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0].decode(errors="replace")
+    assert "serving degraded" in output and "Traceback" in output  # the failed load's traceback, once
+
+
+def test_allow_partial_still_exits_when_no_model_loaded() -> None:
+    proc = _serve(_free_port(), "--allow-partial", "--text-model", "server_fixtures:missing_module_model",
+                  "--image-model", "none", "--speech-model", "none", "--video-model", "none")
+    try:
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0].decode(errors="replace")
+    assert "no model loaded" in output, output
+
+
+def test_a_failed_model_is_degraded_never_loading() -> None:
+    # In process (create_app without the runner): readiness stays 503, the status says why.
+    states: list[Any] = []
+    with make_server(slow_failing_model, image=None) as srv:
+        deadline = time.monotonic() + 20
+        while True:
+            health = httpx.get(srv.url + "/readyz").json()
+            states.append((health["status"], health["models"]["text"]["state"]))
+            if health["models"]["text"]["state"] == "failed" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        r = httpx.get(srv.url + "/readyz")
+        assert r.status_code == 503 and r.json()["status"] == "degraded"
+        assert "no file named model.safetensors" in r.json()["models"]["text"]["reason"]
+        assert "Fix: check --text-model" in r.json()["models"]["text"]["reason"]
+    assert states[0] == ("loading", "loading") and states[-1] == ("degraded", "failed")
+    assert all(status != "loading" for status, state in states if state == "failed")
+
+
+def test_partial_readiness_waits_for_every_model_to_settle() -> None:
+    with make_server(slow_failing_model, image=missing_module_model, allow_partial=True) as srv:
+        # The image model failed at once while the text one loads: degraded, but not ready until it settles.
+        deadline = time.monotonic() + 20
+        while srv.state.models["image"].state != "failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        health = httpx.get(srv.url + "/readyz")
+        if srv.state.models["text"].state == "loading":
+            assert health.status_code == 503 and health.json()["status"] == "degraded"
+        while srv.state.models["text"].state != "failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert httpx.get(srv.url + "/readyz").status_code == 503  # nothing loaded: not ready
+
+
+def test_models_load_one_at_a_time() -> None:
+    # accelerate's init_empty_weights patches torch.nn.Module for the whole process while diffusers
+    # loads; a text model built meanwhile in the other thread got meta tensors. Loads are serialized.
+    import threading
+
+    from multistream.testing import ScriptedImageModel, ScriptedTextModel
+
+    running: list[str] = []
+    overlap: list[bool] = []
+    lock = threading.Lock()
+
+    def loader(kind: str, model: Any) -> Any:
+        def load() -> Any:
+            with lock:
+                running.append(kind)
+                overlap.append(len(running) > 1)
+            time.sleep(0.5)
+            with lock:
+                running.remove(kind)
+            return model
+        return load
+
+    with make_server(loader("text", ScriptedTextModel(["x"])), image=loader("image", ScriptedImageModel())) as srv:
+        deadline = time.monotonic() + 20
+        while httpx.get(srv.url + "/readyz").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert overlap == [False, False]
