@@ -572,11 +572,22 @@ class TextBatcher:
             self.rows = rows = rows.aligned()
         # Drafts (exact lookahead): only where the native step verifies them (`FastDecode.step_ragged`).
         drafts: list[list[int]] = [[] for _ in batch]
+        forced = [0] * len(batch)  # of a row's drafts, the first ones its grammar forces
         if spans is not None:
             for i, req in enumerate(batch):
-                if req.row.lookahead is not None:
-                    room = min(req.spec.max_new_tokens - len(req.row.answer_ids), req.spec.context_length - len(req.row.context)) - 1
-                    drafts[i] = req.row.lookahead.drafts(req.row.context, rows=size, room=room, version=req.row.rewinds)
+                look = req.row.lookahead
+                if look is None:
+                    continue
+                room = min(req.spec.max_new_tokens - len(req.row.answer_ids), req.spec.context_length - len(req.row.context)) - 1
+                if req.constraint is not None:
+                    # Tokens the grammar forces are drafts kept for certain (unless the model spells the
+                    # same text in other tokens): no n-gram guess is needed where they exist.
+                    drafts[i] = req.constraint.forced(min(room, look.cap))
+                    forced[i] = len(drafts[i])
+                if not drafts[i]:
+                    drafts[i] = look.drafts(req.row.context, rows=size, room=room, version=req.row.rewinds)
+                    if req.constraint is not None:
+                        drafts[i] = req.constraint.admitted(drafts[i])
         ids: list[int] = []
         places: list[int] = []
         counts: list[int] = []  # positions per row of the cache
@@ -651,7 +662,7 @@ class TextBatcher:
             first = row_of[i]
             try:
                 if drafts[i]:
-                    kept[i], done = self._verify(req, every[offsets[first]:offsets[first + 1]], drafts[i])
+                    kept[i], done = self._verify(req, every[offsets[first]:offsets[first + 1]], drafts[i], forced[i])
                     if done:
                         ended.append(i)
                     continue
@@ -698,13 +709,14 @@ class TextBatcher:
         if ended:
             self._remove_rows(sorted(set(ended)))
 
-    def _verify(self, req: TextRequest, logits: torch.Tensor, drafts: list[int]) -> tuple[int, bool]:
+    def _verify(self, req: TextRequest, logits: torch.Tensor, drafts: list[int], forced: int = 0) -> tuple[int, bool]:
         """A request's tokens from one step that verified its ``drafts``: ``logits`` (one row per
         position: its pending token, then each draft) give its tokens one at a time, each chosen as
         a one-token step would choose it (its grammar, penalties and seeded draw at that output
         position, all as they stand after the tokens before it); drafts are kept while they equal
         what was chosen, and the token after the last one kept ends the block. Returns the columns
-        the row keeps (its pending token and the drafts kept) and whether the request ended."""
+        the row keeps (its pending token and the drafts kept) and whether the request ended.
+        ``forced``: the drafts are its grammar's forced tokens (counted apart from the n-gram rates)."""
         accepted = 0
         done = False
         for j in range(len(drafts) + 1):
@@ -718,7 +730,10 @@ class TextBatcher:
             if done or not match:
                 break
         assert req.row.lookahead is not None
-        req.row.lookahead.verified(len(drafts), accepted)
+        if forced:  # the grammar's drafts: in the metrics, not in the n-gram acceptance rates
+            req.row.lookahead.counted(len(drafts), accepted)
+        else:
+            req.row.lookahead.verified(len(drafts), accepted)
         req.row.prefilled += accepted + 1
         req.release()
         return accepted + 1, done

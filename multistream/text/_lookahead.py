@@ -116,6 +116,11 @@ class Lookahead:
             return context[start:start + k]
         return []
 
+    def counted(self, drafted: int, kept: int) -> None:
+        """Drafts that came from elsewhere (a grammar's forced tokens): in the totals, not the rates."""
+        self.drafted += drafted
+        self.accepted += kept
+
     def verified(self, drafted: int, kept: int) -> None:
         """``kept`` of ``drafted`` drafts were accepted in a step (the first rejection ends a block)."""
         if drafted <= 0:
