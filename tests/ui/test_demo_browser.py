@@ -7,14 +7,12 @@ scripted one with a delay). Screenshots go to artifacts/demo_*.png.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_fixtures import CHROME_ARGS, CHROMIUM
+from browser_fixtures import demo_in_chromium
 from gradio_fixtures import set_number
 from repo_paths import ARTIFACTS
 
@@ -45,12 +43,6 @@ BOT_TEXT = """() => { const m = document.querySelectorAll('#ms-chatbot .bot, #ms
   return m.length ? m[m.length - 1].innerText : ''; }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _image_model() -> Any:
     try:
         return ms.load_image_model()  # type: ignore[attr-defined]
@@ -60,25 +52,10 @@ def _image_model() -> Any:
 
 @pytest.fixture(scope="module")
 def page() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip("no Chromium at /usr/bin/chromium")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    llm = ms.load_text_model()
-    demo = create_demo(llm, _image_model(), prompt_style="shapes")
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS, headless=True)
-        pg = browser.new_page(viewport={"width": 1280, "height": 860})
-        pg.set_default_timeout(120_000)
-        pg.goto(f"http://127.0.0.1:{port}/")
+    demo = create_demo(ms.load_text_model(), _image_model(), prompt_style="shapes")
+    with demo_in_chromium(demo, height=860) as pg:
         pg.wait_for_selector("#ms-chat-input textarea")
-        try:
-            yield pg
-        finally:
-            browser.close()
-            demo.close()
+        yield pg
 
 
 def _poll_states(pg: Any, js: str, until: Any, timeout: float = 180.0) -> list[str]:

@@ -8,14 +8,12 @@ artifacts/demo_video_*.png.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_fixtures import CHROME_ARGS, CHROMIUM
+from browser_fixtures import demo_in_chromium
 from gradio_fixtures import set_number
 from repo_paths import ARTIFACTS
 
@@ -49,12 +47,6 @@ CLIP_STATE = """() => { const v = document.querySelector('#ms-video-final video'
   return v && v.readyState >= 1 ? {w: v.videoWidth, h: v.videoHeight, d: v.duration, src: v.currentSrc} : null; }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _until(condition: Any, timeout: float = 120.0, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -67,27 +59,12 @@ def _until(condition: Any, timeout: float = 120.0, what: str = "condition") -> A
 
 @pytest.fixture(scope="module")
 def page() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip("no Chromium at /usr/bin/chromium")
-    sync_api = pytest.importorskip("playwright.sync_api")
     llm = ScriptedTextModel(["a green ", "star moving", " up on a black", " background"], delay_s=0.05)
     vm = ScriptedVideoModel(steps=20, num_frames=16, size=64, delay_s=0.08)
-    demo = create_demo(llm, ScriptedImageModel(steps=2), video_model=vm, speech_model=False)
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS, headless=True)
-        pg = browser.new_page(viewport={"width": 1280, "height": 900})
-        pg.set_default_timeout(120_000)
-        pg.goto(f"http://127.0.0.1:{port}/")
+    with demo_in_chromium(create_demo(llm, ScriptedImageModel(steps=2), video_model=vm, speech_model=False)) as pg:
         pg.get_by_role("tab", name="Video").click()
         pg.wait_for_selector("#ms-video-go")
-        try:
-            yield pg
-        finally:
-            browser.close()
-            demo.close()
+        yield pg
 
 
 def _line(pg: Any) -> str:

@@ -5,13 +5,11 @@ go to artifacts/speech_*.png."""
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_fixtures import BROWSER_FLAGS, CHROMIUM
+from browser_fixtures import BROWSER_FLAGS, demo_in_chromium
 from repo_paths import ARTIFACTS
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -36,36 +34,18 @@ AUDIO_READY = """(sel) => { const a = document.querySelector(sel + ' audio');
 PLAYED = """(sel) => { const a = document.querySelector(sel + ' audio'); return a ? a.currentTime : 0; }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def page() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip("no Chromium at /usr/bin/chromium")
-    sync_api = pytest.importorskip("playwright.sync_api")
     words = ANSWER.split(" ")
     llm = ScriptedTextModel([w if i == 0 else " " + w for i, w in enumerate(words)], delay_s=0.15)
     tts = ms.load_speech_model()
-    demo = create_demo(llm, ScriptedImageModel(), speech_model=tts)
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS, headless=True)
-        pg = browser.new_page(viewport={"width": 1280, "height": 900})
-        pg.set_default_timeout(60_000)
-        pg.goto(f"http://127.0.0.1:{port}/")
-        pg.wait_for_selector("#ms-chat-input textarea")
-        try:
+    try:
+        with demo_in_chromium(create_demo(llm, ScriptedImageModel(), speech_model=tts), timeout_ms=60_000,
+                              args=CHROME_ARGS) as pg:
+            pg.wait_for_selector("#ms-chat-input textarea")
             yield pg
-        finally:
-            browser.close()
-            demo.close()
-            tts.close()
+    finally:
+        tts.close()
 
 
 def test_chat_speaks_the_answer_while_it_streams(page):
