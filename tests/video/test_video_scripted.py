@@ -13,7 +13,10 @@ def test_previews_of_every_frame_then_the_clip_moving_as_the_prompt_says():
     vm = ScriptedVideoModel(steps=4, num_frames=6, size=32)
     events = list(vm.stream("a red circle moving right on a blue background", preview_format="sheet"))
     final = events[-1]
-    assert [e.step for e in events[:-1]] == [1, 2, 3, 4][-len(events[:-1]):]
+    # A busy consumer may get only the newest of several previews (the stream's backpressure), so
+    # any of them can be missing, never out of order.
+    steps = [e.step for e in events[:-1]]
+    assert steps and steps == sorted(set(steps)) and set(steps) <= {1, 2, 3, 4}
     assert all(e.mime == "image/jpeg" and len(e.frames) == 6 for e in events[:-1])
     assert final.mime == "video/webm" and final.finish_reason == "stop" and len(final.frames) == 6
     red = [np.asarray(f, dtype=float)[..., 0] > 150 for f in (final.frames[0], final.frames[-1])]
