@@ -44,6 +44,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.failed_models: dict[str, str] = {}
+        self._settled = False  # every model loaded or failed, and said so
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -52,28 +53,37 @@ class DrainingServer(uvicorn.Server):
 
     async def _watch_loading(self) -> None:
         """Until every model has settled: a failed one ends the server (unless partial is allowed)."""
-        state = None
         while not self.should_exit:
-            state = state or _find_state(self.config.loaded_app)
-            if state is not None:
-                slots = state.models.values()
-                failed = state.failed
-                settled = not any(s.state in ("pending", "loading") for s in slots)
-                nothing_loaded = settled and not any(s.state == "ready" for s in slots)
-                if failed and (not state.settings.allow_partial or nothing_loaded):
-                    self.failed_models = failed
-                    for reason in failed.values():
-                        logger.error("%s", reason)
-                    logger.error("exiting with status 1: %s", "no model loaded" if state.settings.allow_partial
-                                 else "a model failed to load (--allow-partial serves the models that loaded)")
-                    self.should_exit = True
-                    return
-                if settled:
-                    if failed:
-                        logger.warning("serving degraded: %s", "; ".join(failed.values()))
-                    _freeze_startup_objects()
-                    return
+            if self._check_loading(_find_state(self.config.loaded_app)):
+                return
             await asyncio.sleep(0.1)
+
+    def _check_loading(self, state: Any) -> bool:
+        """Whether the models have settled (then said once: "serving degraded" where one failed),
+        or one failed and the server must exit; False while any is still loading."""
+        if state is None:
+            return False
+        if self._settled:
+            return True
+        slots = state.models.values()
+        failed = state.failed
+        settled = not any(s.state in ("pending", "loading") for s in slots)
+        nothing_loaded = settled and not any(s.state == "ready" for s in slots)
+        if failed and (not state.settings.allow_partial or nothing_loaded):
+            self.failed_models = failed
+            for reason in failed.values():
+                logger.error("%s", reason)
+            logger.error("exiting with status 1: %s", "no model loaded" if state.settings.allow_partial
+                         else "a model failed to load (--allow-partial serves the models that loaded)")
+            self.should_exit = True
+            return True
+        if not settled:
+            return False
+        self._settled = True
+        if failed:
+            logger.warning("serving degraded: %s", "; ".join(failed.values()))
+        _freeze_startup_objects()
+        return True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = _find_state(self.config.loaded_app)
@@ -86,6 +96,8 @@ class DrainingServer(uvicorn.Server):
         logger.info("signal %s: draining before shutdown", sig)
 
         def stop() -> None:
+            # A signal within a poll of the models settling: the settled server's report still comes.
+            self._check_loading(state)
             self.should_exit = True
 
         self._loop.call_soon_threadsafe(lambda: state.begin_drain(on_drained=stop))
