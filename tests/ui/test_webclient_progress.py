@@ -49,18 +49,22 @@ def test_web_client_shows_the_image_events_eta() -> None:
 
 def test_web_client_says_how_many_are_ahead_while_queued() -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
-    text = ScriptedTextModel([f" w{i}" for i in range(80)], delay_s=0.05)
-    with make_server(text, ScriptedImageModel(steps=2), text_concurrency=1) as srv, \
+    # The two streams before the page's run until the page has shown its place (however long a
+    # busy machine takes to start Chromium), then hang up: half a second later that frees the slot.
+    text = ScriptedTextModel([f" w{i}" for i in range(400)], delay_s=0.05)
+    with make_server(text, ScriptedImageModel(steps=2), text_concurrency=1, grace_period_s=0.5) as srv, \
             sync_api.sync_playwright() as pw:
         started = threading.Barrier(3)
+        release = threading.Event()
 
         def occupy() -> None:
-            with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "x", "max_new_tokens": 80},
+            with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "x", "max_new_tokens": 400},
                               timeout=120) as r:
                 assert r.status_code == 200
                 started.wait(30)
                 for _ in r.iter_lines():
-                    pass
+                    if release.is_set():
+                        break
 
         threads = [threading.Thread(target=occupy, daemon=True) for _ in range(2)]
         for t in threads:
@@ -76,10 +80,11 @@ def test_web_client_says_how_many_are_ahead_while_queued() -> None:
                                    timeout=30_000)
             assert page.evaluate("window.__ms.queued.position") == 2
             _shot(page, "webclient_queued.png")
-            # The two before it end (80 tokens each), then it runs.
+            release.set()  # the two before it hang up, then it runs
             page.wait_for_selector("#final", timeout=60_000)
             assert page.inner_text("#status").startswith("done")
         finally:
+            release.set()
             browser.close()
             for t in threads:
                 t.join(30)

@@ -51,6 +51,7 @@ from .view import SharedAccess
 __all__ = ["STOP", "ContentFilter", "Registry", "StreamRecord"]  # STOP, ContentFilter: from .filtering
 
 logger = logging.getLogger("multistream.server")
+_FIRST_READER_S = 5.0  # how long a new stream waits for its first reader, whatever the grace period
 
 
 def new_token() -> str:
@@ -122,7 +123,8 @@ class StreamRecord(SharedAccess):
         self.checkpoints: Any = None  # an image stream's checkpoint writer (`durable.checkpoints`)
         self._done_callbacks: list[Callable[[StreamRecord], None]] = []
         # Nobody attached yet: if nobody ever does, the grace period still ends the generation.
-        # (The full period even for non-resumable streams: their one reader attaches a moment later.)
+        # (The full period even for non-resumable streams, and at least _FIRST_READER_S: their one
+        # reader attaches a moment later, so grace_period_s=0 cancels at a disconnect, not at birth.)
         self._arm_grace(on_start=True)
         self.task = self._loop.create_task(self._pump(), name=f"multistream-pump-{self.stream_id[:8]}")
 
@@ -245,6 +247,8 @@ class StreamRecord(SharedAccess):
         if self.done:
             return
         grace = self._settings.grace_period_s if self.resumable or on_start else 0.0
+        if on_start:  # the request that made it is about to read it: never cancelled before it can
+            grace = max(grace, _FIRST_READER_S)
         if self._grace is not None:
             self._grace.cancel()
         self._grace = self._loop.call_later(grace, self._grace_expired)

@@ -131,6 +131,20 @@ def test_disconnect_cancels_the_model_after_the_grace_period() -> None:
         assert 'multistream:streams_grace_cancelled_total{kind="text"} 1.0' in metrics
 
 
+def test_a_zero_grace_period_cancels_at_the_disconnect_not_before_the_first_read() -> None:
+    # grace_period_s=0 once cancelled every stream as it was made, before its own request could read
+    # it (the first-reader wait was the grace period): the answer was an empty "cancelled" final.
+    model = ScriptedTextModel([f" t{i}" for i in range(300)], delay_s=0.02)
+    with make_server(model, grace_period_s=0) as srv, httpx.Client(timeout=30) as client:
+        with client.stream("POST", srv.url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 5}) as r:
+            events = list(iter_events(r))
+        assert events[-1]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 5
+        with client.stream("POST", srv.url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 300}) as r:
+            next(iter_events(r))
+        wait_until(lambda: model.active == 0, what="the model to be cancelled")
+        assert model.finish_reasons[-1] == "cancelled"
+
+
 def _post_in_thread(url: str, body: dict[str, Any], out: list[Any]) -> threading.Thread:
     def run() -> None:
         with httpx.stream("POST", url, json=body, timeout=60) as r:
