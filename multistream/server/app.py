@@ -44,27 +44,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from ..errors import InvalidArgumentError
-from .access.security import KeyRing, SecurityMiddleware, install_log_redaction
-from .bodies import RewindBody, SteerBody
+from . import openai
+from .access.keys import KeyRing
+from .access.middleware import SecurityMiddleware
+from .access.redaction import install_log_redaction
 from .families import FAMILIES
 from .http.bodies import ErrorResponse, OpenAIErrorResponse
+from .http.errors import request_bodies
 from .http.problems import Problem
 from .native import health, websocket
 from .native import routes as native_routes
 from .native.health import STATIC_DIR
-from .openai import models as openai_models
-from .openai.audio import router as openai_audio
-from .openai.audio.protocol import AudioSpeechRequest
-from .openai.chat import router as openai_chat
-from .openai.chat.protocol import ChatCompletionRequest
-from .openai.completions import router as openai_completions
-from .openai.completions.protocol import CompletionRequest
-from .openai.images import router as openai_images
-from .openai.images.protocol import ImageGenerationRequest
-from .openai.responses import router as openai_responses
-from .openai.responses.protocol import ResponsesRequest
-from .openai.videos import router as openai_videos
-from .openai.videos.protocol import VideoCreateBody
 from .settings import ServerSettings
 from .state import ModelSlot, ServerState
 from .streams.filtering import ContentFilter, chain, load_blocklist
@@ -72,15 +62,6 @@ from .streams.filtering import ContentFilter, chain, load_blocklist
 __all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("multistream.server")
-
-_OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/models", "/v1/responses",
-                 "/v1/videos")
-# Every body a route's OpenAPI names by `$ref` (`openapi_extra`): the document must define each one.
-_BODY_MODELS = tuple(dict.fromkeys((
-    *(f.body for f in FAMILIES), ChatCompletionRequest, CompletionRequest, ImageGenerationRequest,
-    SteerBody, RewindBody, ErrorResponse, OpenAIErrorResponse, ResponsesRequest,
-    AudioSpeechRequest, VideoCreateBody)))
-
 
 def create_app(
     text_model: Any = None,
@@ -163,7 +144,7 @@ def create_app(
                   "routes. Errors: `{\"error\": {\"type\", \"message\"}}` (OpenAI routes: OpenAI's shape).")
 
     def openai_path(request: Request) -> bool:
-        return request.url.path.startswith(_OPENAI_PATHS)
+        return request.url.path.startswith(openai.PATH_PREFIXES)
 
     @app.exception_handler(Problem)
     async def on_problem(request: Request, exc: Problem) -> Response:
@@ -206,8 +187,7 @@ def create_app(
             problem = Problem(exc.status_code, "http_error", str(exc.detail), dict(exc.headers or {}))
         return problem.response(openai=openai_path(request))
 
-    for module in (native_routes, openai_models, openai_chat, openai_images, openai_completions, openai_responses,
-                   openai_audio, openai_videos, websocket, health):
+    for module in (native_routes, openai, websocket, health):
         app.include_router(module.router)
     if settings.enable_test_hooks:
         app.include_router(native_routes.test_router)
@@ -217,7 +197,8 @@ def create_app(
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in _BODY_MODELS:
+            # Every body a route names by `$ref` (`json_body`), and the error bodies.
+            for model in (*request_bodies(), ErrorResponse, OpenAIErrorResponse):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
@@ -229,7 +210,8 @@ def create_app(
     if demo_path:
         _mount_demo(app, demo_path, specs["image"], keyring, speech=specs["speech"] is not None,
                     video=specs["video"] is not None)
-    app.add_middleware(SecurityMiddleware, settings=settings, keyring=keyring, demo_path=demo_path)
+    app.add_middleware(SecurityMiddleware, settings=settings, keyring=keyring, demo_path=demo_path,
+                       openai_paths=openai.PATH_PREFIXES)
     app.multistream_settings = settings  # type: ignore[attr-defined]  # read by runner.uvicorn_config
     return app
 

@@ -21,8 +21,8 @@ from starlette.requests import HTTPConnection, Request
 from ..engine import capacity_of
 from ..errors import ModelLoadError
 from ..stream import Stream, StreamWriter, reserved_stream_id
+from .access.keys import KeyRing, Principal
 from .access.metrics import Metrics
-from .access.security import KeyRing, Principal
 from .families import FAMILIES, Family, check_model_name, family
 from .http.disconnect import until_done_or_gone
 from .http.problems import Problem, problem_from_exception

@@ -311,7 +311,7 @@ def test_keys_own_streams_cap_priority_and_quota(tmp_path: Path) -> None:
 
 
 def test_keys_are_redacted_from_logs() -> None:
-    from multistream.server.access.security import install_log_redaction
+    from multistream.server.access.redaction import install_log_redaction
 
     install_log_redaction()
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',

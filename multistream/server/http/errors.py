@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ERROR_STATUSES", "error_responses", "json_body"]
+__all__ = ["ERROR_STATUSES", "error_responses", "json_body", "request_bodies"]
 
 # Every status a route of this server can refuse with: a body can be too large, not JSON or too
 # slow on any POST, and admission can answer 429 or 503 on any generating route.
@@ -38,8 +38,26 @@ def error_responses(model: type, extra: dict[int, str] | None = None) -> dict[in
     return {status: {"model": model, "description": text} for status, text in {**ERROR_STATUSES, **(extra or {})}.items()}
 
 
-def json_body(model: type) -> dict[str, Any]:
-    """``openapi_extra`` naming ``model`` as the JSON request body (the routes read the body
-    themselves, so FastAPI cannot infer it; the app registers each model's schema)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+def json_body(model: type, media: tuple[str, ...] = ("application/json",)) -> dict[str, Any]:
+    """``openapi_extra`` naming ``model`` as the request body (the routes read the body themselves,
+    so FastAPI cannot infer it). The model is remembered: the app puts every one `request_bodies`
+    lists in the document, so a route's ``$ref`` always resolves.
+
+    Example:
+        >>> from multistream.server.bodies import SteerBody
+        >>> json_body(SteerBody)["requestBody"]["content"]["application/json"]["schema"]
+        {'$ref': '#/components/schemas/SteerBody'}
+    """
+    known = _REQUEST_BODIES.setdefault(model.__name__, model)
+    if known is not model:  # two schemas under one name: one route's $ref would show the other's body
+        raise TypeError(f"two request bodies are named {model.__name__} ({known.__module__}, {model.__module__})")
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {m: {"schema": schema} for m in media}}}
+
+
+def request_bodies() -> tuple[type, ...]:
+    """Every model a route named with `json_body`, for the OpenAPI document's components."""
+    return tuple(_REQUEST_BODIES.values())
+
+
+_REQUEST_BODIES: dict[str, type] = {}

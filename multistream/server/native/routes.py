@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..access.security import Principal
+from ..access.keys import Principal
 from ..bodies import EditResult, RewindBody, SteerBody
 from ..families import FAMILIES, Family
 from ..http.bodies import ErrorResponse, read_body

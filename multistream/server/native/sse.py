@@ -43,7 +43,7 @@ from ..streams.waiting import WaitingStream
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from ..access.security import Principal
+    from ..access.keys import Principal
     from ..state import ServerState
 
 __all__ = ["QueuePosition", "new_stream_sse", "queued_sse_response", "sse_response"]

@@ -79,7 +79,7 @@ from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ...events import AudioEvent, Event, ImageEvent, VideoEvent, event_from_dict
-from ..access.security import Principal
+from ..access.keys import Principal
 from ..families import FAMILIES, find_family
 from ..http.bodies import parse_json_object
 from ..http.problems import Problem, problem_from_exception

@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from ...events import ErrorEvent, Event, TextEvent
 from ...text import choice_seed
-from ..access.security import Principal
+from ..access.keys import Principal
 from ..http.disconnect import until_done_or_gone
 from ..http.problems import Problem
 from ..state import ServerState

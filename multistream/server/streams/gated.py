@@ -21,7 +21,7 @@ from typing import Any
 from ...errors import InvalidArgumentError
 from ...events import Event
 from ...stream import Stream, StreamWriter
-from ..access.security import Principal
+from ..access.keys import Principal
 from ..http.problems import Problem, problem_from_exception
 
 __all__ = ["GatedModel"]

@@ -7,6 +7,7 @@ spelling in the source."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Optional
 
 import pytest
@@ -56,10 +57,12 @@ def _shape(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema of the non-null values (an OpenAI body also takes null for "not given")."""
+    """The schema of the non-null values (an OpenAI body also takes null for "not given"). The
+    alternatives of an ``anyOf`` are sorted: their order means nothing in JSON Schema, and Python
+    caches ``int | str`` and ``str | int`` as one object, so it follows import order."""
     shape = _shape(schema)
     if "anyOf" in shape:
-        rest = [s for s in shape["anyOf"] if s != {"type": "null"}]
+        rest = sorted((s for s in shape["anyOf"] if s != {"type": "null"}), key=json.dumps)
         shape = {**{k: v for k, v in shape.items() if k != "anyOf"}, **(rest[0] if len(rest) == 1 else {"anyOf": rest})}
     return shape
 

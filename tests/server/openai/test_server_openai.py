@@ -134,3 +134,25 @@ def test_echo_scoring_queues_for_a_slot_like_a_stream() -> None:
             r = client.post(srv.url + "/v1/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == "The capital of France" and model.scored == ["The capital of France"]
+
+
+def test_every_openai_route_refuses_a_missing_key_in_openais_shape(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The middleware's refusals (401 here) take OpenAI's error shape on every OpenAI route, so the
+    SDK raises AuthenticationError; the paths come from the OpenAI routers themselves (a list
+    written by hand in the middleware had left out /v1/completions)."""
+    from multistream.server.openai import PATH_PREFIXES
+
+    with make_server(ScriptedTextModel(TOKENS), api_key="k-right") as s:
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/images/generations", "/v1/audio/speech",
+                     "/v1/responses", "/v1/videos"):
+            assert path.startswith(PATH_PREFIXES)
+            r = httpx.post(s.url + path, json={"model": "default"}, timeout=30)
+            assert r.status_code == 401, path
+            assert r.json()["error"] == {"message": "missing or wrong API key: send `Authorization: Bearer <key>`",
+                                         "type": "authentication_error", "param": None, "code": "unauthorized"}, path
+        assert httpx.get(s.url + "/v1/models", timeout=30).json()["error"]["type"] == "authentication_error"
+        assert httpx.post(s.url + "/v1/text", json={"prompt": "hi"}, timeout=30).json()["error"] == {
+            "type": "unauthorized", "message": "missing or wrong API key: send `Authorization: Bearer <key>`"}
+        sdk = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError):
+            sdk.completions.create(model="default", prompt="hi")

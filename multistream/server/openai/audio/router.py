@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ....events import AudioEvent, ErrorEvent
-from ...access.security import Principal
+from ...access.keys import Principal
 from ...bodies import check_speech_options, speech_voice
 from ...http.bodies import OpenAIErrorResponse, read_body, validate_body
 from ...http.errors import error_responses, json_body

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ....events import AudioEvent, ErrorEvent
-from ...access.security import Principal
+from ...access.keys import Principal
 from ...bodies import speech_voice
 from ...http.problems import Problem
 from ...http.sse import DONE, json_event

@@ -53,7 +53,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...access.security import Principal
+from ...access.keys import Principal
 from ...http.errors import json_body
 from ...state import ServerState, get_principal, get_state
 from .._choices import collect_choices, interleave, open_choices

@@ -32,7 +32,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...access.security import Principal
+from ...access.keys import Principal
 from ...http.bodies import read_body
 from ...http.errors import json_body
 from ...http.problems import Problem

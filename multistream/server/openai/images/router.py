@@ -18,7 +18,7 @@ from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...access.security import Principal
+from ...access.keys import Principal
 from ...http.errors import json_body
 from ...http.sse import json_event
 from ...state import ServerState, get_principal, get_state

@@ -50,10 +50,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ....events import Event, event_from_dict
-from ...access.security import Principal
+from ...access.keys import Principal
 from ...durable.continuation import CONTINUED_HOOKS
 from ...http.bodies import read_body
 from ...http.disconnect import until_done_or_gone
+from ...http.errors import json_body
 from ...http.problems import Problem
 from ...http.sse import event_source, json_event
 from ...state import ServerState, get_principal, get_state
@@ -262,8 +263,7 @@ def _input_items(raw: Any, stream_id: str) -> list[dict[str, Any]]:
     return out
 
 
-@router.post("/v1/responses", responses=ERRORS, openapi_extra={"requestBody": {"required": True, "content": {
-    "application/json": {"schema": {"$ref": f"#/components/schemas/{ResponsesRequest.__name__}"}}}}})
+@router.post("/v1/responses", responses=ERRORS, openapi_extra=json_body(ResponsesRequest))
 async def create_response(request: Request, state: ServerState = Depends(get_state),
                           principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()

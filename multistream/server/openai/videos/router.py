@@ -33,10 +33,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ....engine import capacity_of
-from ...access.security import Principal
+from ...access.keys import Principal
 from ...bodies import check_video_limits
 from ...http.bodies import OpenAIErrorResponse, parse_json_object, read_body
-from ...http.errors import error_responses
+from ...http.errors import error_responses, json_body
 from ...http.problems import Problem, problem_from_exception
 from ...state import ServerState, get_principal, get_state
 from ...streams.registry import StreamRecord, new_token
@@ -162,9 +162,8 @@ def _stop(state: ServerState, job: VideoJob) -> None:
         started.result().cancel()
 
 
-@router.post("/v1/videos", responses={200: _VIDEO_OBJECT, **_ERRORS}, openapi_extra={"requestBody": {
-    "required": True, "content": {media: {"schema": {"$ref": f"#/components/schemas/{VideoCreateBody.__name__}"}}
-                                  for media in ("application/json", "multipart/form-data")}}})
+@router.post("/v1/videos", responses={200: _VIDEO_OBJECT, **_ERRORS}, openapi_extra=json_body(
+    VideoCreateBody, media=("application/json", "multipart/form-data")))
 async def create_video(request: Request, state: ServerState = Depends(get_state),
                        principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
