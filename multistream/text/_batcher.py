@@ -572,7 +572,7 @@ class TextBatcher:
             self.rows = rows = rows.aligned()
         # Drafts (exact lookahead): only where the native step verifies them (`FastDecode.step_ragged`).
         drafts: list[list[int]] = [[] for _ in batch]
-        forced = [0] * len(batch)  # of a row's drafts, the first ones its grammar forces
+        forced = [False] * len(batch)  # a row's drafts are the tokens its grammar forces (not n-gram guesses)
         if spans is not None:
             for i, req in enumerate(batch):
                 look = req.row.lookahead
@@ -583,7 +583,7 @@ class TextBatcher:
                     # Tokens the grammar forces are drafts kept for certain (unless the model spells the
                     # same text in other tokens): no n-gram guess is needed where they exist.
                     drafts[i] = req.constraint.forced(min(room, look.cap))
-                    forced[i] = len(drafts[i])
+                    forced[i] = bool(drafts[i])
                 if not drafts[i]:
                     drafts[i] = look.drafts(req.row.context, rows=size, room=room, version=req.row.rewinds)
                     if req.constraint is not None:
@@ -709,7 +709,7 @@ class TextBatcher:
         if ended:
             self._remove_rows(sorted(set(ended)))
 
-    def _verify(self, req: TextRequest, logits: torch.Tensor, drafts: list[int], forced: int = 0) -> tuple[int, bool]:
+    def _verify(self, req: TextRequest, logits: torch.Tensor, drafts: list[int], forced: bool = False) -> tuple[int, bool]:
         """A request's tokens from one step that verified its ``drafts``: ``logits`` (one row per
         position: its pending token, then each draft) give its tokens one at a time, each chosen as
         a one-token step would choose it (its grammar, penalties and seeded draw at that output

@@ -14,23 +14,12 @@ import threading
 
 import pytest
 import torch
+from lookahead_prompts import COPY, OPEN, QUOTE
 
 from multistream.errors import InvalidArgumentError
 from multistream.text._kv_rows import RowCache
 from multistream.text._lookahead import Lookahead
 
-CODE = '''def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return subtotal + tax
-'''
-COPY = [{"role": "user", "content": "Rewrite this Python function with the variable subtotal renamed to base. "
-         "Output only the code.\n\n" + CODE}]
-QUOTE = [{"role": "user", "content": "Repeat this sentence exactly, and nothing else: The old lighthouse keeper "
-          "climbed the stairs every evening to light the lamp for the fishing boats."}]
-OPEN = [{"role": "user", "content": "Write a short story about a dragon who learns to bake bread."}]
 SAMPLED = {"temperature": 0.8, "seed": 11}
 
 

@@ -16,18 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
+from lookahead_prompts import COPY
 from redis_fixtures import free_port, needs_redis, redis_server
 from server_fixtures import iter_events, make_server, serve_subprocess
-
-CODE = '''def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return subtotal + tax
-'''
-COPY = [{"role": "user", "content": "Rewrite this Python function with the variable subtotal renamed to base. "
-         "Output only the code.\n\n" + CODE}]
 
 
 def _accepted(url: str) -> float:

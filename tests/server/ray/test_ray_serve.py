@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from lookahead_prompts import COPY  # the answer copies it: the default speculate drafts
 from redis_fixtures import needs_redis
 from server_fixtures import iter_events
 
@@ -140,6 +141,22 @@ def test_replica_killed_mid_stream_output_is_exact(cluster: str, sampling: dict[
                                headers={"Last-Event-ID": "1", "X-Resume-Token": token}) as r:
                 assert r.status_code == 200
                 assert list(iter_events(r)) == events[2:]
+
+
+def test_replica_killed_mid_copying_stream_with_drafts_is_exact(cluster: str) -> None:
+    """Lookahead across a failover: a copying answer (drafts taken before and after the kill, on the
+    default ``speculate``) resumed through the ingress has the text and token ids of an
+    uninterrupted ``speculate=0`` run."""
+    body = {"prompt": COPY, "max_new_tokens": 40, "temperature": 0.0}
+    _, _, reference, _ = _stream(cluster, {**body, "speculate": 0})
+    _check(reference)
+    assert not reference[-1]["metrics"].get("accepted_tokens")
+    _, _, events, _ = _stream(cluster, body, kill_after=3)
+    _check(events)
+    assert events[-1]["text"] == reference[-1]["text"]
+    assert [t for e in events for t in e["token_ids"]] == [t for e in reference for t in e["token_ids"]]
+    assert events[-1]["metrics"]["accepted_tokens"] > 0, "the continuing replica drafted nothing"
+    assert any(len(e["token_ids"]) > 1 for e in events), "no event carried an accepted block"
 
 
 def test_openai_and_metrics_through_the_ingress(cluster: str) -> None:
