@@ -1,6 +1,7 @@
 """What the scripted fakes share: argument checks that raise like the real models', a sleep a cancel
-cuts short, a `Stream` whose producer thread starts once its command handler is in place, and the
-counters tests read.
+cuts short, a `Stream` whose producer thread starts once its command handler is in place, one
+thread that runs every scripted text stream of the process step by step (`scheduled_stream`, as
+the real engine runs all its rows from one thread), and the counters tests read.
 
 Example:
     >>> from multistream.testing._scripted import Counters
@@ -10,15 +11,24 @@ Example:
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..stream import Stream, StreamWriter, run_producer
 
-__all__ = ["Counters", "pause", "prompt_text", "require", "start_stream"]
+__all__ = ["Counters", "pause", "prompt_text", "require", "scheduled_stream", "start_stream"]
+
+logger = logging.getLogger("multistream")
+
+#: A scripted producer run by `scheduled_stream`: it yields the seconds to wait before its next step.
+Steps = Generator[float, None, Any]
 
 
 def require(condition: bool, message: str) -> None:
@@ -46,6 +56,96 @@ def start_stream(kind: str, producer: Callable[[StreamWriter], None],
             writer.on_command(on_command)
         threading.Thread(target=run_producer, args=(producer, writer), daemon=True,
                          name=f"multistream-scripted-{kind}-{writer.stream_id[:8]}").start()
+
+    return Stream(submit=submit, kind=kind)
+
+
+class _StepClock:
+    """One thread that runs many scripted producers, each a generator of waits (`Steps`): a
+    producer runs until it yields a delay, then the clock resumes it when the delay is up (or at
+    once when its stream is cancelled). A thread per stream instead (``start_stream``) puts a
+    waking thread per stream against the consumer's event loop for the GIL, so at hundreds of
+    streams it measured the fake rather than the server (`benchmarks/sse_anchor.py`).
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Steps, StreamWriter]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, steps: Steps, writer: StreamWriter) -> None:
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid():  # first use, or a forked child (no thread)
+                self._pid, self._heap = os.getpid(), []
+                self._thread = threading.Thread(target=self._loop, name="multistream-scripted-clock", daemon=True)
+                self._thread.start()
+            heapq.heappush(self._heap, (time.perf_counter(), next(self._order), steps, writer))
+            self._cond.notify()
+        writer.on_cancel(lambda: self._now(steps))
+
+    def _now(self, steps: Steps) -> None:
+        """A cancelled stream's producer runs at once (it sees ``cancelled`` and ends), not after its wait."""
+        with self._cond:
+            for i, (_, order, queued, writer) in enumerate(self._heap):
+                if queued is steps:
+                    self._heap[i] = (0.0, order, queued, writer)
+                    heapq.heapify(self._heap)
+                    self._cond.notify()
+                    return
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.perf_counter():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.perf_counter())
+                now = time.perf_counter()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap))
+            for _, _, steps, writer in due:
+                self._step(steps, writer)
+
+    def _step(self, steps: Steps, writer: StreamWriter) -> None:
+        try:
+            wait = next(steps)
+        except StopIteration:
+            if not writer.finished:
+                writer.fail(RuntimeError("the scripted producer ended without a final event"))
+            return
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer (as run_producer)
+            logger.error("stream %s failed", writer.stream_id, exc_info=exc)
+            writer.fail(exc)
+            return
+        # A cancel while this step ran found nothing queued to hurry (`_now`): the flag says it.
+        due = 0.0 if writer.cancelled else time.perf_counter() + max(float(wait), 0.0)
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._order), steps, writer))
+
+
+_CLOCK = _StepClock()
+
+
+def scheduled_stream(kind: str, producer: Callable[[StreamWriter], Steps],
+                     on_command: Callable[[str, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> Stream:
+    """A Stream whose producer, a generator that yields the seconds to wait between its steps, is
+    run by the process's one scripted-stream thread (`_StepClock`) instead of a thread of its own.
+
+    Example:
+        >>> def two_tokens(w):
+        ...     for i, piece in enumerate(["a", "b"]):
+        ...         yield 0.001
+        ...         w.text(piece, [i], i)
+        ...     w.finish_text("", [], 2, finish_reason="length", text="ab", usage={}, metrics={})
+        >>> scheduled_stream("text", two_tokens).wait().text
+        'ab'
+    """
+
+    def submit(writer: StreamWriter) -> None:
+        if on_command is not None:
+            writer.on_command(on_command)
+        _CLOCK.add(producer(writer), writer)
 
     return Stream(submit=submit, kind=kind)
 

@@ -20,7 +20,7 @@ from ..errors import InvalidArgumentError, PromptTooLongError
 from ..events import Event, TextEvent
 from ..stream import Stream, StreamWriter
 from ..text import REWIND_OPTIONS, TEXT_STREAM_ARGS, StopMatcher, TextOptions, check_prompt, parse_text_options
-from ._scripted import CountedModel, Counters, pause, prompt_text, require, start_stream
+from ._scripted import CountedModel, Counters, Steps, prompt_text, require, scheduled_stream
 
 __all__ = ["DEFAULT_TOKENS", "ScriptedTextModel"]
 
@@ -142,7 +142,7 @@ class ScriptedTextModel(CountedModel):
         return max(1, len(prompt_text(prompt).split()))
 
     def stream(self, prompt: str | list[dict[str, str]], **options: Any) -> Stream:
-        """Validate the arguments now (as the real model does), then stream the script in a thread."""
+        """Validate the arguments now (as the real model does), then stream the script (`scheduled_stream`)."""
         checked = parse_text_options(**options)
 
         prompt = check_prompt(prompt)
@@ -162,7 +162,7 @@ class ScriptedTextModel(CountedModel):
                kept: tuple[list[int], list[int]] = ([], []), instruction: str | None = None) -> Stream:
         record = _Record(checked, prompt_tokens)
         top = checked.top_logprobs if checked.wants_logprobs else -1
-        stream = start_stream(
+        stream = scheduled_stream(
             "text",
             lambda w: self._produce(w, prompt_tokens, checked.max_new_tokens, list(checked.stop), checked.chunk_tokens or 1,
                                     edits, prefix=prefix, instruction=instruction, top=top, kept=kept, record=record),
@@ -235,18 +235,20 @@ class ScriptedTextModel(CountedModel):
 
     def _produce(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
                  chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None,
-                 top: int = -1, kept: tuple[list[int], list[int]] = ([], []), record: _Record | None = None) -> None:
+                 top: int = -1, kept: tuple[list[int], list[int]] = ([], []), record: _Record | None = None) -> Steps:
         reason = "error"
         edits.writer = w
         try:
-            reason = self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens, edits, prefix, instruction, top,
-                               kept, record)
+            reason = yield from self._run(w, prompt_tokens, max_new_tokens, stops, chunk_tokens, edits, prefix,
+                                          instruction, top, kept, record)
         finally:
             self._counters.leave(reason)
 
     def _run(self, w: StreamWriter, prompt_tokens: int, max_new_tokens: int, stops: list[str],
              chunk_tokens: int, edits: _TextEdits, prefix: str = "", instruction: str | None = None,
-             top: int = -1, kept: tuple[list[int], list[int]] = ([], []), record: _Record | None = None) -> str:
+             top: int = -1, kept: tuple[list[int], list[int]] = ([], []), record: _Record | None = None) -> Steps:
+        """The script, one token a step: yields the wait before each step (`scheduled_stream` runs
+        it), returns the finish reason."""
         emitted = ""      # text already sent
         held = ""         # text not sent yet (chunking, or a possible start of a stop string)
         held_ids: list[int] = []
@@ -270,7 +272,7 @@ class ScriptedTextModel(CountedModel):
             w.new_revision()
             revisions.append({"kind": "revise", "step": 0, "offset": len(prefix), "instruction": instruction})
         for n in range(max(max_new_tokens - len(kept[0]), 0)):
-            pause(w, self.first_delay_s if n == 0 else self.delay_s)
+            yield self.first_delay_s if n == 0 else self.delay_s
             if w.cancelled:
                 reason = "cancelled"
                 break

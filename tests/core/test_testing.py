@@ -44,6 +44,25 @@ def test_text_cancel_within_one_step_and_counters() -> None:
     assert llm.active == 0 and llm.finish_reasons == ["cancelled"]
 
 
+def test_text_streams_share_one_thread_as_the_engines_rows_do() -> None:
+    """Many scripted text streams run on one thread (a thread each put 200 waking threads against
+    a server's event loop for the GIL: the SSE benchmark measured the fake), each to its end, and
+    a cancel still ends one at once, even in the middle of a long wait."""
+    import threading
+
+    llm = ScriptedTextModel([f" t{i}" for i in range(8)], delay_s=0.01)
+    before = threading.active_count()
+    streams = [llm.stream("hi") for _ in range(50)]
+    assert threading.active_count() <= before + 1  # the clock thread, started once per process
+    finals = [s.wait() for s in streams]
+    assert all(f.text == "".join(f" t{i}" for i in range(8)) and f.finish_reason == "stop" for f in finals)
+    slow = ScriptedTextModel(["a"] * 5, delay_s=30.0).stream("hi")
+    time.sleep(0.05)  # now inside its 30 s wait
+    t0 = time.perf_counter()
+    slow.cancel()
+    assert slow.wait().finish_reason == "cancelled" and time.perf_counter() - t0 < 2
+
+
 @pytest.mark.parametrize("kwargs", [{"max_new_tokens": 0}, {"max_new_tokens": "3"}, {"temperature": -1},
                                     {"top_p": 0}, {"top_k": -1}, {"stop": [""]}, {"chunk_tokens": 0}, {"bogus": 1}])
 def test_text_validation(kwargs: dict) -> None:
