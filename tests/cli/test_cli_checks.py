@@ -180,8 +180,11 @@ def test_speak_takes_its_options_from_the_speech_spec(tmp_path: Path, monkeypatc
 def _interrupt_after_first_audio(args: list[str], cwd: Path) -> tuple[int, list[dict[str, Any]], str]:
     """Run the command with ``--json``, send SIGINT once an audio event has been printed (a condition,
     not a sleep), and return its exit status, the events it printed and its stderr."""
+    # SIGINT as at a terminal: a suite started in the background (``cmd &`` in a script) has it
+    # ignored, children inherit that, and a process started so keeps ignoring it (nohup's rule).
     proc = subprocess.Popen([sys.executable, "-m", "multistream", *args, "--json"], cwd=cwd, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     events = []
     assert proc.stdout is not None
     for line in proc.stdout:
