@@ -66,9 +66,10 @@ def _script(tokens: int) -> list[str]:
 
 
 class TickerModel:
-    """A scripted text model that serves all its streams from ONE thread, as the real engine does
-    (`ScriptedTextModel` runs a thread per stream): ``--model ticker`` tells the server's own cost
-    apart from what 200 producer threads contending for the GIL cost."""
+    """A scripted text model that serves all its streams from ONE thread, as the real engine does.
+    `ScriptedTextModel` does too now, but ran a thread per stream before issue 35's last round:
+    ``--model ticker`` keeps a ``--baseline`` of such a checkout measuring its server, not 200
+    producer threads contending for the GIL."""
 
     name = "ticker"
 
@@ -236,7 +237,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="tokens per stream")
     ap.add_argument("--delay", type=float, default=0.005, help="seconds per token")
     ap.add_argument("--model", choices=["scripted", "ticker"], default="scripted",
-                    help="scripted: ScriptedTextModel (a thread per stream); ticker: one thread for all streams")
+                    help="scripted: ScriptedTextModel (all its streams on one thread; a thread each in checkouts "
+                         "before issue 35's last round); ticker: this file's one-thread model, the same in any "
+                         "checkout (for --baseline of an older one)")
     ap.add_argument("--baseline", metavar="CHECKOUT",
                     help="also run the multistream server of this checkout (e.g. a git worktree of an earlier commit), interleaved: before/after")
     ap.add_argument("--profile", help="cProfile the multistream server's loop thread into this file (skews its figures)")

@@ -776,8 +776,17 @@ def run_producer(producer: Callable[[StreamWriter], None], writer: StreamWriter)
     try:
         producer(writer)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
+        producer_ended(writer, exc)
+    else:
+        producer_ended(writer)
+
+
+def producer_ended(writer: StreamWriter, exc: BaseException | None = None) -> None:
+    """A producer stopped: its exception becomes the stream's error event, and so does ending
+    without a final event (a bug in the adapter). For schedulers that run producers themselves
+    (`multistream.testing`'s one-thread clock) as well as `run_producer`."""
+    if exc is not None:
         logger.error("stream %s failed", writer.stream_id, exc_info=exc)
         writer.fail(exc)
-    else:
-        if not writer.finished:
-            writer.fail(RuntimeError("the model ended without a final event (a bug in the adapter)"))
+    elif not writer.finished:
+        writer.fail(RuntimeError("the model ended without a final event (a bug in the adapter)"))

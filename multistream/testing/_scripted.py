@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import os
 import threading
 import time
@@ -21,11 +20,9 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from ..stream import Stream, StreamWriter, run_producer
+from ..stream import Stream, StreamWriter, producer_ended, run_producer
 
 __all__ = ["Counters", "pause", "prompt_text", "require", "scheduled_stream", "start_stream"]
-
-logger = logging.getLogger("multistream")
 
 #: A scripted producer run by `scheduled_stream`: it yields the seconds to wait before its next step.
 Steps = Generator[float, None, Any]
@@ -111,12 +108,10 @@ class _StepClock:
         try:
             wait = next(steps)
         except StopIteration:
-            if not writer.finished:
-                writer.fail(RuntimeError("the scripted producer ended without a final event"))
+            producer_ended(writer)
             return
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer (as run_producer)
-            logger.error("stream %s failed", writer.stream_id, exc_info=exc)
-            writer.fail(exc)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
+            producer_ended(writer, exc)
             return
         # A cancel while this step ran found nothing queued to hurry (`_now`): the flag says it.
         due = 0.0 if writer.cancelled else time.perf_counter() + max(float(wait), 0.0)
