@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
-import math
 import os
 import sys
 from typing import Any
@@ -32,7 +30,7 @@ from ._checks import declare_options, device
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_output_file, check_output_folder
 
-__all__ = ["CLIP_SUFFIXES", "SHEET_SUFFIXES", "add_parser", "contact_sheet", "run"]
+__all__ = ["CLIP_SUFFIXES", "SHEET_SUFFIXES", "add_parser", "run"]
 
 #: ``--out`` suffixes and the clip format each one asks the model for.
 CLIP_SUFFIXES = {".webm": "webm", ".mp4": "mp4"}
@@ -83,30 +81,6 @@ def check_paths(args: argparse.Namespace) -> None:
         check_output_file(args.sheet, "--sheet", SHEET_SUFFIXES, "an image file")
     if args.previews is not None:
         check_output_folder(args.previews, "--previews")
-
-
-def contact_sheet(frames: list[Any], fmt: str = "JPEG", max_columns: int | None = None) -> bytes:
-    """The frames as one picture, left to right, top to bottom, ``ceil(sqrt(n))`` per row (the
-    layout of a video event's ``preview_format="sheet"``).
-
-    Example:
-        >>> from PIL import Image
-        >>> data = contact_sheet([Image.new("RGB", (8, 8))] * 5, "PNG")
-        >>> Image.open(io.BytesIO(data)).size
-        (24, 16)
-    """
-    from PIL import Image
-
-    columns = max_columns or math.ceil(math.sqrt(len(frames)))
-    rows = math.ceil(len(frames) / columns)
-    w, h = frames[0].size
-    sheet = Image.new("RGB", (columns * w, rows * h), (0, 0, 0))
-    for i, frame in enumerate(frames):
-        r, c = divmod(i, columns)
-        sheet.paste(frame.convert("RGB"), (c * w, r * h))
-    out = io.BytesIO()
-    sheet.save(out, format=fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}))
-    return out.getvalue()
 
 
 class _StepBar:
@@ -189,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         atomic_write(out, final.data)  # type: ignore[union-attr]
     if args.sheet is not None:
-        atomic_write(args.sheet, contact_sheet(final.frames, SHEET_SUFFIXES[os.path.splitext(args.sheet)[1].lower()]))  # type: ignore[union-attr]
+        from ..video import encode_sheet
+
+        atomic_write(args.sheet, encode_sheet(final.frames, SHEET_SUFFIXES[os.path.splitext(args.sheet)[1].lower()]))  # type: ignore[union-attr]
     m = final.metrics or {}  # type: ignore[union-attr]
     written = " -> " + ", ".join(p for p in (out, args.sheet) if p) if out or args.sheet else ""
     _line(f"done: {final.num_frames} frames {final.width}x{final.height} at {final.fps:g} fps, {final.mime}, "  # type: ignore[union-attr]

@@ -39,10 +39,11 @@ _LAZY = {
     "fit_video_preview_decoder": "._tiny",
     "encode_clip": "._encode",
     "encode_preview": "._encode",
+    "encode_sheet": "._encode",
 }
 
 if TYPE_CHECKING:
-    from ._encode import encode_clip, encode_preview
+    from ._encode import encode_clip, encode_preview, encode_sheet
     from ._layout import VideoLatents
     from ._loading import EMBEDDED_VIDEO_DIR, load_video_model
     from ._model import VideoModel
@@ -87,6 +88,7 @@ __all__ = [
     "VideoPreviewNet",
     "encode_clip",
     "encode_preview",
+    "encode_sheet",
     "fit_preview_decoder",
     "fit_video_preview_decoder",
     "load_video_model",

@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
 from ._options import PREVIEW_FORMATS, VIDEO_FORMATS
 
-__all__ = ["contact_sheet", "encode_clip", "encode_preview"]
+__all__ = ["contact_sheet", "encode_clip", "encode_preview", "encode_sheet"]
 
 
 def contact_sheet(frames: np.ndarray) -> np.ndarray:
     """All frames on one grid, ``ceil(sqrt(F))`` per row (unused cells black)."""
+    if len(frames) == 0:
+        raise ValueError("a contact sheet needs at least one frame")
     count, h, w, _ = frames.shape
     columns = math.ceil(math.sqrt(count))
     rows = math.ceil(count / columns)
@@ -37,6 +41,25 @@ def contact_sheet(frames: np.ndarray) -> np.ndarray:
         r, c = divmod(i, columns)
         sheet[r * h : (r + 1) * h, c * w : (c + 1) * w] = frames[i]
     return sheet
+
+
+def encode_sheet(frames: Sequence[Any] | np.ndarray, fmt: str = "JPEG", *, quality: int = 90) -> bytes:
+    """``frames`` (PIL images of one size, or ``(F, H, W, 3)`` uint8) as one `contact_sheet` picture
+    in Pillow's ``fmt``: what the CLI's ``--sheet``, OpenAI's ``spritesheet`` variant and a
+    ``preview_format="sheet"`` preview all are.
+
+    Example:
+        >>> from PIL import Image
+        >>> data = encode_sheet([Image.new("RGB", (8, 8))] * 5, "PNG")
+        >>> Image.open(io.BytesIO(data)).size
+        (24, 16)
+    """
+    from PIL import Image
+
+    arrays = frames if isinstance(frames, np.ndarray) else np.stack([np.asarray(f.convert("RGB")) for f in frames]) if len(frames) else np.zeros((0, 1, 1, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(contact_sheet(arrays)).save(buf, format=fmt, **({"quality": quality} if fmt in ("JPEG", "WEBP") else {}))
+    return buf.getvalue()
 
 
 def encode_preview(frames: np.ndarray, fmt: str, *, fps: float, quality: int = 70) -> tuple[bytes, str]:
@@ -50,7 +73,7 @@ def encode_preview(frames: np.ndarray, fmt: str, *, fps: float, quality: int = 7
         images[0].save(buf, format="WEBP", save_all=True, append_images=images[1:], duration=round(1000 / fps),
                        loop=0, quality=quality, method=0)
     elif fmt == "sheet":
-        Image.fromarray(contact_sheet(frames)).save(buf, format="JPEG", quality=quality)
+        buf.write(encode_sheet(frames, "JPEG", quality=quality))
     else:
         raise InvalidArgumentError(f"unknown preview_format={fmt!r}; use one of {list(PREVIEW_FORMATS)}")
     return buf.getvalue(), PREVIEW_FORMATS[fmt]

@@ -33,10 +33,9 @@ from multistream.server.openai.videos.protocol import (
 from multistream.server.openai.videos.serving import (
     VideoJob,
     VideoJobStore,
-    contact_sheet,
     video_id,
 )
-from multistream.video import VIDEO_STREAM_ARGS, VideoOptions
+from multistream.video import VIDEO_STREAM_ARGS, VideoOptions, encode_sheet
 
 COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255)]
 
@@ -245,10 +244,10 @@ def test_the_page_lists_newest_first_with_a_cursor() -> None:
 
 def test_contact_sheet_layout() -> None:
     frames = [Image.new("RGB", (10, 6), c) for c in COLOURS[:5]]
-    sheet = Image.open(io.BytesIO(contact_sheet(frames)))
+    sheet = Image.open(io.BytesIO(encode_sheet(frames)))
     assert sheet.format == "JPEG" and sheet.size == (30, 12)
     with pytest.raises(ValueError, match="at least one frame"):
-        contact_sheet([])
+        encode_sheet([])
 
 
 # -- POST /v1/videos: the body and its mapping onto the model (protocol.py) --------------------------

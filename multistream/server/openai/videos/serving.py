@@ -35,7 +35,7 @@ from typing import Any, Literal
 from ....events import ErrorEvent, Event, VideoEvent
 from ...http.problems import Problem
 
-__all__ = ["VARIANTS", "VIDEO_ID_PREFIX", "VideoAsset", "VideoJob", "VideoJobStore", "contact_sheet", "video_id"]
+__all__ = ["VARIANTS", "VIDEO_ID_PREFIX", "VideoAsset", "VideoJob", "VideoJobStore", "video_id"]
 
 VIDEO_ID_PREFIX = "video_"
 
@@ -191,34 +191,9 @@ class VideoJob:
             out = io.BytesIO()
             frames[0].save(out, format="WEBP", quality=90)
             return VideoAsset(out.getvalue(), "image/webp")
-        return VideoAsset(contact_sheet(frames), "image/jpeg")
+        from ....video import encode_sheet
 
-
-def contact_sheet(frames: list[Any], quality: int = 90) -> bytes:
-    """All ``frames`` (PIL images of one size) on one JPEG, left to right and top to bottom,
-    ``ceil(sqrt(n))`` per row: the layout of a ``preview_format="sheet"`` preview, so
-    `VideoEvent.frames` cuts it back into frames.
-
-    Example:
-        >>> from PIL import Image
-        >>> sheet = contact_sheet([Image.new("RGB", (8, 8))] * 5)
-        >>> Image.open(io.BytesIO(sheet)).size
-        (24, 16)
-    """
-    from PIL import Image
-
-    if not frames:
-        raise ValueError("a contact sheet needs at least one frame")
-    w, h = frames[0].size
-    columns = math.ceil(math.sqrt(len(frames)))
-    rows = math.ceil(len(frames) / columns)
-    sheet = Image.new("RGB", (columns * w, rows * h))
-    for i, frame in enumerate(frames):
-        r, c = divmod(i, columns)
-        sheet.paste(frame.convert("RGB"), (c * w, r * h))
-    out = io.BytesIO()
-    sheet.save(out, format="JPEG", quality=quality)
-    return out.getvalue()
+        return VideoAsset(encode_sheet(frames, "JPEG"), "image/jpeg")
 
 
 class VideoJobStore:
