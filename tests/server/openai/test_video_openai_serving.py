@@ -258,9 +258,9 @@ FMT = VideoFormat(sizes=ImageSizes(multiple=16, min_side=32, max_side=128, nativ
                                    why="trained on 64x64 clips"), num_frames=16, fps=8.0)
 
 
-def _problem_of(body: dict, *, form: bool = False) -> Problem:
+def _problem_of(body: dict, fmt: VideoFormat = FMT, *, form: bool = False) -> Problem:
     with pytest.raises(Problem) as info:
-        parse_video_create(body, FMT, form=form)
+        parse_video_create(body, fmt, form=form)
     return info.value
 
 
@@ -277,6 +277,29 @@ def test_size_and_seconds_map_onto_the_model() -> None:
     assert FMT.size_of(96, 64) == "96x64" and FMT.seconds_of(32) == "4"
     _, kwargs = parse_video_create({"prompt": "p", "seconds": 2.5, "size": "auto"}, FMT)
     assert kwargs["num_frames"] == 20 and "width" not in kwargs and FMT.seconds_of(20) == "2.5"
+
+
+def test_seconds_on_a_causal_vae_give_the_shortest_clip_that_lasts_them() -> None:
+    """A causal VAE (Wan's, the embedded model's) makes 1 + t*k frames, which whole seconds never
+    are at an even frame rate: seconds="2" at 8 fps is 17 frames, and the job says "2" as asked."""
+    def odd_counts(n: int) -> int:
+        if n % 2 != 1:
+            raise InvalidArgumentError(f"num_frames={n} does not fit this model's VAE, which makes 1 + 2*k frames")
+        return n
+
+    causal = VideoFormat(sizes=FMT.sizes, num_frames=17, fps=8.0, check_num_frames=odd_counts)
+    for seconds, frames in (("2", 17), ("4", 33), (2.5, 21), ("0.25", 3)):
+        _, kwargs = parse_video_create({"prompt": "p", "seconds": seconds}, causal)
+        assert kwargs["num_frames"] == frames, seconds
+        assert causal.seconds_of(frames, seconds) == str(seconds)
+    assert causal.seconds_of(17) == "2.125"  # the model's own length, when none was asked for
+
+    def never(n: int) -> int:
+        raise InvalidArgumentError("makes no clip of that length")
+
+    problem = _problem_of({"prompt": "p", "seconds": "4"},
+                          VideoFormat(sizes=FMT.sizes, num_frames=17, fps=8.0, check_num_frames=never))
+    assert problem.status == 400 and problem.param == "seconds" and "pick seconds" in problem.message
 
 
 def test_a_size_the_model_cannot_make_is_a_400_naming_the_sizes_it_can() -> None:

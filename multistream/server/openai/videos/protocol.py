@@ -5,7 +5,8 @@ The official SDK sends the body as ``multipart/form-data`` (every value a string
 ``input_reference``), other clients send JSON; both are read here into one pydantic body. OpenAI's
 fields map onto the served model's own: ``size`` ("WIDTHxHEIGHT") must be a size the model makes
 (a 400 names the sizes it can: OpenAI's 720x1280 is not one a 64-pixel model draws), ``seconds``
-becomes a frame count at the model's frame rate (left out: the model's own clip length), ``model``
+becomes a frame count at the model's frame rate (the shortest count the model makes that lasts
+that long: a causal VAE's ``1 + 4k``; left out: the model's own clip length), ``model``
 must name the served model. ``input_reference`` (image-to-video) is refused: the served models
 make video from text. The clip is an MP4 (H.264), as OpenAI's is, unless the extension
 ``video_format`` asks for ``"webm"``. The options with a `VideoOptions` namesake (``steps``,
@@ -81,8 +82,11 @@ class VideoFormat:
         w = width if width is not None else (native[1] if native else None)
         return f"{w}x{h}" if w is not None and h is not None else "auto"
 
-    def seconds_of(self, num_frames: int | None) -> str:
-        """The ``seconds`` a job shows: its frames at the model's rate (``"2"``, ``"2.5"``)."""
+    def seconds_of(self, num_frames: int | None, asked: str | int | float | None = None) -> str:
+        """The ``seconds`` a job shows: what the request asked for (its clip lasts at least that),
+        else its frames at the model's rate (``"2"``, ``"2.125"``)."""
+        if asked is not None:
+            return f"{float(asked):.3f}".rstrip("0").rstrip(".")
         n = self.num_frames if num_frames is None else num_frames
         return f"{n / self.fps:.3f}".rstrip("0").rstrip(".")
 
@@ -175,14 +179,19 @@ def _frames(seconds: str | int | float, fmt: VideoFormat) -> int:
         raise Problem(400, "invalid_argument", f"seconds must be a number of seconds > 0 and <= {MAX_SECONDS:g} "
                       f"(e.g. '4'), got {str(seconds)[:20]!r}", param="seconds")
     frames = max(1, round(value * fmt.fps))
-    if fmt.check_num_frames is not None:
+    if fmt.check_num_frames is None:
+        return frames
+    # A causal video VAE makes 1 + t*k frames (Wan: 81 for "5 seconds" at 16 fps), which whole
+    # seconds never are: the clip is the shortest count it makes that lasts the seconds asked for.
+    error: InvalidArgumentError | None = None
+    for count in range(frames, frames + 16):
         try:
-            fmt.check_num_frames(frames)
+            return int(fmt.check_num_frames(count))
         except InvalidArgumentError as exc:
-            raise Problem(400, "invalid_argument", f"seconds={str(seconds)[:20]!r} is {frames} frames at this model's "
-                          f"{fmt.fps:g} fps, which it cannot make: {exc}; pick seconds that give such a count",
-                          param="seconds") from None
-    return frames
+            error = error or exc
+    raise Problem(400, "invalid_argument", f"seconds={str(seconds)[:20]!r} is {frames} frames at this model's "
+                  f"{fmt.fps:g} fps, which it cannot make: {error}; pick seconds that give such a count",
+                  param="seconds")
 
 
 def _openai_video_fields() -> dict[str, Any]:

@@ -191,7 +191,7 @@ async def create_video(request: Request, state: ServerState = Depends(get_state)
     job = store.add(VideoJob(
         id=video_id(stream_id), stream_id=stream_id, model=req.model or state.models["video"].name,
         prompt=req.prompt, size=fmt.size_of(kwargs.get("width"), kwargs.get("height")),
-        seconds=fmt.seconds_of(kwargs.get("num_frames")), created_at=int(time.time()), owner=principal.id,
+        seconds=fmt.seconds_of(kwargs.get("num_frames"), req.seconds), created_at=int(time.time()), owner=principal.id,
         owner_keyed=principal.keyed, token=token))
     if record is not None:
         job.admitted()
