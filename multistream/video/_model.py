@@ -61,8 +61,9 @@ class VideoModel(EngineModel):
     subset; a model folder's ``video.json``) set what ``None`` means for those options; the rest
     come from the pipeline's signature and its family. ``preview_decoder``: the ``"tiny"`` decoder
     (a module from ``(1, C, F', h, w)`` latents to ``(1, 3, F, H, W)`` in [0, 1]); by default one
-    fitted to this VAE on first use (`multistream.fit_preview_decoder`, cached per VAE), or, for a
-    2D VAE, the image decoder shipped in ``model_dir`` (``preview_decoder.safetensors``).
+    fitted to this VAE on first use (`multistream.fit_preview_decoder`, cached per VAE), or the one
+    shipped in ``model_dir`` (``preview_decoder.safetensors``: a video decoder for a 3D VAE, the
+    image decoder for a 2D one); likewise ``latent_rgb.json`` for the ``"latent"`` map.
     ``sizes``: the heights and widths it accepts (`ImageSizes`); by default multiples of the
     latent grid up to twice the native side.
 
@@ -333,10 +334,12 @@ class VideoModel(EngineModel):
             cached = getattr(self, "_linear", None)
             if cached is not None:
                 return cached
-            if self.layout.per_frame:
-                from ..image._latent_rgb import latent_rgb_for
+            from ..image._latent_rgb import LATENT_RGB_FILE, LatentRGB, latent_rgb_for
 
+            if self.layout.per_frame:
                 found = latent_rgb_for(self._pipe, self._model_dir)
+            elif self._model_dir and os.path.isfile(os.path.join(self._model_dir, LATENT_RGB_FILE)):
+                found = LatentRGB.load(os.path.join(self._model_dir, LATENT_RGB_FILE))  # shipped with the model
             else:
                 found = fit_video_latent_rgb(self.layout)
             self._linear = found
@@ -353,11 +356,20 @@ class VideoModel(EngineModel):
                     net = preview_decoder_for(self._pipe, self._model_dir)
                     self._tiny = PerFrameNet(net.to(self.device))  # type: ignore[union-attr]
                 else:
-                    from ._tiny import cached_video_preview_decoder, fit_video_preview_decoder
+                    from ..image._preview_decoder import shipped_preview_decoder_path
+                    from ._tiny import (
+                        cached_video_preview_decoder,
+                        fit_video_preview_decoder,
+                        load_video_preview_decoder,
+                    )
 
-                    if cached_video_preview_decoder(self._pipe.vae) is None:
-                        logger.warning("fitting a video preview decoder to this VAE for preview='tiny' (once; cached per VAE)")
-                    self._tiny = fit_video_preview_decoder(self._pipe.vae)
+                    shipped = shipped_preview_decoder_path(self._model_dir)
+                    net = load_video_preview_decoder(shipped) if shipped is not None else None
+                    if net is None:
+                        if cached_video_preview_decoder(self._pipe.vae) is None:
+                            logger.warning("fitting a video preview decoder to this VAE for preview='tiny' (once; cached per VAE)")
+                        net = fit_video_preview_decoder(self._pipe.vae)
+                    self._tiny = net.to(self.device)
             return self._tiny
 
     def _run_context(self) -> RunContext:

@@ -41,7 +41,8 @@ from ._layout import VideoLatents
 
 _RECIPE = 1  # bump when the fitting recipe changes, so old cached fits are not reused
 
-__all__ = ["VideoPreviewNet", "cached_video_preview_decoder", "fit_video_preview_decoder", "moving_shapes"]
+__all__ = ["VideoPreviewNet", "cached_video_preview_decoder", "fit_video_preview_decoder", "load_video_preview_decoder",
+           "moving_shapes", "save_video_preview_decoder"]
 
 logger = logging.getLogger("multistream")
 
@@ -137,7 +138,10 @@ def _cache_path(vae: Any, options: dict[str, Any]) -> Path:
     return cache_dir() / "video_preview_decoders" / f"{vae_fingerprint(vae)[:32]}-r{_RECIPE}-{tag}.safetensors"
 
 
-def _save(net: VideoPreviewNet, path: Path) -> None:
+def save_video_preview_decoder(net: VideoPreviewNet, path: str | os.PathLike[str]) -> None:
+    """Write ``net`` as `load_video_preview_decoder` reads it (a model folder's
+    ``preview_decoder.safetensors``, so its users need no fit), atomically."""
+    path = Path(path)
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +151,12 @@ def _save(net: VideoPreviewNet, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # never half a file
     save_file(tensors, str(tmp), metadata={"config": json.dumps(config), "fit_seconds": str(getattr(net, "fit_seconds", ""))})
     os.replace(tmp, path)
+
+
+def load_video_preview_decoder(path: str | os.PathLike[str]) -> VideoPreviewNet | None:
+    """A `VideoPreviewNet` saved by this module (a model folder's ``preview_decoder.safetensors``),
+    or None where the file is not one (an image decoder, a damaged file)."""
+    return _load(Path(path))
 
 
 def _load(path: Path) -> VideoPreviewNet | None:
@@ -160,7 +170,7 @@ def _load(path: Path) -> VideoPreviewNet | None:
         net = VideoPreviewNet(config.pop("latent_channels"), **config)
         net.load_state_dict(tensors)
     except Exception:  # noqa: BLE001 - a damaged or old file: fit again
-        logger.warning("ignoring the unreadable cached video preview decoder %s", path)
+        logger.warning("ignoring the unreadable video preview decoder %s (fitting one instead)", path)
         return None
     net.fit_seconds = float(meta.get("fit_seconds") or 0.0)  # type: ignore[assignment]
     return net.eval().requires_grad_(False)
@@ -255,7 +265,7 @@ def fit_video_preview_decoder(
     if cache and path is not None:
         _remember(vae, net)
         try:
-            _save(net, path)
+            save_video_preview_decoder(net, path)
         except OSError:  # a read-only cache only costs the next process a fit
             logger.warning("could not write the video preview decoder cache %s", path, exc_info=True)
     return net

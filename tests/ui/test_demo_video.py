@@ -231,13 +231,17 @@ def test_view_of_a_video_stream_keeps_the_clip_apart_from_images() -> None:
 
 @pytest.mark.model
 def test_video_tab_on_a_real_video_model() -> None:
-    """The tab on a real `VideoModel` (a tiny random Wan 2.1 pipeline): its frame count is the slider's default."""
+    """The tab on a real `VideoModel` (a tiny random Wan 2.1 pipeline): its frame count is the slider's
+    default, and the slider offers only the counts its VAE makes."""
     from multistream.testing._random_video import tiny_wan_pipeline
     from multistream.video import load_video_model
 
     vm = load_video_model(tiny_wan_pipeline(), defaults={"num_frames": 9, "height": 16, "width": 16})
     demo = _launch(vm)
     try:
+        # Wan's causal VAE makes 1 + 4k frames: the slider offers only those.
+        frames = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "ms-video-frames")
+        assert (frames.minimum, frames.step, frames.maximum, frames.value) == (1, 4, 61, 9)
         client = gradio_client.Client(demo.url, verbose=False)
         job = client.submit("a red circle moving right", 3, vm.default_num_frames, 0, "latent", "sheet",
                             api_name="/video")

@@ -208,6 +208,40 @@ def test_a_folder_and_its_video_json_defaults(tmp_path):
         vm.close()
 
 
+def test_a_folder_ships_its_preview_maps_and_nothing_is_fitted(tmp_path):
+    """A folder with a 3D video VAE may ship ``latent_rgb.json`` and ``preview_decoder.safetensors``
+    (fitted once by whoever trained it): the model previews with them and fits nothing (a fit
+    takes seconds on a first stream)."""
+    from multistream.image._latent_rgb import LatentRGB
+    from multistream.video import VideoPreviewNet
+    from multistream.video._tiny import cached_video_preview_decoder, save_video_preview_decoder
+
+    pipe = tiny_video_pipeline("wan")
+    pipe.save_pretrained(tmp_path)
+    shipped = VideoPreviewNet(16, spatial=8, temporal=4, width=8, blocks=1)  # not what a fit would give
+    save_video_preview_decoder(shipped, tmp_path / "preview_decoder.safetensors")
+    LatentRGB(((0.5, 0.0, 0.0),) * 16, (0.1, 0.2, 0.3)).save(tmp_path / "latent_rgb.json")
+    vm = ms.load_video_model(str(tmp_path), device="cpu")
+    try:
+        net = vm._tiny_net()
+        assert all(a.equal(b) for a, b in zip(net.state_dict().values(), shipped.state_dict().values()))
+        assert vm._latent_rgb() == LatentRGB.load(tmp_path / "latent_rgb.json")
+        for mode in ("tiny", "latent"):
+            events = list(vm.stream("x", num_frames=5, height=16, width=16, steps=2, seed=0, preview=mode,
+                                    max_sequence_length=16))
+            assert events[-1].finish_reason == "stop" and len(events[0].frames) == 5, mode
+        assert cached_video_preview_decoder(vm.pipeline.vae) is None  # nothing was fitted
+    finally:
+        vm.close()
+    # A file that is not a video decoder (an image model's, a damaged one) is fitted over, not trusted.
+    (tmp_path / "preview_decoder.safetensors").write_bytes(b"not safetensors")
+    vm = ms.load_video_model(str(tmp_path), device="cpu")
+    try:
+        assert isinstance(vm._tiny_net(), VideoPreviewNet) and cached_video_preview_decoder(vm.pipeline.vae) is not None
+    finally:
+        vm.close()
+
+
 def test_wrapping_a_path_points_to_the_loader():
     with pytest.raises(InvalidArgumentError, match="ms.load_video_model"):
         VideoModel("./some/folder")

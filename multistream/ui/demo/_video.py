@@ -204,6 +204,8 @@ class VideoTab:
     def build(self) -> None:
         """Lay the tab out and wire its events (inside a ``gr.Blocks`` context)."""
         frames_default = int(getattr(self.model.model, "default_num_frames", 16) or 16)
+        # A causal video VAE makes 1 + t*k frames: the slider offers only those counts.
+        frames_step = int(getattr(getattr(self.model.model, "layout", None), "temporal", 1) or 1)
         with gr.Tab("Video", id="video"):
             if self.model.missing:
                 gr.Markdown(f"⚠️ No video model: {self.model.why}")
@@ -217,7 +219,8 @@ class VideoTab:
                         finish = gr.Button("Use this", elem_id="ms-video-finish")
                         apply = gr.Button("Apply now", elem_id="ms-video-apply")
                     steps = gr.Slider(1, 100, value=20, step=1, label="Steps", elem_id="ms-video-steps")
-                    frames = gr.Slider(1, 64, value=frames_default, step=1, label="Frames", elem_id="ms-video-frames")
+                    frames = gr.Slider(1, 1 + (64 - 1) // frames_step * frames_step, value=frames_default,
+                                       step=frames_step, label="Frames", elem_id="ms-video-frames")
                     seed = gr.Number(value=0, precision=0, label="Seed (-1 = random)")
                     # "tiny", the library's default, is instant on the embedded model (it ships its
                     # decoder); another model's first tiny run fits one to its VAE (once, cached).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 from typing import Any
 
 import httpx
@@ -361,4 +362,4 @@ def test_the_embedded_video_model_is_served_by_default_name() -> None:
         assert (video.status, video.progress, video.seconds) == ("completed", 100, "2")
         assert video.size == f"{final.width}x{final.height}"
         sheet = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="spritesheet").content))
-        assert sheet.size[0] == final.width * 4  # 16 frames: 4 per row
+        assert sheet.size[0] == final.width * math.ceil(math.sqrt(final.num_frames))  # ceil(sqrt(F)) per row
