@@ -8,11 +8,20 @@ Example:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .errors import InvalidArgumentError, ModelLoadError
 
-__all__ = ["check_device", "default_dtype", "resolve_device", "resolve_dtype"]
+__all__ = ["MODULE_BUILD_LOCK", "check_device", "default_dtype", "resolve_device", "resolve_dtype"]
+
+#: Held while diffusers builds a model and while multistream builds its own small modules (preview
+#: decoders). diffusers' low-memory loading (accelerate's ``init_empty_weights``) patches
+#: ``torch.nn.Module`` for the whole process while it builds, so a module built in another thread
+#: meanwhile gets its weights on the "meta" device, with no data: a restarted server continuing an
+#: image on its preview decoder while it loaded its video model failed so.
+MODULE_BUILD_LOCK = threading.RLock()
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

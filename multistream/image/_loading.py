@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._devices import check_device, default_dtype, resolve_device, resolve_dtype
+from .._devices import MODULE_BUILD_LOCK, check_device, default_dtype, resolve_device, resolve_dtype
 from .._hub import locate
 from ..errors import ModelLoadError
 from ._sizes import EMBEDDED_IMAGE_SIZES
@@ -70,7 +70,8 @@ def _hub_class_name(source: str, *, offline: bool, **kw: Any) -> str | None:
 def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kw: Any) -> Any:
     from diffusers import DiffusionPipeline
 
-    return DiffusionPipeline.from_pretrained(source, local_files_only=local_only, **dtype_kwarg(dtype), **kw)
+    with MODULE_BUILD_LOCK:
+        return DiffusionPipeline.from_pretrained(source, local_files_only=local_only, **dtype_kwarg(dtype), **kw)
 
 
 def load_image_model(

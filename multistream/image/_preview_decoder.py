@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._devices import MODULE_BUILD_LOCK
 from ..errors import InvalidArgumentError, ModelLoadError
 from ._latent_rgb import latents_from_vae_space, latents_to_vae_space, synthetic_images
 
@@ -210,7 +211,8 @@ def load_preview_decoder(path: str | os.PathLike[str]) -> PreviewDecoderNet:
         if meta.get("format") != _FORMAT:
             raise ValueError(f"metadata format is {meta.get('format')!r}, not {_FORMAT!r}")
         config = json.loads(meta["config"])
-        net = PreviewDecoderNet(**{k: int(v) for k, v in config.items()})
+        with MODULE_BUILD_LOCK:
+            net = PreviewDecoderNet(**{k: int(v) for k, v in config.items()})
         net.load_state_dict(tensors)
     except Exception as exc:  # noqa: BLE001 - one clear error for any bad file
         raise ModelLoadError(
@@ -484,7 +486,8 @@ def _train(
     report: Callable[..., None],
 ) -> PreviewDecoderNet:
     torch.manual_seed(seed)  # the initial weights
-    net = PreviewDecoderNet(channels, factor, width=width, blocks=blocks, stages=stages).to(device)
+    with MODULE_BUILD_LOCK:
+        net = PreviewDecoderNet(channels, factor, width=width, blocks=blocks, stages=stages).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=2e-3)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps, pct_start=0.1)
     inputs, targets = inputs.to(device), targets.to(device)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._devices import MODULE_BUILD_LOCK
 from ..errors import InvalidArgumentError, ModelLoadError
 
 __all__ = ["dtype_kwarg", "load_taesd"]
@@ -37,7 +38,8 @@ def load_taesd(taesd: Any, device: torch.device, dtype: torch.dtype) -> Any:
 
         path = os.fspath(taesd)
         try:
-            model = AutoencoderTiny.from_pretrained(path, local_files_only=os.path.isdir(path), **dtype_kwarg(dtype))
+            with MODULE_BUILD_LOCK:
+                model = AutoencoderTiny.from_pretrained(path, local_files_only=os.path.isdir(path), **dtype_kwarg(dtype))
         except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear error
             raise ModelLoadError(
                 f"could not load TAESD weights from {path!r} ({type(exc).__name__}: {exc}). Pass a local folder "

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._devices import check_device, resolve_device, resolve_dtype
+from .._devices import MODULE_BUILD_LOCK, check_device, resolve_device, resolve_dtype
 from ..errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -89,11 +89,13 @@ def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "
 
     try:
         try:
-            pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True, torch_dtype=torch_dtype, **kw)
+            with MODULE_BUILD_LOCK:
+                pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True, torch_dtype=torch_dtype, **kw)
         except Exception:  # noqa: BLE001 - a hub id not in the cache: then the network
             if is_dir:
                 raise
-            pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=torch_dtype, **kw)
+            with MODULE_BUILD_LOCK:
+                pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=torch_dtype, **kw)
     except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
         raise ModelLoadError(
             f"could not load a diffusers video pipeline from {source!r}: {type(exc).__name__}: {str(exc)[:300]}. "

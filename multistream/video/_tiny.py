@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._devices import MODULE_BUILD_LOCK
 from ..errors import InvalidArgumentError
 from ._layout import VideoLatents
 
@@ -167,7 +168,8 @@ def _load(path: Path) -> VideoPreviewNet | None:
             meta = fh.metadata() or {}
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         config = json.loads(meta["config"])
-        net = VideoPreviewNet(config.pop("latent_channels"), **config)
+        with MODULE_BUILD_LOCK:
+            net = VideoPreviewNet(config.pop("latent_channels"), **config)
         net.load_state_dict(tensors)
     except Exception:  # noqa: BLE001 - a damaged or old file: fit again
         logger.warning("ignoring the unreadable video preview decoder %s (fitting one instead)", path)
@@ -245,7 +247,8 @@ def fit_video_preview_decoder(
     inputs = torch.cat([clean, noisy, blurred])
     with torch.inference_mode():
         targets = torch.cat([layout.decode(inputs[i : i + 2]).float().cpu() for i in range(0, len(inputs), 2)])
-    net = VideoPreviewNet(channels, spatial=layout.spatial, temporal=layout.temporal, width=width, blocks=blocks)
+    with MODULE_BUILD_LOCK:
+        net = VideoPreviewNet(channels, spatial=layout.spatial, temporal=layout.temporal, width=width, blocks=blocks)
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     batch = min(4, len(inputs))

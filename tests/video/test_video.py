@@ -245,3 +245,37 @@ def test_a_folder_ships_its_preview_maps_and_nothing_is_fitted(tmp_path):
 def test_wrapping_a_path_points_to_the_loader():
     with pytest.raises(InvalidArgumentError, match="ms.load_video_model"):
         VideoModel("./some/folder")
+
+
+def test_a_preview_decoder_built_while_a_pipeline_loads_has_real_weights(monkeypatch, tmp_path):
+    """diffusers' low-memory loading patches torch.nn.Module for the whole process while it builds
+    (accelerate's init_empty_weights): a decoder built in another thread meanwhile got "meta"
+    weights with no data, and a restarted server failed to continue an image so. Building waits."""
+    import threading
+    import time
+
+    import accelerate
+    import diffusers
+
+    from multistream.video import VideoPreviewNet
+    from multistream.video._tiny import load_video_preview_decoder, save_video_preview_decoder
+
+    path = tmp_path / "preview_decoder.safetensors"
+    save_video_preview_decoder(VideoPreviewNet(16, spatial=8, temporal=4, width=8, blocks=1), path)
+    inside = threading.Event()
+
+    def slow_low_memory_load(*args, **kwargs):
+        with accelerate.init_empty_weights():
+            inside.set()
+            time.sleep(0.5)
+        raise OSError("no pipeline here")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", slow_low_memory_load)
+    loader = threading.Thread(target=lambda: pytest.raises(ModelLoadError, ms.load_video_model))
+    loader.start()
+    try:
+        assert inside.wait(30)
+        net = load_video_preview_decoder(path)
+    finally:
+        loader.join()
+    assert net is not None and not any(p.is_meta for p in net.parameters())
