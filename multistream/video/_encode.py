@@ -56,9 +56,12 @@ def encode_sheet(frames: Sequence[Any] | np.ndarray, fmt: str = "JPEG", *, quali
     """
     from PIL import Image
 
-    arrays = frames if isinstance(frames, np.ndarray) else np.stack([np.asarray(f.convert("RGB")) for f in frames]) if len(frames) else np.zeros((0, 1, 1, 3), np.uint8)
+    if not isinstance(frames, np.ndarray):
+        if not frames:
+            raise ValueError("a contact sheet needs at least one frame")
+        frames = np.stack([np.asarray(f.convert("RGB")) for f in frames])
     buf = io.BytesIO()
-    Image.fromarray(contact_sheet(arrays)).save(buf, format=fmt, **({"quality": quality} if fmt in ("JPEG", "WEBP") else {}))
+    Image.fromarray(contact_sheet(frames)).save(buf, format=fmt, **({"quality": quality} if fmt in ("JPEG", "WEBP") else {}))
     return buf.getvalue()
 
 
