@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -50,6 +51,7 @@ from .access.middleware import SecurityMiddleware
 from .access.redaction import install_log_redaction
 from .families import FAMILIES
 from .http.bodies import ErrorResponse, OpenAIErrorResponse
+from .http.deferred import DeferredApp
 from .http.errors import request_bodies
 from .http.problems import Problem
 from .native import health, websocket
@@ -120,6 +122,9 @@ def create_app(
         app.state.multistream = state
         for slot in state.models.values():
             slot.start_loading()
+        if demo is not None:  # built after the models (or at its first request): see DeferredApp
+            demo.attach(asyncio.get_running_loop())
+            _start_when_settled(demo, list(state.models.values()))
         janitor = asyncio.get_running_loop().create_task(_janitor(state))
         continuer = None
         if state.registry.log is not None:
@@ -135,6 +140,8 @@ def create_app(
             if continuer is not None:
                 continuer.stop()
             state.registry.cancel_all()
+            if demo is not None:
+                await demo.aclose()
             if state.registry.log is not None:
                 await asyncio.sleep(0.1)  # let the pumps append their finals to the shared log
                 await state.registry.log.close()
@@ -207,19 +214,22 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+    demo = None
     if demo_path:
-        _mount_demo(app, demo_path, specs["image"], keyring, speech=specs["speech"] is not None,
-                    video=specs["video"] is not None)
+        demo = _deferred_demo(app, demo_path, specs["image"], keyring, speech=specs["speech"] is not None,
+                              video=specs["video"] is not None)
+        app.mount(demo_path.rstrip("/"), demo)
     app.add_middleware(SecurityMiddleware, settings=settings, keyring=keyring, demo_path=demo_path,
                        openai_paths=openai.PATH_PREFIXES)
     app.multistream_settings = settings  # type: ignore[attr-defined]  # read by runner.uvicorn_config
     return app
 
 
-def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False,
-                video: bool = False) -> None:
-    """Serve the Gradio demo; its generations run through this server's gates (`GatedModel`)."""
-    from ..ui.demo import mount_demo
+def _deferred_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, speech: bool = False,
+                   video: bool = False) -> DeferredApp:
+    """The Gradio demo, built once the server listens (importing Gradio alone takes seconds, which
+    ``/healthz`` and the API should not wait for); its generations run through this server's gates
+    (`GatedModel`)."""
     from .streams.gated import GatedModel
 
     def provider(kind: str) -> Any:
@@ -235,8 +245,26 @@ def _mount_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, spee
     speech_model = (lambda: app.state.multistream.models["speech"].get()) if speech else False
     # The Video tab likewise films with the server's video model; none served, no tab.
     video_model = (lambda: app.state.multistream.models["video"].get()) if video else False
-    mount_demo(app, provider("text"), provider("image"), path=path, prompt_style=style, auth=auth,
-               speech_model=speech_model, video_model=video_model)
+
+    def build() -> tuple[Any, Any]:
+        from ..ui.demo import demo_asgi_app
+
+        return demo_asgi_app(provider("text"), provider("image"), path=path.rstrip("/"), prompt_style=style,
+                             auth=auth, speech_model=speech_model, video_model=video_model)
+
+    return DeferredApp(build, name="demo page")
+
+
+def _start_when_settled(demo: DeferredApp, slots: list[ModelSlot]) -> None:
+    """Start building the demo once every model has loaded (or failed): building it meanwhile would
+    slow the loads (one GIL, two cores); a request to the page starts it at once anyway."""
+
+    def wait() -> None:
+        for slot in slots:
+            slot.settled.wait()
+        demo.start()
+
+    threading.Thread(target=wait, name="multistream-demo-after-models", daemon=True).start()
 
 
 async def _janitor(state: ServerState) -> None:

@@ -60,12 +60,15 @@ class ModelSlot:
         self.model: Any = None
         self.error: str | None = None  # the exception's type name
         self.reason: str | None = None  # why, in one line, and the fix
+        self.settled = threading.Event()  # set once the model is ready, failed or not served
         if spec is None:
             self.state = "disabled"
         elif isinstance(spec, (str, type)) or (callable(spec) and not hasattr(spec, "stream")):
             self.state = "pending"  # a name or a factory: loaded in the background at startup
         else:
             self.model, self.state = spec, "ready"
+        if self.state != "pending":
+            self.settled.set()
 
     @property
     def name(self) -> str:
@@ -91,6 +94,8 @@ class ModelSlot:
             # A ModelLoadError's message is the cause and the fix: no traceback under it.
             logger.error("%s", self.reason, exc_info=None if isinstance(exc, ModelLoadError) else exc)
             self.state = "failed"
+        finally:
+            self.settled.set()
 
     def get(self) -> Any:
         if self.state == "ready":

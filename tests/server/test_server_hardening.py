@@ -401,6 +401,9 @@ def test_demo_goes_through_the_gates_and_never_blocks_the_loop(tmp_path: Path) -
                      settings=ServerSettings(blocklist_file=str(blocklist)), demo_path="/demo")
     with live_server(app) as s:
         assert httpx.get(s.url + "/readyz").status_code == 503  # still loading
+        # The page is built after the server listens; the first visit waits for it (gradio_client's
+        # own requests time out sooner than Gradio takes to import on a slow machine).
+        assert httpx.get(s.url + "/demo/", timeout=120).status_code == 200
         client = gradio_client.Client(s.url + "/demo/", verbose=False)
         job = client.submit("hello", [], 32, 0.0, 1.0, -1, api_name="/chat")
         wait_until(lambda: s.state.models["text"].state == "loading")

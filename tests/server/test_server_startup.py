@@ -10,12 +10,12 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-from server_fixtures import iter_events, make_server, missing_module_model, slow_failing_model
 from repo_paths import ROOT, suite_path
-
+from server_fixtures import iter_events, make_server, missing_module_model, slow_failing_model
 
 
 def _free_port() -> int:
@@ -178,3 +178,107 @@ def test_models_load_one_at_a_time() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert overlap == [False, False]
+
+
+# The demo page is built after the server listens (issue 34, item 2): Gradio's import alone took
+# 2-8 s, which /healthz, /readyz and the API waited for. The first request to /demo builds it.
+_DEMO_AFTER_LISTEN = '''
+import sys, threading, httpx
+from multistream.server import create_app
+from multistream.testing import ScriptedImageModel, ScriptedTextModel
+from server_fixtures import live_server
+
+release = threading.Event()
+
+def still_loading():
+    release.wait(120)
+    return ScriptedTextModel()
+
+app = create_app(text_model=still_loading, image_model=ScriptedImageModel(), demo_path="/demo")
+print("gradio after create_app:", "gradio" in sys.modules, flush=True)
+with live_server(app) as s:
+    health = httpx.get(s.url + "/healthz", timeout=10)
+    print("healthz:", health.status_code, "gradio:", "gradio" in sys.modules, flush=True)
+    page = httpx.get(s.url + "/demo/", timeout=120)  # the text model still loads: this request builds the page
+    print("demo:", page.status_code, "gradio" in page.text.lower(), flush=True)
+    release.set()
+'''
+
+
+def test_the_server_listens_before_the_demo_page_is_built_and_the_first_visit_builds_it() -> None:
+    env = {**os.environ, "PYTHONPATH": suite_path()}
+    done = subprocess.run([sys.executable, "-c", _DEMO_AFTER_LISTEN], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gradio after create_app: False" in done.stdout, done.stdout
+    assert "healthz: 200 gradio: False" in done.stdout, done.stdout
+    assert "demo: 200 True" in done.stdout, done.stdout
+
+
+def test_a_deferred_app_that_fails_to_build_answers_503_with_the_cause_and_the_api_keeps_serving() -> None:
+    import asyncio
+    import contextlib
+
+    from fastapi import FastAPI
+    from server_fixtures import live_server
+
+    from multistream.server.http.deferred import DeferredApp
+
+    def build() -> Any:
+        raise RuntimeError("no gradio today")
+
+    deferred = DeferredApp(build, name="demo page")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        deferred.attach(asyncio.get_running_loop())
+        yield
+        await deferred.aclose()
+
+    app = FastAPI(lifespan=lifespan)
+    app.get("/ping")(lambda: {"ok": True})
+    app.mount("/demo", deferred)
+    with live_server(app) as s:
+        page = httpx.get(s.url + "/demo/", timeout=30)
+        assert page.status_code == 503
+        assert "the demo page failed to start (RuntimeError: no gradio today)" in page.json()["error"]["message"]
+        assert httpx.get(s.url + "/ping").json() == {"ok": True}
+
+
+def test_requests_that_arrive_while_a_deferred_app_builds_wait_for_it() -> None:
+    import asyncio
+    import contextlib
+    import threading
+
+    from fastapi import FastAPI
+    from server_fixtures import live_server, wait_until
+    from starlette.responses import PlainTextResponse
+
+    from multistream.server.http.deferred import DeferredApp
+
+    release = threading.Event()
+    builds = []
+
+    def build() -> Any:
+        builds.append(1)
+        release.wait(60)
+        return PlainTextResponse("built"), None
+
+    deferred = DeferredApp(build, name="page")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        deferred.attach(asyncio.get_running_loop())
+        deferred.start()
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+    app.mount("/page", deferred)
+    with live_server(app) as s, httpx.Client(timeout=60) as client:
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(client.get, s.url + "/page/") for _ in range(3)]
+            wait_until(lambda: builds == [1], what="the build to start")
+            assert not any(a.done() for a in answers)  # waiting, not refused
+            release.set()
+            assert [a.result().text for a in answers] == ["built"] * 3
+        assert builds == [1]  # built once

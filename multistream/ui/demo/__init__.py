@@ -14,7 +14,7 @@ then the clip; Use this, Apply now, and "Write and film": the LLM writes the cli
 ``_speech`` (speech that plays while it is made); ``_shared`` holds what they share (models,
 runs per session, the preview box), ``_prompts`` the LLM prompts, ``_page`` the page and its serving.
 
-Gradio is imported only when ``create_demo``, ``launch`` or ``mount_demo`` is first used, so the
+Gradio is imported only when ``create_demo``, ``launch``, ``mount_demo`` or ``demo_asgi_app`` is first used, so the
 prompt helpers here work without it.
 
 Example:
@@ -39,9 +39,9 @@ from ._prompts import (
 )
 
 if TYPE_CHECKING:
-    from ._page import create_demo, launch, mount_demo
+    from ._page import create_demo, demo_asgi_app, launch, mount_demo
 
-_NEEDS_GRADIO = ("create_demo", "launch", "mount_demo")
+_NEEDS_GRADIO = ("create_demo", "demo_asgi_app", "launch", "mount_demo")
 
 
 def __getattr__(name: str) -> Any:
@@ -49,12 +49,12 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'multistream.ui.demo' has no attribute {name!r}")
     # The demo must never phone home (offline machines, privacy); set before gradio is imported.
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from ._page import create_demo, launch, mount_demo
+    from . import _page
 
-    value = {"create_demo": create_demo, "launch": launch, "mount_demo": mount_demo}[name]
+    value = getattr(_page, name)
     globals()[name] = value
     return value
 
 
-__all__ = ["DEFAULT_IDEA", "DEFAULT_VIDEO_IDEA", "create_demo", "launch", "mount_demo", "prompt_messages",
+__all__ = ["DEFAULT_IDEA", "DEFAULT_VIDEO_IDEA", "create_demo", "demo_asgi_app", "launch", "mount_demo", "prompt_messages",
            "shapes_prompt_pattern", "shapes_video_pattern", "throttled_views", "video_prompt_messages"]

@@ -22,7 +22,7 @@ from ._shared import ActiveRuns, ModelSlot
 from ._speech import SpeechTab
 from ._video import VideoTab
 
-__all__ = ["create_demo", "launch", "mount_demo"]
+__all__ = ["create_demo", "demo_asgi_app", "launch", "mount_demo"]
 
 _PAGE_STYLE = (
     "<style>#ms-image-final img, #ms-picture-final img, #ms-video-final video {width:100%;height:100%;object-fit:contain}"
@@ -184,6 +184,23 @@ def mount_demo(app: Any, text_model: Any = None, image_model: Any = None, path: 
         raise InvalidArgumentError(f"path must start with '/' and not be the root, got {path!r}; try '/demo'")
     demo = create_demo(text_model, image_model, **kwargs)
     return gr.mount_gradio_app(app, demo, path=path.rstrip("/"), auth=auth)
+
+
+def demo_asgi_app(text_model: Any = None, image_model: Any = None, path: str = "/demo", *, auth: Any = None,
+                  **kwargs: Any) -> tuple[Any, Any]:
+    """The demo as an ASGI app to mount at ``path`` yourself, and its lifespan to enter.
+
+    What `mount_demo` adds to an app, for an app that is already serving: ``multistream serve``
+    builds it after it listens (Gradio's import alone takes seconds) and mounts it at ``path``.
+
+    Example:
+        >>> demo_app, lifespan = demo_asgi_app(llm, sd, path="/demo")       # doctest: +SKIP
+    """
+    from fastapi import FastAPI
+
+    host = mount_demo(FastAPI(), text_model, image_model, path=path, auth=auth, **kwargs)
+    mounted = host.routes[-1]  # the Mount that mount_gradio_app appended
+    return mounted.app, host.router.lifespan_context(host)
 
 
 def launch(
