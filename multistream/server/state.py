@@ -264,12 +264,13 @@ class ServerState:
         release_quota = self._take_quota(principal)
         gate = self.gates[kind]
         waited = time.perf_counter()
-        try:
-            await until_done_or_gone(gate.acquire(priority, self.settings.queue_timeout_s, on_queued), request,
-                                     on_abandoned=gate.release, message=_GONE_WHILE_QUEUED)
-        except BaseException:
-            release_quota()
-            raise
+        if not gate.try_acquire():  # no free slot: wait in the queue, given up if the client goes
+            try:
+                await until_done_or_gone(gate.acquire(priority, self.settings.queue_timeout_s, on_queued), request,
+                                         on_abandoned=gate.release, message=_GONE_WHILE_QUEUED)
+            except BaseException:
+                release_quota()
+                raise
         self.metrics.queue_wait.observe(time.perf_counter() - waited, kind=kind)
         started = time.perf_counter()
         try:

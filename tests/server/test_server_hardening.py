@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 import websockets
+from repo_paths import ROOT
 from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, wait_until
 
 from multistream.server import Blocklist, decode_message
 from multistream.server.streams.filtering import OutputFilter
-from repo_paths import ROOT
 
 JSON = {"content-type": "application/json"}
 STATIC = ROOT / "multistream" / "static"
@@ -241,6 +241,26 @@ def test_slow_request_head_is_cut_off() -> None:
             assert sock.recv(100) == b""  # the server closed the connection
 
 
+def test_a_body_that_trickles_in_gets_a_408_and_the_server_keeps_serving() -> None:
+    with make_server(ScriptedTextModel(), body_timeout_s=0.5) as s:
+        port = int(s.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+            sock.sendall(b"POST /v1/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 40\r\n\r\n{\"prompt\": ")  # and never the rest
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(body)["error"]["type"] == "request_timeout"
+        assert b"body_timeout_s" in body
+        with httpx.stream("POST", s.url + "/v1/text", json={"prompt": "hi"}, timeout=30) as r:
+            assert r.status_code == 200 and list(iter_events(r))[-1]["is_final"]
+
+
 def test_uvicorn_limits_come_from_the_settings() -> None:
     from multistream.server import ServerSettings, create_app, uvicorn_config
 
@@ -385,9 +405,9 @@ def test_blocklist_catches_split_words_on_every_route(tmp_path: Path) -> None:
 def test_demo_goes_through_the_gates_and_never_blocks_the_loop(tmp_path: Path) -> None:
     import gradio_client
     from gradio_client.utils import Status
+    from server_fixtures import live_server
 
     from multistream.server import ServerSettings, create_app
-    from server_fixtures import live_server
 
     loaded = threading.Event()
 
@@ -422,8 +442,9 @@ def test_demo_goes_through_the_gates_and_never_blocks_the_loop(tmp_path: Path) -
 
 
 def test_demo_works_with_keys_behind_a_login(tmp_path: Path) -> None:
-    from multistream.server import ServerSettings, create_app
     from server_fixtures import live_server
+
+    from multistream.server import ServerSettings, create_app
 
     app = create_app(text_model=ScriptedTextModel(), image_model=ScriptedImageModel(),
                      settings=ServerSettings(api_key="k3y"), demo_path="/demo")

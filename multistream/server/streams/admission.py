@@ -72,6 +72,16 @@ class Admission:
         avg = self._avg_duration_s or 1.0
         return max(1, math.ceil(avg * (self.queued + 1) / self.concurrency))
 
+    def try_acquire(self) -> bool:
+        """Take a free slot now if there is one (no suspension); False when a request would queue.
+
+        The hot path of an idle server: `acquire` is a coroutine, and awaiting it under a
+        disconnect watch costs a task and loop iterations before a stream can start."""
+        if self._closed is None and self.running < self.concurrency and not self.queued:
+            self.running += 1
+            return True
+        return False
+
     async def acquire(self, priority: int = 0, timeout: float | None = None,
                       on_move: Callable[[int, int], None] | None = None) -> None:
         """Wait for a slot. Raises `QueueFull` at once when the queue is full, a 503 `Problem`

@@ -16,6 +16,7 @@ import websockets
 from server_fixtures import ScriptedTextModel, iter_sse, make_server
 from test_server import check_sequence, wait_until
 
+from multistream.server.http.problems import Problem
 from multistream.server.streams.admission import Admission
 
 SLOW = [f" s{i}" for i in range(400)]
@@ -279,3 +280,17 @@ async def test_admission_tells_each_waiter_its_position(arrivals: list[int]) -> 
         assert told[0][-1] == (1, 1) and told[1] == [(1, 2)]
     assert gate.queued == 1 and gate.running == 1
     waiters[1 - winner].cancel()
+
+
+async def test_try_acquire_takes_a_free_slot_at_once_and_nothing_else() -> None:
+    gate = Admission("text", concurrency=1, queue_size=8)
+    assert gate.try_acquire() and gate.running == 1  # free: taken without a suspension
+    assert not gate.try_acquire() and gate.running == 1  # full: the caller queues with acquire()
+    waiter = asyncio.ensure_future(gate.acquire())
+    await asyncio.sleep(0)
+    gate.release()  # the slot goes to the waiter in the queue, not to a later fast path
+    assert not gate.try_acquire()
+    await waiter
+    gate.release()
+    gate.close(Problem(503, "shutting_down", "bye"))
+    assert gate.running == 0 and not gate.try_acquire()  # closed: acquire() raises the refusal
