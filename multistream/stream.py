@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -196,10 +197,7 @@ class _Channel:
             waiters, self._async_waiters = self._async_waiters, []
             self._cond.notify_all()
         for loop, fut in waiters:
-            try:
-                loop.call_soon_threadsafe(_wake, fut)
-            except RuntimeError:  # the consumer's loop is closed; nobody is waiting any more
-                pass
+            _LoopWaker.of(loop).wake(fut)
         return True
 
     def _undelivered_text(self) -> _Pending | None:
@@ -243,6 +241,47 @@ class _Channel:
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+class _LoopWaker:
+    """Wakes a loop's waiting consumers from producer threads with one cross-thread call per
+    batch: an engine step that emits an event on every row of a batch writes the loop's wake-up
+    pipe once, not once per row (each write is a syscall that also hands the GIL around)."""
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
+    _registry_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._futures: list[asyncio.Future[None]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+        waker = cls._by_loop.get(loop)
+        if waker is None:
+            with cls._registry_lock:
+                waker = cls._by_loop.get(loop)
+                if waker is None:
+                    waker = cls._by_loop[loop] = cls(loop)
+        return waker
+
+    def wake(self, fut: asyncio.Future[None]) -> None:
+        with self._lock:
+            self._futures.append(fut)
+            if len(self._futures) > 1:
+                return  # a drain is already scheduled and has not run yet: it takes this one too
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the consumer's loop is closed; nobody is waiting any more
+            with self._lock:
+                self._futures.clear()
+
+    def _drain(self) -> None:
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for fut in futures:
+            _wake(fut)
 
 
 def _merge_into(last: _Pending, new: dict[str, Any]) -> None:

@@ -300,3 +300,34 @@ def test_a_finished_image_that_is_not_the_last_is_never_dropped():
     check_protocol(events)
     assert [(e.data, e.finish_reason, e.is_final) for e in events] == [
         (b"a", "stop", False), (b"p", None, False), (b"b", "stop", True)]
+
+
+async def test_one_producer_step_over_many_streams_wakes_their_loop_once() -> None:
+    """An engine step emits an event on every row; the waiting async readers are woken with one
+    cross-thread call per batch (a pipe write that also hands the GIL around), not one per row."""
+    loop = asyncio.get_running_loop()
+    writers: list[StreamWriter] = []
+    streams = [Stream(submit=writers.append, kind="text") for _ in range(20)]
+    readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
+    while not all(s._channel._async_waiters for s in streams):  # every reader waits on its channel
+        await asyncio.sleep(0)
+    calls = []
+    real = loop.call_soon_threadsafe
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(args[0])
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        # One "engine step" on another thread while the loop is busy (as it is under load).
+        step = threading.Thread(target=lambda: [w.text("x", [1], 0) for w in writers])
+        step.start()
+        step.join()
+        firsts = await asyncio.gather(*readers)
+    finally:
+        del loop.call_soon_threadsafe
+    assert [ev.delta for ev in firsts] == ["x"] * 20
+    assert len(calls) == 1
+    for s in streams:
+        s.close()
