@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -76,7 +77,13 @@ def option(default: Any, doc: str, check: Callable[[Any], Any] | None = None, *,
 
 def option_fields(cls: type) -> list[dataclasses.Field[Any]]:
     """The fields of ``cls`` declared with `option()`, in order."""
-    return [f for f in dataclasses.fields(cls) if "option" in f.metadata]
+    return list(_option_fields(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _option_fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    # Cached: every request parses its options through this (a class's fields never change).
+    return tuple(f for f in dataclasses.fields(cls) if "option" in f.metadata)
 
 
 def option_names(cls: type) -> tuple[str, ...]:
