@@ -2,7 +2,7 @@
 
 On the embedded shapes model, ``--prompts`` prompts x ``--seeds`` seeds at ``--steps`` steps
 (the model's own scheduler and guidance). Every step of every run is previewed five ways, each
-decoder built from the model through the decoder table (`multistream.image._previews.DECODERS`,
+decoder built from the model through the decoder table (`multistream.diffusion._previews.DECODERS`,
 the plan settled as a stream settles it):
 
 * ``latent``: the noisy latent through the linear latent->RGB map;
@@ -62,7 +62,7 @@ def log(msg: str, t0: float = time.time()) -> None:
 def collect(model: Any, prompts: list[str], seeds: list[int], steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """Per run: the noisy latents and x0 of every step ``(N, steps, C, h, w)``, and the final
     images ``(N, 3, H, W)`` as uint8 (what the stream's final PNG holds)."""
-    from multistream.image._previews import X0Tracker
+    from multistream.diffusion._previews import X0Tracker
 
     pipe = model.pipeline
     runs = [(p, s) for s in seeds for p in prompts]
@@ -93,7 +93,7 @@ def plan_for(model: Any, row: str) -> Any:
     """The settled `PreviewPlan` of a row: what a stream of that mode on this model decodes with."""
     import dataclasses
 
-    from multistream.image._previews import parse_preview, settle_plan
+    from multistream.diffusion._previews import parse_preview, settle_plan
 
     plan = parse_preview(MODES[row])
     if row == "x0 map":
@@ -103,7 +103,7 @@ def plan_for(model: Any, row: str) -> Any:
 
 def previews(model: Any, row: str, lat: torch.Tensor, x0: torch.Tensor, size: int) -> torch.Tensor:
     """uint8 previews ``(N, steps, 3, size, size)`` of one row, as the stream makes them."""
-    from multistream.image._previews import build_decoder, to_uint8_frames
+    from multistream.diffusion._previews import build_decoder, to_uint8_frames
 
     plan = plan_for(model, row)
     decoder = build_decoder(plan, model._decoder_parts(None))
@@ -153,7 +153,7 @@ def layouts_section(fit_steps: int) -> None:
     from diffusers import AutoencoderKL
 
     import multistream as ms
-    from multistream.image._latent_rgb import synthetic_images, fit_latent_rgb, latents_from_vae_space, latents_to_rgb, latents_to_vae_space
+    from multistream.diffusion._latent_rgb import synthetic_images, fit_latent_rgb, latents_from_vae_space, latents_to_rgb, latents_to_vae_space
 
     layouts = {
         "sd15": dict(latent_channels=4, scaling_factor=0.18215, shift_factor=None),
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import multistream as ms
     from multistream.image import EMBEDDED_MODEL_DIR
-    from multistream.image._preview_decoder import PREVIEW_DECODER_FILE, load_preview_decoder
+    from multistream.diffusion._preview_decoder import PREVIEW_DECODER_FILE, load_preview_decoder
     from shapes_quality import draw_prompts, train_judge
 
     from diffusers.utils import logging as dlogging

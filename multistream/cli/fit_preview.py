@@ -49,8 +49,8 @@ def add_parser(subparsers: Any) -> None:
 def _shipped(args: argparse.Namespace) -> str | None:
     """The ``preview_decoder.safetensors`` the model's folder ships (the embedded model's, for no
     model), found without loading the model; None for a hub id or a folder without one."""
+    from ..diffusion._preview_decoder import PREVIEW_DECODER_FILE
     from ..image import EMBEDDED_MODEL_DIR
-    from ..image._preview_decoder import PREVIEW_DECODER_FILE
 
     folder = EMBEDDED_MODEL_DIR if args.model is None else os.path.expanduser(args.model)
     path = os.path.join(folder, PREVIEW_DECODER_FILE)
@@ -58,8 +58,7 @@ def _shipped(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..image import load_image_model
-    from ..image._preview_decoder import (
+    from ..diffusion._preview_decoder import (
         GENERIC_PROMPTS,
         FitProgress,
         collect_x0_latents,
@@ -69,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         save_preview_decoder,
         vae_fingerprint,
     )
+    from ..image import load_image_model
 
     # Bars (the libraries' loading, this command's runs and fit) on a terminal only.
     tty = show_progress()

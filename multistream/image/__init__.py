@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
+from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES, ImageSizes
 from ._options import (
     IMAGE_STREAM_ARGS,
     PREVIEW_MODES,
@@ -28,7 +29,6 @@ from ._options import (
     parse_image_options,
     parse_preview,
 )
-from ._sizes import EMBEDDED_IMAGE_SIZES, ImageSizes
 
 # The model modules import torch, diffusers, numpy and Pillow; they load when first asked for, so
 # the options (used by the server and the fakes) stay light.
@@ -36,21 +36,21 @@ _LAZY = {
     "EMBEDDED_MODEL_DIR": "._loading",
     "load_image_model": "._loading",
     "ImageModel": "._model",
-    "ImageCheckpoint": "._checkpoint",
+    "ImageCheckpoint": "..diffusion._checkpoint",
     "EncodedFrame": "._frames",
     "encode_frame": "._frames",
     "to_pil": "._frames",
-    "fit_latent_rgb": "._latent_rgb",
-    "fit_preview_decoder": "._preview_decoder",
+    "fit_latent_rgb": "..diffusion._latent_rgb",
+    "fit_preview_decoder": "..diffusion._preview_decoder",
 }
 
 if TYPE_CHECKING:
-    from ._checkpoint import ImageCheckpoint
+    from ..diffusion._checkpoint import ImageCheckpoint
+    from ..diffusion._latent_rgb import fit_latent_rgb
+    from ..diffusion._preview_decoder import fit_preview_decoder
     from ._frames import EncodedFrame, encode_frame, to_pil
-    from ._latent_rgb import fit_latent_rgb
     from ._loading import EMBEDDED_MODEL_DIR, load_image_model
     from ._model import ImageModel
-    from ._preview_decoder import fit_preview_decoder
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY, globals())

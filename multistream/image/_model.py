@@ -28,7 +28,7 @@ on the model (torch-free, and shared with the scripted fake in `multistream.test
 refuse the same values and preview the same steps); this class adds the checks that need the
 pipeline (sizes as multiples of its VAE's factor, TAESD weights, pipeline arguments, step
 callbacks); `multistream.image._run` runs one request on the engine thread and
-`multistream.image._previews` turns latents into preview frames.
+`multistream.diffusion._previews` turns latents into preview frames.
 
 Example:
     >>> import multistream as ms
@@ -52,19 +52,19 @@ import torch
 from .._checks import is_int
 from .._devices import resolve_device, resolve_dtype
 from .._eta import PerPixelTime
+from ..diffusion._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
+from ..diffusion._job import ImageJob, RunContext
+from ..diffusion._latent_rgb import LatentRGB, detect_family, latent_rgb_for
+from ..diffusion._previews import DecoderParts, settle_plan, x0_strategy
+from ..diffusion._sizes import ImageSizes, sizes_for
+from ..diffusion._stepper import ImageRequest, ImageStepper
 from ..engine import DEFAULT_CAPACITY, EngineModel
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
-from ._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
-from ._job import ImageJob, RunContext
-from ._latent_rgb import LatentRGB, detect_family, latent_rgb_for
 from ._options import PreviewPlan, parse_image_options, parse_preview
-from ._previews import DecoderParts, settle_plan, x0_strategy
 from ._run import ImageRun, ImageSteering
-from ._sizes import ImageSizes, sizes_for
-from ._stepper import ImageRequest, ImageStepper
 from ._taesd import load_taesd
 
 __all__ = ["ImageModel"]
@@ -85,7 +85,7 @@ class ImageModel(EngineModel):
     ``taesd`` (a folder or an ``AutoencoderTiny``) enables ``preview="taesd"``. ``latent_rgb``
     (a `LatentRGB`, a ``{"matrix", "bias"}`` dict or a ``latent_rgb.json`` path) overrides the
     latent->RGB map that ``preview="latent"`` uses (and ``"x0"`` where no fitted decoder is at
-    hand); see `multistream.image._latent_rgb`.
+    hand); see `multistream.diffusion._latent_rgb`.
     ``preview_decoder`` (a `PreviewDecoderNet` or its ``.safetensors`` path) is the decoder of
     ``preview="tiny"`` and ``"x0"``; by default the model folder's
     ``preview_decoder.safetensors``, else one fitted to this VAE before (in memory or the cache);
@@ -93,7 +93,7 @@ class ImageModel(EngineModel):
     cached per VAE), ``"x0"`` uses the linear map instead.
     ``max_batch`` (default 4): up to this many concurrent requests of one priority take each
     denoising step together, their UNet calls batched where shapes match
-    (`multistream.image._denoiser_batch`: about 1.6x the throughput for 2 requests of the
+    (`multistream.diffusion._denoiser_batch`: about 1.6x the throughput for 2 requests of the
     embedded model on a CPU); 1 steps them one at a time, bit-identical to a request alone.
     ``sizes`` (an `ImageSizes`): the heights and widths it accepts; by default multiples of the
     pipeline's real factor up to twice its native side (`sizes`).
@@ -166,7 +166,7 @@ class ImageModel(EngineModel):
             self._latent_rgb = self._read_latent_rgb(latent_rgb)
         self._preview_net: Any = None
         if preview_decoder is not None:
-            from ._preview_decoder import load_preview_decoder
+            from ..diffusion._preview_decoder import load_preview_decoder
 
             net = load_preview_decoder(preview_decoder) if isinstance(preview_decoder, (str, os.PathLike)) else preview_decoder
             if self.latent_channels is not None and getattr(net, "latent_channels", None) != self.latent_channels:
@@ -242,7 +242,7 @@ class ImageModel(EngineModel):
         preview decoder comes with it (the embedded model, a folder with
         ``preview_decoder.safetensors``, or ``preview_decoder=``), so no fit can delay the first
         frame; else ``"latent"``."""
-        from ._preview_decoder import shipped_preview_decoder_path
+        from ..diffusion._preview_decoder import shipped_preview_decoder_path
 
         if self._preview_net is not None or shipped_preview_decoder_path(self._model_dir) is not None:
             return "tiny"
@@ -351,7 +351,7 @@ class ImageModel(EngineModel):
         every ``checkpoint_every``-th step with an `ImageCheckpoint`; ``resume_from=checkpoint``
         (or its ``to_bytes()``), with the arguments of the run it came from, continues that run
         from the step after it: same previews from there, same final image (see
-        `multistream.image._checkpoint`). The final event's ``metrics`` then has
+        `multistream.diffusion._checkpoint`). The final event's ``metrics`` then has
         ``resumed_from_step`` (and ``checkpoints``, the number taken).
 
         ``options`` are those of `ImageOptions` (each declared and described there once:
@@ -570,7 +570,7 @@ class ImageModel(EngineModel):
         return vae
 
     def _decoder_parts(self, taesd: Any) -> DecoderParts:
-        """What this model lends the preview decoders (`multistream.image._previews.DECODERS`);
+        """What this model lends the preview decoders (`multistream.diffusion._previews.DECODERS`);
         ``taesd``: the request's TAESD model, or None."""
         return DecoderParts(
             latent_rgb=lambda: self.latent_rgb,
@@ -584,7 +584,7 @@ class ImageModel(EngineModel):
         """The fitted preview decoder: given, shipped in the model folder, or fitted (once per VAE)."""
         with self._resolve_lock:
             if self._preview_net is None:
-                from ._preview_decoder import preview_decoder_for, shipped_preview_decoder_path
+                from ..diffusion._preview_decoder import preview_decoder_for, shipped_preview_decoder_path
 
                 if shipped_preview_decoder_path(self._model_dir) is None:
                     logger.warning("fitting a preview decoder to this VAE for preview='tiny' (once; cached per VAE)")
@@ -601,7 +601,7 @@ class ImageModel(EngineModel):
         with self._resolve_lock:
             if self._preview_net is not None:
                 return True
-            from ._preview_decoder import cached_preview_decoder, preview_decoder_for
+            from ..diffusion._preview_decoder import cached_preview_decoder, preview_decoder_for
 
             net = preview_decoder_for(self._pipe, self._model_dir, fit=False)
             if net is None:

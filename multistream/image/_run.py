@@ -44,12 +44,8 @@ import torch
 
 from .._checks import is_int
 from .._eta import StepEta
-from ..errors import InvalidArgumentError, StreamFinishedError
-from ..events import ImageEvent
-from ..stream import StreamWriter
-from ._denoiser_batch import DenoiserGate
-from ._frames import EncodedFrame, encode_frame
-from ._previews import (
+from ..diffusion._denoiser_batch import DenoiserGate
+from ..diffusion._previews import (
     FrameWorker,
     HostFrames,
     LinearDecoder,
@@ -63,10 +59,14 @@ from ._previews import (
     unpack_latents,
     x0_strategy,
 )  # fmt: skip
+from ..errors import InvalidArgumentError, StreamFinishedError
+from ..events import ImageEvent
+from ..stream import StreamWriter
+from ._frames import EncodedFrame, encode_frame
 
 if TYPE_CHECKING:
-    from ._checkpoint import RunCheckpoints
-    from ._job import ImageJob, RunContext
+    from ..diffusion._checkpoint import RunCheckpoints
+    from ..diffusion._job import ImageJob, RunContext
 
 __all__ = ["ImageRun", "ImageSteering", "RunStats", "steer_layout"]
 

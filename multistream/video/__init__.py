@@ -69,7 +69,7 @@ def fit_preview_decoder(vae: Any, **options: Any) -> Any:
         is_video = False
     if is_video:
         return fit_video_preview_decoder(vae, **options)
-    from ..image import fit_preview_decoder as fit_image
+    from ..diffusion._preview_decoder import fit_preview_decoder as fit_image
 
     return fit_image(vae, **options)
 

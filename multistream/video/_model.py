@@ -29,13 +29,13 @@ from typing import Any, Callable
 import torch
 
 from .._devices import resolve_device, resolve_dtype
+from ..diffusion._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
+from ..diffusion._sizes import ImageSizes, sizes_for
+from ..diffusion._stepper import ImageRequest, ImageStepper
 from ..engine import DEFAULT_CAPACITY, EngineModel
 from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
-from ..image._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
-from ..image._sizes import ImageSizes, sizes_for
-from ..image._stepper import ImageRequest, ImageStepper
 from ..stream import Stream, StreamWriter
 from ._layout import VideoLatents
 from ._options import parse_video_options
@@ -253,7 +253,7 @@ class VideoModel(EngineModel):
         every ``checkpoint_every``-th step with a checkpoint of the run (the image family's
         `multistream.image.ImageCheckpoint`: latents, scheduler state, conditioning after steers);
         ``resume_from=checkpoint`` (or its ``to_bytes()``), with the arguments of the run it came
-        from, continues after its step and ends with the same clip (see `multistream.image._checkpoint`).
+        from, continues after its step and ends with the same clip (see `multistream.diffusion._checkpoint`).
 
         Example:
             >>> s = vm.stream("a red circle moving right on a blue background", steps=20, seed=0)  # doctest: +SKIP
@@ -334,7 +334,7 @@ class VideoModel(EngineModel):
             cached = getattr(self, "_linear", None)
             if cached is not None:
                 return cached
-            from ..image._latent_rgb import LATENT_RGB_FILE, LatentRGB, latent_rgb_for
+            from ..diffusion._latent_rgb import LATENT_RGB_FILE, LatentRGB, latent_rgb_for
 
             if self.layout.per_frame:
                 found = latent_rgb_for(self._pipe, self._model_dir)
@@ -349,14 +349,14 @@ class VideoModel(EngineModel):
         with self._lock:
             if self._tiny is None:
                 if self.layout.per_frame:
-                    from ..image._preview_decoder import preview_decoder_for, shipped_preview_decoder_path
+                    from ..diffusion._preview_decoder import preview_decoder_for, shipped_preview_decoder_path
 
                     if shipped_preview_decoder_path(self._model_dir) is None:
                         logger.warning("fitting a preview decoder to this VAE for preview='tiny' (once; cached per VAE)")
                     net = preview_decoder_for(self._pipe, self._model_dir)
                     self._tiny = PerFrameNet(net.to(self.device))  # type: ignore[union-attr]
                 else:
-                    from ..image._preview_decoder import shipped_preview_decoder_path
+                    from ..diffusion._preview_decoder import shipped_preview_decoder_path
                     from ._tiny import (
                         cached_video_preview_decoder,
                         fit_video_preview_decoder,

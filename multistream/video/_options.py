@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 from .._checks import is_int
 from .._spec import option, option_names, parse_options
+from ..diffusion._preview_options import PreviewThrottle
 from ..errors import InvalidArgumentError
-from ..image._options import PreviewThrottle
 
 __all__ = [
     "PREVIEW_FORMATS",

@@ -23,7 +23,7 @@ causal VAE's first latent frame makes one frame, each later one ``temporal``) an
 
 Example:
     >>> import torch
-    >>> from multistream.image._latent_rgb import LatentRGB
+    >>> from multistream.diffusion._latent_rgb import LatentRGB
     >>> m = LatentRGB(((1.0, 0.0, 0.0),) * 4, (0.0, 0.0, 0.0))
     >>> linear_frames(torch.zeros(1, 4, 2, 3, 3), m, [0, 1, 1, 1, 1]).shape
     torch.Size([5, 3, 3, 3])
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..image._latent_rgb import LatentRGB, latents_to_rgb
+from ..diffusion._latent_rgb import LatentRGB, latents_to_rgb
 from ._layout import VideoLatents, frame_index
 from ._tiny import moving_shapes
 

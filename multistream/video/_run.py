@@ -24,11 +24,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..diffusion._checkpoint import RunCheckpoints
+from ..diffusion._preview_options import PreviewThrottle
+from ..diffusion._previews import X0Tracker, x0_strategy
 from ..errors import InvalidArgumentError
 from ..events import VideoEvent
-from ..image._checkpoint import RunCheckpoints
-from ..image._options import PreviewThrottle
-from ..image._previews import X0Tracker, x0_strategy
 from ..stream import StreamWriter
 from ._encode import encode_clip, encode_preview
 from ._layout import VideoLatents

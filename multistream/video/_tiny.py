@@ -133,7 +133,7 @@ _lock = threading.Lock()
 
 def _cache_path(vae: Any, options: dict[str, Any]) -> Path:
     from .._cache import cache_dir
-    from ..image._preview_decoder import vae_fingerprint
+    from ..diffusion._preview_decoder import vae_fingerprint
 
     tag = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:8]
     return cache_dir() / "video_preview_decoders" / f"{vae_fingerprint(vae)[:32]}-r{_RECIPE}-{tag}.safetensors"

@@ -230,7 +230,7 @@ def test_fit_preview_uses_the_shipped_decoder_of_the_embedded_model(monkeypatch,
 @pytest.mark.model
 @needs_embedded
 def test_fit_reports_progress_through_its_slow_stages(shapes: ms.ImageModel) -> None:
-    from multistream.image._preview_decoder import collect_x0_latents, fit_preview_decoder
+    from multistream.diffusion._preview_decoder import collect_x0_latents, fit_preview_decoder
 
     steps_done: list[tuple[int, int]] = []
     x0 = collect_x0_latents(shapes.pipeline, count=2, steps=3, batch=2,

@@ -57,7 +57,7 @@ def test_sd3_streams(sd3: ImageModel, preview: str) -> None:
 
 
 def test_sd3_x0_is_the_flow_matching_estimate(sd3: ImageModel) -> None:
-    from multistream.image._previews import x0_strategy
+    from multistream.diffusion._previews import x0_strategy
 
     assert x0_strategy(sd3.pipeline.scheduler) == "flow"
     assert sd3.latent_rgb.channels == 4
@@ -93,7 +93,7 @@ def test_published_maps_are_chosen_by_family() -> None:
 
     from diffusers import FluxPipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline
 
-    from multistream.image._latent_rgb import PUBLISHED, latent_rgb_for
+    from multistream.diffusion._latent_rgb import PUBLISHED, latent_rgb_for
 
     def fake(cls, channels, scale, shift=None):
         pipe = cls.__new__(cls)  # no components needed: only the class and the VAE config matter

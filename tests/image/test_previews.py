@@ -12,7 +12,7 @@ import torch
 from test_image import one_thread  # noqa: F401
 
 import multistream as ms
-from multistream.image._latent_rgb import (
+from multistream.diffusion._latent_rgb import (
     PUBLISHED,
     LatentRGB,
     detect_family,
@@ -22,7 +22,7 @@ from multistream.image._latent_rgb import (
     latents_to_rgb,
     latents_to_vae_space,
 )
-from multistream.image._previews import (
+from multistream.diffusion._previews import (
     PREVIEW_MODES,
     FrameWorker,
     HostFrames,
@@ -367,8 +367,8 @@ def test_parse_preview_tiny() -> None:
 
 
 def test_tiny_decoder_maps_to_unit_range() -> None:
-    from multistream.image._preview_decoder import PreviewDecoderNet
-    from multistream.image._previews import TinyDecoder
+    from multistream.diffusion._preview_decoder import PreviewDecoderNet
+    from multistream.diffusion._previews import TinyDecoder
 
     torch.manual_seed(0)
     rgb = TinyDecoder(PreviewDecoderNet(4, 8, width=8, blocks=1))(torch.randn(2, 4, 3, 3) * 5)
@@ -380,8 +380,8 @@ def test_tiny_decoder_maps_to_unit_range() -> None:
 
 
 def _parts(vae=None, taesd=None, tiny_ready: bool = False, tiny_net=None):
-    from multistream.image._preview_decoder import PreviewDecoderNet
-    from multistream.image._previews import DecoderParts
+    from multistream.diffusion._preview_decoder import PreviewDecoderNet
+    from multistream.diffusion._previews import DecoderParts
 
     torch.manual_seed(0)
     net = tiny_net or PreviewDecoderNet(4, 2, width=8, blocks=1)
@@ -400,7 +400,7 @@ def _random_taesd():
 
 
 def test_every_decoder_of_the_table_builds_and_decodes_to_unit_rgb(tiny_vae) -> None:
-    from multistream.image._previews import DECODERS, PreviewDecoder, make_decoder
+    from multistream.diffusion._previews import DECODERS, PreviewDecoder, make_decoder
 
     # Every decoder a preview mode names is in the table, and the table has nothing else.
     named = {parse_preview(m).decoder for m in PREVIEW_MODES} | {d for m in PREVIEW_MODES for d in parse_preview(m).prefer}
@@ -421,7 +421,7 @@ def test_every_decoder_of_the_table_builds_and_decodes_to_unit_rgb(tiny_vae) -> 
 
 
 def test_unknown_or_unbuildable_decoders_are_refused_clearly() -> None:
-    from multistream.image._previews import build_decoder, make_decoder
+    from multistream.diffusion._previews import build_decoder, make_decoder
 
     parts = _parts()
     with pytest.raises(ms.InvalidArgumentError, match=r"unknown preview decoder 'blurry'; use one of \['linear', 'taesd', 'tiny', 'vae'\]"):
@@ -437,7 +437,7 @@ def test_unknown_or_unbuildable_decoders_are_refused_clearly() -> None:
 
 def test_x0_prefers_the_fitted_decoder_only_where_one_is_at_hand() -> None:
     from multistream.image._options import PreviewPlan
-    from multistream.image._previews import DecoderParts, build_decoder, settle_plan
+    from multistream.diffusion._previews import DecoderParts, build_decoder, settle_plan
 
     def no_fit():
         raise AssertionError("settling a plan must not build (or fit) a decoder")

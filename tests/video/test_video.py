@@ -212,7 +212,7 @@ def test_a_folder_ships_its_preview_maps_and_nothing_is_fitted(tmp_path):
     """A folder with a 3D video VAE may ship ``latent_rgb.json`` and ``preview_decoder.safetensors``
     (fitted once by whoever trained it): the model previews with them and fits nothing (a fit
     takes seconds on a first stream)."""
-    from multistream.image._latent_rgb import LatentRGB
+    from multistream.diffusion._latent_rgb import LatentRGB
     from multistream.video import VideoPreviewNet
     from multistream.video._tiny import cached_video_preview_decoder, save_video_preview_decoder
 

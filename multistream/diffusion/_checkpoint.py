@@ -71,7 +71,7 @@ __all__ = ["CheckpointedContext", "CheckpointedJob", "ImageCheckpoint", "RunChec
 
 logger = logging.getLogger("multistream")
 
-_FORMAT = "multistream.image._checkpoint/1"
+_FORMAT = "multistream.diffusion._checkpoint/1"
 _META_KEY = "multistream"
 # Scheduler attributes that are not run state: the frozen config, and the wrappers that
 # `X0Tracker` and `RunCheckpoints` install on the run's own scheduler while a run lasts.

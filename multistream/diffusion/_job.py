@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from .._eta import PerPixelTime
     from ._latent_rgb import LatentRGB
-    from ._options import PreviewPlan, PreviewThrottle
+    from ._preview_options import PreviewPlan, PreviewThrottle
     from ._previews import DecoderParts
 
 __all__ = ["ImageJob", "RunContext", "SteeringState"]

@@ -5,20 +5,20 @@ The pieces, each small and testable without a real model:
 * `PreviewThrottle` decides at which steps a preview is made (``preview_every``).
 * `parse_preview` reads ``preview=`` into a `PreviewPlan`: a *source* (the noisy latent, or the
   model's current prediction of the clean image, x0) and a *decoder* (a name of `DECODERS`).
-  Both live in the torch-free `multistream.image._options` (the fake image model checks its
+  Both live in the torch-free `multistream.diffusion._preview_options` (the fake image model checks its
   arguments with them too) and are re-exported here:
 
   ============  =====================  ======================================================
   ``preview=``  source                 decoder
   ============  =====================  ======================================================
-  ``"latent"``  noisy latent           ``linear``: a linear map (`multistream.image._latent_rgb`),
+  ``"latent"``  noisy latent           ``linear``: a linear map (`multistream.diffusion._latent_rgb`),
                                        about free, latent-sized
   ``"x0"``      predicted clean image  the best cheap decoder the model has: ``tiny`` where a
                                        fitted one is at hand (shipped with the model, as the
                                        embedded one is; given with ``preview_decoder=``; or
                                        fitted before for this VAE), else ``linear``
   ``"tiny"``    predicted clean image  ``tiny``: a tiny decoder fitted to this VAE
-                                       (`multistream.image._preview_decoder`): the image's own
+                                       (`multistream.diffusion._preview_decoder`): the image's own
                                        colours and shapes for about 2 ms a frame (CPU); fitted
                                        once per VAE (a minute or two) where none is at hand
   ``"taesd"``   noisy latent           ``taesd``: ``diffusers.AutoencoderTiny`` (weights from
@@ -77,7 +77,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidArgumentError
 from ._latent_rgb import LatentRGB, latents_to_rgb, latents_to_vae_space
-from ._options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
+from ._preview_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 
 __all__ = [
     "DECODERS",
@@ -401,7 +401,7 @@ class TinyDecoder(PreviewDecoder):
     """Scaled latents -> RGB in [0, 1] with a fitted `PreviewDecoderNet` (float32, on its device).
 
     Example:
-        >>> from multistream.image._preview_decoder import PreviewDecoderNet
+        >>> from multistream.diffusion._preview_decoder import PreviewDecoderNet
         >>> TinyDecoder(PreviewDecoderNet(4, 8))(torch.zeros(1, 4, 2, 2)).shape
         torch.Size([1, 3, 16, 16])
     """

@@ -1,6 +1,6 @@
 """Tiny preview decoders distilled from any VAE: previews in the image's own colours, nearly free.
 
-The linear latent->RGB map (`multistream.image._latent_rgb`) is about free but only a first
+The linear latent->RGB map (`multistream.diffusion._latent_rgb`) is about free but only a first
 approximation (RMSE 0.32 on the [-1, 1] scale for the embedded model's VAE: wrong colours, soft
 shapes); the full VAE is exact but costs a large share of a denoising step. TAESD
 (madebyollin/taesd) sits in between, but exists only for the families someone trained it for and
