@@ -46,6 +46,7 @@ class DeferredApp:
         self._done: asyncio.Event | None = None
         self._lifespans = contextlib.AsyncExitStack()
         self._started = False
+        self._finishing: asyncio.Task[None] | None = None
 
     @property
     def built(self) -> bool:
@@ -83,7 +84,7 @@ class DeferredApp:
                     loop.call_soon_threadsafe(_settle, future, result, None)
 
         threading.Thread(target=build, name=f"multistream-build-{self.name}", daemon=True).start()
-        loop.create_task(self._finish(future))
+        self._finishing = loop.create_task(self._finish(future))
 
     async def _finish(self, future: asyncio.Future[Any]) -> None:
         assert self._done is not None
@@ -93,6 +94,9 @@ class DeferredApp:
                 await self._lifespans.enter_async_context(lifespan)
             self._app = app
             logger.info("%s is ready", self.name)
+        except asyncio.CancelledError:
+            self._failure = "the server shut down before it was built"
+            raise
         except Exception as exc:  # noqa: BLE001 - the rest of the server keeps serving
             self._failure = f"{type(exc).__name__}: {exc}"
             logger.error("%s failed to start: %s", self.name, self._failure, exc_info=exc)
@@ -100,7 +104,12 @@ class DeferredApp:
             self._done.set()
 
     async def aclose(self) -> None:
-        """Run the built app's lifespan exit (the server's shutdown calls this)."""
+        """Run the built app's lifespan exit (the server's shutdown calls this); a build still
+        running is abandoned (its daemon thread ends with the process)."""
+        if self._finishing is not None and not self._finishing.done():
+            self._finishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._finishing
         await self._lifespans.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
