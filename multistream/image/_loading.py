@@ -17,9 +17,9 @@ import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, default_dtype, resolve_device, resolve_dtype
 from .._hub import locate
+from ..diffusion._pipeline_args import dtype_kwarg
 from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES
 from ..errors import ModelLoadError
-from ._taesd import dtype_kwarg
 
 if TYPE_CHECKING:
     from ._model import ImageModel

@@ -15,21 +15,10 @@ from typing import Any
 import torch
 
 from .._devices import MODULE_BUILD_LOCK
+from ..diffusion._pipeline_args import dtype_kwarg
 from ..errors import InvalidArgumentError, ModelLoadError
 
-__all__ = ["dtype_kwarg", "load_taesd"]
-
-
-def dtype_kwarg(dtype: torch.dtype | None) -> dict[str, Any]:
-    """``from_pretrained``'s dtype argument: ``dtype=`` in newer diffusers (which deprecate
-    ``torch_dtype=``), ``torch_dtype=`` in older ones."""
-    try:
-        from diffusers.utils import deprecation_utils
-
-        new = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
-    except ImportError:
-        new = False
-    return {"dtype": dtype} if new else {"torch_dtype": dtype}
+__all__ = ["load_taesd"]
 
 
 def load_taesd(taesd: Any, device: torch.device, dtype: torch.dtype) -> Any:

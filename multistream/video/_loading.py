@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, resolve_device, resolve_dtype
+from ..diffusion._pipeline_args import dtype_kwarg
 from ..errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -90,12 +91,12 @@ def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "
     try:
         try:
             with MODULE_BUILD_LOCK:
-                pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True, torch_dtype=torch_dtype, **kw)
+                pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True, **dtype_kwarg(torch_dtype), **kw)
         except Exception:  # noqa: BLE001 - a hub id not in the cache: then the network
             if is_dir:
                 raise
             with MODULE_BUILD_LOCK:
-                pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=torch_dtype, **kw)
+                pipe = DiffusionPipeline.from_pretrained(source, **dtype_kwarg(torch_dtype), **kw)
     except Exception as exc:  # noqa: BLE001 - every loader failure becomes one clear error
         raise ModelLoadError(
             f"could not load a diffusers video pipeline from {source!r}: {type(exc).__name__}: {str(exc)[:300]}. "

@@ -194,6 +194,19 @@ def test_the_embedded_model_missing_is_a_clear_error(monkeypatch, tmp_path):
         ms.load_video_model()
 
 
+def test_loading_a_video_folder_warns_of_nothing_deprecated(tmp_path):
+    """diffusers deprecates ``torch_dtype=``; the image family passed ``dtype=`` and the video
+    family still the old name, which printed a FutureWarning at every `multistream serve`."""
+    import warnings
+
+    tiny_video_pipeline("wan").save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vm = ms.load_video_model(tmp_path)
+    vm.close()
+    assert not [w for w in caught if "torch_dtype" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_a_folder_and_its_video_json_defaults(tmp_path):
     pipe = tiny_video_pipeline("wan")
     pipe.save_pretrained(tmp_path)
