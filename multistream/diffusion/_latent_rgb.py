@@ -49,6 +49,7 @@ __all__ = [
     "latents_to_rgb",
     "latents_from_vae_space",
     "latents_to_vae_space",
+    "solve_latent_rgb",
 ]
 
 LATENT_RGB_FILE = "latent_rgb.json"
@@ -376,6 +377,32 @@ def _encode(vae: Any, images: torch.Tensor) -> torch.Tensor | None:
     return latents if latents is not None else out[0]
 
 
+def solve_latent_rgb(latents: torch.Tensor, rgb: torch.Tensor) -> LatentRGB:
+    """The least-squares `LatentRGB` from latent pixels ``(N, channels)`` to RGB in [-1, 1]
+    ``(N, 3)`` (rows with a non-finite value left out); what `fit_latent_rgb` and the video
+    family's fit solve once they have their samples.
+
+    Example:
+        >>> lat = torch.randn(64, 4)
+        >>> m = solve_latent_rgb(lat, lat[:, :3] * 0.5 + 0.1)
+        >>> round(m.matrix[0][0], 3), round(m.bias[0], 3)
+        (0.5, 0.1)
+    """
+    x, y = latents.double(), rgb.double()
+    finite = torch.isfinite(x).all(1) & torch.isfinite(y).all(1)
+    x, y = x[finite], y[finite]
+    channels = x.shape[1]
+    design = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    # A small ridge keeps the solve stable for VAEs whose channels are nearly collinear.
+    gram = design.T @ design + 1e-6 * len(x) * torch.eye(channels + 1, dtype=x.dtype)
+    weights = torch.linalg.solve(gram, design.T @ y)
+    return LatentRGB(
+        tuple(tuple(float(v) for v in row) for row in weights[:channels].tolist()),  # type: ignore[arg-type]
+        tuple(float(v) for v in weights[channels].tolist()),  # type: ignore[arg-type]
+        "fitted",
+    )
+
+
 def fit_latent_rgb(
     vae: Any,
     *,
@@ -433,19 +460,8 @@ def fit_latent_rgb(
         samples = torch.cat([scaled, noisy, gaussian])
         decoded = _decode(vae, latents_to_vae_space(samples, vae.config).to(device=device, dtype=dtype)).cpu()
         target = F.adaptive_avg_pool2d(decoded.clamp(-1, 1), (latent_size, latent_size))
-    x = samples.permute(0, 2, 3, 1).reshape(-1, channels).double()
-    y = target.permute(0, 2, 3, 1).reshape(-1, 3).double()
-    finite = torch.isfinite(x).all(1) & torch.isfinite(y).all(1)
-    x, y = x[finite], y[finite]
-    design = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
-    # A small ridge keeps the solve stable for VAEs whose channels are nearly collinear.
-    gram = design.T @ design + 1e-6 * len(x) * torch.eye(channels + 1, dtype=x.dtype)
-    weights = torch.linalg.solve(gram, design.T @ y)
-    result = LatentRGB(
-        tuple(tuple(float(v) for v in row) for row in weights[:channels].tolist()),  # type: ignore[arg-type]
-        tuple(float(v) for v in weights[channels].tolist()),  # type: ignore[arg-type]
-        "fitted",
-    )
+    result = solve_latent_rgb(samples.permute(0, 2, 3, 1).reshape(-1, channels),
+                              target.permute(0, 2, 3, 1).reshape(-1, 3))
     if cache:
         with _fit_lock:
             _fit_cache[vae] = result

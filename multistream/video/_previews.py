@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..diffusion._latent_rgb import LatentRGB, latents_to_rgb
+from ..diffusion._latent_rgb import LatentRGB, latents_to_rgb, solve_latent_rgb
 from ._layout import VideoLatents, frame_index
 from ._tiny import moving_shapes
 
@@ -86,16 +86,8 @@ def fit_video_latent_rgb(layout: VideoLatents, *, num_clips: int = 6, latent_siz
     index = torch.tensor(frame_index(decoded.shape[2], latent_frames, layout.temporal))
     target = torch.stack([decoded[:, :, index == j].mean(2) for j in range(latent_frames)], dim=2)
     target = F.adaptive_avg_pool3d(target * 2 - 1, (latent_frames, latent_size, latent_size))
-    x = samples.permute(0, 2, 3, 4, 1).reshape(-1, channels).double()
-    y = target.permute(0, 2, 3, 4, 1).reshape(-1, 3).double()
-    design = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
-    gram = design.T @ design + 1e-6 * len(x) * torch.eye(channels + 1, dtype=x.dtype)
-    weights = torch.linalg.solve(gram, design.T @ y)
-    result = LatentRGB(
-        tuple(tuple(float(v) for v in row) for row in weights[:channels].tolist()),  # type: ignore[arg-type]
-        tuple(float(v) for v in weights[channels].tolist()),  # type: ignore[arg-type]
-        "fitted",
-    )
+    result = solve_latent_rgb(samples.permute(0, 2, 3, 4, 1).reshape(-1, channels),
+                              target.permute(0, 2, 3, 4, 1).reshape(-1, 3))
     with _fit_lock:
         _fits[layout.vae] = result
     return result

@@ -49,9 +49,10 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'multistream.ui.demo' has no attribute {name!r}")
     # The demo must never phone home (offline machines, privacy); set before gradio is imported.
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from . import _page
+    from ._page import create_demo, demo_asgi_app, launch, mount_demo
 
-    value = getattr(_page, name)
+    value = {"create_demo": create_demo, "demo_asgi_app": demo_asgi_app, "launch": launch,
+             "mount_demo": mount_demo}[name]
     globals()[name] = value
     return value
 
