@@ -68,6 +68,12 @@ def make_server(text: Any = None, image: Any = None, **settings: Any) -> context
     return live_server(app)
 
 
+# Flags that keep a `multistream serve` subprocess from loading the families a test does not use:
+# speech and video are served by default when installed, and loading them (diffusers' import, the
+# voice) is most of such a server's start-up.
+SPEECH_AND_VIDEO_OFF = ("--speech-model", "none", "--video-model", "none")
+
+
 def serve_subprocess(port: int, *args: str, wait_s: float = 60) -> subprocess.Popen[bytes]:
     """A real ``multistream serve`` process on 127.0.0.1:``port`` running this checkout's code (and
     able to import the tests' model factories), returned once ``/readyz`` answers 200."""

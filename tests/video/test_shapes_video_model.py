@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -280,8 +281,37 @@ def test_model_clips_move_as_the_prompt_says(verdicts) -> None:
 MID_RUN_MEASURED = {"tiny": (6, 5, 6), "vae": (6, 5, 7), "x0": (2, 5, 6), "latent": (4, 4, 2)}
 
 
-def _preview_at_step_10(model, prompt: str, seed: int, mode: str):
-    stream = model.stream(prompt, seed=seed, steps=20, preview=mode, preview_every=9)  # previews at 1, 10, 19
+@pytest.fixture(scope="module")
+def after_step_9(video_model) -> list:
+    """A checkpoint after step 9 of 20 of each of the first 8 judged prompts' runs.
+
+    Each preview mode resumes from these instead of denoising the same nine steps again: the steps
+    do not depend on the preview mode, and a resumed run gives the same step 10 as a whole one
+    (`multistream.diffusion._checkpoint`, tested in tests/video/test_video_checkpoint.py).
+    """
+    saved = []
+    for i, prompt in enumerate(judged_prompts()[:8]):
+        got: list = []
+        reached = threading.Event()
+
+        def keep(checkpoint, got=got, reached=reached) -> None:
+            got.append(checkpoint)
+            reached.set()
+
+        stream = video_model.stream(prompt, seed=i, steps=20, preview="none", on_checkpoint=keep, checkpoint_every=9)
+        try:
+            assert reached.wait(120), "no checkpoint after step 9"
+        finally:
+            stream.cancel()
+            stream.join(30)
+        assert got[0].step == 9
+        saved.append(got[0])
+    return saved
+
+
+def _preview_at_step_10(model, prompt: str, seed: int, mode: str, checkpoint):
+    stream = model.stream(prompt, seed=seed, steps=20, preview=mode, preview_every=9,  # previews at 1, 10, 19
+                          resume_from=checkpoint)
     try:
         for ev in stream:
             if not ev.is_final and ev.step == 10:
@@ -293,8 +323,11 @@ def _preview_at_step_10(model, prompt: str, seed: int, mode: str):
 
 @pytest.mark.model
 @pytest.mark.parametrize("mode", list(MID_RUN_MEASURED))
-def test_the_mid_run_preview_already_shows_the_prompt(video_model, mode: str) -> None:
+def test_the_mid_run_preview_already_shows_the_prompt(video_model, after_step_9, mode: str) -> None:
     prompts = judged_prompts()[:8]
-    verdicts = [judge_clip(_preview_at_step_10(video_model, p, i, mode).frames, p) for i, p in enumerate(prompts)]
+    verdicts = [
+        judge_clip(_preview_at_step_10(video_model, p, i, mode, after_step_9[i]).frames, p)
+        for i, p in enumerate(prompts)
+    ]
     got = tuple(sum(bool(getattr(v, f"{k}_ok")) for v in verdicts) for k in ("color", "shape", "background"))
     assert all(g >= m - 1 for g, m in zip(got, MID_RUN_MEASURED[mode])), (mode, got)

@@ -90,8 +90,7 @@ class Admission:
         joins the queue, then each time its position changes; never when it runs at once."""
         if self._closed is not None:
             raise self._closed
-        if self.running < self.concurrency and not self.queued:
-            self.running += 1
+        if self.try_acquire():
             return
         if self.queued >= self.queue_size:
             raise QueueFull(self.name, self.queued, self.retry_after())

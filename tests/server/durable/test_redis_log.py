@@ -17,8 +17,15 @@ import pytest
 from multistream.server import ServerSettings
 from multistream.server.durable.event_log import RedisEventLog, entry_id
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, serve_subprocess, \
-    wait_until
+from server_fixtures import (
+    SPEECH_AND_VIDEO_OFF,
+    ScriptedImageModel,
+    ScriptedTextModel,
+    iter_events,
+    make_server,
+    serve_subprocess,
+    wait_until,
+)
 
 pytestmark = needs_redis
 
@@ -111,7 +118,7 @@ def test_cancel_on_another_server_reaches_the_producer() -> None:
 
 def _serve(redis_url: str, port: int) -> subprocess.Popen[bytes]:
     return serve_subprocess(port, "--text-model", "server_fixtures:slow_text_model", "--image-model", "none",
-                            "--event-log", redis_url)
+                            *SPEECH_AND_VIDEO_OFF, "--event-log", redis_url)
 
 
 def test_resume_after_a_restart_of_the_single_process_server() -> None:

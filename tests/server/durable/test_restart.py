@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedTextModel, iter_events, serve_subprocess, wait_until
+from server_fixtures import SPEECH_AND_VIDEO_OFF, ScriptedTextModel, iter_events, serve_subprocess, wait_until
 
 pytestmark = needs_redis
 
@@ -32,7 +32,8 @@ def restart_text_model() -> ScriptedTextModel:
 
 def _serve(redis_url: str, port: int, *extra: str, model: str = "test_restart:restart_text_model",
            wait_s: float = 60) -> subprocess.Popen[bytes]:
-    return serve_subprocess(port, "--text-model", model, "--image-model", "none", "--event-log", redis_url, *extra,
+    return serve_subprocess(port, "--text-model", model, "--image-model", "none", *SPEECH_AND_VIDEO_OFF,
+                            "--event-log", redis_url, *extra,
                             wait_s=wait_s)
 
 

@@ -23,7 +23,14 @@ from typing import Any
 import httpx
 import pytest
 from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import ScriptedTextModel, iter_events, make_server, serve_subprocess, wait_until
+from server_fixtures import (
+    SPEECH_AND_VIDEO_OFF,
+    ScriptedTextModel,
+    iter_events,
+    make_server,
+    serve_subprocess,
+    wait_until,
+)
 
 WORDS = [f" w{i}" for i in range(50)]
 PROMPT = "a red circle on a blue background"
@@ -85,7 +92,7 @@ def test_killed_image_generation_continues_from_its_checkpoint() -> None:
 
     if not (EMBEDDED_MODEL_DIR / "model_index.json").is_file():
         pytest.skip("the embedded image model is not installed")
-    args = ("--text-model", "none", "--image-model", "test_restart_durable:restart_image_model")
+    args = ("--text-model", "none", "--image-model", "test_restart_durable:restart_image_model", *SPEECH_AND_VIDEO_OFF)
     body = {"prompt": PROMPT, "steps": STEPS, "seed": 5, "preview": "x0", "preview_format": "png"}
     with redis_server() as redis:
         port = free_port()
@@ -140,7 +147,7 @@ def test_killed_image_generation_continues_from_its_checkpoint() -> None:
 @needs_redis
 def test_sigterm_hands_running_generations_off_to_the_next_server() -> None:
     args = ("--text-model", "test_restart_durable:handoff_text_model", "--image-model", "none",
-            "--shutdown-deadline", "0.3")
+            "--shutdown-deadline", "0.3", *SPEECH_AND_VIDEO_OFF)
     with redis_server() as redis:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -220,7 +227,7 @@ def test_sigterm_with_the_in_memory_log_still_ends_running_streams() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _serve(port, "--text-model", "test_restart_durable:handoff_text_model", "--image-model", "none",
-                  "--shutdown-deadline", "0.3")
+                  "--shutdown-deadline", "0.3", *SPEECH_AND_VIDEO_OFF)
     try:
         with httpx.stream("POST", f"{url}/v1/text", json={"prompt": "hi", "max_new_tokens": 50}, timeout=30) as r:
             assert r.status_code == 200

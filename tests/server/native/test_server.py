@@ -14,7 +14,15 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, iter_sse, make_server, wait_until
+from server_fixtures import (
+    SPEECH_AND_VIDEO_OFF,
+    ScriptedImageModel,
+    ScriptedTextModel,
+    iter_events,
+    iter_sse,
+    make_server,
+    wait_until,
+)
 
 from multistream import event_from_dict
 from multistream.server import STOP
@@ -335,7 +343,8 @@ def test_sigterm_drains_then_cancels_running_streams() -> None:
     env = {**os.environ, "PYTHONPATH": suite_path()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "multistream", "serve", "--port", str(port), "--text-model",
-         "server_fixtures:slow_text_model", "--image-model", "none", "--shutdown-deadline", "1", "--log-level", "warning"],
+         "server_fixtures:slow_text_model", "--image-model", "none", *SPEECH_AND_VIDEO_OFF, "--shutdown-deadline", "1",
+         "--log-level", "warning"],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
