@@ -43,10 +43,12 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._accel.fast_decode import PREFILL_POINTS, FastDecode
+from ._accel.native_layers import native_layer
 from ._accel.row_attention import uses_row_attention
 from ._constraints import apply_masks
 from ._kv_rows import RowCache, supports_row_cache
 from ._logprobs import TokenTable, entries
+from ._prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from ._request import TextRequest
 from ._sampling import Penalties, adjust_rows
 
@@ -73,6 +75,13 @@ def _decoder_layers(model: Any) -> list[Any]:
         if isinstance(module, torch.nn.ModuleList) and len(module) == n:
             return list(module)
     return []
+
+
+def _one_arithmetic(model: Any) -> bool:
+    """True if every decoder layer runs on the native layers, which compute each position alone:
+    a prompt prefilled in pieces (chunks, a cached prefix) then gives what one forward gives."""
+    layers = _decoder_layers(model)
+    return bool(layers) and all(native_layer(layer) is not None for layer in layers)
 
 
 def _returned_cache(out: Any, name: str, given: Any) -> Any:
@@ -147,7 +156,8 @@ class SharedPrompt:
 class TextBatcher:
     """The engine backend of a causal LM (see the module docstring for one step)."""
 
-    def __init__(self, model: Any, *, max_batch: int = DEFAULT_MAX_BATCH, prefill_budget: int = 512) -> None:
+    def __init__(self, model: Any, *, max_batch: int = DEFAULT_MAX_BATCH, prefill_budget: int = 512,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         self.model = model
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget
@@ -174,12 +184,32 @@ class TextBatcher:
         self._point_layers: frozenset[int] = frozenset()  # layer indices with a prefill point
         self._fast: FastDecode | None = None
         self._fast_checked = False
+        # Prompts' KV rows for later prompts that begin alike (`PrefixCache`): only where a chunked
+        # prefill is exact, i.e. every decoder layer runs on the native layers (one arithmetic).
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and _one_arithmetic(model) else None
 
     # -- Backend --------------------------------------------------------------------------------
 
     def admit(self, request: TextRequest) -> None:
         request.row.order = next(self._arrivals)
+        self._start_from_cached_prefix(request)
         self.waiting.append(request)
+
+    def _start_from_cached_prefix(self, req: TextRequest) -> None:
+        """A prompt that begins like one prefilled before starts from that one's KV rows: only the
+        rest is prefilled (as a prompt's later chunks are)."""
+        row = req.row
+        if self.prefix_cache is None or row.prefilled or row.own_cache is not None or row.share is not None:
+            return
+        hit = self.prefix_cache.lookup(row.context)
+        if hit is not None:
+            row.prefilled, rows = hit
+            row.own_cache = (rows, 0)
+            row.cached_prompt_tokens = row.prefilled
+
+    def _remember_prompt(self, req: TextRequest, rows: RowCache, index: int) -> None:
+        if self.prefix_cache is not None and req.beams is None:
+            self.prefix_cache.store(req.row.context, rows, index)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.batch)
@@ -483,6 +513,7 @@ class TextBatcher:
         for i, req in enumerate(group):
             req.row.prefilled = len(req.row.context)
             req.row.own_cache = (rows, i)
+            self._remember_prompt(req, rows, i)
             if req.row.share is not None:
                 req.row.share.keep(req, rows, i, out.logits[i, -1])
             self._first_token(req, out.logits[i, -1])
@@ -502,6 +533,7 @@ class TextBatcher:
         req.row.own_cache = (RowCache(_returned_cache(out, self._cache_arg, cache), mask), 0)
         req.row.prefilled += n
         if req.row.prefilled >= len(req.row.context):
+            self._remember_prompt(req, req.row.own_cache[0], 0)
             if req.row.share is not None:
                 req.row.share.keep(req, req.row.own_cache[0], 0, out.logits[0, -1])
             self._first_token(req, out.logits[0, -1])

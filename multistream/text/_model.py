@@ -145,6 +145,20 @@ class TextModel(EngineModel):
         """Streams decoded together per step (``max_batch``); a server admits this many at once."""
         return self.max_batch
 
+    @property
+    def prefix_cache(self) -> Any:
+        """The KV rows of recent prompts that later prompts beginning alike start from (a
+        `multistream.text._prefix_cache.PrefixCache`: ``hits``, ``reused_tokens``, ``max_bytes``
+        (64 MiB; 0 keeps nothing new), ``clear()``), or None where a prompt prefilled in pieces
+        would not be exact (a model off the native layers). A final event's ``metrics`` carry
+        ``cached_prompt_tokens`` when its prompt started from one; the text is the same either way.
+
+        Example:
+            >>> llm.generate("Hi", max_new_tokens=4).metrics.get("cached_prompt_tokens")  # doctest: +SKIP
+            30.0
+        """
+        return self._batcher.prefix_cache
+
     def __repr__(self) -> str:
         return f"<TextModel {self.name} on {self.device}>"
 

@@ -261,6 +261,8 @@ class TextRequest:
         if look is not None:
             metrics.update(drafted_tokens=float(look.drafted), accepted_tokens=float(look.accepted))
         metrics["decode_steps"] = float(self.row.decode_steps)
+        if self.row.cached_prompt_tokens:
+            metrics["cached_prompt_tokens"] = float(self.row.cached_prompt_tokens)
         if self.repetition is not None:  # flagged: the server counts it (multistream_repetition_loops_total)
             metrics.update(repetition_loops=1.0, repetition_period=float(self.repetition["period"]),
                            repetition_start=float(self.repetition["start"]))

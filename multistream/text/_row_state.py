@@ -49,6 +49,7 @@ class RowState:
     forced_token: int | None = None
     generated: int = 0  # tokens the model generated, EOS and rewound ones included (usage)
     decode_steps: int = 0  # batched forwards that gave this request tokens (its first token excluded)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     rewinds: int = 0  # the penalties' counts are redone after a rewind
     # Exact lookahead: this request's drafts and their acceptance; None when off.
     lookahead: Lookahead | None = None

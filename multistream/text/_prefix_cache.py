@@ -1,0 +1,114 @@
+"""Prompt prefix caching: a new request starts from the KV rows of an earlier prompt it begins with.
+
+Chat prompts share their start: the chat template, the system prompt (SmolLM2's template adds one
+of 20 tokens to every conversation), a tool list, an earlier turn of the same conversation. After a
+prompt is prefilled, its row of the KV cache is kept here (a copy, in a least-recently-used store
+bounded in bytes); a later request whose prompt begins with the same tokens takes a copy of that
+many columns and prefills only the rest, as a prompt cut by ``prefill_budget`` continues from its
+first chunk. vLLM's automatic prefix caching and llama.cpp's prompt cache do the same.
+
+It is exact only where a chunked prefill is: a key or value of position ``i`` must not depend on
+how many tokens its forward held. The native layers compute every position alone (one arithmetic,
+`multistream.text._accel.native_layers`), so the batcher turns the cache on only for a model whose
+every decoder layer runs on them (the embedded model's default); other models prefill whole
+prompts as before, whose GEMMs round differently by shape.
+
+Example:
+    >>> import torch
+    >>> from multistream.text._kv_rows import RowCache
+    >>> cache = PrefixCache(max_bytes=1 << 20)
+    >>> row = RowCache.from_layers([(torch.ones(1, 1, 6, 2), torch.ones(1, 1, 6, 2))], torch.ones(1, 6))
+    >>> cache.store([1, 2, 3, 4, 5, 6], row)
+    >>> hit = cache.lookup([1, 2, 3, 4, 9, 9], min_tokens=2)
+    >>> hit[0], hit[1].length
+    (4, 4)
+    >>> cache.lookup([1, 2, 3, 4, 5, 6], min_tokens=2)[0]   # the last token is always prefilled
+    5
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+from ._kv_rows import RowCache
+
+__all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "MIN_PREFIX_TOKENS", "PrefixCache"]
+
+# 64 MiB: the embedded model's keys and values take 46 KB a token (30 layers x 3 KV heads x 64 x
+# 2 x fp32), so about 1,400 tokens of prompts: many system prompts and recent conversations.
+DEFAULT_PREFIX_CACHE_BYTES = 64 << 20
+# A shorter shared start is not worth a copy and a separate prefill forward.
+MIN_PREFIX_TOKENS = 8
+
+
+class PrefixCache:
+    """Prefilled prompts' KV rows (one row each, no padding), least recently used out first.
+
+    ``lookup`` returns ``(tokens, rows)``: how many leading tokens of the prompt are covered (never
+    all of them: the prompt's last token is prefilled to give the first logits) and a private copy
+    of their keys and values, which the request's cache then grows from.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], tuple[RowCache, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # the engine thread writes; close() may clear from another
+        self.hits = 0  # requests that started from a cached prefix (tests and benchmarks read these)
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def store(self, tokens: list[int], rows: RowCache, index: int = 0) -> None:
+        """Keep a copy of row ``index`` of ``rows``, which holds exactly ``tokens`` (a prompt just
+        prefilled), for later prompts that begin with them. Too big for the store: not kept."""
+        key = tuple(tokens)
+        per_token = sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
+                        for k, v in rows.kv())
+        size = per_token * len(key)
+        with self._lock:
+            if size > self.max_bytes or key in self._entries:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                return
+        row = rows.select([index])  # a copy, without the batch's padding
+        if row.length != len(key):
+            return
+        with self._lock:
+            # A stored prompt that the new one extends (an earlier turn) adds nothing the new one lacks.
+            for other in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
+                self._bytes -= self._entries.pop(other)[1]
+            self._entries[key] = (row, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes and self._entries:
+                _, (_, freed) = self._entries.popitem(last=False)
+                self._bytes -= freed
+
+    def lookup(self, tokens: list[int], *, min_tokens: int = MIN_PREFIX_TOKENS) -> tuple[int, RowCache] | None:
+        """The longest cached start of ``tokens`` (at least ``min_tokens``, at most all but the
+        last token) and a copy of its keys and values; None when no stored prompt shares enough."""
+        wanted = tuple(tokens)
+        with self._lock:
+            best, best_key = 0, None
+            for key in self._entries:
+                shared = len(os.path.commonprefix([key, wanted]))  # element-wise, on any sequences
+                if shared > best:
+                    best, best_key = shared, key
+            covered = min(best, len(tokens) - 1)
+            if best_key is None or covered < min_tokens:
+                return None
+            self._entries.move_to_end(best_key)
+            rows = self._entries[best_key][0]
+        # A copy: the request's cache grows in place past these columns (lookahead writes there).
+        layers = [(k[:, :, :covered].clone(), v[:, :, :covered].clone()) for k, v in rows.kv()]
+        self.hits += 1
+        self.reused_tokens += covered
+        return covered, RowCache.from_layers(layers, rows.mask[:, :covered].clone())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
