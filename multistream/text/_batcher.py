@@ -84,6 +84,13 @@ def _one_arithmetic(model: Any) -> bool:
     return bool(layers) and all(native_layer(layer) is not None for layer in layers)
 
 
+def _unstarted(req: TextRequest) -> bool:
+    """Nothing of the prompt prefilled yet, or only the start the prefix cache gave it."""
+    row = req.row
+    return (row.own_cache is None and row.prefilled == 0) or (
+        row.cached_prompt_tokens > 0 and row.prefilled == row.cached_prompt_tokens and row.needs_prefill)
+
+
 def _returned_cache(out: Any, name: str, given: Any) -> Any:
     returned = out[name]
     return given if returned is None else returned
@@ -281,8 +288,15 @@ class TextBatcher:
         if not group:
             return
         outer = self._prefilling
+        from_cache = [r for r in group if r.row.own_cache is not None]
+        whole = [r for r in group if r.row.own_cache is None]
         try:
-            self._guarded(self._prefill_group, group)  # closes the points for its own forward
+            if whole:
+                self._guarded(self._prefill_group, whole)  # closes the points for its own forward
+            for req in from_cache:  # the rest of a prompt that started from a cached prefix
+                if not req.done:
+                    self._open_for, self._prefilling = None, [req]  # no points inside its forward
+                    self._guarded(self._prefill_chunk, [req], len(req.row.uncached))
             self.prefills_inside_steps += sum(1 for r in group if not r.row.needs_prefill)
         finally:
             self._open_for, self._prefilling = open_for, outer
@@ -305,7 +319,7 @@ class TextBatcher:
                 if req.row.share.rows is not None or req.row.share.waits(req):
                     continue  # served by a copy of another member's prefill, at the boundary
                 req.row.share.leader = req
-            fresh = req.row.prefilled == 0 and req.row.own_cache is None and len(req.row.context) <= self._budget_left
+            fresh = _unstarted(req) and len(req.row.uncached) <= self._budget_left
             if not fresh or req.width > 1 or _rank(req) >= open_for or (group and req.priority != group[0].priority):
                 break
             if free_rows > 0:
@@ -315,7 +329,7 @@ class TextBatcher:
             else:
                 break
             group.append(req)
-            self._budget_left -= len(req.row.context)
+            self._budget_left -= len(req.row.uncached)
         return group
 
     # -- capacity -------------------------------------------------------------------------------
@@ -431,6 +445,11 @@ class TextBatcher:
                 break  # a higher priority is prefilled on its own, so its first token is not held up
             if req.row.prefilled == 0 and req.row.own_cache is None and remaining <= budget:
                 group.append(req)
+                budget -= remaining
+                free_rows -= req.width
+            elif _unstarted(req) and remaining <= budget:
+                # Its prompt's start came from the prefix cache: the rest in a forward of its own.
+                self._guarded(self._prefill_chunk, [req], remaining)
                 budget -= remaining
                 free_rows -= req.width
             elif not group:

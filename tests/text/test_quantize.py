@@ -269,7 +269,8 @@ def test_the_fast_decode_step_equals_transformers_forward_bit_for_bit(tiny_quant
 
 
 def test_the_fast_decode_step_keeps_its_prefill_points(tiny_quantized, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request arriving during a fast decode step is prefilled between two of its layers."""
+    """A request arriving during a fast decode step is prefilled between two of its layers (its
+    prompt's start from the prefix cache, the rest there)."""
     batcher = tiny_quantized._batcher
     tiny_quantized.generate("Hi", max_new_tokens=2)  # the fast step is chosen at the first decode
     fast = batcher._fast
@@ -289,6 +290,9 @@ def test_the_fast_decode_step_keeps_its_prefill_points(tiny_quantized, monkeypat
     joined = arrived["stream"].wait()
     monkeypatch.undo()
     assert batcher.prefills_inside_steps == before + 1
+    # On the native layers it began like the prompts before it (the chat template): only its rest
+    # ran at the point. ATen's int4 layers keep no prefix cache (their pieces would round apart).
+    assert ("cached_prompt_tokens" in joined.metrics) == (batcher.prefix_cache is not None)
     assert final.text == tiny_quantized.generate(TINY_PROMPTS[1], max_new_tokens=12).text
     assert joined.text == tiny_quantized.generate(TINY_PROMPTS[3], max_new_tokens=5).text
 

@@ -133,6 +133,11 @@ class Metrics:
                                        ["kind"])
         self.drafted_tokens.metric.labels(kind="text")
         self.accepted_tokens.metric.labels(kind="text")
+        # Prompt tokens whose keys and values came from the prefix cache, as vLLM's prefix_cache_hits.
+        self.prefix_cache_hit_tokens = counter("multistream:prefix_cache_hit_tokens",
+                                               "Prompt tokens not prefilled: their KV rows came from an earlier "
+                                               "prompt that began alike (the prefix cache).", ["kind"])
+        self.prefix_cache_hit_tokens.metric.labels(kind="text")
         self._gauges = _Gauges()
         r.register(self._gauges)
         self.gauge("multistream:interrupted_stream_ratio", "Interrupted streams / finished streams since start.",

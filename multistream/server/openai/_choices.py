@@ -69,9 +69,19 @@ def legacy_logprobs(entries: list[dict[str, Any] | None], texts: list[str] | Non
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens`` when the prefix cache served
+    part of the prompt (as OpenAI and vLLM report it)."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def cached_tokens_of(final: TextEvent | None) -> int:
+    """The prompt tokens of a text stream that came from the prefix cache (its final's metrics)."""
+    return int(((final.metrics if final is not None else None) or {}).get("cached_prompt_tokens", 0))
 
 
 async def open_choices(state: ServerState, kwargs: dict[str, Any], n: int, *, priority: int, request: Request,

@@ -422,6 +422,8 @@ class StreamRecord(SharedAccess):
             if isinstance(ev, TextEvent) and ev.metrics and ev.metrics.get("drafted_tokens"):
                 self._metrics.drafted_tokens.inc(ev.metrics["drafted_tokens"], kind=self.kind)
                 self._metrics.accepted_tokens.inc(ev.metrics.get("accepted_tokens") or 0.0, kind=self.kind)
+            if isinstance(ev, TextEvent) and ev.metrics and ev.metrics.get("cached_prompt_tokens"):
+                self._metrics.prefix_cache_hit_tokens.inc(ev.metrics["cached_prompt_tokens"], kind=self.kind)
         self._wake()
 
     def _drop_preview(self, seq: int) -> None:

@@ -385,8 +385,17 @@ def test_real_default_text_model_through_the_server() -> None:
                           json={"prompt": [{"role": "user", "content": "Say hello."}], "max_new_tokens": 12}) as r:
             assert r.status_code == 200
             events = list(iter_events(r))
-    check_sequence(events)
-    assert events[-1]["finish_reason"] in ("stop", "length") and events[-1]["text"].strip()
+        check_sequence(events)
+        assert events[-1]["finish_reason"] in ("stop", "length") and events[-1]["text"].strip()
+        # A second prompt begins with the same chat template: its start comes from the prefix cache,
+        # which the final's metrics and /metrics report.
+        with httpx.stream("POST", srv.url + "/v1/text", timeout=300,
+                          json={"prompt": [{"role": "user", "content": "Say goodbye."}], "max_new_tokens": 4}) as r:
+            again = list(iter_events(r))
+        cached = again[-1]["metrics"]["cached_prompt_tokens"]
+        assert cached >= 20
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert f'multistream:prefix_cache_hit_tokens_total{{kind="text"}} {float(cached)}' in metrics
 
 
 def test_server_also_serves_the_demo_page_on_its_models():

@@ -156,3 +156,28 @@ def test_every_openai_route_refuses_a_missing_key_in_openais_shape(tmp_path) -> 
         sdk = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0, timeout=30)
         with pytest.raises(openai.AuthenticationError):
             sdk.completions.create(model="default", prompt="hi")
+
+
+@pytest.mark.model
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(text_model: Any) -> None:
+    """The openai SDK reads ``usage.prompt_tokens_details.cached_tokens`` (chat, streamed or not;
+    completions) and ``usage.input_tokens_details.cached_tokens`` (Responses): the chat template's
+    start, cached after the first prompt; a completion prompt that extends an earlier one."""
+    with make_server(text_model) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+        whole = client.chat.completions.create(model="default", max_tokens=4,
+                                               messages=[{"role": "user", "content": "Name a colour."}])
+        assert whole.usage.prompt_tokens_details.cached_tokens >= 20
+        assert whole.usage.prompt_tokens_details.cached_tokens < whole.usage.prompt_tokens
+        chunks = list(client.chat.completions.create(
+            model="default", max_tokens=4, messages=[{"role": "user", "content": "Name a fruit."}], stream=True,
+            stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 20
+        response = client.responses.create(model="default", input="Name an animal.", max_output_tokens=4)
+        assert response.usage.input_tokens_details.cached_tokens >= 20
+        start = "On a clear day in the middle of summer, the sky above the sea is blue because"
+        completion = client.completions.create(model="default", prompt=start, max_tokens=2)
+        again = client.completions.create(model="default", prompt=start + " the", max_tokens=2)
+        assert completion.usage.prompt_tokens_details is None  # a raw prompt: nothing of it seen before
+        assert again.usage.prompt_tokens_details.cached_tokens == completion.usage.prompt_tokens

@@ -24,7 +24,7 @@ from typing import Any
 
 from ....events import ErrorEvent, Event, TextEvent
 from ....text import ToolCallParser, parse_tool_calls
-from .._choices import ChoiceState, chat_logprobs, usage_of
+from .._choices import ChoiceState, cached_tokens_of, chat_logprobs, usage_of
 from .._common import error_body, openai_finish
 
 __all__ = ["ChatChunks"]
@@ -46,7 +46,7 @@ class ChatChunks:
         self.with_tools, self.beams, self.logprobs = with_tools, beams, logprobs
         self.continuous_usage, self.include_usage = continuous_usage, include_usage
         self.failed = False  # an error event came: the stream ends after its chunk
-        self._prompt_tokens = 0
+        self._prompt_tokens = self._cached_tokens = 0
         self._done: dict[int, int] = {}  # completion tokens of each choice, as they go
         self._parsers = {i: ToolCallParser(sid) for i, sid in enumerate(self.stream_ids)} if with_tools else {}
         self._texts: dict[int, str] = {}  # with beams: each choice's text so far,
@@ -76,6 +76,7 @@ class ChatChunks:
             self._done[i] = max(self._done.get(i, 0), ev.index + len(ev.token_ids))
         if ev.is_final and ev.usage:
             self._prompt_tokens, self._done[i] = ev.usage["prompt_tokens"], ev.usage["completion_tokens"]
+            self._cached_tokens = max(self._cached_tokens, cached_tokens_of(ev))  # n choices: one prompt
         extra = {"usage": self._usage()} if self.continuous_usage else {}
         logprobs = chat_logprobs(ev.logprobs) if self.logprobs and ev.logprobs else None
         parser = self._parsers.get(i)
@@ -104,16 +105,17 @@ class ChatChunks:
         return [{**self.chunk({}), "choices": [], "usage": self._usage()}]
 
     def _usage(self) -> dict[str, int]:
-        return usage_of(self._prompt_tokens, sum(self._done.values()))
+        return usage_of(self._prompt_tokens, sum(self._done.values()), self._cached_tokens)
 
     def completion(self, states: Sequence[ChoiceState]) -> dict[str, Any]:
         """The whole ``chat.completion`` of choices that all ended with a final event."""
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for i, c in enumerate(states):
             final = c.final
             assert final is not None
             u = final.usage or {"prompt_tokens": 0, "completion_tokens": 0}
             prompt_tokens, completion_tokens = u["prompt_tokens"], completion_tokens + u["completion_tokens"]
+            cached = max(cached, cached_tokens_of(final))
             message: dict[str, Any] = {"role": "assistant", "content": final.text or ""}
             calls = final.tool_calls or []
             if self.with_tools:
@@ -127,7 +129,8 @@ class ChatChunks:
                             "logprobs": chat_logprobs(c.entries) if self.logprobs else None,
                             "finish_reason": self.finish_reason(final, bool(calls))})
         return {"id": self.cid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens)}
+                "system_fingerprint": None, "choices": choices,
+                "usage": usage_of(prompt_tokens, completion_tokens, cached)}
 
 
 def _tool_deltas(items: list[tuple[Any, ...]]) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ....events import ErrorEvent, Event, TextEvent
-from .._choices import ChoiceState, legacy_logprobs, usage_of
+from .._choices import ChoiceState, cached_tokens_of, legacy_logprobs, usage_of
 from .._common import error_body, openai_finish
 
 __all__ = ["CompletionChunks", "Echo"]
@@ -67,7 +67,7 @@ class CompletionChunks:
         self.total, self.n, self.echoes = total, n, echoes
         self.logprobs, self.generate, self.include_usage = logprobs, generate, include_usage
         self.failed = False  # an error event came: the stream ends after its chunk
-        self._prompt_tokens = self._completion_tokens = 0
+        self._prompt_tokens = self._completion_tokens = self._cached_tokens = 0
         self._sent = [0] * total  # characters of each choice's completion sent so far (text_offset)
 
     def _echo_of(self, i: int) -> Echo | None:
@@ -118,6 +118,7 @@ class CompletionChunks:
             self._completion_tokens += ev.usage["completion_tokens"]
             if i % self.n == 0:
                 self._prompt_tokens += ev.usage["prompt_tokens"]
+                self._cached_tokens += cached_tokens_of(ev)
         return out
 
     def closing(self) -> list[dict[str, Any]]:
@@ -125,11 +126,11 @@ class CompletionChunks:
         if not self.include_usage:
             return []
         return [{"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": [], "usage": usage_of(self._prompt_tokens, self._completion_tokens)}]
+                 "choices": [], "usage": usage_of(self._prompt_tokens, self._completion_tokens, self._cached_tokens)}]
 
     def completion(self, states: Sequence[ChoiceState]) -> dict[str, Any]:
         """The whole ``text_completion`` (``states``: each choice's, none when nothing was generated)."""
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for i in range(self.total):
             echo = self._echo_of(i)
             c = states[i] if states else None
@@ -139,10 +140,12 @@ class CompletionChunks:
                 completion_tokens += final.usage["completion_tokens"]
                 if i % self.n == 0:
                     prompt_tokens += final.usage["prompt_tokens"]
+                    cached += cached_tokens_of(final)
             elif echo is not None and i % self.n == 0:
                 prompt_tokens += echo.tokens
             reason = openai_finish(final.finish_reason) if final is not None else "length"
             choices.append({"index": i, "text": text, "finish_reason": reason,
                             "logprobs": self._choice_logprobs(i, c.entries if c is not None else [], 0, True)})
         return {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens)}
+                "system_fingerprint": None, "choices": choices,
+                "usage": usage_of(prompt_tokens, completion_tokens, cached)}

@@ -23,6 +23,7 @@ from typing import Any
 
 from ....events import ErrorEvent, Event, TextEvent
 from ....text import ToolCallParser
+from .._choices import cached_tokens_of
 
 # -- the typed event stream ----------------------------------------------------------------------
 
@@ -31,7 +32,7 @@ def _usage(final: TextEvent | None) -> dict[str, Any] | None:
     if final is None or not final.usage:
         return None
     p, c = int(final.usage.get("prompt_tokens", 0)), int(final.usage.get("completion_tokens", 0))
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": c,
+    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached_tokens_of(final)}, "output_tokens": c,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
 
 
