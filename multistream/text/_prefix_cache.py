@@ -70,10 +70,11 @@ class PrefixCache:
                         for k, v in rows.kv())
         size = per_token * len(key)
         with self._lock:
-            if size > self.max_bytes or key in self._entries:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+            if key in self._entries:  # the same prompt again: nothing new to copy
+                self._entries.move_to_end(key)
                 return
+        if size > self.max_bytes:
+            return
         row = rows.select([index])  # a copy, without the batch's padding
         if row.length != len(key):
             return

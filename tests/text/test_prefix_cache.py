@@ -139,15 +139,3 @@ def test_a_follow_up_turn_starts_from_the_first_turns_rows(llm) -> None:
     turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And for a dog?"}]
     second = llm.generate(turn2, max_new_tokens=12, temperature=0.0)
     assert second.metrics["cached_prompt_tokens"] >= len(llm.encode_prompt(turn1)) - 2
-
-
-@pytest.mark.model
-def test_a_model_off_the_native_layers_has_no_prefix_cache() -> None:
-    """fp32 transformers layers round a prompt's pieces differently from the whole: no cache there."""
-    llm = ms.load_text_model(quantize=None)
-    try:
-        assert llm.prefix_cache is None
-        final = llm.generate("Hi", max_new_tokens=2)
-        assert "cached_prompt_tokens" not in final.metrics
-    finally:
-        llm.close()

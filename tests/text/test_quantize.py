@@ -291,8 +291,11 @@ def test_the_fast_decode_step_keeps_its_prefill_points(tiny_quantized, monkeypat
     monkeypatch.undo()
     assert batcher.prefills_inside_steps == before + 1
     # On the native layers it began like the prompts before it (the chat template): only its rest
-    # ran at the point. ATen's int4 layers keep no prefix cache (their pieces would round apart).
-    assert ("cached_prompt_tokens" in joined.metrics) == (batcher.prefix_cache is not None)
+    # ran at the point. ATen's int4 layers keep no prefix cache: a prompt prefilled in pieces rounds
+    # differently there from one forward of it.
+    native = tiny_quantized.name.endswith("block")
+    assert (batcher.prefix_cache is not None) == native
+    assert ("cached_prompt_tokens" in joined.metrics) == native
     assert final.text == tiny_quantized.generate(TINY_PROMPTS[1], max_new_tokens=12).text
     assert joined.text == tiny_quantized.generate(TINY_PROMPTS[3], max_new_tokens=5).text
 
