@@ -77,6 +77,28 @@ def _decoder_layers(model: Any) -> list[Any]:
     return []
 
 
+def _forward_replaced(model: Any) -> bool:
+    """True if the instance's ``forward`` is not its class's: a wrapper, accelerate's hooks or a spy
+    is the user's say in what a step runs, so the fast step stands aside. A patch that was undone by
+    setting the original bound method back (what ``monkeypatch`` and ``unittest.mock.patch.object``
+    leave on the instance) is the class's forward again.
+
+    Example:
+        >>> class Net:
+        ...     def forward(self): ...
+        >>> net = Net(); _forward_replaced(net)
+        False
+        >>> net.forward = net.forward; _forward_replaced(net)   # put back as it was
+        False
+        >>> net.forward = lambda: None; _forward_replaced(net)
+        True
+    """
+    own = vars(model).get("forward")
+    if own is None:
+        return False
+    return getattr(own, "__func__", None) is not getattr(type(model), "forward", None) or own.__self__ is not model
+
+
 def _one_arithmetic(model: Any) -> bool:
     """True if every decoder layer runs on the native layers, which compute each position alone:
     a prompt prefilled in pieces (chunks, a cached prefix) then gives what one forward gives."""
@@ -794,9 +816,7 @@ class TextBatcher:
         if not self._fast_checked:
             self._fast_checked = True
             self._fast = FastDecode.for_model(self.model)
-        # A forward replaced on the instance (a wrapper, accelerate's hooks, a test's spy) is the user's
-        # say in what a step runs: respect it.
-        if self._fast is None or not self._mergeable or "forward" in vars(self.model):
+        if self._fast is None or not self._mergeable or _forward_replaced(self.model):
             return None
         return self._fast
 

@@ -65,6 +65,23 @@ def test_lookahead_gives_the_text_of_one_token_per_step_and_fewer_steps(llm, sam
 
 
 @pytest.mark.model
+def test_a_forward_patched_then_put_back_leaves_lookahead_on(llm) -> None:
+    """``monkeypatch`` and ``mock.patch.object`` undo a patch of ``model.forward`` by setting the
+    original bound method on the instance; the fast step (and so lookahead) must come back, where it
+    used to stay off for the rest of the process."""
+    spied: list[int] = []
+    forward = llm.model.forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm.model, "forward", lambda *a, **k: spied.append(1) or forward(*a, **k))
+        patched = _run(llm, COPY, max_new_tokens=16)
+    assert spied and not patched[-1].metrics.get("drafted_tokens")  # the user's forward ran every step
+    assert "forward" in vars(llm.model)  # what the undo left: the original method, on the instance
+    again = _run(llm, COPY, max_new_tokens=16)
+    assert again[-1].metrics["accepted_tokens"] > 0
+    _same(patched, again)
+
+
+@pytest.mark.model
 def test_an_integer_caps_the_drafts_and_still_gives_the_same_text(llm) -> None:
     off = _run(llm, COPY, max_new_tokens=32, speculate=0)
     one = _run(llm, COPY, max_new_tokens=32, speculate=1)
