@@ -3,8 +3,9 @@
 Two copies of ``ms.load_text_model()`` in one plain process: one as loaded (its prefix cache on),
 one whose cache keeps nothing (``llm.prefix_cache.max_bytes = 0``: every prompt prefilled whole).
 Each round asks both, interleaved, the same new chat questions (distinct, so only the chat
-template's start and earlier turns are shared) and then a follow-up turn of the first question;
-the report is the median TTFT of each over the rounds, and their ratio. The answers must be
+template's start and earlier turns are shared), then a follow-up turn of the first question, then
+a burst of eight new questions at once (the p50 TTFT of the burst, and the time until all eight
+ended); the report is the median of each over the rounds, and the ratio. The answers must be
 identical (the cache is exact); the script stops if they are not.
 
     python benchmarks/prefix_cache.py [--rounds 5]
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 
 import multistream as ms
@@ -39,6 +41,28 @@ def _ttft(llm: ms.TextModel, messages: list[dict[str, str]]) -> tuple[float, str
     return ttft, final.text
 
 
+def _burst(llm: ms.TextModel, questions: list[str]) -> tuple[float, float, list[str]]:
+    """Start every question at once; (p50 TTFT, wall time until all ended, the answers)."""
+    ttfts: list[float] = [0.0] * len(questions)
+    texts: list[str] = [""] * len(questions)
+    t0 = time.perf_counter()
+    streams = [llm.stream([{"role": "user", "content": q}], max_new_tokens=16, temperature=0.0) for q in questions]
+
+    def drain(i: int) -> None:
+        for ev in streams[i]:
+            if not ttfts[i]:
+                ttfts[i] = time.perf_counter() - t0
+            if ev.is_final:
+                texts[i] = ev.text
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statistics.median(ttfts), time.perf_counter() - t0, texts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -50,6 +74,8 @@ def main() -> None:
         _ttft(llm, [{"role": "user", "content": "Hi"}])  # warm-up (and the template's start, cached)
     new: dict[str, list[float]] = {"cached": [], "whole": []}
     follow: dict[str, list[float]] = {"cached": [], "whole": []}
+    burst_ttft: dict[str, list[float]] = {"cached": [], "whole": []}
+    burst_wall: dict[str, list[float]] = {"cached": [], "whole": []}
     for r in range(args.rounds):
         for q in QUESTIONS:
             messages = [{"role": "user", "content": f"{q} (round {r})"}]
@@ -67,11 +93,20 @@ def main() -> None:
             t, texts[name] = _ttft(llm, turn2)
             follow[name].append(t)
         assert texts["cached"] == texts["whole"]
+        burst = [f"{q} (burst {r}.{i})" for i, q in enumerate(QUESTIONS + QUESTIONS[:2])]
+        answers = {}
+        for name, llm in [("cached", cached), ("whole", whole)][:: 1 if r % 2 else -1]:
+            p50, wall, answers[name] = _burst(llm, burst)
+            burst_ttft[name].append(p50)
+            burst_wall[name].append(wall)
+        assert answers["cached"] == answers["whole"]
     print("load average after:", os.getloadavg())
     print(f"prefix cache: {cached.prefix_cache.hits} hits, {cached.prefix_cache.reused_tokens} prompt tokens reused")
-    print("| prompt | TTFT cached (ms, median) | TTFT whole prefill (ms, median) | ratio |")
+    print("| TTFT of | with the cache (ms, median) | whole prefill (ms, median) | ratio |")
     print("|---|---|---|---|")
-    for label, data in (("a new question", new), ("a follow-up turn", follow)):
+    for label, data in (("a new question", new), ("a follow-up turn", follow),
+                        ("eight new questions at once: p50", burst_ttft),
+                        ("eight new questions at once: all ended (wall)", burst_wall)):
         c, w = statistics.median(data["cached"]) * 1e3, statistics.median(data["whole"]) * 1e3
         print(f"| {label} | {c:.1f} | {w:.1f} | {c / w:.2f}x |")
     cached.close()
