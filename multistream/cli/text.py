@@ -35,7 +35,7 @@ def add_parser(subparsers: Any) -> None:
     # Every generation option, generated from TextOptions (defaults and help are Python's), checked
     # by TextOptions before the model loads.
     declare_options(p, p.add_argument_group("generation options (TextModel.stream)"), TextOptions,
-                    lambda args, given: parse_text_options(**given), exclude=("chat", "parallel_tool_calls"))
+                    lambda args, given: parse_text_options(**given), exclude=("chat", "parallel_tool_calls", "cache_salt"))
     p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON)")
     p.add_argument("--speak", default=None, metavar="FILE",

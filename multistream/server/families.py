@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from typing import Any
 from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
 from ..image import ImageOptions
 from ..speech import SpeechOptions
-from ..text import TextOptions
+from ..text import MAX_CACHE_SALT_CHARS, TextOptions
 from ..video import VideoOptions
 from .bodies import (
     ImageBody,
@@ -121,6 +122,27 @@ class Family:
             if out.get(name) is None and value != spec.get(name):
                 out[name] = value
         return out
+
+    def salted_for(self, kwargs: dict[str, Any], principal_id: str) -> dict[str, Any]:
+        """``kwargs`` with the prompt prefix cache salted by the API key that sent them (a family
+        whose options have ``cache_salt``): one key's time to first token then says nothing of another
+        key's prompts. A client's own salt divides its key's cache further.
+
+        Example:
+            >>> family("text").salted_for({"prompt": "hi", "cache_salt": "p1"}, "key:alice")["cache_salt"]
+            'key:alice/p1'
+            >>> family("image").salted_for({"prompt": "hi"}, "key:alice")
+            {'prompt': 'hi'}
+        """
+        from .._spec import option_names
+
+        if self.options is None or "cache_salt" not in option_names(self.options):
+            return kwargs
+        own = kwargs.get("cache_salt")
+        salt = f"{principal_id}/{own}" if own else principal_id
+        if len(salt) > MAX_CACHE_SALT_CHARS:  # a long key name and salt: its digest is as good a salt
+            salt = hashlib.sha256(salt.encode()).hexdigest()
+        return {**kwargs, "cache_salt": salt}
 
     def concurrency(self, settings: ServerSettings) -> int | None:
         """Its concurrency setting's value (None: the model's engine capacity)."""

@@ -253,6 +253,8 @@ class ServerState:
             kwargs = fam.adapt(model, kwargs)
         owner = principal.id if principal is not None else None
         keyed = bool(principal is not None and principal.keyed)
+        if principal is not None and keyed:
+            kwargs = fam.salted_for(kwargs, principal.id)  # each API key's prompts are cached apart
         if self.content_filter is not None and self._filter_input(fam, kwargs):
             if fam.refuse_filtered:
                 field = " and ".join(f"'{name}'" for name in fam.filter_fields)

@@ -230,7 +230,7 @@ class TextBatcher:
         row = req.row
         if self.prefix_cache is None or row.prefilled or row.own_cache is not None or row.share is not None:
             return
-        hit = self.prefix_cache.lookup(row.context)
+        hit = self.prefix_cache.lookup(row.context, salt=req.spec.options.cache_salt)
         if hit is not None:
             row.prefilled, rows = hit
             row.own_cache = (rows, 0)
@@ -238,7 +238,7 @@ class TextBatcher:
 
     def _remember_prompt(self, req: TextRequest, rows: RowCache, index: int) -> None:
         if self.prefix_cache is not None and req.beams is None:
-            self.prefix_cache.store(req.row.context, rows, index)
+            self.prefix_cache.store(req.row.context, rows, index, salt=req.spec.options.cache_salt)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.batch)

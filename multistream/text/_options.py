@@ -193,6 +193,17 @@ def _speculate(v: Any) -> str | int:
     return "auto" if v == "auto" else int(v)
 
 
+#: The longest ``cache_salt``: a salt names who may share cached prompts (a tenant, a user), not content.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _cache_salt(v: Any) -> str | None:
+    _require(v is None or (isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT_CHARS),
+             f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters (or null: "
+             f"shared with every unsalted request), got {v!r:.80}")
+    return v  # type: ignore[no-any-return]
+
+
 def _priority(v: Any) -> int:
     _require(is_int(v), f"priority must be an integer (higher runs first), got {v!r}")
     return int(v)
@@ -280,6 +291,12 @@ class TextOptions:
         "auto", '"auto" (drafts from the prompt and the answer, when they pay), 0 (off) or an integer (at most '
         "that many drafts per step): verified exactly, the text, ids and logprobs are those of 0", _speculate,
         wire=Union[str, int], ge=0, le=MAX_SPECULATE)
+    # Prompt prefix caching (text/_prefix_cache.py): who may start from whose cached prompts.
+    cache_salt: Optional[str] = option(
+        None, "a string: this request shares cached prompt starts only with requests of the same salt (vLLM's "
+        "cache_salt: the time to first token then says nothing about other users' prompts; a server with API "
+        "keys salts each key's requests itself); null: shared among unsalted requests", _cache_salt,
+        wire=Optional[str])
 
     def __post_init__(self) -> None:
         # Checks that span options (each option alone was checked by its own check).

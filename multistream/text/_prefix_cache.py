@@ -24,6 +24,12 @@ Example:
     (4, 4)
     >>> cache.lookup([1, 2, 3, 4, 5, 6], min_tokens=2)[0]   # the last token is always prefilled
     5
+    >>> cache.lookup([1, 2, 3, 4, 9, 9], min_tokens=2, salt="tenant-b") is None   # another salt: nothing shared
+    True
+
+A request's ``cache_salt`` (vLLM's name) keeps its prompts apart: an entry is found only by
+lookups with the same salt, so one user's time to first token cannot reveal whether another's
+prompt began the same way. A server with API keys salts each key's requests with its name.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, ...], tuple[RowCache, int]] = OrderedDict()
+        # (salt, prompt tokens) -> (its KV row, bytes)
+        self._entries: OrderedDict[tuple[str | None, tuple[int, ...]], tuple[RowCache, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # the engine thread writes; close() may clear from another
         self.hits = 0  # requests that started from a cached prefix (tests and benchmarks read these)
@@ -62,13 +69,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def store(self, tokens: list[int], rows: RowCache, index: int = 0) -> None:
+    def store(self, tokens: list[int], rows: RowCache, index: int = 0, *, salt: str | None = None) -> None:
         """Keep a copy of row ``index`` of ``rows``, which holds exactly ``tokens`` (a prompt just
-        prefilled), for later prompts that begin with them. Too big for the store: not kept."""
-        key = tuple(tokens)
+        prefilled), for later prompts of the same ``salt`` that begin with them. Too big for the
+        store: not kept."""
+        prompt = tuple(tokens)
+        key = (salt, prompt)
         per_token = sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
                         for k, v in rows.kv())
-        size = per_token * len(key)
+        size = per_token * len(prompt)
         with self._lock:
             if key in self._entries:  # the same prompt again: nothing new to copy
                 self._entries.move_to_end(key)
@@ -76,11 +85,12 @@ class PrefixCache:
         if size > self.max_bytes:
             return
         row = rows.select([index])  # a copy, without the batch's padding
-        if row.length != len(key):
+        if row.length != len(prompt):
             return
         with self._lock:
             # A stored prompt that the new one extends (an earlier turn) adds nothing the new one lacks.
-            for other in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
+            for other in [k for k in self._entries
+                          if k[0] == salt and len(k[1]) < len(prompt) and prompt[: len(k[1])] == k[1]]:
                 self._bytes -= self._entries.pop(other)[1]
             self._entries[key] = (row, size)
             self._bytes += size
@@ -88,14 +98,18 @@ class PrefixCache:
                 _, (_, freed) = self._entries.popitem(last=False)
                 self._bytes -= freed
 
-    def lookup(self, tokens: list[int], *, min_tokens: int = MIN_PREFIX_TOKENS) -> tuple[int, RowCache] | None:
-        """The longest cached start of ``tokens`` (at least ``min_tokens``, at most all but the
-        last token) and a copy of its keys and values; None when no stored prompt shares enough."""
+    def lookup(self, tokens: list[int], *, min_tokens: int = MIN_PREFIX_TOKENS,
+               salt: str | None = None) -> tuple[int, RowCache] | None:
+        """The longest cached start of ``tokens`` among prompts stored with ``salt`` (at least
+        ``min_tokens``, at most all but the last token) and a copy of its keys and values; None
+        when no such prompt shares enough."""
         wanted = tuple(tokens)
         with self._lock:
             best, best_key = 0, None
             for key in self._entries:
-                shared = len(os.path.commonprefix([key, wanted]))  # element-wise, on any sequences
+                if key[0] != salt:
+                    continue
+                shared = len(os.path.commonprefix([key[1], wanted]))  # element-wise, on any sequences
                 if shared > best:
                     best, best_key = shared, key
             covered = min(best, len(tokens) - 1)

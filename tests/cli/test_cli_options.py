@@ -33,7 +33,7 @@ def test_every_scalar_text_option_has_a_flag_defaulting_to_unset() -> None:
     args = parser.parse_args(["hi"])
     for field in option_fields(TextOptions):
         if field.name in ("chat", "parallel_tool_calls", "logit_bias", "json_schema", "tools", "tool_choice",
-                          "early_stopping"):
+                          "early_stopping", "cache_salt"):
             continue
         assert field.name in args.option_names, field.name
         assert getattr(args, field.name) is None, field.name  # not given: Python's default applies

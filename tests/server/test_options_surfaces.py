@@ -49,6 +49,7 @@ TEXT_VALUES: dict[str, tuple[Any, Any]] = {
     "early_stopping": (True, "soon"),
     "stop_on_repetition": (True, "yes"),
     "speculate": (3, "fast"),
+    "cache_salt": ("tenant-1", ""),
 }
 IMAGE_VALUES: dict[str, tuple[Any, Any]] = {
     "negative_prompt": ("blurry", 3),

@@ -139,3 +139,37 @@ def test_a_follow_up_turn_starts_from_the_first_turns_rows(llm) -> None:
     turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And for a dog?"}]
     second = llm.generate(turn2, max_new_tokens=12, temperature=0.0)
     assert second.metrics["cached_prompt_tokens"] >= len(llm.encode_prompt(turn1)) - 2
+
+
+def test_a_salted_prompt_is_found_only_by_the_same_salt() -> None:
+    cache = PrefixCache()
+    prompt = list(range(20))
+    cache.store(prompt, _row(prompt), salt="alice")
+    assert cache.lookup(prompt + [1]) is None  # unsalted: alice's prompts are not shared
+    assert cache.lookup(prompt + [1], salt="bob") is None
+    assert cache.lookup(prompt + [1], salt="alice")[0] == 20
+    cache.store(prompt, _row(prompt))  # the same tokens unsalted: a separate entry
+    longer = prompt + list(range(50, 60))
+    cache.store(longer, _row(longer), salt="bob")  # extends alice's and the unsalted one: replaces neither
+    assert len(cache) == 3
+    assert cache.lookup(longer + [1])[0] == 20 and cache.lookup(longer + [1], salt="bob")[0] == 30
+
+
+@pytest.mark.model
+def test_cache_salt_keeps_requests_apart_and_the_text_the_same(llm) -> None:
+    """A salted request starts from no other salt's prompts (nor the unsalted ones: the chat
+    template's start, cached since the suite's first prompt), and from its own salt's; the answer
+    is the same either way."""
+    question = "Name a river in Europe."
+    llm.generate("Hi", max_new_tokens=1)  # the template's start, cached unsalted (if no test did so before)
+    plain = llm.generate(question, max_new_tokens=12, temperature=0.0)
+    assert plain.metrics.get("cached_prompt_tokens", 0) >= 8  # the template's start, unsalted
+    salt = f"tenant-{threading.get_ident()}-{id(plain)}"  # a salt no earlier request used
+    first = llm.generate(question, max_new_tokens=12, temperature=0.0, cache_salt=salt)
+    again = llm.generate(question, max_new_tokens=12, temperature=0.0, cache_salt=salt)
+    other = llm.generate(question, max_new_tokens=12, temperature=0.0, cache_salt=salt + "-other")
+    assert "cached_prompt_tokens" not in first.metrics and "cached_prompt_tokens" not in other.metrics
+    assert again.metrics["cached_prompt_tokens"] == again.usage["prompt_tokens"] - 1
+    assert plain.text == first.text == again.text == other.text
+    with pytest.raises(ms.InvalidArgumentError, match="cache_salt must be a non-empty string"):
+        llm.stream(question, cache_salt="")

@@ -181,3 +181,26 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(text_model: Any
         again = client.completions.create(model="default", prompt=start + " the", max_tokens=2)
         assert completion.usage.prompt_tokens_details is None  # a raw prompt: nothing of it seen before
         assert again.usage.prompt_tokens_details.cached_tokens == completion.usage.prompt_tokens
+
+
+@pytest.mark.model
+def test_each_api_key_has_its_own_prefix_cache(text_model: Any, tmp_path: Any) -> None:
+    """On a server with API keys, a key's requests start only from its own cached prompts: the
+    same question from another key is prefilled whole (no ``cached_tokens``), so its time to first
+    token says nothing of what the first key asked. A client's own ``cache_salt`` (vLLM's) divides
+    its key's cache further."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-a name=alice\nkey-b name=bob\n", encoding="utf-8")
+    question = [{"role": "user", "content": "Name a mountain in Asia."}]
+    with make_server(text_model, keys_file=str(keys)) as srv:
+        alice = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="key-a")
+        bob = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="key-b")
+        first = alice.chat.completions.create(model="default", messages=question, max_tokens=4)
+        again = alice.chat.completions.create(model="default", messages=question, max_tokens=4)
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+        other = bob.chat.completions.create(model="default", messages=question, max_tokens=4)
+        assert other.usage.prompt_tokens_details is None  # nothing of alice's, not even the template's start
+        salted = alice.chat.completions.create(model="default", messages=question, max_tokens=4,
+                                               extra_body={"cache_salt": "project-x"})
+        assert salted.usage.prompt_tokens_details is None
+        assert first.choices[0].message.content == other.choices[0].message.content == salted.choices[0].message.content

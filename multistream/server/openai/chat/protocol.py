@@ -82,11 +82,11 @@ class _ChatCompletionBase(BaseModel):
 CHAT_OPTION_FIELDS = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logprobs",
                       "top_logprobs", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "top_k",
                       "repetition_penalty", "min_p", "num_beams", "length_penalty", "early_stopping", "priority",
-                      "stop_on_repetition", "speculate")
+                      "stop_on_repetition", "speculate", "cache_salt")
 
 
 _EXTENSIONS = ("top_k", "repetition_penalty", "min_p", "num_beams", "length_penalty", "early_stopping", "priority",
-               "stop_on_repetition", "speculate")
+               "stop_on_repetition", "speculate", "cache_salt")
 
 
 ChatCompletionRequest = create_model(

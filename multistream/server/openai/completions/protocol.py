@@ -66,8 +66,8 @@ class _CompletionBase(BaseModel):
 # spec; vLLM's extensions marked as such).
 COMPLETION_OPTION_FIELDS = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
                             "seed", "top_k", "min_p", "repetition_penalty", "priority", "stop_on_repetition",
-                            "speculate")
-_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "priority", "stop_on_repetition", "speculate")
+                            "speculate", "cache_salt")
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "priority", "stop_on_repetition", "speculate", "cache_salt")
 
 
 CompletionRequest = create_model(

@@ -91,8 +91,9 @@ class _ResponsesBase(BaseModel):
 # by `chat_tools` / `chat_tool_choice`, so they are this body's own.
 _SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop_on_repetition",
              "speculate")
-RESPONSES_OPTION_FIELDS = (*_SAMPLING, "parallel_tool_calls", "priority")
-_EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "stop_on_repetition", "speculate", "priority")
+RESPONSES_OPTION_FIELDS = (*_SAMPLING, "parallel_tool_calls", "priority", "cache_salt")
+_EXTENSIONS = ("seed", "top_k", "min_p", "repetition_penalty", "stop_on_repetition", "speculate", "priority",
+               "cache_salt")
 
 ResponsesRequest = create_model(
     "ResponsesRequest", __base__=_ResponsesBase, __doc__=_ResponsesBase.__doc__,
