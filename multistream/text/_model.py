@@ -149,7 +149,7 @@ class TextModel(EngineModel):
     def prefix_cache(self) -> Any:
         """The KV rows of recent prompts that later prompts beginning alike start from (a
         `multistream.text._prefix_cache.PrefixCache`: ``hits``, ``reused_tokens``, ``max_bytes``
-        (64 MiB; 0 keeps nothing new), ``clear()``), or None where a prompt prefilled in pieces
+        (512 MiB; 0 keeps nothing new), ``clear()``), or None where a prompt prefilled in pieces
         would not be exact (a model off the native layers). A final event's ``metrics`` carry
         ``cached_prompt_tokens`` when its prompt started from one; the text is the same either way.
 

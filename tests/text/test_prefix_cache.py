@@ -173,3 +173,20 @@ def test_cache_salt_keeps_requests_apart_and_the_text_the_same(llm) -> None:
     assert plain.text == first.text == again.text == other.text
     with pytest.raises(ms.InvalidArgumentError, match="cache_salt must be a non-empty string"):
         llm.stream(question, cache_salt="")
+
+
+@pytest.mark.model
+def test_the_next_turn_of_a_long_conversation_starts_from_the_cache(llm) -> None:
+    """A conversation of 1,700 tokens (more than the first default of 64 MiB held) is kept whole, so
+    its next turn prefills only the new messages: the case where a cache saves the most."""
+    passage = "The river runs past the mill and the market square, where traders sell bread and wool. " * 2
+    conversation = []
+    for i in range(18):
+        conversation += [{"role": "user", "content": f"Part {i} of the story, please. {passage}"},
+                         {"role": "assistant", "content": passage}]
+    conversation.append({"role": "user", "content": "What happened next?"})
+    first = llm.generate(conversation, max_new_tokens=2, temperature=0.0)
+    assert first.usage["prompt_tokens"] * 46_080 > 64 << 20  # bigger than the first default store
+    follow_up = conversation + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+    second = llm.generate(follow_up, max_new_tokens=2, temperature=0.0)
+    assert second.metrics["cached_prompt_tokens"] >= first.usage["prompt_tokens"] - 2
