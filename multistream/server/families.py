@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ from typing import Any
 from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent
 from ..image import ImageOptions
 from ..speech import SpeechOptions
-from ..text import MAX_CACHE_SALT_CHARS, TextOptions
+from ..text import TextOptions
 from ..video import VideoOptions
 from .bodies import (
     ImageBody,
@@ -126,11 +127,14 @@ class Family:
     def salted_for(self, kwargs: dict[str, Any], principal_id: str) -> dict[str, Any]:
         """``kwargs`` with the prompt prefix cache salted by the API key that sent them (a family
         whose options have ``cache_salt``): one key's time to first token then says nothing of another
-        key's prompts. A client's own salt divides its key's cache further.
+        key's prompts. A client's own salt divides its key's cache further. The salt is a digest of
+        the pair, which no other pair (another key's name, a client's salt that spells one) gives.
 
         Example:
-            >>> family("text").salted_for({"prompt": "hi", "cache_salt": "p1"}, "key:alice")["cache_salt"]
-            'key:alice/p1'
+            >>> salted = family("text").salted_for({"prompt": "hi", "cache_salt": "p1"}, "key:alice")
+            >>> len(salted["cache_salt"]), salted["cache_salt"] == family("text").salted_for(
+            ...     {"prompt": "hi", "cache_salt": "p1"}, "key:alice/p1")["cache_salt"]
+            (64, False)
             >>> family("image").salted_for({"prompt": "hi"}, "key:alice")
             {'prompt': 'hi'}
         """
@@ -138,11 +142,8 @@ class Family:
 
         if self.options is None or "cache_salt" not in option_names(self.options):
             return kwargs
-        own = kwargs.get("cache_salt")
-        salt = f"{principal_id}/{own}" if own else principal_id
-        if len(salt) > MAX_CACHE_SALT_CHARS:  # a long key name and salt: its digest is as good a salt
-            salt = hashlib.sha256(salt.encode()).hexdigest()
-        return {**kwargs, "cache_salt": salt}
+        pair = json.dumps([principal_id, kwargs.get("cache_salt")])  # unambiguous: a name may hold any character
+        return {**kwargs, "cache_salt": hashlib.sha256(pair.encode()).hexdigest()}
 
     def concurrency(self, settings: ServerSettings) -> int | None:
         """Its concurrency setting's value (None: the model's engine capacity)."""

@@ -253,7 +253,7 @@ class ServerState:
             kwargs = fam.adapt(model, kwargs)
         owner = principal.id if principal is not None else None
         keyed = bool(principal is not None and principal.keyed)
-        if principal is not None and keyed:
+        if principal is not None and keyed and _stream_takes(model, "cache_salt"):
             kwargs = fam.salted_for(kwargs, principal.id)  # each API key's prompts are cached apart
         if self.content_filter is not None and self._filter_input(fam, kwargs):
             if fam.refuse_filtered:
@@ -575,22 +575,27 @@ def _capacity(model: Any, kind: str) -> int:
     return capacity_of(model)
 
 
-_PRIORITY_AWARE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_STREAM_TAKES: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 def _takes_priority(model: Any) -> bool:
-    """Does ``model.stream`` take ``priority``? Asked once per model (inspect.signature costs
-    about 50 us, and this is on every request's path)."""
+    return _stream_takes(model, "priority")
+
+
+def _stream_takes(model: Any, option: str) -> bool:
+    """Does ``model.stream`` take ``option``? Asked once per model and option (inspect.signature
+    costs about 50 us, and this is on every request's path); a model may be anything with a
+    ``.stream()``, so what the server adds by itself must be asked for first."""
     try:
-        return _PRIORITY_AWARE[model]
-    except KeyError:
-        known = _PRIORITY_AWARE[model] = _signature_takes_priority(model)
-        return known
+        known = _STREAM_TAKES.setdefault(model, {})
     except TypeError:  # not weakly referenceable (or unhashable): ask each time
-        return _signature_takes_priority(model)
+        return _signature_takes(model, option)
+    if option not in known:
+        known[option] = _signature_takes(model, option)
+    return known[option]
 
 
-def _signature_takes_priority(model: Any) -> bool:
+def _signature_takes(model: Any, option: str) -> bool:
     import inspect
 
     try:
@@ -598,4 +603,4 @@ def _signature_takes_priority(model: Any) -> bool:
     except (TypeError, ValueError):
         return False
     # The families take every option as keywords (`TextOptions`, `ImageOptions`, priority among them).
-    return "priority" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return option in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

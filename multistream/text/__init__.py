@@ -17,15 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
-from ._options import (
-    MAX_CACHE_SALT_CHARS,
-    REWIND_OPTIONS,
-    TEXT_STREAM_ARGS,
-    TextOptions,
-    check_messages,
-    check_prompt,
-    parse_text_options,
-)
+from ._options import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
 from ._seeds import choice_seed
 from ._stop_strings import StopMatcher
 from ._tools import TOOLS_SYSTEM_PROMPT, ToolCallParser, parse_tool_calls
@@ -51,7 +43,6 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 __all__ = [
     "DEFAULT_MAX_BATCH",
     "EMBEDDED_TEXT_MODEL",
-    "MAX_CACHE_SALT_CHARS",
     "REWIND_OPTIONS",
     "StopMatcher",
     "TEXT_STREAM_ARGS",

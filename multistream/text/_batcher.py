@@ -80,8 +80,8 @@ def _decoder_layers(model: Any) -> list[Any]:
 def _forward_replaced(model: Any) -> bool:
     """True if the instance's ``forward`` is not its class's: a wrapper, accelerate's hooks or a spy
     is the user's say in what a step runs, so the fast step stands aside. A patch that was undone by
-    setting the original bound method back (what ``monkeypatch`` and ``unittest.mock.patch.object``
-    leave on the instance) is the class's forward again.
+    setting the original bound method back (what pytest's ``monkeypatch`` leaves on the instance)
+    is the class's forward again.
 
     Example:
         >>> class Net:

@@ -29,7 +29,9 @@ Example:
 
 A request's ``cache_salt`` (vLLM's name) keeps its prompts apart: an entry is found only by
 lookups with the same salt, so one user's time to first token cannot reveal whether another's
-prompt began the same way. A server with API keys salts each key's requests with its name.
+prompt began the same way. A server with API keys salts each key's requests with its name. The
+store's room is shared by every salt (one least-recently-used order, as in vLLM), so a tenant can
+still push another's prompts out, though never read them.
 """
 
 from __future__ import annotations

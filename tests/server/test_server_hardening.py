@@ -462,3 +462,21 @@ def test_metrics_use_prometheus_client_with_vllm_names(srv: Any) -> None:
                  "multistream:time_to_first_preview_seconds_bucket", "multistream:queue_time_seconds_bucket",
                  "multistream:requests_finished_total", "multistream:dropped_frames_total"):
         assert name in text, name
+
+
+class PlainStreamModel(ScriptedTextModel):
+    """A served model whose ``stream()`` names its few options (no ``**kwargs``): "anything with a
+    .stream()", as `create_app` promises."""
+
+    def stream(self, prompt: Any, max_new_tokens: int = 16) -> Any:  # type: ignore[override]
+        return super().stream(prompt, max_new_tokens=max_new_tokens)
+
+
+def test_a_keyed_server_adds_no_option_a_plain_model_does_not_take(tmp_path: Path) -> None:
+    """A server with API keys salts each key's prompt cache (``cache_salt``) only where the model's
+    ``stream()`` takes it; a plain model keeps answering, as on an open server."""
+    with make_server(PlainStreamModel(["ok"]), keys_file=_keys_file(tmp_path)) as s, httpx.Client(timeout=30) as c:
+        r = c.post(s.url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 2}, headers={"Authorization": "Bearer key-a"})
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+        assert events[-1]["is_final"] and events[-1]["finish_reason"] != "error" and events[-1]["text"] == "ok", events

@@ -203,4 +203,8 @@ def test_each_api_key_has_its_own_prefix_cache(text_model: Any, tmp_path: Any) -
         salted = alice.chat.completions.create(model="default", messages=question, max_tokens=4,
                                                extra_body={"cache_salt": "project-x"})
         assert salted.usage.prompt_tokens_details is None
+        for spelled in ("key:alice", "alice", "project-x"):  # no salt of bob's reaches alice's prompts
+            guess = bob.chat.completions.create(model="default", messages=question, max_tokens=4,
+                                                extra_body={"cache_salt": spelled})
+            assert guess.usage.prompt_tokens_details is None, spelled
         assert first.choices[0].message.content == other.choices[0].message.content == salted.choices[0].message.content
