@@ -480,3 +480,16 @@ def test_a_keyed_server_adds_no_option_a_plain_model_does_not_take(tmp_path: Pat
         assert r.status_code == 200, r.text
         events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
         assert events[-1]["is_final"] and events[-1]["finish_reason"] != "error" and events[-1]["text"] == "ok", events
+
+
+def test_two_keys_of_one_name_are_refused_when_the_file_is_read() -> None:
+    """A key's name is its owner (streams, quota, prompt cache): two keys sharing one could read and
+    cancel each other's streams, so the keys file is refused, naming the line's fix."""
+    from multistream.errors import InvalidArgumentError
+    from multistream.server.access.keys import parse_keys
+
+    with pytest.raises(InvalidArgumentError, match="two keys are named 'alice'"):
+        parse_keys("key-a name=alice\nkey-b name=alice\n")
+    with pytest.raises(InvalidArgumentError, match="two keys are named 'key-2'"):
+        parse_keys("key-a name=key-2\nkey-b\n")  # the second key's default name
+    assert [k.name for k in parse_keys("key-a name=alice\nkey-b\n")] == ["alice", "key-2"]

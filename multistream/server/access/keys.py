@@ -1,6 +1,7 @@
 """API keys: who a request comes from, with a priority ceiling and a quota per key.
 
-Keys file (``multistream serve --keys FILE``): one key a line, then optional ``name=``,
+Keys file (``multistream serve --keys FILE``): one key a line, then optional ``name=`` (each key's
+own: the name owns its streams, quota and prompt cache; default ``key-N`` for the Nth key),
 ``max_priority=`` and ``concurrency=`` settings; ``#`` starts a comment::
 
     s3cret-alice  name=alice  max_priority=10  concurrency=8
@@ -71,6 +72,13 @@ def parse_keys(text: str, source: str = "keys file") -> list[ApiKey]:
         keys.append(ApiKey(key=key, **fields))
     if len({k.key for k in keys}) != len(keys):
         raise InvalidArgumentError(f"{source}: a key appears twice")
+    # A key's name is who it is to the server (stream ownership, quota, prompt cache salt): two keys
+    # of one name would read and cancel each other's streams.
+    names = [k.name for k in keys]
+    shared = sorted({n for n in names if names.count(n) > 1})
+    if shared:
+        raise InvalidArgumentError(f"{source}: two keys are named {shared[0]!r} (a name may be given, or is "
+                                   "key-N for the Nth key); give each key its own name=")
     return keys
 
 
