@@ -9,7 +9,8 @@ quantized-weights cache exist, which the first run of each tree writes; that run
   ``cpu_s``: the process's CPU seconds for both, all threads: less sensitive to a busy machine),
 - ``cli``: ``multistream text "Hi" --max-new-tokens 8``: time to the first byte on stdout (the
   first token) and to the exit, from the parent's clock,
-- ``serve``: ``multistream serve`` until ``/healthz`` answers and until ``/readyz`` says ready.
+- ``serve``: ``multistream serve`` until ``/healthz`` answers and until ``/readyz`` says ready;
+  then its first and second ``POST /v1/text`` (one token), each to its first SSE event.
 
 Each tree is a ``PYTHONPATH`` (``--before``: e.g. a checkout of main; ``--after``: this one). Rounds
 interleave the trees (their order alternating), so machine noise hits both alike; the report gives
@@ -21,6 +22,7 @@ level) of ``ms.load_text_model()`` for each tree.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
@@ -95,6 +97,8 @@ def measure_serve(tree: Path, timeout_s: float = 600.0) -> dict[str, float]:
                 figures["health_s"] = time.perf_counter() - start
             if "health_s" in figures and _status(f"http://127.0.0.1:{port}/readyz") == 200:
                 figures["ready_s"] = time.perf_counter() - start
+                figures["first_text_s"] = first_event_s(port)
+                figures["second_text_s"] = first_event_s(port)
                 return figures
             time.sleep(0.05)  # polling interval of the probe, not a synchronisation
         raise RuntimeError("multistream serve did not get ready")
@@ -105,6 +109,21 @@ def measure_serve(tree: Path, timeout_s: float = 600.0) -> dict[str, float]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def first_event_s(port: int) -> float:
+    """Seconds from sending ``POST /v1/text`` (one token) to its first SSE ``data:`` line."""
+    body = json.dumps({"prompt": "Hi", "max_new_tokens": 1})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    start = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/text", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        while not response.readline().startswith(b"data:"):
+            pass
+        return time.perf_counter() - start
+    finally:
+        conn.close()
 
 
 def top_imports(tree: Path, n: int) -> list[tuple[float, str]]:
@@ -153,7 +172,7 @@ def main() -> None:
     for key in results["before"]:
         before = statistics.median(results["before"][key])
         after = statistics.median(results["after"][key])
-        print(f"{key:24} {before:8.2f} {after:8.2f} {after / before:13.2f}")
+        print(f"{key:24} {before:8.3f} {after:8.3f} {after / before:13.2f}")
     if args.importtime:
         for label, tree in trees.items():
             print(f"\n-X importtime, {label} ({tree}): top {args.importtime} top-level imports (cumulative s)")

@@ -54,6 +54,7 @@ from .http.bodies import ErrorResponse, OpenAIErrorResponse
 from .http.deferred import DeferredApp
 from .http.errors import request_bodies
 from .http.problems import Problem
+from .http.warmup import warm_up
 from .native import health, websocket
 from .native import routes as native_routes
 from .native.health import STATIC_DIR
@@ -126,6 +127,8 @@ def create_app(
             demo.attach(asyncio.get_running_loop())
             _start_when_settled(demo, list(state.models.values()))
         janitor = asyncio.get_running_loop().create_task(_janitor(state))
+        # Runs once the server listens (a task): /healthz is not held up, the first request is faster.
+        warming = app.state.warm_up = asyncio.get_running_loop().create_task(warm_up(app.router))
         continuer = None
         if state.registry.log is not None:
             from .durable.continuation import Continuer
@@ -137,6 +140,7 @@ def create_app(
             yield
         finally:
             janitor.cancel()
+            warming.cancel()
             if continuer is not None:
                 continuer.stop()
             state.registry.cancel_all()
