@@ -33,7 +33,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -123,9 +124,10 @@ def create_app(
         app.state.multistream = state
         for slot in state.models.values():
             slot.start_loading()
-        if demo is not None:  # built after the models (or at its first request): see DeferredApp
+        stop_waiting = threading.Event()
+        if demo is not None:  # built once the models are in and clients are quiet (or at its first request)
             demo.attach(asyncio.get_running_loop())
-            _start_when_settled(demo, list(state.models.values()))
+            _start_when_settled(demo, list(state.models.values()), state.registry.idle_for, stop_waiting)
         janitor = asyncio.get_running_loop().create_task(_janitor(state))
         # Runs once the server listens (a task): /healthz is not held up, the first request is faster.
         warming = app.state.warm_up = asyncio.get_running_loop().create_task(warm_up(app.router))
@@ -139,6 +141,7 @@ def create_app(
         try:
             yield
         finally:
+            stop_waiting.set()
             janitor.cancel()
             warming.cancel()
             if continuer is not None:
@@ -259,16 +262,31 @@ def _deferred_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, s
     return DeferredApp(build, name="demo page")
 
 
-def _start_when_settled(demo: DeferredApp, slots: list[ModelSlot]) -> None:
-    """Start building the demo once every model has loaded (or failed): building it meanwhile would
-    slow the loads (one GIL, two cores); a request to the page starts it at once anyway."""
+# How long no stream may have run before the demo page is built unasked: Gradio's import holds
+# the GIL for seconds, and the API's first clients (a script that waits for /readyz, then sends
+# requests) would wait with it (first tokens 0.4-1.8 s instead of 30-40 ms on 2 cores).
+DEMO_BUILD_QUIET_S = 1.5
+
+
+def _start_when_settled(demo: DeferredApp, slots: list[ModelSlot], idle_for: Callable[[float], bool],
+                        stop: threading.Event) -> None:
+    """Start building the demo once every model has loaded (or failed) and no stream has run for
+    `DEMO_BUILD_QUIET_S`: building it during the loads would slow them (one GIL, two cores), and
+    during a client's streams would slow those. A request to the page starts it at once anyway."""
 
     def wait() -> None:
         for slot in slots:
-            slot.settled.wait()
-        demo.start()
+            while not slot.settled.wait(0.25):
+                if stop.is_set():
+                    return
+        settled_at = time.monotonic()  # a client that waited for /readyz comes now: give it the quiet period too
+        while not stop.is_set() and not demo.started:
+            if time.monotonic() - settled_at >= DEMO_BUILD_QUIET_S and idle_for(DEMO_BUILD_QUIET_S):
+                demo.start()
+                return
+            stop.wait(0.25)
 
-    threading.Thread(target=wait, name="multistream-demo-after-models", daemon=True).start()
+    threading.Thread(target=wait, name="multistream-demo-when-quiet", daemon=True).start()
 
 
 async def _janitor(state: ServerState) -> None:

@@ -314,3 +314,56 @@ def test_the_first_requests_find_every_route_built_at_start_up(monkeypatch: Any)
                           json={"model": "default", "messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 200, chat.text
     assert built == [], f"the first requests built {len(built)} adapters: {built[:5]}"
+
+
+def test_the_demo_page_is_built_unasked_only_once_clients_are_quiet(monkeypatch: Any) -> None:
+    """Gradio's import holds the GIL for seconds: built the moment the models were in, it slowed the
+    first API requests of a client that waited for /readyz (first tokens 0.4-1.9 s instead of
+    30-40 ms on 2 cores). The page is now built unasked only once the models have settled and no
+    stream has run for `DEMO_BUILD_QUIET_S` (a visit to /demo still builds it at once)."""
+    import threading
+
+    from multistream.server import app as app_module
+
+    monkeypatch.setattr(app_module, "DEMO_BUILD_QUIET_S", 0.05)
+
+    class Page:
+        started = False
+
+        def start(self) -> None:
+            self.started = True
+
+    class Slot:
+        settled = threading.Event()
+
+    page, slot, stop = Page(), Slot(), threading.Event()
+    busy, polls = [True], []
+
+    def idle_for(seconds: float) -> bool:
+        polls.append(seconds)
+        return not busy[0]
+
+    app_module._start_when_settled(page, [slot], idle_for, stop)  # type: ignore[arg-type]
+    try:
+        slot.settled.set()  # the models are in, and a client's streams run
+        wait_until(lambda: len(polls) >= 3, what="the builder to look at the clients a few times")
+        assert not page.started, "built while streams ran"
+        busy[0] = False  # the client is done
+        wait_until(lambda: page.started, what="the page to be built once quiet")
+    finally:
+        stop.set()
+
+
+def test_the_registry_says_when_no_stream_has_run_for_a_while() -> None:
+    from multistream.testing import ScriptedTextModel
+
+    with make_server(text=ScriptedTextModel([" a", " b", " c"], delay_s=0.2)) as server:
+        registry = server.state.registry
+        assert registry.idle_for(0.0)
+        with httpx.stream("POST", server.url + "/v1/text", json={"prompt": "x", "max_new_tokens": 3}, timeout=10) as r:
+            events = iter_events(r)
+            next(events)  # the stream runs
+            assert not registry.idle_for(0.0)
+            assert [ev for ev in events if ev.get("is_final")]
+        wait_until(lambda: registry.idle_for(0.0), what="the stream to end")
+        assert not registry.idle_for(60.0)  # it ended just now

@@ -52,6 +52,11 @@ class DeferredApp:
     def built(self) -> bool:
         return self._app is not None
 
+    @property
+    def started(self) -> bool:
+        """The build began (by `start`, or by a request that needed the app)."""
+        return self._started
+
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind to the server's event loop (its lifespan calls this before serving)."""
         self._loop = loop

@@ -464,6 +464,7 @@ class Registry:
         self.finished: OrderedDict[str, StreamRecord] = OrderedDict()
         self.retained_bytes = 0
         self._done_callbacks: dict[str, Callable[[StreamRecord], None]] = {}
+        self._last_activity = time.monotonic()  # a stream started or ended (`idle_for`)
 
     def start(self, stream: Stream, *, kind: str, on_done: Callable[[StreamRecord], None] | None = None,
               **options: Any) -> StreamRecord:
@@ -477,7 +478,13 @@ class Registry:
         if self.log is not None and record.resumable:
             record._log = self.log.writer(record)  # before the pump's first event
         self.live[record.stream_id] = record
+        self._last_activity = time.monotonic()
         return record
+
+    def idle_for(self, seconds: float) -> bool:
+        """No stream runs, and none started or ended in the last ``seconds`` (safe from any thread:
+        a heuristic for background work, such as building the demo page, that should not slow clients)."""
+        return not self.live and time.monotonic() - self._last_activity >= seconds
 
     async def check_log(self) -> None:
         """With a shared event log: raise a 503 `Problem` when it is down (before admitting a stream)."""
@@ -527,6 +534,7 @@ class Registry:
 
     def _finished(self, record: StreamRecord) -> None:
         self.live.pop(record.stream_id, None)
+        self._last_activity = time.monotonic()
         if record.resumable and not record.handed_off:  # a handed-off one is read from the log
             self.finished[record.stream_id] = record
             self.retained_bytes += record.bytes
