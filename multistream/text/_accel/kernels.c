@@ -152,6 +152,7 @@ typedef struct {
     atomic_int finished;         // workers done with the current call
     atomic_int arrived;          // barrier: threads arrived
     atomic_uint passed;          // barrier: +1 each time all have arrived
+    atomic_int stalls;           // barrier waits of the current call that outlasted the spin (see below)
 } ms_team;
 
 static ms_team team = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
@@ -166,12 +167,28 @@ static void team_barrier(void) {
         return;
     }
     for (unsigned spins = 0; atomic_load(&team.passed) == passed; spins++) {
-        if (spins < 20000)
+        if (spins < 20000) {
             cpu_relax();
-        else
+        } else {
+            if (spins == 20000) atomic_fetch_add(&team.stalls, 1);
             sched_yield();  // a teammate was preempted: let it run
+        }
     }
 }
+
+// Contention. Another busy process on the same cores preempts a teammate for a scheduler time
+// slice (milliseconds), and every barrier of the static split waits for it: with one `while True`
+// process beside it, a 2-thread decode on 2 cores ran at a third of its speed, below one thread's.
+// A call whose barriers stalled SOLO_STALLS times or more sends the next `solo_left` calls to the
+// caller alone (the same values: no index depends on the split), SOLO_FIRST calls at first and twice
+// as many each time the team stalls again right after, up to SOLO_MOST; a call without stalls halves
+// the next spell. A spell of 64 calls is about 8 decode steps of the embedded model.
+#define SOLO_STALLS 3
+#define SOLO_FIRST 64
+#define SOLO_MOST 2048
+static atomic_int solo_left = 0;
+static atomic_int solo_spell = SOLO_FIRST;
+static atomic_llong solo_calls_total = 0, stalled_calls_total = 0;
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -221,6 +238,11 @@ static void team_forget(void) {  // in a forked child: the parent's workers do n
 // not make more threads; the job's split adapts to team_size).
 static void team_run(void (*job)(void *), void *arg, int threads) {
     if (threads > TEAM_MAX) threads = TEAM_MAX;
+    if (threads > 1 && atomic_load(&solo_left) > 0) {
+        atomic_fetch_sub(&solo_left, 1);
+        atomic_fetch_add(&solo_calls_total, 1);
+        threads = 1;
+    }
     if (threads <= 1) {
         team_id = 0;
         team_size = 1;
@@ -250,6 +272,7 @@ static void team_run(void (*job)(void *), void *arg, int threads) {
     team.size = threads;
     atomic_store(&team.finished, 0);
     atomic_store(&team.arrived, 0);
+    atomic_store(&team.stalls, 0);
     const int workers = team.started;
     pthread_mutex_lock(&team.lock);
     atomic_fetch_add(&team.call, 1);
@@ -265,6 +288,15 @@ static void team_run(void (*job)(void *), void *arg, int threads) {
             sched_yield();
     }
     team_size = 1;
+    if (atomic_load(&team.stalls) >= SOLO_STALLS) {
+        const int spell = atomic_load(&solo_spell);
+        atomic_store(&solo_left, spell);
+        atomic_store(&solo_spell, spell * 2 > SOLO_MOST ? SOLO_MOST : spell * 2);
+        atomic_fetch_add(&stalled_calls_total, 1);
+    } else {
+        const int spell = atomic_load(&solo_spell);
+        atomic_store(&solo_spell, spell / 2 < SOLO_FIRST ? SOLO_FIRST : spell / 2);
+    }
     pthread_mutex_unlock(&team.call_lock);
 }
 #else
@@ -1105,6 +1137,17 @@ int ms_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float
 }
 
 // Which instruction set this build uses (for the log line and the tests).
+// How the team met contention so far: out[0] calls whose barriers stalled, out[1] calls run on
+// the caller alone because of it (both 0 without threads).
+void ms_team_contention(int64_t *out) {
+#ifdef MS_THREADS
+    out[0] = (int64_t)atomic_load(&stalled_calls_total);
+    out[1] = (int64_t)atomic_load(&solo_calls_total);
+#else
+    out[0] = out[1] = 0;
+#endif
+}
+
 const char *ms_kernel_isa(void) {
 #if defined(MS_AVX512)
     return "avx512";

@@ -22,7 +22,12 @@ not OpenMP: libgomp stops spinning at its barriers once a process has more OpenM
 CPUs (torch's pool on the loading thread plus the engine thread's are already more than two CPUs
 have), and a decode step's barriers then each cost a sleep and a wake-up (2 threads ran slower
 than one). The team spins at its barriers, and its idle workers wait up to 3 ms for the next call
-(yielding the CPU to any other runnable thread) before they sleep. So the library loads no
+(yielding the CPU to any other runnable thread) before they sleep. When another busy process
+shares the cores, a teammate is preempted for whole scheduler time slices and every barrier waits
+for it (one ``while True`` process beside a 2-thread decode on 2 cores cut it to a third); so a
+call whose barriers stall sends the next calls to the caller's thread alone, a spell that grows
+while the stalls go on and shrinks once they stop (`NativeKernels.contention` counts both; the
+values do not depend on the thread count). So the library loads no
 OpenMP runtime of its own (`openmp_runtimes` lists what is mapped: torch's only). Without a
 compiler, or if the build fails, `native_kernels()` is None, `native_problem()` says why, and
 quantized layers use ATen's kernels.
@@ -133,6 +138,13 @@ class NativeKernels:
     path: Path
     isa: str
 
+    def contention(self) -> tuple[int, int]:
+        """(calls whose barriers stalled on a preempted teammate, calls run on the caller alone
+        because of it) so far in this process: see "Threads" in the module docstring."""
+        out = (ctypes.c_int64 * 2)()
+        self.cdll.ms_team_contention(out)
+        return int(out[0]), int(out[1])
+
 
 # -- building and loading ---------------------------------------------------------------------
 
@@ -219,6 +231,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
     for name in ("ms_matmul", "ms_layer_qkv", "ms_layer_rest", "ms_layers_forward", "ms_rms_norm"):
         getattr(cdll, name).restype = ctypes.c_int
     cdll.ms_kernel_isa.restype = ctypes.c_char_p
+    cdll.ms_team_contention.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    cdll.ms_team_contention.restype = None
 
 
 def _load() -> tuple[NativeKernels | None, str | None]:
