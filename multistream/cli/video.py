@@ -41,7 +41,7 @@ DEFAULT_OUT = "multistream-video.webm"
 
 
 def add_parser(subparsers: Any) -> None:
-    from ..video import VideoOptions, parse_video_options
+    from ..video import VideoOptions
 
     p = subparsers.add_parser("video", help="make a short clip, streaming every frame's preview per step",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,9 +59,20 @@ def add_parser(subparsers: Any) -> None:
     # checked by it before the model loads; --out's suffix picks the clip format.
     declare_options(p, p.add_argument_group("generation options (VideoModel.stream)",
                                             "--out's suffix (.webm, .mp4) sets the clip format"), VideoOptions,
-                    lambda args, given: parse_video_options(args.prompt, **given), exclude=("priority", "video_format"))
+                    _finish_options, exclude=("priority", "video_format"))
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
     p.set_defaults(func=run, check_paths=check_paths)
+
+
+def _finish_options(args: argparse.Namespace, given: dict[str, Any]) -> Any:
+    """The options through `parse_video_options`; for the embedded model also its sizes, known
+    without loading it, so a size it cannot make fails before anything loads."""
+    from ..video import EMBEDDED_VIDEO_SIZES, parse_video_options
+
+    options = parse_video_options(args.prompt, **given)
+    if args.model is None:
+        EMBEDDED_VIDEO_SIZES.check(options.height, options.width)
+    return options
 
 
 def out_path(args: argparse.Namespace) -> str | None:

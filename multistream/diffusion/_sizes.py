@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["EMBEDDED_IMAGE_SIZES", "ImageSizes", "sizes_for"]
+__all__ = ["EMBEDDED_IMAGE_SIZES", "EMBEDDED_VIDEO_SIZES", "ImageSizes", "sizes_for"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,16 @@ class ImageSizes:
 EMBEDDED_IMAGE_SIZES = ImageSizes(
     multiple=16, min_side=32, max_side=128, native=(64, 64),
     why="the embedded model was trained on 64x64 pictures and draws from half to twice that",
+)
+
+
+#: The embedded video model (an AnimateDiff adapter on the embedded image model: the same VAE,
+#: downsampling by 4, and a UNet whose 4x4 cells make a side a multiple of 16), native 64x64, up to
+#: twice that: what `sizes_for` makes of its pipeline, declared here so that the command line can
+#: refuse a size before the model loads (`load_video_model` gives the embedded model these).
+EMBEDDED_VIDEO_SIZES = ImageSizes(
+    multiple=16, min_side=16, max_side=128, native=(64, 64),
+    why="the VAE downsamples by 4 and the denoiser patches by 4",
 )
 
 

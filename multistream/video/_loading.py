@@ -17,6 +17,7 @@ import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, resolve_device, resolve_dtype
 from ..diffusion._pipeline_args import dtype_kwarg
+from ..diffusion._sizes import EMBEDDED_VIDEO_SIZES
 from ..errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "
                 "video pipeline folder, hub id or pipeline object: ms.load_video_model('path/to/folder')"
             )
         source, name = str(folder), "embedded:shapes_video"
+        model_kw.setdefault("sizes", EMBEDDED_VIDEO_SIZES)
     else:
         from .._hub import locate
 

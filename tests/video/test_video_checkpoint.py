@@ -72,3 +72,17 @@ def test_each_family_resumes_exactly(family: str) -> None:
         resumed = model.generate("a cat", seed=2, steps=4, preview="none", resume_from=saved[1].to_bytes(), **call)
         assert np.array_equal(_frames(resumed), _frames(full)), family
         assert resumed.metrics["resumed_from_step"] == 2
+
+
+def test_the_embedded_models_sizes_are_the_ones_the_command_line_checks(video_model) -> None:
+    """`EMBEDDED_VIDEO_SIZES` is what `multistream video` checks before loading; the loaded model
+    serves exactly those, and they are what its pipeline's own factors give."""
+    from multistream.diffusion._sizes import sizes_for
+    from multistream.video import EMBEDDED_VIDEO_SIZES
+
+    assert video_model.sizes == EMBEDDED_VIDEO_SIZES
+    derived = sizes_for(video_model.size_multiple, video_model.default_size, EMBEDDED_VIDEO_SIZES.why)
+    assert (derived.multiple, derived.max_side, derived.native) == (
+        EMBEDDED_VIDEO_SIZES.multiple, EMBEDDED_VIDEO_SIZES.max_side, EMBEDDED_VIDEO_SIZES.native)
+    with pytest.raises(InvalidArgumentError, match="width=100 is not a multiple of 16"):
+        video_model.stream("a red circle", width=100)
