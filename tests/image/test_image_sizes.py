@@ -147,6 +147,10 @@ def test_openai_sdk_gets_bad_request_for_a_size_the_model_cannot_make(server, si
         client.images.generate(prompt="a red circle", size=size)  # type: ignore[arg-type]
     body = caught.value.body
     assert isinstance(body, dict) and ACCEPTED in body["message"] and body["type"] == "invalid_request_error"
+    # About the field the client sent, in its terms (it was param None and "height=100 ..." before).
+    assert body["param"] == "size", body
+    assert body["message"].startswith(f"size '{size}' is not one this image model makes"), body["message"]
+    assert "e.g. size='64x64'" in body["message"]
 
 
 @pytest.mark.model

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from ...errors import InvalidArgumentError
 from ...events import ErrorEvent, Event
 from ..http.bodies import OpenAIErrorResponse, read_body
 from ..http.disconnect import until_done_or_gone
 from ..http.errors import error_responses
+from ..http.problems import Problem
 from ..http.sse import DONE, event_source, json_event
 from ..settings import ServerSettings
 from ..streams.view import StreamView
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from ..state import ServerState
 
 __all__ = ["ERRORS", "FINISH", "ChunkTranslator", "chunk_events", "collect_events", "error_body", "openai_finish",
-           "owner_allows", "read_model_body", "sse_of"]
+           "openai_size", "owner_allows", "read_model_body", "sse_of"]
 
 ERRORS = error_responses(OpenAIErrorResponse)
 
@@ -63,6 +65,32 @@ async def collect_events(record: StreamView, request: Any) -> list[Any]:
         return [ev async for ev in record.subscribe()]
 
     return await until_done_or_gone(collect(), request, on_gone=record.cancel)
+
+
+def openai_size(size: str, sizes: Any, noun: str) -> tuple[int, int]:
+    """OpenAI's ``size`` ("WIDTHxHEIGHT") as ``(width, height)``, checked against the served
+    model's ``sizes`` (`ImageSizes`, or None: the model checks) so that a bad one is a 400 about
+    ``size``, in the client's own terms, naming the sizes the ``noun`` model makes.
+
+    Example:
+        >>> from multistream.diffusion._sizes import EMBEDDED_IMAGE_SIZES
+        >>> openai_size("96x64", EMBEDDED_IMAGE_SIZES, "image")
+        (96, 64)
+    """
+    w, sep, h = size.partition("x")
+    if not (sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))):
+        raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
+                      f"'auto', got {size[:20]!r}", param="size")
+    width, height = int(w), int(h)
+    if sizes is not None:
+        try:
+            sizes.check(height, width)
+        except InvalidArgumentError:
+            native = getattr(sizes, "native", None)
+            example = f"; e.g. size='{native[1]}x{native[0]}' (its native size)" if native else ""
+            raise Problem(400, "invalid_argument", f"size {size!r} is not one this {noun} model makes: it makes "
+                          f"{sizes.describe()} (WIDTHxHEIGHT){example}", param="size") from None
+    return width, height
 
 
 async def read_model_body(request: Request, state: ServerState, family: str) -> Any:

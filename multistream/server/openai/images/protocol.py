@@ -19,6 +19,7 @@ from ...bodies import check_image_limits
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
+from .._common import openai_size
 from .._protocol import given_options, option_fields, unsupported
 
 
@@ -42,20 +43,16 @@ class _ImageGenerationBase(BaseModel):
     user: Optional[str] = Field(default=None, description="accepted and ignored")
     style: Optional[str] = Field(default=None, description="accepted and ignored")
 
-    def to_image_options(self, fmt: str, previews: bool) -> dict[str, Any]:
+    def to_image_options(self, fmt: str, previews: bool, sizes: Any = None) -> dict[str, Any]:
         """``ImageModel.stream`` keyword arguments (the prompt and `ImageOptions`): OpenAI's names
         (``n``, ``size``, ``output_format``) mapped onto ours, and every field with an
         `ImageOptions` namesake passed as it is. ``previews``: stream partial images (as
-        ``fmt``, full size) or none. The model checks the values."""
+        ``fmt``, full size) or none. ``sizes``: the served model's (`ImageModel.sizes`), so a
+        ``size`` it cannot make is a 400 about ``size``; the model checks the other values."""
         kwargs: dict[str, Any] = {"prompt": self.prompt, "num_images": self.n if self.n is not None else 1,
                                   "final_format": fmt}
         if self.size not in (None, "auto"):
-            w, sep, h = self.size.partition("x")
-            ok = sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))
-            if not ok:
-                raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
-                              f"'auto', got {self.size[:20]!r}", param="size")
-            kwargs["width"], kwargs["height"] = int(w), int(h)
+            kwargs["width"], kwargs["height"] = openai_size(self.size, sizes, "image")
         kwargs.update(given_options(self, tuple(n for n in IMAGE_OPTION_FIELDS if n != "priority")))
         if previews:
             kwargs["preview_format"] = fmt
@@ -77,8 +74,9 @@ ImageGenerationRequest = create_model(
     **option_fields(ImageOptions, IMAGE_OPTION_FIELDS, IMAGE_OPTION_FIELDS))
 
 
-def image_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], int, bool, int, str]:
-    """OpenAI images body -> (ImageModel.stream kwargs, priority, stream?, partial_images, output_format)."""
+def image_kwargs(body: Any, settings: ServerSettings, sizes: Any = None) -> tuple[dict[str, Any], int, bool, int, str]:
+    """OpenAI images body -> (ImageModel.stream kwargs, priority, stream?, partial_images, output_format);
+    ``sizes``: the served model's, when it declares them."""
     req = validate_body(ImageGenerationRequest, body, "POST /v1/images/generations")
     assert isinstance(req, ImageGenerationRequest)
     if req.response_format not in (None, "b64_json"):
@@ -92,6 +90,6 @@ def image_kwargs(body: Any, settings: ServerSettings) -> tuple[dict[str, Any], i
     if not 0 <= partial <= 3:
         raise Problem(400, "invalid_argument", f"partial_images must be 0..3, got {partial}", param="partial_images")
     stream = bool(req.stream)
-    kwargs = req.to_image_options(fmt, stream and partial > 0)
+    kwargs = req.to_image_options(fmt, stream and partial > 0, sizes)
     check_image_limits(kwargs, settings)
     return kwargs, req.priority, stream, partial, fmt

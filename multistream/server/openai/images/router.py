@@ -35,7 +35,8 @@ async def images(request: Request, state: ServerState = Depends(get_state),
     arrived = time.perf_counter()
     settings = state.settings
     body = await read_model_body(request, state, "image")
-    kwargs, priority, stream, partial, fmt = image_kwargs(body, settings)
+    sizes = getattr(state.model_for("image"), "sizes", None)  # 404 when none is served, 503 while it loads
+    kwargs, priority, stream, partial, fmt = image_kwargs(body, settings, sizes)
     record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
                                      arrived_at=arrived, principal=principal)
     generations = ImageGenerations(kwargs["num_images"], partial, fmt)

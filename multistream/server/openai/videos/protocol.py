@@ -36,6 +36,7 @@ from ....errors import InvalidArgumentError
 from ....video import VideoOptions
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
+from .._common import openai_size
 from .._protocol import given_options, option_fields
 
 __all__ = ["VIDEO_OPTION_FIELDS", "OneSize", "VideoCreateBody", "VideoFormat", "form_body", "parse_video_create"]
@@ -145,29 +146,13 @@ class _VideoCreateBase(BaseModel):
                           param="input_reference")
         kwargs: dict[str, Any] = {"prompt": self.prompt, "video_format": "mp4"}
         if self.size not in (None, "auto"):
-            width, height = _size(self.size, fmt)
+            width, height = openai_size(self.size, fmt.sizes, "video")
             if not isinstance(fmt.sizes, OneSize):  # a model of one size takes no size arguments
                 kwargs["width"], kwargs["height"] = width, height
         if self.seconds is not None:
             kwargs["num_frames"] = _frames(self.seconds, fmt)
         kwargs.update(given_options(self, tuple(n for n in VIDEO_OPTION_FIELDS if n != "priority")))
         return kwargs
-
-
-def _size(size: str, fmt: VideoFormat) -> tuple[int, int]:
-    w, sep, h = size.partition("x")
-    if not (sep and all(v.isascii() and v.isdigit() and 0 < len(v) <= 5 for v in (w, h))):
-        raise Problem(400, "invalid_argument", f"size must look like '64x64' (WIDTHxHEIGHT in ASCII digits) or "
-                      f"'auto', got {size[:20]!r}", param="size")
-    width, height = int(w), int(h)
-    try:
-        fmt.sizes.check(height, width)
-    except InvalidArgumentError:
-        native = getattr(fmt.sizes, "native", None)
-        example = f"; e.g. size='{native[1]}x{native[0]}' (its native size)" if native else ""
-        raise Problem(400, "invalid_argument", f"size {size!r} is not one this video model makes: it makes "
-                      f"{fmt.sizes.describe()} (WIDTHxHEIGHT){example}", param="size") from None
-    return width, height
 
 
 def _frames(seconds: str | int | float, fmt: VideoFormat) -> int:
