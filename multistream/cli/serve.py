@@ -159,6 +159,17 @@ def model_path_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _in_the_users_terms(exc: Exception, given: dict[str, Any]) -> str:
+    """A setting's complaint named as the user gave it: ``--queue-size`` for a flag,
+    ``MULTISTREAM_QUEUE_SIZE`` for the environment, instead of ``ServerSettings.queue_size``."""
+    message, param = str(exc), getattr(exc, "param", None)
+    prefix = f"ServerSettings.{param} "
+    if not param or not message.startswith(prefix):
+        return message
+    name = f"--{param.replace('_', '-')}" if param in given else f"MULTISTREAM_{param.upper()}"
+    return f"{name} {message[len(prefix):]}"
+
+
 def run(args: argparse.Namespace) -> int:
     from .._spec import cli_values
     from ..server import ServerSettings, create_app, serve
@@ -172,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = ServerSettings.from_env(**given)
     except InvalidArgumentError as exc:  # a bad flag or MULTISTREAM_* value: its message, no traceback
-        print(f"multistream serve: {exc}", file=sys.stderr)
+        print(f"multistream serve: {_in_the_users_terms(exc, given)}", file=sys.stderr)
         return 2
 
     problem = model_path_problem(args)

@@ -85,7 +85,15 @@ def test_environment_variables_are_read_by_each_fields_type() -> None:
 
 def test_a_bad_setting_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--text-model", "none", "--image-model", "none", "--queue-size", "0"]) == 2
-    assert "ServerSettings.queue_size must be an integer >= 1, got 0" in capsys.readouterr().err
+    # The flag as the user typed it (a newcomer read "ServerSettings.text_concurrency" for --text-concurrency).
+    assert "multistream serve: --queue-size must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_bad_setting_from_the_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MULTISTREAM_QUEUE_SIZE", "0")
+    assert cli.main(["serve", "--text-model", "none", "--image-model", "none"]) == 2
+    assert "multistream serve: MULTISTREAM_QUEUE_SIZE must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_serve_quantize_reaches_the_text_model_loader() -> None:
