@@ -17,42 +17,12 @@ Example:
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from typing import Any, TextIO
 
+from .._notices import LibraryNoticeFilter, quiet_library_notices
+
 __all__ = ["LibraryNoticeFilter", "progress_stream", "quiet_library_notices", "set_library_progress", "show_progress"]
-
-# (logger name, text in the message): notices a library prints at import or load time about its own
-# optional backends. Matched narrowly, so a real warning from the same logger still shows.
-NOTICES = (
-    ("transformers.utils.import_utils", "requires torchvision (not installed)"),
-    ("transformers.utils.import_utils", "torchvision is not available"),
-)
-
-
-class LibraryNoticeFilter(logging.Filter):
-    """Drops the records of `NOTICES` on the logger it is attached to; keeps every other record."""
-
-    def __init__(self, needles: tuple[str, ...]) -> None:
-        super().__init__()
-        self.needles = needles
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(needle in message for needle in self.needles)
-
-
-def quiet_library_notices() -> None:
-    """Attach the filters (idempotent). Loggers exist by name before their library imports, so this
-    runs before transformers is imported and costs nothing."""
-    by_logger: dict[str, list[str]] = {}
-    for name, needle in NOTICES:
-        by_logger.setdefault(name, []).append(needle)
-    for name, needles in by_logger.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, LibraryNoticeFilter) for f in logger.filters):
-            logger.addFilter(LibraryNoticeFilter(tuple(needles)))
 
 
 def show_progress(stream: TextIO | None = None) -> bool:

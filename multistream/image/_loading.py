@@ -17,6 +17,7 @@ import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, default_dtype, resolve_device, resolve_dtype
 from .._hub import locate
+from .._notices import quiet_library_notices
 from ..diffusion._pipeline_args import dtype_kwarg
 from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES
 from ..errors import ModelLoadError
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from ._model import ImageModel
 
 __all__ = ["EMBEDDED_MODEL_DIR", "load_image_model"]
+
+# Loading a pipeline makes transformers warn about torchvision, which we never use (`_notices`).
+quiet_library_notices()
 
 #: Where the project's own small text-to-image model lives (``load_image_model()`` with no name).
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent.parent / "_models" / "shapes"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, resolve_device, resolve_dtype
+from .._notices import quiet_library_notices
 from ..diffusion._pipeline_args import dtype_kwarg
 from ..diffusion._sizes import EMBEDDED_VIDEO_SIZES
 from ..errors import ModelLoadError
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from ._model import VideoModel
 
 __all__ = ["EMBEDDED_VIDEO_DIR", "VIDEO_DEFAULTS_FILE", "load_video_model", "read_video_defaults"]
+
+# Loading a pipeline makes transformers warn about torchvision, which we never use (`_notices`).
+quiet_library_notices()
 
 #: Where the project's own small text-to-video model lives (``load_video_model()`` with no name).
 EMBEDDED_VIDEO_DIR = Path(__file__).resolve().parent.parent / "_models" / "shapes_video"
