@@ -116,9 +116,22 @@ def test_allow_partial_still_exits_when_no_model_loaded() -> None:
 
 
 def test_a_failed_model_is_degraded_never_loading() -> None:
-    # In process (create_app without the runner): readiness stays 503, the status says why.
+    # In process (create_app without the runner): readiness stays 503, the status says why. The
+    # load fails when the test says so, after it saw "loading" (a load that failed after a fixed
+    # second lost the race to a busy machine's server start).
+    import threading
+
+    release = threading.Event()
+
+    def failing_when_released() -> Any:
+        release.wait(30)
+        raise OSError("no file named model.safetensors in ./nowhere")
+
     states: list[Any] = []
-    with make_server(slow_failing_model, image=None) as srv:
+    with make_server(failing_when_released, image=None) as srv:
+        health = httpx.get(srv.url + "/readyz").json()
+        states.append((health["status"], health["models"]["text"]["state"]))
+        release.set()
         deadline = time.monotonic() + 20
         while True:
             health = httpx.get(srv.url + "/readyz").json()
