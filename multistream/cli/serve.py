@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from ._checks import integer
+from ._checks import integer, model_problem
 
 
 def add_parser(subparsers: Any) -> None:
@@ -140,22 +140,13 @@ def text_model_spec(value: str, quantize: str = "auto", compile: bool = False) -
 
 
 def model_path_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with a ``--<family>-model`` that names a folder or hub id (a folder that does not
-    exist, a name that is no hub id, a hub id neither reachable nor cached), or None; found in a
-    fraction of a second instead of after the server has started loading."""
-    from .._hub import locate
-    from ..errors import ModelLoadError
+    """What is wrong with a ``--<family>-model`` that names a folder or hub id (`model_problem`), or
+    None; found in a fraction of a second instead of after the server has started loading."""
     for family in FAMILY_NAMES:
         value = getattr(args, f"{family}_model", None)
-        if not isinstance(value, str) or value.strip().lower() in ("none", "off", "", "default", "auto"):
-            continue
-        head = value.split(":")[0]
-        if ":" in value and not value.startswith(("/", ".", "~")) and "/" not in head:
-            continue  # module:factory
-        try:
-            locate(value, family=family)
-        except ModelLoadError as exc:
-            return f"--{family}-model {value}: {exc}"
+        problem = model_problem(value, family)
+        if problem is not None:
+            return f"--{family}-model {value}: {problem}"
     return None
 
 

@@ -65,6 +65,10 @@ REFUSED = [
     (["text", "hi", "--device", "gpu"], "--device: unknown device 'gpu'; use auto, cpu, cuda or cuda:N"),
     (["serve", "--port", "70000"], "--port: 70000 is out of range; give an integer from 0 to 65535"),
     (["serve", "--keys-file", "no-such-keys.txt"], "cannot read the keys file 'no-such-keys.txt'"),
+    # A --model folder that does not exist, with nothing else wrong (text took 5 s to say so, after torch).
+    (["text", "hi"], "--model: no such folder"),
+    (["image", "x"], "--model: no such folder"),
+    (["video", "x", "--model", "./no-such-video-model"], "--model: no such folder: './no-such-video-model'"),
 ]
 
 
