@@ -67,6 +67,20 @@ def declare_options(parser: argparse.ArgumentParser, group: Any, cls: type, fini
     return names
 
 
+def finish_checking_sizes(parse: Callable[..., Any], embedded_sizes: Any) -> Finish:
+    """A `declare_options` finish for a diffusion family: ``parse(prompt, **given)``, then, for
+    the embedded model (no ``--model``), its sizes (`ImageSizes`), known without loading it, so a
+    size it cannot make fails before anything loads."""
+
+    def finish(args: argparse.Namespace, given: dict[str, Any]) -> Any:
+        options = parse(args.prompt, **given)
+        if args.model is None:
+            embedded_sizes.check(options.height, options.width)
+        return options
+
+    return finish
+
+
 def check_options(args: argparse.Namespace) -> None:
     """Each given option through its spec's check, then all of them through the family's parse."""
     cls = getattr(args, "option_spec", None)

@@ -26,7 +26,7 @@ from typing import Any
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions, parse_image_options
-from ._checks import declare_options, device, integer
+from ._checks import declare_options, device, finish_checking_sizes, integer
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_image
 
@@ -71,7 +71,7 @@ def add_parser(subparsers: Any) -> None:
     declare_options(
         p, p.add_argument_group("generation options (ImageModel.stream)",
                                 "an --out file's suffix (.png, .jpg, .webp) sets the final format"), ImageOptions,
-        _finish_options,
+        finish_checking_sizes(parse_image_options, EMBEDDED_IMAGE_SIZES),
         flags={"preview_format": ("--format",), "preview_quality": ("--quality",), "preview_max_side": ("--max-side",)},
         exclude=("priority",))
     p.add_argument("--taesd", default=None, help="folder with TAESD (AutoencoderTiny) weights, for --preview taesd")
@@ -81,15 +81,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--strip-frames", type=integer(1), default=8, metavar="N",
                    help="previews in the strip, evenly spread over the run (default: 8)")
     p.set_defaults(func=run, check_paths=check_paths)
-
-
-def _finish_options(args: argparse.Namespace, given: dict[str, Any]) -> Any:
-    """The options through `parse_image_options`; for the embedded model also its sizes, known
-    without loading it, so a size it cannot make fails before anything loads."""
-    options = parse_image_options(args.prompt, **given)
-    if args.model is None:
-        EMBEDDED_IMAGE_SIZES.check(options.height, options.width)
-    return options
 
 
 def default_out(args: argparse.Namespace) -> str | None:

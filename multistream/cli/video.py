@@ -26,7 +26,7 @@ from typing import Any
 
 from .._spec import cli_values
 from ..errors import MultistreamError
-from ._checks import declare_options, device
+from ._checks import declare_options, device, finish_checking_sizes
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_output_file, check_output_folder
 
@@ -41,7 +41,7 @@ DEFAULT_OUT = "multistream-video.webm"
 
 
 def add_parser(subparsers: Any) -> None:
-    from ..video import VideoOptions
+    from ..video import EMBEDDED_VIDEO_SIZES, VideoOptions, parse_video_options
 
     p = subparsers.add_parser("video", help="make a short clip, streaming every frame's preview per step",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,20 +59,10 @@ def add_parser(subparsers: Any) -> None:
     # checked by it before the model loads; --out's suffix picks the clip format.
     declare_options(p, p.add_argument_group("generation options (VideoModel.stream)",
                                             "--out's suffix (.webm, .mp4) sets the clip format"), VideoOptions,
-                    _finish_options, exclude=("priority", "video_format"))
+                    finish_checking_sizes(parse_video_options, EMBEDDED_VIDEO_SIZES),
+                    exclude=("priority", "video_format"))
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
     p.set_defaults(func=run, check_paths=check_paths)
-
-
-def _finish_options(args: argparse.Namespace, given: dict[str, Any]) -> Any:
-    """The options through `parse_video_options`; for the embedded model also its sizes, known
-    without loading it, so a size it cannot make fails before anything loads."""
-    from ..video import EMBEDDED_VIDEO_SIZES, parse_video_options
-
-    options = parse_video_options(args.prompt, **given)
-    if args.model is None:
-        EMBEDDED_VIDEO_SIZES.check(options.height, options.width)
-    return options
 
 
 def out_path(args: argparse.Namespace) -> str | None:
