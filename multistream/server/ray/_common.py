@@ -14,6 +14,14 @@ MODEL_WAIT_S = 600.0  # how long an ingress replica waits for its model deployme
 
 
 
+def waiting_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean no healthy replica is up yet (one is starting: a model loads for seconds
+    or minutes): a stream waits for it, up to `MODEL_WAIT_S`, instead of counting a failure."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return (DeploymentUnavailableError,)
+
+
 def retryable_errors() -> tuple[type[BaseException], ...]:
     from ray.exceptions import RayActorError, WorkerCrashedError
     from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError

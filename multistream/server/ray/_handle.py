@@ -16,9 +16,10 @@ from ...events import Event, ImageEvent, TextEvent
 from ...stream import Stream, StreamWriter
 from ..durable.resume import PREFIX, redis_client
 from ..families import family
-from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, retryable_errors
+from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, MODEL_WAIT_S, retryable_errors, waiting_errors
 
 logger = logging.getLogger("multistream.server")
+WAITING_POLL_S = 0.5  # while no replica is up: how often a stream asks again
 
 def _check_here(kind: str, kwargs: dict[str, Any]) -> None:
     """The model-independent argument checks (torch-free, the models' own code), at the ingress: a
@@ -112,13 +113,15 @@ class RemoteModel:
         edits: list[dict[str, Any]] = []  # those reported by the replica serving the stream now
         step = -1
         failures: list[float] = []
-        retryable = retryable_errors()
+        retryable, waiting = retryable_errors(), waiting_errors()
+        waiting_since: float | None = None  # since when no healthy replica is up (a new one starts)
         while True:
             resume = {"tokens": ids, "chars": len(text), "step": step, "failover": bool(failures),
                       "inserted": [[e["at"], e["token_ids"]] for e in inserted if e.get("token_ids")]}
             gen = self.handle.options(stream=True).generate.remote(kwargs, resume, w.stream_id)
             try:
                 async for item in gen:
+                    waiting_since = None  # a replica answers
                     if isinstance(item, dict):
                         if "edit" in item:  # a steer or rewind took effect on the replica
                             edit = dict(item["edit"])
@@ -174,6 +177,20 @@ class RemoteModel:
                 edits = []
                 base = revision
                 now = time.monotonic()
+                if isinstance(exc, waiting) and failures:
+                    # The replica that failed is being replaced and the deployment has none healthy
+                    # meanwhile: wait for the new one (a loaded machine took over 30 s to start an
+                    # image replica, and eight quick retries used to end the stream in 2 s).
+                    if waiting_since is None:
+                        waiting_since = now
+                        logger.warning("stream %s: no %s replica is up yet; waiting up to %.0f s for one",
+                                       w.stream_id, self.kind, MODEL_WAIT_S)
+                    if now - waiting_since > MODEL_WAIT_S:
+                        w.fail(RuntimeError(f"no {self.kind} replica came back within {MODEL_WAIT_S:.0f} s"))
+                        return
+                    await asyncio.sleep(WAITING_POLL_S)
+                    continue
+                waiting_since = None
                 failures = [t for t in failures if now - t < FAILOVER_WINDOW_S] + [now]
                 self.failovers += 1
                 if len(failures) > MAX_FAILOVERS:
