@@ -50,7 +50,10 @@ def test_demo_chat_without_speaking_has_no_player_and_no_console_errors() -> Non
             page.on("request", lambda r: playlists.append(r.url) if ".m3u8" in r.url else None)
             page.goto(srv.url + "/demo/")
             page.wait_for_selector("#ms-chat-input textarea")
-            assert page.locator("#ms-chat-speak input[type=checkbox]").count() == 1  # the page can speak
+            # The page can speak (waited for, not counted at once: a busy machine renders the rows
+            # below the chat input a moment later, and a count of 0 then failed a full run).
+            page.wait_for_selector("#ms-chat-speak input[type=checkbox]", state="attached")
+            assert page.locator("#ms-chat-speak input[type=checkbox]").count() == 1
             page.fill("#ms-chat-input textarea", "Tell me about the sea.")
             page.click("#ms-chat-send")
             page.wait_for_function(f"() => ({BOT_TEXT})().includes('around the world')")
