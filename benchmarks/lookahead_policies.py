@@ -8,8 +8,10 @@ policy over it: at each step it proposes drafts from the prompt and the answer s
 that equal the answer's next tokens are kept, and the step yields those plus one token. That gives
 tokens per decode step and drafted positions exactly (the engine's own `Lookahead` replays to the
 benchmark's tokens per step: summary 1.37 here against 1.36 measured). Speed is then modelled:
-a step with ``k`` drafts costs ``1 + c * k`` one-token steps; ``c``, an extra position's cost, was
-0.2-0.33 of a native decode step on 2 cores (a forward of 2-11 tokens against one).
+a step with ``k`` drafts costs ``1 + c * k`` one-token steps. ``c``, an extra position's cost, is
+an estimate from two measurements on 2 cores: an extra position cost 0.10-0.17 of a whole
+``model()`` forward of one token (forwards of 2-11 tokens), and that forward (19 ms under load)
+took about twice the engine's decode step (10 ms at ``speculate=0``, another run): so 0.2-0.33.
 
 Policies:
 - ``engine``: multistream's `Lookahead` (3/2/1-gram match, latest occurrence, draft length from the
@@ -101,12 +103,11 @@ def record(llm: Any, tokens: int) -> dict[str, tuple[list[int], list[int]]]:
     """Each task's prompt ids and greedy answer ids (``speculate=0``)."""
     out = {}
     for task, (messages, extra) in TASKS.items():
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompt = list(getattr(prompt, "input_ids", prompt) if not isinstance(prompt, list) else prompt)
+        prompt = llm.encode_prompt(messages)  # the ids the engine prefills
         answer: list[int] = []
         for ev in llm.stream(messages, max_new_tokens=tokens, temperature=0.0, speculate=0, **extra):
             answer += list(ev.token_ids)
-        out[task] = ([int(t) for t in prompt], answer)
+        out[task] = (list(prompt), answer)
     return out
 
 

@@ -108,8 +108,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         paths(args)
 
 
-# The commands whose ``--model`` names a folder or hub id of a model family (`_hub.locate` knows them).
-MODEL_FAMILIES = {"text": "text", "image": "image", "video": "video"}
+# The commands whose ``--model`` names a folder or hub id of the model family of the same name.
+MODEL_COMMANDS = frozenset({"text", "image", "video"})
 
 
 def model_problem(value: object, family: str) -> str | None:
@@ -135,8 +135,8 @@ def check_model_argument(args: argparse.Namespace) -> None:
     """A command's ``--model``, where it points, before anything heavy is imported
     (`model_problem`): ``multistream text --model ./nope`` took 5 s to say "no such folder", after
     importing torch and transformers; ``multistream serve`` checks its models the same way."""
-    family = MODEL_FAMILIES.get(getattr(args, "command", None) or "")
-    if family is None:
+    family = getattr(args, "command", None)
+    if family not in MODEL_COMMANDS:
         return
     problem = model_problem(getattr(args, "model", None), family)
     if problem is not None:

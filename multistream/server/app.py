@@ -264,7 +264,7 @@ def _deferred_demo(app: FastAPI, path: str, image_spec: Any, keyring: KeyRing, s
 
 # How long no stream may have run before the demo page is built unasked: Gradio's import holds
 # the GIL for seconds, and the API's first clients (a script that waits for /readyz, then sends
-# requests) would wait with it (first tokens 0.4-1.8 s instead of 30-40 ms on 2 cores).
+# requests) would wait with it (first tokens 0.6-1.9 s instead of 30-40 ms on 2 cores).
 DEMO_BUILD_QUIET_S = 1.5
 
 

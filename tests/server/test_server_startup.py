@@ -331,7 +331,7 @@ def test_the_first_requests_find_every_route_built_at_start_up(monkeypatch: Any)
 
 def test_the_demo_page_is_built_unasked_only_once_clients_are_quiet(monkeypatch: Any) -> None:
     """Gradio's import holds the GIL for seconds: built the moment the models were in, it slowed the
-    first API requests of a client that waited for /readyz (first tokens 0.4-1.9 s instead of
+    first API requests of a client that waited for /readyz (first tokens 0.6-1.9 s instead of
     30-40 ms on 2 cores). The page is now built unasked only once the models have settled and no
     stream has run for `DEMO_BUILD_QUIET_S` (a visit to /demo still builds it at once)."""
     import threading

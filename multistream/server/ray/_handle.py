@@ -21,6 +21,7 @@ from ._common import FAILOVER_WINDOW_S, MAX_FAILOVERS, MODEL_WAIT_S, retryable_e
 logger = logging.getLogger("multistream.server")
 WAITING_POLL_S = 0.5  # while no replica is up: how often a stream asks again
 
+
 def _check_here(kind: str, kwargs: dict[str, Any]) -> None:
     """The model-independent argument checks (torch-free, the models' own code), at the ingress: a
     bad argument is a 400 there, as on a single server, not an error event in a 200 stream. What

@@ -1136,7 +1136,6 @@ int ms_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float
     return 0;
 }
 
-// Which instruction set this build uses (for the log line and the tests).
 // How the team met contention so far: out[0] calls whose barriers stalled, out[1] calls run on
 // the caller alone because of it (both 0 without threads).
 void ms_team_contention(int64_t *out) {
@@ -1148,6 +1147,7 @@ void ms_team_contention(int64_t *out) {
 #endif
 }
 
+// Which instruction set this build uses (for the log line and the tests).
 const char *ms_kernel_isa(void) {
 #if defined(MS_AVX512)
     return "avx512";
