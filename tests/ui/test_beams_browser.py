@@ -21,6 +21,7 @@ from repo_paths import ARTIFACTS
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from multistream.testing import ScriptedImageModel  # noqa: E402
+from multistream.text._beams import BeamSearch  # noqa: E402
 from multistream.ui.demo import create_demo  # noqa: E402
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
@@ -59,6 +60,25 @@ def browser() -> Any:
             b.close()
 
 
+# The page is polled every 50 ms for a mid-stream state. A beam step of the default model takes
+# 10-30 ms, so 48 of them could end between two polls on a busy machine (a full run once saw no
+# provisional text at all). Each step is held this long after its scores are taken: the answer
+# stays the same, and the page has a poll or two per step.
+STEP_HOLD_S = 0.08
+
+
+@pytest.fixture
+def paced_beams(monkeypatch: pytest.MonkeyPatch) -> None:
+    step = BeamSearch.step
+
+    def held_step(self: BeamSearch, logits: torch.Tensor) -> list[int]:
+        source = step(self, logits)
+        time.sleep(STEP_HOLD_S)
+        return source
+
+    monkeypatch.setattr(BeamSearch, "step", held_step)
+
+
 def _wait_mid_stream(pg: Any, selector: str, done: Any, shot: Path, timeout: float = 240.0) -> list[dict[str, str]]:
     """Poll until the run ends; screenshot once a provisional tail shows after some committed text."""
     seen: list[dict[str, str]] = []
@@ -78,7 +98,8 @@ def _wait_mid_stream(pg: Any, selector: str, done: Any, shot: Path, timeout: flo
     raise AssertionError("the run did not end in time")
 
 
-def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(text_model: Any, browser: Any) -> None:
+def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(text_model: Any, browser: Any,
+                                                                       paced_beams: None) -> None:
     # compared with transformers' beam search on the same (default, int4) model: one arithmetic
     demo = create_demo(text_model, ScriptedImageModel(steps=2, size=32), prompt_style="shapes")
     port = _free_port()
@@ -113,7 +134,7 @@ def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(text_mod
         demo.close()
 
 
-def test_web_client_draws_provisional_text_faded(text_model: Any, browser: Any) -> None:
+def test_web_client_draws_provisional_text_faded(text_model: Any, browser: Any, paced_beams: None) -> None:
     # compared with transformers' beam search on the same (default, int4) model: one arithmetic
     with make_server(text_model) as srv:
         pg = browser.new_page()
