@@ -34,7 +34,8 @@ def check_speech_text(text: Any) -> str:
     if not isinstance(text, str):
         raise InvalidArgumentError(f"the text to speak must be a string, got {type(text).__name__}")
     if not text.strip():
-        raise InvalidArgumentError("the text to speak is empty; pass some words, e.g. tts.stream('Hello there.')")
+        # Said without a surface's syntax: the same words reach Python, the CLI and the HTTP routes.
+        raise InvalidArgumentError("the text to speak is empty; give some words to speak, e.g. 'Hello there.'")
     if len(text) > MAX_INPUT_CHARACTERS:
         raise InvalidArgumentError(
             f"the text to speak has {len(text)} characters, more than {MAX_INPUT_CHARACTERS}; "

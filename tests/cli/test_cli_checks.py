@@ -57,7 +57,7 @@ REFUSED = [
     (["image", "x", "--strip-frames", "0"], "--strip-frames: 0 is out of range; give an integer >= 1"),
     (["speak", "Hello.", "--out", "t.xyz"], "--out t.xyz: .xyz is not a format this command writes"),
     (["speak", "Hello.", "--out", "t.wav", "--speed", "9"], "--speed: speed must be a number from 0.25 to 4"),
-    (["speak", "   "], "the text to speak is empty"),
+    (["speak", "   "], "the text to speak is empty; give some words to speak, e.g. 'Hello there.'"),
     (["speak", "Hello.", "--priority", "high"], "argument --priority: invalid int value: 'high'"),
     (["fit-preview", "--out", "decoder.bin"], "--out decoder.bin: .bin is not a format"),
     (["fit-preview", "--steps", "0"], "--steps: 0 is out of range"),
