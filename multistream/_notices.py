@@ -1,10 +1,17 @@
-"""Library notices about optional backends multistream never uses, dropped from their loggers.
+"""Library notices about optional backends multistream never uses, dropped from their loggers;
+and the libraries' loading bars, hidden while an embedded model loads.
 
 Loading a diffusers pipeline makes transformers print, once per process, that its image
 processors "require torchvision (not installed)": an optional backend of image processors that
 multistream never uses, and not the user's to fix. The image and video loaders (and the command
 line, before anything imports transformers) attach a filter to that logger which drops exactly
 those records; every other warning, from the same logger too, still shows.
+
+The embedded image and video models load from the package in a fraction of a second, yet
+diffusers and transformers drew two progress bars for it ("Loading pipeline components",
+"Loading weights") in a plain ``load_image_model()``: noise a newcomer took for a download.
+`quiet_loading_bars` hides them for that load only and puts the libraries' setting back after;
+a hub or folder model keeps its bars (a download or a large load is worth watching).
 
 Example:
     >>> quiet_library_notices()
@@ -15,9 +22,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["NOTICES", "LibraryNoticeFilter", "quiet_library_notices"]
+__all__ = ["NOTICES", "LibraryNoticeFilter", "quiet_library_notices", "quiet_loading_bars"]
+
+# The libraries whose tqdm bars a load draws; each has is_progress_bar_enabled / enable / disable.
+_PROGRESS_MODULES = ("transformers.utils.logging", "diffusers.utils.logging")
 
 # (logger name, text in the message): notices a library prints at import or load time about its own
 # optional backends. Matched narrowly, so a real warning from the same logger still shows.
@@ -49,3 +63,33 @@ def quiet_library_notices() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, LibraryNoticeFilter) for f in logger.filters):
             logger.addFilter(LibraryNoticeFilter(tuple(needles)))
+
+
+@contextlib.contextmanager
+def quiet_loading_bars() -> Iterator[None]:
+    """Hide transformers' and diffusers' progress bars inside the block, then restore each library's
+    own setting (a user who turned them off keeps them off).
+
+    Example:
+        >>> import diffusers.utils.logging as dl
+        >>> before = dl.is_progress_bar_enabled()
+        >>> with quiet_loading_bars():
+        ...     dl.is_progress_bar_enabled()
+        False
+        >>> dl.is_progress_bar_enabled() == before
+        True
+    """
+    turned_off: list[Any] = []
+    for name in _PROGRESS_MODULES:
+        try:
+            module: Any = importlib.import_module(name)
+        except ImportError:
+            continue
+        if module.is_progress_bar_enabled():
+            module.disable_progress_bar()
+            turned_off.append(module)
+    try:
+        yield
+    finally:
+        for module in turned_off:
+            module.enable_progress_bar()

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, default_dtype, resolve_device, resolve_dtype
 from .._hub import locate
-from .._notices import quiet_library_notices
+from .._notices import quiet_library_notices, quiet_loading_bars
 from ..diffusion._pipeline_args import dtype_kwarg
 from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES
 from ..errors import ModelLoadError
@@ -140,7 +141,8 @@ def load_image_model(
         torch_dtype = _default_dtype(torch_device, class_name)
     try:
         if is_dir:
-            pipe = _from_pretrained(source, torch_dtype, True, **kw)
+            with quiet_loading_bars() if name_or_path is None else contextlib.nullcontext():
+                pipe = _from_pretrained(source, torch_dtype, True, **kw)
         else:
             try:
                 pipe = _from_pretrained(source, torch_dtype, True, **kw)  # the hub cache, if it has it

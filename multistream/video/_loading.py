@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, resolve_device, resolve_dtype
-from .._notices import quiet_library_notices
+from .._notices import quiet_library_notices, quiet_loading_bars
 from ..diffusion._pipeline_args import dtype_kwarg
 from ..diffusion._sizes import EMBEDDED_VIDEO_SIZES
 from ..errors import ModelLoadError
@@ -96,7 +97,8 @@ def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "
 
     try:
         try:
-            with MODULE_BUILD_LOCK:
+            bars = quiet_loading_bars() if name_or_path is None else contextlib.nullcontext()
+            with MODULE_BUILD_LOCK, bars:
                 pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True, **dtype_kwarg(torch_dtype), **kw)
         except Exception:  # noqa: BLE001 - a hub id not in the cache: then the network
             if is_dir:

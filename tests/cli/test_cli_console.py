@@ -50,15 +50,20 @@ def test_cli_out_png_writes_that_file_and_no_notices(tmp_path: Path) -> None:
     assert f"-> {target}" in out.stderr
 
 
-def test_loading_the_image_and_video_models_in_python_prints_no_torchvision_notice() -> None:
+def test_loading_the_image_and_video_models_in_python_prints_no_torchvision_notice_and_no_bars() -> None:
     """The library's own loaders drop transformers' notice about torchvision (an optional backend of
     image processors multistream never uses), as the command line does: a newcomer's Python snippet,
-    server log and notebook printed two of them on every image or video model load."""
-    code = "import multistream as ms; ms.load_image_model(); ms.load_video_model(); print('loaded')"
+    server log and notebook printed two of them on every image or video model load. And the embedded
+    models, which load in a fraction of a second, draw no loading bars; the libraries' own setting
+    is back afterwards."""
+    code = ("import multistream as ms; ms.load_image_model(); ms.load_video_model()\n"
+            "import diffusers.utils.logging as d, transformers.utils.logging as t\n"
+            "print('loaded', d.is_progress_bar_enabled(), t.is_progress_bar_enabled())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-2000:]
+    assert out.returncode == 0 and "loaded True True" in out.stdout, out.stderr[-2000:]
     assert "torchvision" not in out.stderr, out.stderr
+    assert "Loading pipeline components" not in out.stderr and "Loading weights" not in out.stderr, out.stderr
 
 
 def test_cli_out_jpg_is_a_jpeg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
