@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from ..errors import InvalidArgumentError, MultistreamError
 
 __all__ = ["WriteError", "atomic_path", "atomic_write", "check_input_folder", "check_output_file",
-           "check_output_folder", "looks_like_image"]
+           "check_output_folder", "looks_like_a_file"]
 
 
 class WriteError(MultistreamError, OSError):
@@ -71,16 +71,24 @@ def _probe(folder: str, what: str) -> None:
             from None
 
 
-def looks_like_image(path: str) -> bool:
-    """Whether ``path``'s suffix is an image type by the system's MIME table (``final.gif``,
-    ``a.bmp``), so a flag that takes a folder or an image file can tell a format it does not write
-    from a folder name (``out``, ``out.d``, ``run-2``).
+# Media types, and a few document types, that name a file whatever the context: a folder flag given
+# one of them is a mistake (``--out o.txt``), while a folder named ``out.d`` or ``images.old`` (their
+# suffixes have MIME types too) is a folder.
+_FILE_TYPES = ("image/", "video/", "audio/", "text/plain", "text/csv", "text/html", "application/json",
+               "application/pdf", "application/zip")
+
+
+def looks_like_a_file(path: str) -> bool:
+    """Whether ``path``'s suffix names a media or document file by the system's MIME table
+    (``final.gif``, ``a.bmp``, ``clip.mp4``, ``o.txt``), so a flag that takes a folder can tell a
+    file name from a folder name (``out``, ``out.d``, ``run-2``).
 
     Example:
-        >>> looks_like_image("final.gif"), looks_like_image("out.d"), looks_like_image("runs")
-        (True, False, False)
+        >>> [looks_like_a_file(p) for p in ("final.gif", "o.txt", "clip.mp4", "out.d", "runs", "run.2")]
+        [True, True, True, False, False, False]
     """
-    return (mimetypes.guess_type(os.path.basename(path))[0] or "").startswith("image/")
+    mime = mimetypes.guess_type(os.path.basename(path))[0] or ""
+    return mime.startswith(_FILE_TYPES)
 
 
 def check_output_file(path: str, flag: str, formats: Mapping[str, str], what: str, *,
@@ -122,6 +130,9 @@ def check_output_folder(path: str, flag: str, file_hint: str = "") -> None:
     if os.path.isdir(path):
         _probe(path, f"{flag} {path}")
         return
+    if looks_like_a_file(path):
+        raise InvalidArgumentError(f"{flag} {path}: {os.path.splitext(path)[1]} names a file, and this flag takes a "
+                                   "folder; give a folder name" + (f" {file_hint}" if file_hint else ""))
     _check_parent(os.path.join(path, "x"), f"{flag} {path}")
 
 

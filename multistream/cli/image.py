@@ -28,7 +28,7 @@ from ..errors import InvalidArgumentError, MultistreamError
 from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions, parse_image_options
 from ._checks import declare_options, device, finish_checking_sizes, integer
 from ._console import set_library_progress, show_progress
-from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_image
+from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_a_file
 
 _EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
 # A --out ending in one of these is the final image's file (its format from the suffix); else a folder.
@@ -99,7 +99,7 @@ def check_paths(args: argparse.Namespace) -> None:
     if out_file is not None:
         check_output_file(out_file, "--out", IMAGE_SUFFIXES, "an image file")
     elif out is not None:
-        if looks_like_image(out):
+        if looks_like_a_file(out):
             raise InvalidArgumentError(
                 f"--out {out}: {os.path.splitext(out)[1]} is not a format this command writes; give a file ending "
                 f"in {suffixes} for the final image only, or a folder name (no suffix) for the previews and the "

@@ -50,9 +50,11 @@ REFUSED = [
     (["image", "x", "--steps", "0"], "--steps: steps must be an integer >= 1"),
     (["image", "x", "--preview", "foo"], "--preview: unknown preview='foo'; use one of"),
     (["image", "x", "--out", "final.gif"], "--out final.gif: .gif is not a format this command writes"),
+    (["image", "x", "--out", "o.txt"], "--out o.txt: .txt is not a format this command writes"),  # was a folder
     (["image", "x", "--out", "o.png", "--final-format", "webp"], "drop --final-format"),
     (["image", "x", "--out", "missing-parent-is-a-file"], "is an existing file, not a folder"),
     (["image", "x", "--strip", "strip.gif"], "--strip strip.gif: .gif is not a format"),
+    (["video", "x", "--previews", "p.mp4"], "--previews p.mp4: .mp4 names a file, and this flag takes a folder"),
     (["image", "x", "--taesd", "no-such-folder"], "--taesd no-such-folder: no such folder"),
     (["image", "x", "--strip-frames", "0"], "--strip-frames: 0 is out of range; give an integer >= 1"),
     (["speak", "Hello.", "--out", "t.xyz"], "--out t.xyz: .xyz is not a format this command writes"),
