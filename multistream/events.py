@@ -28,7 +28,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from ._checks import is_int
-from .errors import EventFormatError
+from .errors import EventFormatError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -272,14 +272,30 @@ class VideoEvent(_BaseEvent):
     def save(self, path: Any) -> Any:
         """Write ``data`` to ``path`` (a clip on the final event, the preview otherwise); returns the path.
 
+        The bytes are written as they are, so the suffix must name their format (``.webm`` for the
+        default clip, ``.mp4`` for ``video_format="mp4"``, ``.webp`` or ``.jpg`` for a preview):
+        ``clip.mp4`` holding VP9 in WebM was a file that players and editors refuse or misread, so
+        a suffix of another format is an `InvalidArgumentError` that names the one to use.
+
         Example:
             >>> ev.save("clip.webm")  # doctest: +SKIP
         """
         from pathlib import Path
 
         out = Path(path)
+        suffixes = _SUFFIXES_OF_MIME.get(self.mime, ())
+        if suffixes and out.suffix.lower() not in suffixes:
+            hint = " (or ask for an MP4 with video_format='mp4')" if self.mime == "video/webm" else ""
+            raise InvalidArgumentError(
+                f"cannot save {self.mime} as {out.name!r}: the bytes are written as they are, so the file "
+                f"name must end in {' or '.join(suffixes)}{hint}")
         out.write_bytes(self.data)
         return out
+
+
+# The file suffixes of each format a video event's data can have (first: the usual one).
+_SUFFIXES_OF_MIME = {"video/webm": (".webm",), "video/mp4": (".mp4", ".m4v"), "image/webp": (".webp",),
+                     "image/jpeg": (".jpg", ".jpeg"), "image/png": (".png",)}
 
 
 def _decode_frames(ev: VideoEvent) -> list[PILImage.Image]:

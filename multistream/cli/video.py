@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from .._spec import cli_values
-from ..errors import MultistreamError
+from ..errors import InvalidArgumentError, MultistreamError
 from ._checks import declare_options, device, finish_checking_sizes
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_output_file, check_output_folder
@@ -41,7 +41,19 @@ DEFAULT_OUT = "multistream-video.webm"
 
 
 def add_parser(subparsers: Any) -> None:
-    from ..video import EMBEDDED_VIDEO_SIZES, VideoOptions, parse_video_options
+    from ..video import EMBEDDED_VIDEO_MAX_FRAMES, EMBEDDED_VIDEO_SIZES, VideoOptions, parse_video_options
+
+    check_sizes = finish_checking_sizes(parse_video_options, EMBEDDED_VIDEO_SIZES)
+
+    def finish(args: argparse.Namespace, given: dict[str, Any]) -> Any:
+        options = check_sizes(args, given)
+        # The embedded model's frame limit is known without loading it (as its sizes are).
+        if args.model is None and options.num_frames is not None and options.num_frames > EMBEDDED_VIDEO_MAX_FRAMES:
+            raise InvalidArgumentError(
+                f"--num-frames: {options.num_frames} is more than the embedded model takes (at most "
+                f"{EMBEDDED_VIDEO_MAX_FRAMES} frames); give {EMBEDDED_VIDEO_MAX_FRAMES} or fewer, and a lower --fps "
+                "for a longer clip")
+        return options
 
     p = subparsers.add_parser("video", help="make a short clip, streaming every frame's preview per step",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,8 +71,7 @@ def add_parser(subparsers: Any) -> None:
     # checked by it before the model loads; --out's suffix picks the clip format.
     declare_options(p, p.add_argument_group("generation options (VideoModel.stream)",
                                             "--out's suffix (.webm, .mp4) sets the clip format"), VideoOptions,
-                    finish_checking_sizes(parse_video_options, EMBEDDED_VIDEO_SIZES),
-                    exclude=("priority", "video_format"))
+                    finish, exclude=("priority", "video_format"))
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON) on stdout")
     p.set_defaults(func=run, check_paths=check_paths)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["EMBEDDED_IMAGE_SIZES", "EMBEDDED_VIDEO_SIZES", "ImageSizes", "sizes_for"]
+__all__ = ["EMBEDDED_IMAGE_SIZES", "EMBEDDED_VIDEO_MAX_FRAMES", "EMBEDDED_VIDEO_SIZES", "ImageSizes", "sizes_for"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,11 @@ EMBEDDED_VIDEO_SIZES = ImageSizes(
     multiple=16, min_side=16, max_side=128, native=(64, 64),
     why="the VAE downsamples by 4 and the denoiser patches by 4",
 )
+
+#: The most frames the embedded video model takes: its motion modules' positional table
+#: (``motion_max_seq_length``, what `VideoModel.max_num_frames` reads from the loaded model),
+#: declared here so that the command line can refuse ``--num-frames 40`` before the model loads.
+EMBEDDED_VIDEO_MAX_FRAMES = 32
 
 
 def sizes_for(multiple: int, native: tuple[int | None, int | None], why: str, max_side: int | None = None) -> ImageSizes:

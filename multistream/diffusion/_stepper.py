@@ -143,7 +143,7 @@ class ImageStepper:
         except _Shutdown:
             req.cancel()
         except BaseException as exc:  # noqa: BLE001 - one request's fault ends that request only
-            logger.error("image stream failed", exc_info=exc)
+            logger.error("a denoising stream failed", exc_info=exc)  # image or video: one stepper
             req.fail(exc)
 
     def fail_all(self, exc: BaseException) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._lazy import lazy_attributes
-from ..diffusion._sizes import EMBEDDED_VIDEO_SIZES
+from ..diffusion._sizes import EMBEDDED_VIDEO_MAX_FRAMES, EMBEDDED_VIDEO_SIZES
 from ._options import (
     PREVIEW_FORMATS,
     VIDEO_FORMATS,
@@ -79,6 +79,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "EMBEDDED_VIDEO_DIR",
+    "EMBEDDED_VIDEO_MAX_FRAMES",
     "EMBEDDED_VIDEO_SIZES",
     "PREVIEW_FORMATS",
     "VIDEO_FORMATS",

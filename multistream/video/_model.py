@@ -221,9 +221,31 @@ class VideoModel(EngineModel):
         return ImageSizes(multiple=multiple, min_side=multiple, max_side=max(found.max_side - found.max_side % multiple, multiple),
                           native=found.native, why=found.why)
 
+    @property
+    def max_num_frames(self) -> int | None:
+        """The most frames the denoiser can take, where its config says (AnimateDiff's motion modules:
+        their positional table, ``motion_max_seq_length``, 32 for the embedded model); None where
+        nothing says (Wan, LTX: their memory is the limit).
+
+        Example:
+            >>> ms.load_video_model().max_num_frames      # doctest: +SKIP
+            32
+        """
+        config = getattr(getattr(self._pipe, "unet", None), "config", None)
+        limit = getattr(config, "motion_max_seq_length", None) if config is not None else None
+        return int(limit) if isinstance(limit, int) and limit > 0 else None
+
     def check_num_frames(self, num_frames: int) -> int:
-        """``num_frames`` if the VAE can make that many (``1 + temporal * k`` for a causal 3D VAE),
-        else `InvalidArgumentError` naming the nearest counts."""
+        """``num_frames`` if the denoiser takes that many (`max_num_frames`) and the VAE can make
+        them (``1 + temporal * k`` for a causal 3D VAE), else `InvalidArgumentError` naming the counts
+        it can make. Found at call time: 33 frames on the embedded model failed in its first step
+        with a tensor-size error from diffusers."""
+        most = self.max_num_frames
+        if most is not None and num_frames > most:
+            raise InvalidArgumentError(
+                f"num_frames={num_frames} is more than this model takes: its motion modules hold at most {most} "
+                f"frames; use num_frames={most} or fewer (a lower fps makes the clip last longer)"
+            )
         t = self.layout.temporal
         if t > 1 and (num_frames - 1) % t:
             lower = num_frames - (num_frames - 1) % t

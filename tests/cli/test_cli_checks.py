@@ -54,6 +54,7 @@ REFUSED = [
     (["image", "x", "--out", "o.png", "--final-format", "webp"], "drop --final-format"),
     (["image", "x", "--out", "missing-parent-is-a-file"], "is an existing file, not a folder"),
     (["image", "x", "--strip", "strip.gif"], "--strip strip.gif: .gif is not a format"),
+    (["video", "x", "--num-frames", "33"], "--num-frames: 33 is more than the embedded model takes (at most 32"),
     (["video", "x", "--previews", "p.mp4"], "--previews p.mp4: .mp4 names a file, and this flag takes a folder"),
     (["image", "x", "--taesd", "no-such-folder"], "--taesd no-such-folder: no such folder"),
     (["image", "x", "--strip-frames", "0"], "--strip-frames: 0 is out of range; give an integer >= 1"),

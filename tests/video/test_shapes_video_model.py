@@ -331,3 +331,24 @@ def test_the_mid_run_preview_already_shows_the_prompt(video_model, after_step_9,
     ]
     got = tuple(sum(bool(getattr(v, f"{k}_ok")) for v in verdicts) for k in ("color", "shape", "background"))
     assert all(g >= m - 1 for g, m in zip(got, MID_RUN_MEASURED[mode])), (mode, got)
+
+
+def test_more_frames_than_the_motion_modules_hold_are_refused_at_call_time(video_model) -> None:
+    """33 frames ran into diffusers' positional table (32 rows) in the first step and ended the
+    stream with a bare tensor-size error; now the call refuses, naming the limit, and the command
+    line and OpenAI's ``seconds`` know it before anything runs."""
+    from multistream.errors import InvalidArgumentError
+    from multistream.server.http.problems import Problem
+    from multistream.server.openai.videos.protocol import VideoFormat, parse_video_create
+    from multistream.video import EMBEDDED_VIDEO_MAX_FRAMES
+
+    assert video_model.max_num_frames == EMBEDDED_VIDEO_MAX_FRAMES == 32
+    with pytest.raises(InvalidArgumentError, match="num_frames=33 is more than this model takes: .* at most 32"):
+        video_model.stream("a red circle moving right on a blue background", num_frames=33)
+    final = video_model.generate("a red circle moving right on a blue background", num_frames=32, steps=1)
+    assert final.num_frames == 32 and len(final.frames) == 32
+    fmt = VideoFormat.of(video_model)
+    with pytest.raises(Problem) as caught:  # 8 s at 8 fps: 64 frames
+        parse_video_create({"prompt": "p", "seconds": "8"}, fmt)
+    assert caught.value.status == 400 and caught.value.param == "seconds" and "at most 32" in caught.value.message
+    assert parse_video_create({"prompt": "p", "seconds": "4"}, fmt)[1]["num_frames"] == 32

@@ -53,3 +53,20 @@ def test_the_fake_refuses_what_the_real_model_refuses():
     with pytest.raises(InvalidArgumentError, match="takes no 'eta' argument"):
         vm.stream("x", eta=0.1)
     assert vm.generate("x", video_format="mp4", preview="none").mime == "video/mp4"
+
+
+def test_save_writes_the_bytes_under_a_suffix_of_their_format(tmp_path):
+    """``clip.mp4`` holding a WebM was written silently (a newcomer's ``final.save("clip.mp4")``); the
+    suffix must name the bytes' format, and the error says which, and how to get an MP4."""
+    vm = ScriptedVideoModel(steps=2, num_frames=4, size=16)
+    final = vm.generate("a red circle moving right on a blue background")
+    assert final.save(tmp_path / "clip.webm").read_bytes() == final.data
+    with pytest.raises(InvalidArgumentError, match=r"video/webm as 'clip\.mp4'.*\.webm.*video_format='mp4'"):
+        final.save(tmp_path / "clip.mp4")
+    mp4 = vm.generate("a red circle moving right on a blue background", video_format="mp4")
+    assert mp4.mime == "video/mp4" and mp4.save(tmp_path / "clip.MP4").stat().st_size == len(mp4.data)
+    preview = next(iter(vm.stream("a red circle", preview_format="sheet")))
+    assert preview.save(tmp_path / "sheet.jpg").exists()
+    with pytest.raises(InvalidArgumentError, match=r"\.jpg or \.jpeg"):
+        preview.save(tmp_path / "sheet.gif")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.MP4", "clip.webm", "sheet.jpg"]
