@@ -115,6 +115,22 @@ def check_options(kwargs: dict[str, Any], max_tokens_field: str = "max_tokens") 
     try:
         check_family_options("text", kwargs)
     except Problem as problem:
-        if problem.param == "max_new_tokens":
-            problem.param = max_tokens_field
-        raise
+        raise in_openai_names(problem, {"max_new_tokens": max_tokens_field}) from None
+
+
+def in_openai_names(problem: Problem, names: dict[str, str]) -> Problem:
+    """``problem`` with an option of ours that an OpenAI body spells otherwise (``max_new_tokens``:
+    ``max_tokens``; ``num_images``: ``n``) named as the client sent it, in ``param`` and at the
+    start of the message, which the family's check words with its own name.
+
+    Example:
+        >>> in_openai_names(Problem(400, "invalid_argument", "num_images must be an integer >= 1, got 0",
+        ...                         param="num_images"), {"num_images": "n"}).message
+        'n must be an integer >= 1, got 0'
+    """
+    theirs = names.get(problem.param or "")
+    if theirs is not None:
+        if problem.message.startswith(f"{problem.param} "):
+            problem.message = theirs + problem.message[len(problem.param or ""):]
+        problem.param = theirs
+    return problem

@@ -52,7 +52,8 @@ def test_chat_non_stream_and_stop(client: openai.OpenAI) -> None:
 def test_chat_errors_use_openai_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
-    assert "max_new_tokens" in str(info.value)
+    # The option as the client spelled it, in param and message (the family's check says max_new_tokens).
+    assert info.value.body["param"] == "max_tokens" and info.value.body["message"].startswith("max_tokens must be")  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="default", messages=[], stream=True)
     with pytest.raises(openai.BadRequestError) as info:
@@ -68,6 +69,12 @@ def test_image_stream_with_partial_images(client: openai.OpenAI) -> None:
     final = Image.open(io.BytesIO(base64.b64decode(events[-1].b64_json)))
     assert final.size == (32, 32)
     assert events[-1].usage.total_tokens == 0
+
+
+def test_image_errors_name_openais_fields(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.generate(prompt="x", size="16x16", n=0)
+    assert info.value.body["param"] == "n" and info.value.body["message"] == "n must be an integer >= 1, got 0"  # type: ignore[index]
 
 
 def test_image_non_stream(client: openai.OpenAI) -> None:

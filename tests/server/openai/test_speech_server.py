@@ -105,6 +105,9 @@ def test_refusals_are_openai_errors(client, server):
         client.audio.speech.create(model="whisper-9", voice="alloy", input="Hi.")
     with pytest.raises(openai.BadRequestError, match="empty"):
         client.audio.speech.create(model="tts-1", voice="alloy", input="  ")
+    # The message reads as a sentence (it was "must be pcm is 24 kHz 16-bit ...").
+    with pytest.raises(openai.BadRequestError, match=r"'response_format' must be 'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm'"):
+        client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="xyz")  # type: ignore[arg-type]
 
 
 def test_models_lists_the_speech_model(client):

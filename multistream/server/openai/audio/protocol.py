@@ -31,9 +31,9 @@ class _AudioSpeechBase(BaseModel):
     input: str = Field(description=f"the text to speak, at most {MAX_INPUT_CHARACTERS} characters")
     voice: str = Field(default="alloy", description="an OpenAI voice name (the default voice) or one of the model's")
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
-        default="mp3", description="pcm is 24 kHz 16-bit mono little-endian, as OpenAI's")
+        default="mp3", description="'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm' (24 kHz 16-bit mono little-endian, as OpenAI's)")
     instructions: Optional[str] = Field(default=None, description="not supported by these voices: leave it out")
-    stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio: the bytes; sse: events")
+    stream_format: Literal["audio", "sse"] = Field(default="audio", description="'audio' (the bytes) or 'sse' (events)")
 
 
 # The fields that have a `SpeechOptions` namesake (type, default, description from the spec).

@@ -20,9 +20,11 @@ from starlette.responses import JSONResponse, Response
 
 from ...access.keys import Principal
 from ...http.errors import json_body
+from ...http.problems import Problem
 from ...http.sse import json_event
 from ...state import ServerState, get_principal, get_state
 from .._common import ERRORS, collect_events, read_model_body, sse_of
+from .._protocol import in_openai_names
 from .protocol import ImageGenerationRequest, image_kwargs
 from .serving import ImageGenerations
 
@@ -37,8 +39,11 @@ async def images(request: Request, state: ServerState = Depends(get_state),
     body = await read_model_body(request, state, "image")
     sizes = getattr(state.model_for("image"), "sizes", None)  # 404 when none is served, 503 while it loads
     kwargs, priority, stream, partial, fmt = image_kwargs(body, settings, sizes)
-    record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
-                                     arrived_at=arrived, principal=principal)
+    try:
+        record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
+                                         arrived_at=arrived, principal=principal)
+    except Problem as problem:
+        raise in_openai_names(problem, {"num_images": "n"}) from None
     generations = ImageGenerations(kwargs["num_images"], partial, fmt)
 
     if not stream:

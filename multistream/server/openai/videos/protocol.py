@@ -64,17 +64,21 @@ class VideoFormat:
     num_frames: int
     fps: float
     check_num_frames: Callable[[int], int] | None = None
+    max_num_frames: int | None = None
 
     @classmethod
     def of(cls, model: Any) -> VideoFormat:
         """The format a loaded video model declares: its ``sizes`` (`VideoModel.sizes`; a model
         that declares none makes only its own ``width`` x ``height``), ``default_num_frames``,
-        ``default_fps`` and the frame counts it makes (`VideoModel.check_num_frames`, where it has one)."""
+        ``default_fps``, the frame counts it makes (`VideoModel.check_num_frames`, where it has one)
+        and the most it takes (`VideoModel.max_num_frames`)."""
         sizes = getattr(model, "sizes", None)
         if sizes is None:
             sizes = OneSize(int(model.height), int(model.width))
+        most = getattr(model, "max_num_frames", None)
         return cls(sizes=sizes, num_frames=int(model.default_num_frames), fps=float(model.default_fps),
-                   check_num_frames=getattr(model, "check_num_frames", None))
+                   check_num_frames=getattr(model, "check_num_frames", None),
+                   max_num_frames=most if isinstance(most, int) else None)
 
     def size_of(self, width: int | None, height: int | None) -> str:
         """The ``size`` a job shows: the one asked for, else the model's native size."""
@@ -164,6 +168,12 @@ def _frames(seconds: str | int | float, fmt: VideoFormat) -> int:
         raise Problem(400, "invalid_argument", f"seconds must be a number of seconds > 0 and <= {MAX_SECONDS:g} "
                       f"(e.g. '4'), got {str(seconds)[:20]!r}", param="seconds")
     frames = max(1, round(value * fmt.fps))
+    if fmt.max_num_frames is not None and frames > fmt.max_num_frames:
+        # Said in seconds, the unit the client chose (the model's own message speaks of num_frames).
+        longest = fmt.max_num_frames / fmt.fps
+        raise Problem(400, "invalid_argument", f"seconds={str(seconds)[:20]!r} is {frames} frames at this model's "
+                      f"{fmt.fps:g} fps, more than the {fmt.max_num_frames} it makes ({longest:g} seconds); ask for "
+                      f"seconds <= {longest:g}", param="seconds")
     if fmt.check_num_frames is None:
         return frames
     # A causal video VAE makes 1 + t*k frames (Wan: 81 for "5 seconds" at 16 fps), which whole
