@@ -29,6 +29,7 @@ from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions, parse_image_options
 from ._checks import declare_options, device, finish_checking_sizes, integer
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_a_file
+from ._interrupt import CtrlC
 
 _EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
 # A --out ending in one of these is the final image's file (its format from the suffix); else a folder.
@@ -181,8 +182,9 @@ def run(args: argparse.Namespace) -> int:
     last_t, last_step = 0.0, 0
     previews: list[Any] = []
     bar = _StepBar() if show_progress() else None
+    ctrl_c = CtrlC(lambda line: _progress(line, final=True))
     with stream, bar if bar is not None else contextlib.nullcontext():
-        for ev in stream:
+        for ev in ctrl_c.events(stream):
             if args.json:
                 print(ev.to_json(), flush=True)
             if ev.type != "image":
@@ -222,4 +224,4 @@ def run(args: argparse.Namespace) -> int:
         f"seed {int(metrics.get('seed', -1))}, finish: {final.finish_reason}{where}",  # type: ignore[union-attr]
         final=True,
     )
-    return 0
+    return ctrl_c.status()

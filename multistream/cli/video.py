@@ -29,6 +29,7 @@ from ..errors import InvalidArgumentError, MultistreamError
 from ._checks import declare_options, device, finish_checking_sizes
 from ._console import set_library_progress, show_progress
 from ._files import atomic_write, check_output_file, check_output_folder
+from ._interrupt import CtrlC
 
 __all__ = ["CLIP_SUFFIXES", "SHEET_SUFFIXES", "add_parser", "run"]
 
@@ -145,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     last_t, last_step = 0.0, 0
     bar = _StepBar() if show_progress() else None
+    ctrl_c = CtrlC(lambda line: _line(line, final=True))
     with stream, bar if bar is not None else contextlib.nullcontext():
-        for ev in stream:
+        for ev in ctrl_c.events(stream):
             if args.json:
                 print(ev.to_json(), flush=True)
             if ev.type != "video" or ev.is_final:
@@ -183,4 +185,4 @@ def run(args: argparse.Namespace) -> int:
     _line(f"done: {final.num_frames} frames {final.width}x{final.height} at {final.fps:g} fps, {final.mime}, "  # type: ignore[union-attr]
           f"{int(m.get('steps', final.step))} steps, {m.get('duration_ms', 0) / 1e3:.1f} s, "  # type: ignore[union-attr]
           f"finish: {final.finish_reason}{written}", final=True)  # type: ignore[union-attr]
-    return 0
+    return ctrl_c.status()

@@ -184,9 +184,9 @@ def test_speak_takes_its_options_from_the_speech_spec(tmp_path: Path, monkeypatc
     tts.close()
 
 
-def _interrupt_after_first_audio(args: list[str], cwd: Path) -> tuple[int, list[dict[str, Any]], str]:
-    """Run the command with ``--json``, send SIGINT once an audio event has been printed (a condition,
-    not a sleep), and return its exit status, the events it printed and its stderr."""
+def _interrupt_after_first_audio(args: list[str], cwd: Path, kind: str = "audio") -> tuple[int, list[dict[str, Any]], str]:
+    """Run the command with ``--json``, send SIGINT once an event of type ``kind`` has been printed (a
+    condition, not a sleep), and return its exit status, the events it printed and its stderr."""
     # SIGINT as at a terminal: a suite started in the background (``cmd &`` in a script) has it
     # ignored, children inherit that, and a process started so keeps ignoring it (nohup's rule).
     proc = subprocess.Popen([sys.executable, "-m", "multistream", *args, "--json"], cwd=cwd, env=ENV,
@@ -196,7 +196,7 @@ def _interrupt_after_first_audio(args: list[str], cwd: Path) -> tuple[int, list[
     assert proc.stdout is not None
     for line in proc.stdout:
         events.append(json.loads(line))
-        if events[-1]["type"] == "audio":
+        if events[-1]["type"] == kind:
             proc.send_signal(signal.SIGINT)
             break
     rest, err = proc.communicate(timeout=120)
@@ -241,3 +241,44 @@ def test_ctrl_c_on_text_speak_writes_the_audio_made_so_far(tmp_path: Path) -> No
     assert any(ev["type"] == "text" for ev in events) and not any(ev.get("is_final") for ev in events)
     assert out.read_bytes()[:3] == b"ID3"  # the format the suffix asked for, complete
     assert [p.name for p in tmp_path.iterdir()] == ["answer.mp3"]
+
+
+@pytest.mark.parametrize(("command", "out_name"), [("image", "picture.png"), ("video", "clip.webm")])
+def test_ctrl_c_on_a_denoising_command_keeps_the_current_estimate(tmp_path: Path, command: str, out_name: str) -> None:
+    """As AUTOMATIC1111's Interrupt: the first Ctrl-C finishes the run early and writes the current
+    estimate through the full VAE where --out says (it exited 130 with nothing but previews)."""
+    out = tmp_path / out_name
+    code, events, err = _interrupt_after_first_audio(
+        [command, "a red circle moving right on a blue background", "--steps", "500", "--out", str(out)], tmp_path,
+        kind=command)
+    assert code == 130, err
+    assert "interrupted: finishing with the current estimate" in err and "Traceback" not in err, err
+    final = events[-1]
+    assert final["is_final"] and final["finish_reason"] == "finished_early" and final["step"] < 500, err
+    assert "finish: finished_early" in err and out.read_bytes() == base64.b64decode(final["data"])
+    assert [p.name for p in tmp_path.iterdir()] == [out_name]
+
+
+def test_a_second_ctrl_c_stops_at_once() -> None:
+    from multistream.cli._interrupt import CtrlC
+
+    class Interrupted:
+        """A stream whose next event never comes: each wait ends in a KeyboardInterrupt."""
+
+        finished_early = 0
+
+        def __iter__(self) -> Interrupted:
+            return self
+
+        def __next__(self) -> Any:
+            raise KeyboardInterrupt
+
+        def finish_early(self) -> None:
+            self.finished_early += 1
+
+    said: list[str] = []
+    stream, ctrl_c = Interrupted(), CtrlC(said.append)
+    with pytest.raises(KeyboardInterrupt):
+        list(ctrl_c.events(stream))
+    assert stream.finished_early == 1 and ctrl_c.interrupted and ctrl_c.status() == 130
+    assert said == ["interrupted: finishing with the current estimate (Ctrl-C again to stop at once)"]
