@@ -6,6 +6,13 @@ first Ctrl-C asks the stream to finish early (`Stream.finish_early`: the current
 the full VAE becomes the final event, ``finish_reason="finished_early"``), the command writes it
 where ``--out`` says and exits with status 130; a second Ctrl-C stops at once, writing nothing more.
 
+The first Ctrl-C is taken by a SIGINT handler installed while the events are read, not by catching
+KeyboardInterrupt: the interrupt lands wherever the main thread is, often in the loop's body
+(printing an event) rather than in the wait for the next one, and from there it would end the
+command. The handler only sets flags (`Stream.finish_early` sets a `threading.Event` that the
+consumer never holds); the line that says so is printed with the next event, never from inside
+the handler, where it could interrupt another write to stderr.
+
 Example:
     >>> from multistream.testing import ScriptedImageModel
     >>> ctrl_c = CtrlC(print)
@@ -17,36 +24,52 @@ Example:
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["CtrlC"]
+__all__ = ["INTERRUPTED_STATUS", "CtrlC"]
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+NOTICE = "interrupted: finishing with the current estimate (Ctrl-C again to stop at once)"
 
 
 class CtrlC:
-    """Reads a stream's events; the first KeyboardInterrupt finishes the stream early, the second
-    propagates. ``say`` prints the one line that tells the user what happens."""
+    """Reads a stream's events; the first SIGINT finishes the stream early, the second raises
+    KeyboardInterrupt. ``say`` prints the one line that tells the user what happens."""
 
     def __init__(self, say: Callable[[str], Any]) -> None:
         self.say = say
         self.interrupted = False
+        self._told = False
+        self._stream: Any = None
+
+    def interrupt(self, *_: Any) -> None:
+        """What a Ctrl-C does (the SIGINT handler): finish early the first time, stop the second."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        if self._stream is not None:
+            self._stream.finish_early()
 
     def events(self, stream: Any) -> Iterator[Any]:
-        while True:
-            try:
-                # A stream is its own iterator: after an interrupt inside its __next__, the loop
-                # goes on from the next event (none is lost).
-                for ev in stream:
-                    yield ev
-                return
-            except KeyboardInterrupt:
-                if self.interrupted:
-                    raise
-                self.interrupted = True
-                stream.finish_early()
-                self.say("interrupted: finishing with the current estimate (Ctrl-C again to stop at once)")
+        self._stream = stream
+        installed = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self.interrupt) if installed else None
+        try:
+            for ev in stream:
+                self._tell()
+                yield ev
+            self._tell()
+        finally:
+            if installed:
+                signal.signal(signal.SIGINT, previous)
+
+    def _tell(self) -> None:
+        if self.interrupted and not self._told:
+            self._told = True
+            self.say(NOTICE)
 
     def status(self, ok: int = 0) -> int:
         """The exit status: 130 once interrupted (what was kept is written), else ``ok``."""

@@ -260,25 +260,35 @@ def test_ctrl_c_on_a_denoising_command_keeps_the_current_estimate(tmp_path: Path
 
 
 def test_a_second_ctrl_c_stops_at_once() -> None:
-    from multistream.cli._interrupt import CtrlC
+    from multistream.cli._interrupt import NOTICE, CtrlC
 
-    class Interrupted:
-        """A stream whose next event never comes: each wait ends in a KeyboardInterrupt."""
+    class Waiting:
+        """A stream that finishes only when asked to, as a denoising run does at its next step."""
 
-        finished_early = 0
+        def __init__(self) -> None:
+            self.finished_early = 0
+            self.sent = 0
 
-        def __iter__(self) -> Interrupted:
+        def __iter__(self) -> Waiting:
             return self
 
         def __next__(self) -> Any:
-            raise KeyboardInterrupt
+            if self.finished_early:
+                raise StopIteration
+            self.sent += 1
+            return self.sent
 
         def finish_early(self) -> None:
             self.finished_early += 1
 
     said: list[str] = []
-    stream, ctrl_c = Interrupted(), CtrlC(said.append)
+    stream, ctrl_c = Waiting(), CtrlC(said.append)
+    seen = []
+    for ev in ctrl_c.events(stream):
+        seen.append(ev)
+        if ev == 3:
+            signal.raise_signal(signal.SIGINT)  # lands in the loop's body: the run finishes early
+    assert seen == [1, 2, 3] and stream.finished_early == 1 and ctrl_c.status() == 130 and said == [NOTICE]
+    assert signal.getsignal(signal.SIGINT) is not ctrl_c.interrupt  # the handler is put back
     with pytest.raises(KeyboardInterrupt):
-        list(ctrl_c.events(stream))
-    assert stream.finished_early == 1 and ctrl_c.interrupted and ctrl_c.status() == 130
-    assert said == ["interrupted: finishing with the current estimate (Ctrl-C again to stop at once)"]
+        ctrl_c.interrupt()  # the second one stops at once
