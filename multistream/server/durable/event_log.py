@@ -61,6 +61,7 @@ logger = logging.getLogger("multistream.server")
 MAXLEN = 100_000  # entries per stream: far above any real stream (a text event per token, newest previews only)
 _STALE_AFTER_S = 20.0
 _HEARTBEAT_S = 5.0
+READER_FRESH_FACTOR = 2.5  # a reader's mark counts for this many of its heartbeats (it renews it every one)
 CONTROL_WAIT_S = 2.0  # how long a forwarded edit waits for the owner's verdict before answering 202
 
 
@@ -101,6 +102,16 @@ class _Writer:
         self.created = False
         self.newest_preview: dict[int, int] = {}
         self.bytes = 0
+
+    async def remote_readers(self) -> bool:
+        """Whether a client read this stream through the log on another server within the last two
+        marks (`RedisEventLog.mark_reader`): asked by the stream's record when its grace period ends
+        without a subscriber of its own (a client that resumed elsewhere while it runs here)."""
+        try:
+            mark = await self.log.redis.hget(self.log.key("m", self.record.stream_id), "rd")
+        except Exception:  # noqa: BLE001 - Redis down: no reader can be reading through it
+            return False
+        return mark is not None and time.time() - float(mark) < READER_FRESH_FACTOR * self.log.heartbeat_s
 
     def append(self, ev: Event, wire: str) -> None:
         if self.failed:
@@ -254,7 +265,13 @@ class RemoteRecord(SharedAccess):
             cursor = entry_id(after)
             replay, finishing = True, False
             slow_since: float | None = None
+            marked = 0.0
             while True:
+                if time.monotonic() - marked >= log.heartbeat_s:
+                    # A client reads this stream here, through the log: the process that runs it
+                    # has no subscriber of its own, and must not end it when its grace period ends.
+                    marked = time.monotonic()
+                    await log.mark_reader(self.stream_id)
                 try:
                     if replay:
                         entries = await log.redis.xrange(skey, "(" + cursor, "+")
@@ -432,6 +449,14 @@ class RedisEventLog:
         except Exception as exc:  # noqa: BLE001
             self.up = False
             raise unavailable(action, exc) from None
+
+    async def mark_reader(self, stream_id: str) -> None:
+        """Note that a client reads ``stream_id`` through the log now (`RemoteRecord.subscribe`, every
+        ``heartbeat_s``); best effort, as the heartbeat is."""
+        try:
+            await self.redis.hset(self.key("m", stream_id), "rd", time.time())
+        except Exception as exc:  # noqa: BLE001 - the read itself reports a Redis that is down
+            logger.debug("event log reader mark failed: %s", exc)
 
     def writer(self, record: StreamRecord) -> _Writer:
         writer = _Writer(self, record)

@@ -13,7 +13,8 @@ log stays small; live and finished logs together are bounded by ``max_retained_b
 Each stream has an owner (the key, or the client address on an open server) and a resume token
 handed out at creation; `StreamRecord.allows` decides who may read, resume or cancel it.
 
-A stream whose last subscriber left keeps running for the grace period, then is cancelled. A
+A stream whose last subscriber left keeps running for the grace period, then is cancelled, unless a
+client reads it through the shared event log on another server (`durable`: its reads mark it). A
 finished stream stays replayable for the retention window, bounded in count and bytes.
 
 Example (inside a running event loop):
@@ -255,10 +256,28 @@ class StreamRecord(SharedAccess):
 
     def _grace_expired(self) -> None:
         self._grace = None
-        if self.subscribers == 0 and not self.done:
-            logger.info("stream %s: no client came back within the grace period; cancelling", self.stream_id)
-            self._metrics.grace_cancelled.inc(kind=self.kind)
-            self.cancel()
+        if self.subscribers or self.done:
+            return
+        if self._log is not None and hasattr(self._log, "remote_readers"):
+            # A client that resumed on another server reads this stream through the shared log,
+            # not as a subscriber here: ask the log before ending a stream someone still reads.
+            self._loop.create_task(self._grace_expired_unless_read_elsewhere())
+            return
+        self._cancel_after_grace()
+
+    async def _grace_expired_unless_read_elsewhere(self) -> None:
+        read_elsewhere = await self._log.remote_readers()
+        if self.subscribers or self.done or self._grace is not None:
+            return
+        if read_elsewhere:
+            self._grace = self._loop.call_later(max(self._settings.grace_period_s, 1.0), self._grace_expired)
+        else:
+            self._cancel_after_grace()
+
+    def _cancel_after_grace(self) -> None:
+        logger.info("stream %s: no client came back within the grace period; cancelling", self.stream_id)
+        self._metrics.grace_cancelled.inc(kind=self.kind)
+        self.cancel()
 
     # -- the pump ------------------------------------------------------------------------------
 

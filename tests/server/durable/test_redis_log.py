@@ -77,6 +77,22 @@ def test_resume_from_another_server_sharing_the_log() -> None:
             assert info["done"] and info["finish_reason"] == "stop" and info["events"] == len(events)
 
 
+def test_a_stream_read_on_another_server_outlives_its_grace_period() -> None:
+    """A client that resumed on server B reads the stream through the log and is no subscriber on
+    server A, which runs it: A's grace period ended the stream under it ("cancelled" after 1 s here;
+    a Ray failover whose new replica took over 30 s to start lost a stream so). B's reads mark the
+    stream, and A keeps it while they do."""
+    with redis_server() as redis:
+        model = ScriptedTextModel(TOKENS, delay_s=0.1)  # 3 s of generation, three grace periods
+        with make_server(model, event_log=redis.url, grace_period_s=1) as a, \
+                make_server(ScriptedTextModel(), event_log=redis.url) as b, httpx.Client(timeout=30) as client:
+            sid, token, first = _post_text(client, a.url, n=3)
+            rest = _resume(client, b.url, sid, token, first[-1]["seq"])
+            events = first + rest
+            assert [e["seq"] for e in events] == list(range(len(events)))
+            assert events[-1]["finish_reason"] == "stop" and events[-1]["text"] == "".join(TOKENS)
+
+
 def test_a_server_that_read_a_live_stream_earlier_resumes_it_at_a_later_event() -> None:
     """Server B looks at a live stream of A (status, an edit) and caches what the log held then; a
     resume on B after a later event still works (B reads the entries appended since)."""
