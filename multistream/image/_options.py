@@ -17,7 +17,7 @@ Example:
     >>> parse_image_options("a red circle", steps=0)
     Traceback (most recent call last):
     ...
-    multistream.errors.InvalidArgumentError: steps must be an integer >= 1, got 0
+    multistream.errors.InvalidArgumentError: steps must be an integer from 1 to 1000 (the schedulers' training timesteps), got 0
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .._checks import is_int
 from .._spec import option, option_names, parse_options
 from ..diffusion._preview_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES
+from ..diffusion._steps import MAX_STEPS, check_steps
 from ..errors import InvalidArgumentError
 
 __all__ = [
@@ -159,8 +160,8 @@ class ImageOptions:
 
     prompt: str
     negative_prompt: Optional[str] = option(None, "a string, or null", _negative_prompt, wire=Optional[str])
-    steps: Optional[int] = option(None, "an integer >= 1: denoising steps; null: the pipeline's default",
-                                  lambda v: _check_int("steps", v, 1, optional=True), wire=Optional[int], ge=1)
+    steps: Optional[int] = option(None, f"an integer from 1 to {MAX_STEPS}: denoising steps; null: the pipeline's "
+                                  "default", check_steps, wire=Optional[int], ge=1, le=MAX_STEPS)
     guidance_scale: Optional[float] = option(None, "a finite number >= 0; null: the pipeline's default",
                                              lambda v: _check_guidance(v), wire=Optional[float], ge=0)
     height: Optional[int] = option(None, _SIDE_HELP, _side("height"),

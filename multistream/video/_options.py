@@ -25,6 +25,7 @@ from typing import Any, Optional
 from .._checks import is_int
 from .._spec import option, option_names, parse_options
 from ..diffusion._preview_options import PreviewThrottle
+from ..diffusion._steps import MAX_STEPS, check_steps
 from ..errors import InvalidArgumentError
 
 __all__ = [
@@ -142,8 +143,8 @@ class VideoOptions:
                                        _int("num_frames", 1), wire=Optional[int])
     fps: Optional[float] = option(None, "frames per second of the clip (1..120); null: the model's default", _fps,
                                   wire=Optional[float])
-    steps: Optional[int] = option(None, "an integer >= 1: denoising steps; null: the model's default",
-                                  _int("steps", 1), wire=Optional[int])
+    steps: Optional[int] = option(None, f"an integer from 1 to {MAX_STEPS}: denoising steps; null: the model's "
+                                  "default", check_steps, wire=Optional[int], ge=1, le=MAX_STEPS)
     seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible clip; null: random", _seed,
                                  wire=Optional[int])
     guidance_scale: Optional[float] = option(None, "a finite number >= 0; null: the model's default", _guidance,

@@ -44,8 +44,8 @@ def test_defaults_and_normalising() -> None:
 BAD = [
     ({"prompt": 123}, "prompt must be a string, got int"),
     ({"negative_prompt": 3}, "negative_prompt must be a string or None, got int"),
-    ({"steps": 0}, "steps must be an integer >= 1, got 0"),
-    ({"steps": 2.5}, "steps must be an integer >= 1, got 2.5"),
+    ({"steps": 0}, "steps must be an integer from 1 to 1000 (the schedulers' training timesteps), got 0"),
+    ({"steps": 2.5}, "steps must be an integer from 1 to 1000 (the schedulers' training timesteps), got 2.5"),
     ({"guidance_scale": "high"}, "guidance_scale must be a number >= 0, got 'high'"),
     ({"guidance_scale": -1}, "guidance_scale must be a finite number >= 0, got -1"),
     ({"guidance_scale": math.nan}, "guidance_scale must be a finite number >= 0, got nan"),

@@ -111,7 +111,7 @@ def test_fake_and_real_models_keep_one_contract(model: str) -> None:
         assert (final.width, final.height, final.num_frames, len(final.frames)) == (16, 16, 9, 9)
         assert {"duration_ms", "previews", "steps", "seed", "ttfp_ms", "bytes", "encode_ms",
                 "preview_bytes_mean", "step_ms_median"} <= set(final.metrics or {})
-        for bad, message in (({"steps": 0}, "steps must be an integer >= 1"), ({"preview": "taesd"}, "unknown preview"),
+        for bad, message in (({"steps": 0}, "steps must be an integer from 1 to 1000"), ({"preview": "taesd"}, "unknown preview"),
                              ({"video_format": "avi"}, "unknown video_format"), ({"cfg": 1}, "takes no 'cfg' argument")):
             with pytest.raises(InvalidArgumentError, match=message):
                 vm.stream("a red circle", **bad)

@@ -36,7 +36,7 @@ def test_every_option_is_declared_once_with_a_description():
     ({"fps": 0}, "fps must be a number from 1 to 120"),
     ({"fps": float("nan")}, "fps must be a number from 1 to 120"),
     ({"num_frames": 0}, "num_frames must be an integer >= 1"),
-    ({"steps": 2.5}, "steps must be an integer >= 1"),
+    ({"steps": 2.5}, "steps must be an integer from 1 to 1000"),
     ({"seed": -1}, "seed must be an integer from 0"),
     ({"guidance_scale": float("inf")}, "guidance_scale must be a finite number"),
     ({"preview_every": 0}, "preview_every must be an integer >= 1"),

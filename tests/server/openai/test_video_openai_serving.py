@@ -398,7 +398,7 @@ def test_check_video_is_the_familys_own_check() -> None:
     check_video = family("video").check
     assert check_video is not None
     check_video({"prompt": "p", "steps": 4})
-    with pytest.raises(InvalidArgumentError, match="steps must be an integer >= 1"):
+    with pytest.raises(InvalidArgumentError, match="steps must be an integer from 1 to 1000"):
         check_video({"prompt": "p", "steps": 0})
 
 
