@@ -69,4 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"multistream {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        # Before a stream started (a model loading) or after it ended: nothing was being made.
+        # Commands that were generating say what they kept themselves (cli._interrupt, speak).
+        print(f"\nmultistream {args.command}: interrupted", file=sys.stderr)
         return 130

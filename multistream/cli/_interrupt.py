@@ -5,6 +5,9 @@ AUTOMATIC1111's "Interrupt" and ComfyUI's cancel hand back the image as far as i
 first Ctrl-C asks the stream to finish early (`Stream.finish_early`: the current estimate through
 the full VAE becomes the final event, ``finish_reason="finished_early"``), the command writes it
 where ``--out`` says and exits with status 130; a second Ctrl-C stops at once, writing nothing more.
+``multistream text`` (without ``--speak``, which keeps the audio its own way) does the same: the
+answer ends where it is, with its summary line; it printed a KeyboardInterrupt from the engine's
+finalizer instead, and now and then died of SIGABRT while the engine thread was still running.
 
 The first Ctrl-C is taken by a SIGINT handler installed while the events are read, not by catching
 KeyboardInterrupt: the interrupt lands wherever the main thread is, often in the loop's body
@@ -29,18 +32,20 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["INTERRUPTED_STATUS", "CtrlC"]
+__all__ = ["INTERRUPTED_STATUS", "NOTICE", "TEXT_NOTICE", "CtrlC"]
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 NOTICE = "interrupted: finishing with the current estimate (Ctrl-C again to stop at once)"
+TEXT_NOTICE = "interrupted: the answer ends here (Ctrl-C again to stop at once)"
 
 
 class CtrlC:
     """Reads a stream's events; the first SIGINT finishes the stream early, the second raises
     KeyboardInterrupt. ``say`` prints the one line that tells the user what happens."""
 
-    def __init__(self, say: Callable[[str], Any]) -> None:
+    def __init__(self, say: Callable[[str], Any], notice: str = NOTICE) -> None:
         self.say = say
+        self.notice = notice
         self.interrupted = False
         self._told = False
         self._stream: Any = None
@@ -69,7 +74,7 @@ class CtrlC:
     def _tell(self) -> None:
         if self.interrupted and not self._told:
             self._told = True
-            self.say(NOTICE)
+            self.say(self.notice)
 
     def status(self, ok: int = 0) -> int:
         """The exit status: 130 once interrupted (what was kept is written), else ``ok``."""

@@ -1,4 +1,4 @@
-"""``multistream demo``: the Gradio page with chat, live image previews and prompt-to-picture.
+"""``multistream demo``: the Gradio page: chat, image previews, prompt-to-picture, speech and video.
 
 Example:
     $ multistream demo                      # http://127.0.0.1:7860 with the embedded models

@@ -17,6 +17,7 @@ from ..errors import MultistreamError
 from ..text import TextOptions, parse_text_options
 from ._checks import declare_options, device
 from ._console import set_library_progress, show_progress
+from ._interrupt import TEXT_NOTICE, CtrlC
 from .speak import AudioSoFar, check_audio_path, write_audio
 
 
@@ -74,9 +75,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
     text_final = None
     kept = AudioSoFar()
+    # Without --speak, Ctrl-C ends the answer where it is (cli._interrupt); with it, the except
+    # below keeps the audio spoken so far.
+    ctrl_c = CtrlC(lambda line: print(f"\n{line}", file=sys.stderr, flush=True), TEXT_NOTICE) if spoken is None else None
     try:
         with spoken or stream:
-            for ev in spoken or stream:
+            for ev in ctrl_c.events(stream) if ctrl_c is not None else spoken:
                 kept.add(ev)
                 if args.json:
                     print(ev.to_json(), flush=True)
@@ -111,4 +115,4 @@ def run(args: argparse.Namespace) -> int:
             f"{m.get('tokens_per_s', 0):.1f} tokens/s, finish: {final.finish_reason}]",  # type: ignore[union-attr]
             file=sys.stderr,
         )
-    return 0
+    return ctrl_c.status() if ctrl_c is not None else 0

@@ -47,13 +47,15 @@ REFUSED = [
     (["text", "hi", "--num-beams", "2", "--temperature", "0.7"], "drop the sampling options"),  # spans options
     (["text", "hi", "--speak", "answer.xyz"], "--speak answer.xyz: .xyz is not a format this command writes"),
     (["text", "hi", "--speak", "missing-parent-is-a-file/answer.wav"], "is a file, not a folder"),
-    (["image", "x", "--steps", "0"], "--steps: steps must be an integer >= 1"),
+    (["image", "x", "--steps", "0"], "--steps: steps must be an integer from 1 to 1000"),
     (["image", "x", "--preview", "foo"], "--preview: unknown preview='foo'; use one of"),
     (["image", "x", "--out", "final.gif"], "--out final.gif: .gif is not a format this command writes"),
     (["image", "x", "--out", "o.txt"], "--out o.txt: .txt is not a format this command writes"),  # was a folder
     (["image", "x", "--out", "o.png", "--final-format", "webp"], "drop --final-format"),
     (["image", "x", "--out", "missing-parent-is-a-file"], "is an existing file, not a folder"),
     (["image", "x", "--strip", "strip.gif"], "--strip strip.gif: .gif is not a format"),
+    (["video", "x", "--steps", "100000000000"], "--steps: steps must be an integer from 1 to 1000"),  # numpy: 745 GiB
+    (["image", "x", "--steps", "2000"], "--steps: steps must be an integer from 1 to 1000"),
     (["video", "x", "--num-frames", "33"], "--num-frames: 33 is more than the embedded model takes (at most 32"),
     (["video", "x", "--previews", "p.mp4"], "--previews p.mp4: .mp4 names a file, and this flag takes a folder"),
     (["image", "x", "--taesd", "no-such-folder"], "--taesd no-such-folder: no such folder"),
@@ -257,6 +259,16 @@ def test_ctrl_c_on_a_denoising_command_keeps_the_current_estimate(tmp_path: Path
     assert final["is_final"] and final["finish_reason"] == "finished_early" and final["step"] < 500, err
     assert "finish: finished_early" in err and out.read_bytes() == base64.b64decode(final["data"])
     assert [p.name for p in tmp_path.iterdir()] == [out_name]
+
+
+def test_ctrl_c_on_text_ends_the_answer_where_it_is(tmp_path: Path) -> None:
+    """It printed a KeyboardInterrupt from the engine's finalizer (now and then SIGABRT, status 134);
+    now the answer ends as with finish_early, with its summary line, status 130."""
+    code, events, err = _interrupt_after_first_audio(
+        ["text", "Write a very long story about a dragon.", "--max-new-tokens", "2000"], tmp_path, kind="text")
+    assert code == 130, err
+    assert "interrupted: the answer ends here" in err and "Traceback" not in err and "Exception ignored" not in err, err
+    assert events[-1]["is_final"] and events[-1]["finish_reason"] == "finished_early"
 
 
 def test_a_second_ctrl_c_stops_at_once() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import typing
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -212,9 +213,26 @@ def validate_body(model: type[BaseModel], body: Any, what: str, *, strict: bool 
         raise _problem(model, exc, body, what) from None
 
 
+def _nested_model(field: Any) -> type[BaseModel] | None:
+    """The pydantic model an object field holds (``Optional[StreamOptions]`` -> ``StreamOptions``)."""
+    if field is None:
+        return None
+    candidates = [field.annotation, *typing.get_args(field.annotation)]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
 def _problem(model: type[BaseModel], exc: ValidationError, body: dict[str, Any], what: str) -> Problem:
     errors = exc.errors(include_url=False)
     fields = model.model_fields
+    nested = [e["loc"] for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) > 1]
+    if nested:
+        # A field inside an object field ({"stream_options": {"bogus": 1}}): name that one, and what
+        # the object takes (the outer name alone read "unknown field 'stream_options'").
+        loc = nested[0]
+        inner = _nested_model(fields.get(str(loc[0])))
+        path = str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+        takes = f"; '{loc[0]}' takes {sorted(inner.model_fields)}" if inner is not None else ""
+        return Problem(400, "unknown_field", f"unknown field '{path}' for {what}{takes}", param=str(loc[0]))
     unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and e["loc"])
     if unknown:
         return Problem(400, "unknown_field", f"unknown field(s) {unknown} for {what}; accepted fields: {sorted(fields)}",

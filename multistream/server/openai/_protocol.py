@@ -128,9 +128,11 @@ def in_openai_names(problem: Problem, names: dict[str, str]) -> Problem:
         ...                         param="num_images"), {"num_images": "n"}).message
         'n must be an integer >= 1, got 0'
     """
-    theirs = names.get(problem.param or "")
+    ours = problem.param or ""
+    theirs = names.get(ours)
     if theirs is not None:
-        if problem.message.startswith(f"{problem.param} "):
-            problem.message = theirs + problem.message[len(problem.param or ""):]
+        for spelled in (f"{ours} ", f"'{ours}' "):  # the option's check, or the server's limit
+            if problem.message.startswith(spelled):
+                problem.message = spelled.replace(ours, theirs) + problem.message[len(spelled):]
         problem.param = theirs
     return problem

@@ -75,6 +75,19 @@ def test_image_errors_name_openais_fields(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.images.generate(prompt="x", size="16x16", n=0)
     assert info.value.body["param"] == "n" and info.value.body["message"] == "n must be an integer >= 1, got 0"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:  # the server's limit (max_images), not the option's check
+        client.images.generate(prompt="x", size="16x16", n=50)
+    assert info.value.body["param"] == "n" and info.value.body["message"].startswith("'n' is 50 but this server allows")  # type: ignore[index]
+
+
+def test_a_bad_field_inside_an_object_field_is_named(srv) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"bogus": 1}}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "stream_options"
+    assert "unknown field 'stream_options.bogus'" in error["message"]  # it said 'stream_options' was unknown
+    assert "'stream_options' takes ['continuous_usage_stats', 'include_obfuscation', 'include_usage']" in error["message"]
 
 
 def test_image_non_stream(client: openai.OpenAI) -> None:

@@ -20,7 +20,7 @@ from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
 from .._common import openai_size
-from .._protocol import given_options, option_fields, unsupported
+from .._protocol import given_options, in_openai_names, option_fields, unsupported
 
 
 class _ImageGenerationBase(BaseModel):
@@ -67,6 +67,8 @@ class _ImageGenerationBase(BaseModel):
 # with its type and description: declared once, in the spec. Each defaults to null (the model's own
 # default), except priority, whose default is the spec's.
 IMAGE_OPTION_FIELDS = ("steps", "seed", "guidance_scale", "negative_prompt", "priority")
+# Our options that OpenAI's images body spells otherwise: a 400 names them as the client sent them.
+OPENAI_IMAGE_NAMES = {"num_images": "n"}
 
 
 ImageGenerationRequest = create_model(
@@ -91,5 +93,8 @@ def image_kwargs(body: Any, settings: ServerSettings, sizes: Any = None) -> tupl
         raise Problem(400, "invalid_argument", f"partial_images must be 0..3, got {partial}", param="partial_images")
     stream = bool(req.stream)
     kwargs = req.to_image_options(fmt, stream and partial > 0, sizes)
-    check_image_limits(kwargs, settings)
+    try:
+        check_image_limits(kwargs, settings)
+    except Problem as problem:
+        raise in_openai_names(problem, OPENAI_IMAGE_NAMES) from None
     return kwargs, req.priority, stream, partial, fmt

@@ -25,7 +25,7 @@ from ...http.sse import json_event
 from ...state import ServerState, get_principal, get_state
 from .._common import ERRORS, collect_events, read_model_body, sse_of
 from .._protocol import in_openai_names
-from .protocol import ImageGenerationRequest, image_kwargs
+from .protocol import OPENAI_IMAGE_NAMES, ImageGenerationRequest, image_kwargs
 from .serving import ImageGenerations
 
 router = APIRouter(tags=["openai"])
@@ -43,7 +43,7 @@ async def images(request: Request, state: ServerState = Depends(get_state),
         record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
                                          arrived_at=arrived, principal=principal)
     except Problem as problem:
-        raise in_openai_names(problem, {"num_images": "n"}) from None
+        raise in_openai_names(problem, OPENAI_IMAGE_NAMES) from None
     generations = ImageGenerations(kwargs["num_images"], partial, fmt)
 
     if not stream:
