@@ -28,7 +28,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["NOTICES", "LibraryNoticeFilter", "quiet_library_notices", "quiet_loading_bars"]
+__all__ = ["NOTICES", "LibraryNoticeFilter", "progress_modules", "quiet_library_notices", "quiet_loading_bars"]
 
 # The libraries whose tqdm bars a load draws; each has is_progress_bar_enabled / enable / disable.
 _PROGRESS_MODULES = ("transformers.utils.logging", "diffusers.utils.logging")
@@ -65,6 +65,16 @@ def quiet_library_notices() -> None:
             logger.addFilter(LibraryNoticeFilter(tuple(needles)))
 
 
+def progress_modules() -> Iterator[Any]:
+    """The installed libraries' logging modules that switch their tqdm bars (``is_progress_bar_enabled``,
+    ``enable_progress_bar``, ``disable_progress_bar``): transformers' and diffusers'."""
+    for name in _PROGRESS_MODULES:
+        try:
+            yield importlib.import_module(name)
+        except ImportError:
+            continue
+
+
 @contextlib.contextmanager
 def quiet_loading_bars() -> Iterator[None]:
     """Hide transformers' and diffusers' progress bars inside the block, then restore each library's
@@ -80,11 +90,7 @@ def quiet_loading_bars() -> Iterator[None]:
         True
     """
     turned_off: list[Any] = []
-    for name in _PROGRESS_MODULES:
-        try:
-            module: Any = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in progress_modules():
         if module.is_progress_bar_enabled():
             module.disable_progress_bar()
             turned_off.append(module)

@@ -228,30 +228,25 @@ class AudioEvent(_BaseEvent):
         return np.frombuffer(self.data, dtype="<i2")
 
     def save(self, path: Any) -> Any:
-        """Write the audio as a WAV file (the whole utterance on the final event, this chunk on
-        another); returns the path. The suffix must be ``.wav``: other formats are encoded by
-        ``multistream speak --out x.mp3`` or the server's ``response_format``.
+        """Write the whole utterance (the final event's ``audio``, WAV) to ``path``; returns the path.
+        The suffix must be ``.wav``: other formats are encoded by ``multistream speak --out x.mp3``
+        or the server's ``response_format``. A chunk is raw PCM (``data``), not a file.
 
         Example:
             >>> tts.generate("Hello there.").save("hello.wav")   # doctest: +SKIP
         """
-        import wave
         from pathlib import Path
 
         out = Path(path)
+        if self.audio is None:
+            raise InvalidArgumentError("this event is a chunk of raw PCM (its data); save the final event, which "
+                                       "carries the whole utterance as WAV (stream.final, or tts.generate(...))")
         if out.suffix.lower() != ".wav":
             raise InvalidArgumentError(
                 f"cannot save speech as {out.name!r}: save writes WAV, so the file name must end in .wav "
                 "(for MP3, Opus, FLAC or AAC use `multistream speak TEXT --out x.mp3` or the server's "
                 "response_format)")
-        if self.audio is not None:
-            out.write_bytes(self.audio)
-            return out
-        with wave.open(str(out), "wb") as w:
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(self.sample_rate)
-            w.writeframes(self.data)
+        out.write_bytes(self.audio)
         return out
 
 

@@ -16,11 +16,10 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any, TextIO
 
-from .._notices import LibraryNoticeFilter, quiet_library_notices
+from .._notices import LibraryNoticeFilter, progress_modules, quiet_library_notices
 
 __all__ = ["LibraryNoticeFilter", "progress_stream", "quiet_library_notices", "set_library_progress", "show_progress"]
 
@@ -37,12 +36,8 @@ def show_progress(stream: TextIO | None = None) -> bool:
 
 def set_library_progress(enabled: bool) -> None:
     """Turn the libraries' own tqdm bars on (a terminal) or off (a log, a pipe)."""
-    for module in ("transformers.utils.logging", "diffusers.utils.logging"):
-        try:
-            logging_module: Any = importlib.import_module(module)
-        except ImportError:
-            continue
-        (logging_module.enable_progress_bar if enabled else logging_module.disable_progress_bar)()
+    for module in progress_modules():
+        (module.enable_progress_bar if enabled else module.disable_progress_bar)()
 
 
 def progress_stream() -> TextIO | None:

@@ -42,6 +42,7 @@ DEFAULT_OUT = "multistream-video.webm"
 
 
 def add_parser(subparsers: Any) -> None:
+    from ..diffusion._sizes import check_max_frames
     from ..video import EMBEDDED_VIDEO_MAX_FRAMES, EMBEDDED_VIDEO_SIZES, VideoOptions, parse_video_options
 
     check_sizes = finish_checking_sizes(parse_video_options, EMBEDDED_VIDEO_SIZES)
@@ -49,11 +50,11 @@ def add_parser(subparsers: Any) -> None:
     def finish(args: argparse.Namespace, given: dict[str, Any]) -> Any:
         options = check_sizes(args, given)
         # The embedded model's frame limit is known without loading it (as its sizes are).
-        if args.model is None and options.num_frames is not None and options.num_frames > EMBEDDED_VIDEO_MAX_FRAMES:
-            raise InvalidArgumentError(
-                f"--num-frames: {options.num_frames} is more than the embedded model takes (at most "
-                f"{EMBEDDED_VIDEO_MAX_FRAMES} frames); give {EMBEDDED_VIDEO_MAX_FRAMES} or fewer, and a lower --fps "
-                "for a longer clip")
+        if args.model is None and options.num_frames is not None:
+            try:
+                check_max_frames(options.num_frames, EMBEDDED_VIDEO_MAX_FRAMES)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"--num-frames: {exc}") from None
         return options
 
     p = subparsers.add_parser("video", help="make a short clip, streaming every frame's preview per step",

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["EMBEDDED_IMAGE_SIZES", "EMBEDDED_VIDEO_MAX_FRAMES", "EMBEDDED_VIDEO_SIZES", "ImageSizes", "sizes_for"]
+__all__ = ["EMBEDDED_IMAGE_SIZES", "EMBEDDED_VIDEO_MAX_FRAMES", "EMBEDDED_VIDEO_SIZES", "ImageSizes", "check_max_frames",
+           "sizes_for"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,21 @@ EMBEDDED_VIDEO_SIZES = ImageSizes(
 #: (``motion_max_seq_length``, what `VideoModel.max_num_frames` reads from the loaded model),
 #: declared here so that the command line can refuse ``--num-frames 40`` before the model loads.
 EMBEDDED_VIDEO_MAX_FRAMES = 32
+
+
+def check_max_frames(num_frames: int, most: int | None) -> int:
+    """``num_frames`` if a denoiser that takes at most ``most`` frames (None: no known limit) takes
+    them, else `InvalidArgumentError`; `VideoModel.check_num_frames` and the command line say it alike.
+
+    Example:
+        >>> check_max_frames(16, EMBEDDED_VIDEO_MAX_FRAMES)
+        16
+    """
+    if most is not None and num_frames > most:
+        raise InvalidArgumentError(
+            f"num_frames={num_frames} is more than this model takes: its motion modules hold at most {most} "
+            f"frames; use num_frames={most} or fewer (a lower fps makes the clip last longer)")
+    return num_frames
 
 
 def sizes_for(multiple: int, native: tuple[int | None, int | None], why: str, max_side: int | None = None) -> ImageSizes:

@@ -30,7 +30,7 @@ import torch
 
 from .._devices import resolve_device, resolve_dtype
 from ..diffusion._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
-from ..diffusion._sizes import ImageSizes, sizes_for
+from ..diffusion._sizes import ImageSizes, check_max_frames, sizes_for
 from ..diffusion._stepper import ImageRequest, ImageStepper
 from ..engine import DEFAULT_CAPACITY, EngineModel
 from ..engine.settings import engine_thread_setup
@@ -240,12 +240,7 @@ class VideoModel(EngineModel):
         them (``1 + temporal * k`` for a causal 3D VAE), else `InvalidArgumentError` naming the counts
         it can make. Found at call time: 33 frames on the embedded model failed in its first step
         with a tensor-size error from diffusers."""
-        most = self.max_num_frames
-        if most is not None and num_frames > most:
-            raise InvalidArgumentError(
-                f"num_frames={num_frames} is more than this model takes: its motion modules hold at most {most} "
-                f"frames; use num_frames={most} or fewer (a lower fps makes the clip last longer)"
-            )
+        check_max_frames(num_frames, self.max_num_frames)
         t = self.layout.temporal
         if t > 1 and (num_frames - 1) % t:
             lower = num_frames - (num_frames - 1) % t

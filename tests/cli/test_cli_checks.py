@@ -56,7 +56,7 @@ REFUSED = [
     (["image", "x", "--strip", "strip.gif"], "--strip strip.gif: .gif is not a format"),
     (["video", "x", "--steps", "100000000000"], "--steps: steps must be an integer from 1 to 1000"),  # numpy: 745 GiB
     (["image", "x", "--steps", "2000"], "--steps: steps must be an integer from 1 to 1000"),
-    (["video", "x", "--num-frames", "33"], "--num-frames: 33 is more than the embedded model takes (at most 32"),
+    (["video", "x", "--num-frames", "33"], "--num-frames: num_frames=33 is more than this model takes: its motion modules hold at most 32"),
     (["video", "x", "--previews", "p.mp4"], "--previews p.mp4: .mp4 names a file, and this flag takes a folder"),
     (["image", "x", "--taesd", "no-such-folder"], "--taesd no-such-folder: no such folder"),
     (["image", "x", "--strip-frames", "0"], "--strip-frames: 0 is out of range; give an integer >= 1"),

@@ -213,6 +213,11 @@ def validate_body(model: type[BaseModel], body: Any, what: str, *, strict: bool 
         raise _problem(model, exc, body, what) from None
 
 
+def _path(loc: Any) -> str:
+    """A pydantic error location as the client wrote it: ``messages[0].content``."""
+    return str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+
+
 def _nested_model(field: Any) -> type[BaseModel] | None:
     """The pydantic model an object field holds (``Optional[StreamOptions]`` -> ``StreamOptions``)."""
     if field is None:
@@ -230,9 +235,8 @@ def _problem(model: type[BaseModel], exc: ValidationError, body: dict[str, Any],
         # the object takes (the outer name alone read "unknown field 'stream_options'").
         loc = nested[0]
         inner = _nested_model(fields.get(str(loc[0])))
-        path = str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
         takes = f"; '{loc[0]}' takes {sorted(inner.model_fields)}" if inner is not None else ""
-        return Problem(400, "unknown_field", f"unknown field '{path}' for {what}{takes}", param=str(loc[0]))
+        return Problem(400, "unknown_field", f"unknown field '{_path(loc)}' for {what}{takes}", param=str(loc[0]))
     unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and e["loc"])
     if unknown:
         return Problem(400, "unknown_field", f"unknown field(s) {unknown} for {what}; accepted fields: {sorted(fields)}",
@@ -243,7 +247,7 @@ def _problem(model: type[BaseModel], exc: ValidationError, body: dict[str, Any],
         return Problem(400, "missing_field", f"'{name}' is required ({fields[name].description})", param=name)
     first = errors[0]
     name = str(first["loc"][0]) if first["loc"] else "body"
-    where = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"][1:])
+    where = _path(first["loc"]) if first["loc"] else name
     expected = fields[name].description if name in fields else "a valid value"
     value = body.get(name)
     if first["type"] in ("finite_number",):

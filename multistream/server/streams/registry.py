@@ -258,7 +258,7 @@ class StreamRecord(SharedAccess):
         self._grace = None
         if self.subscribers or self.done:
             return
-        if self._log is not None and hasattr(self._log, "remote_readers"):
+        if self._log is not None:
             # A client that resumed on another server reads this stream through the shared log,
             # not as a subscriber here: ask the log before ending a stream someone still reads.
             self._loop.create_task(self._grace_expired_unless_read_elsewhere())

@@ -20,7 +20,7 @@ from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
 from .._common import openai_size
-from .._protocol import given_options, in_openai_names, option_fields, unsupported
+from .._protocol import given_options, option_fields, unsupported
 
 
 class _ImageGenerationBase(BaseModel):
@@ -93,8 +93,5 @@ def image_kwargs(body: Any, settings: ServerSettings, sizes: Any = None) -> tupl
         raise Problem(400, "invalid_argument", f"partial_images must be 0..3, got {partial}", param="partial_images")
     stream = bool(req.stream)
     kwargs = req.to_image_options(fmt, stream and partial > 0, sizes)
-    try:
-        check_image_limits(kwargs, settings)
-    except Problem as problem:
-        raise in_openai_names(problem, OPENAI_IMAGE_NAMES) from None
+    check_image_limits(kwargs, settings)
     return kwargs, req.priority, stream, partial, fmt

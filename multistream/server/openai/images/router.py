@@ -38,8 +38,8 @@ async def images(request: Request, state: ServerState = Depends(get_state),
     settings = state.settings
     body = await read_model_body(request, state, "image")
     sizes = getattr(state.model_for("image"), "sizes", None)  # 404 when none is served, 503 while it loads
-    kwargs, priority, stream, partial, fmt = image_kwargs(body, settings, sizes)
-    try:
+    try:  # the server's limits (image_kwargs) and the model's checks (open_stream) name our options
+        kwargs, priority, stream, partial, fmt = image_kwargs(body, settings, sizes)
         record = await state.open_stream("image", kwargs, priority=priority, request=request, resumable=False,
                                          arrived_at=arrived, principal=principal)
     except Problem as problem:
