@@ -206,10 +206,11 @@ def run(args: argparse.Namespace) -> int:
     except InvalidArgumentError as exc:
         print(f"multistream serve: {exc}", file=sys.stderr)
         return 2
-    code = serve(app, host=args.host, port=args.port, log_level=args.log_level) or 0
+    code = serve(app, host=args.host, port=args.port, log_level=args.log_level, say=_say) or 0
     if code != 0:
-        # A model failed to load: exit now. Another model may still be loading in its thread, and
-        # torch's threads torn down under it at interpreter exit abort the process (status -6).
+        # A model failed to load, or a second Ctrl-C stopped the server: exit now. A model may still
+        # be loading or generating in its thread, and torch's threads torn down under it at
+        # interpreter exit abort the process (status -6).
         import logging
         import os
 
@@ -218,3 +219,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _say(line: str) -> None:
+    """What a Ctrl-C does, told at the terminal (the server's log may be quieter: --log-level)."""
+    print(f"multistream serve: {line}", file=sys.stderr, flush=True)

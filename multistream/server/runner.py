@@ -4,7 +4,14 @@ The first signal stops admitting (new generation requests get 503, the socket st
 clients hear why), lets running streams finish up to ``shutdown_deadline_s``, cancels the rest
 (each ends with a final ``cancelled`` event; with a Redis event log those another server can
 continue are handed off instead, unfinished, for the next server on the log: see
-`multistream.server.durable.continuation`), then stops the server. A second signal exits at once.
+`multistream.server.durable.continuation`), then stops the server. With streams running, it says
+so in one line (how many, for how long, and that a second Ctrl-C stops now).
+
+A second signal stops at once: every running stream ends with a final ``cancelled`` event (no
+deadline, no hand-off), the connections get about a second to send it, and `serve` returns
+128 + the signal's number (130 for Ctrl-C, as a shell reports an interrupted command), quietly:
+one line says so, and the CancelledError tracebacks of what it cancelled are not logged. A third
+signal stops waiting even for that (uvicorn's force exit: no app shutdown), as quietly.
 
 A model that fails to load stops the server at once (`serve` returns 1, as vLLM exits at start-up),
 with the reason and its fix in the log; with ``ServerSettings.allow_partial`` the server keeps
@@ -20,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import signal
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -36,10 +45,21 @@ logger = logging.getLogger("multistream.server")
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first exit signal drains the multistream app before stopping."""
+    """A uvicorn server whose first exit signal drains the multistream app before stopping, and
+    whose second stops it at once (see the module docstring). ``say`` prints the line that tells
+    the operator what a signal does (default: the log, at warning level); ``exit_status`` is 0
+    until a second signal sets it.
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    Example:
+        >>> server = DrainingServer(uvicorn_config(app), say=print)   # doctest: +SKIP
+        >>> server.run(); server.exit_status                          # doctest: +SKIP
+        130
+    """
+
+    def __init__(self, config: uvicorn.Config, say: Callable[[str], Any] | None = None) -> None:
         super().__init__(config)
+        self.say = say or logger.warning
+        self.exit_status = 0
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -85,22 +105,81 @@ class DrainingServer(uvicorn.Server):
         _freeze_startup_objects()
         return True
 
+    def run(self, sockets: Any = None) -> None:
+        try:
+            super().run(sockets)
+        finally:  # after asyncio.run has cancelled what was left: its tracebacks are filtered till then
+            _UVICORN_LOG.removeFilter(_drop_cancelled)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: it only sets flags and hands the work to the loop. Printing from here
+        # could cut into a line the main thread is writing.
         state = _find_state(self.config.loaded_app)
-        if self._draining or state is None or self._loop is None:
+        if state is None or self._loop is None:  # before the app started: nothing to drain
             self.should_exit = True
-            if self._draining:
-                self.force_exit = True
+            return
+        if self.exit_status:  # a third signal: stop waiting for connections and the app's shutdown
+            self.force_exit = True
+            return
+        if self._draining:
+            self.exit_status = 128 + int(sig)
+            self.should_exit = True
+            self._loop.call_soon_threadsafe(self._stop_now, state)
             return
         self._draining = True
+        self._loop.call_soon_threadsafe(self._drain, state, sig)
+
+    def _drain(self, state: Any, sig: int) -> None:
+        running = state.registry.active()
         logger.info("signal %s: draining before shutdown", sig)
+        if running:
+            self.say(_drain_notice(running, state.settings.shutdown_deadline_s, sig))
 
         def stop() -> None:
             # A signal within a poll of the models settling: the settled server's report still comes.
             self._check_loading(state)
             self.should_exit = True
 
-        self._loop.call_soon_threadsafe(lambda: state.begin_drain(on_drained=stop))
+        state.begin_drain(on_drained=stop)
+
+    def _stop_now(self, state: Any) -> None:
+        # What is cancelled from here on (a connection that does not end in time, the app's tasks
+        # at the loop's end) is cancelled on purpose: uvicorn would log each as a traceback.
+        _UVICORN_LOG.addFilter(_drop_cancelled)
+        # The streams' finals are written at once; a second is plenty to send them.
+        timeout = self.config.timeout_graceful_shutdown
+        self.config.timeout_graceful_shutdown = 1 if timeout is None else min(timeout, 1)
+        cancelled = state.stop_now()
+        self.say(f"stopping now; {_streams(cancelled)} cancelled" if cancelled else "stopping now")
+
+
+def _streams(n: int) -> str:
+    return f"{n} running stream{'' if n == 1 else 's'}"
+
+
+def _drain_notice(running: int, deadline_s: float, sig: int) -> str:
+    """The line the first signal prints while streams run.
+
+    Example:
+        >>> _drain_notice(2, 20.0, signal.SIGINT)
+        'stopping; waiting up to 20 s for 2 running streams to finish (Ctrl-C again to stop now)'
+    """
+    again = "Ctrl-C again" if sig == signal.SIGINT else "a second signal"
+    if deadline_s <= 0:
+        return f"stopping; cancelling {_streams(running)} ({again} to stop without waiting for them)"
+    return f"stopping; waiting up to {deadline_s:g} s for {_streams(running)} to finish ({again} to stop now)"
+
+
+_UVICORN_LOG = logging.getLogger("uvicorn.error")
+
+
+def _drop_cancelled(record: logging.LogRecord) -> bool:
+    """A logging filter: False for a CancelledError's traceback, as uvicorn logs it for a request
+    (``exc_info``) or starlette's lifespan hands it over (the formatted text)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, asyncio.CancelledError):
+        return False
+    return not str(record.msg).rstrip().endswith("CancelledError")
 
 
 def _freeze_startup_objects() -> None:
@@ -185,11 +264,14 @@ def _find_settings(app: Any) -> Any:
     return settings
 
 
-def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **uvicorn_kwargs: Any) -> int:
+def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          say: Callable[[str], Any] | None = None, **uvicorn_kwargs: Any) -> int:
     """Run ``app`` until SIGTERM/SIGINT, draining streams first (see the module docstring).
 
-    Returns the process's exit status: 0, or 1 when a model failed to load (see ``allow_partial``)."""
+    Returns the process's exit status: 0; 1 when a model failed to load (see ``allow_partial``);
+    128 + the signal's number (130 for Ctrl-C) when a second signal stopped it at once. ``say``
+    prints what a signal does, one line (default: the log, at warning level)."""
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
-    server = DrainingServer(config)
+    server = DrainingServer(config, say=say)
     server.run()
-    return 1 if server.failed_models else 0
+    return 1 if server.failed_models else server.exit_status

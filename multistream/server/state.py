@@ -443,6 +443,18 @@ class ServerState:
         logger.info("draining: %d running streams get %.1f s to finish", self.registry.active(), deadline)
         asyncio.get_running_loop().create_task(self._drain(deadline, on_drained))
 
+    def stop_now(self) -> int:
+        """Stop admitting, and end every running stream at once with a final ``cancelled`` event:
+        no deadline, no hand-off, no wait for a model to stop (a second Ctrl-C). A drain under
+        way then finishes at once. Returns how many streams were running.
+
+        Example:
+            >>> state.loop.call_soon_threadsafe(state.stop_now)   # doctest: +SKIP
+        """
+        if not self.draining:
+            self.begin_drain(0.0)
+        return self.registry.end_all_now("cancelled")
+
     async def _drain(self, deadline: float, on_drained: Callable[[], None] | None) -> None:
         end = time.monotonic() + deadline
         while self.registry.live and time.monotonic() < end:

@@ -216,6 +216,15 @@ class StreamRecord(SharedAccess):
         else:
             self._done_callbacks.append(callback)
 
+    def end_now(self, reason: str = "cancelled") -> None:
+        """Stop the model and end the stream at once with a server-written final event, without
+        waiting for the model to end it (the server is stopping now: a second Ctrl-C)."""
+        if self.done:
+            return
+        self._force_reason = reason
+        self.stream.cancel()
+        self.task.cancel()  # the pump appends the final: `_pump`'s CancelledError branch
+
     def force_finish(self) -> None:
         """End the stream now with a server-written final event (the model did not stop in time)."""
         if not self.done:
@@ -545,6 +554,13 @@ class Registry:
     def cancel_all(self, reason: str = "cancelled") -> None:
         for record in list(self.live.values()):
             record.cancel(reason)
+
+    def end_all_now(self, reason: str = "cancelled") -> int:
+        """`StreamRecord.end_now` for every live stream; how many there were."""
+        records = list(self.live.values())
+        for record in records:
+            record.end_now(reason)
+        return len(records)
 
     def drop_connections(self) -> int:
         for record in self.live.values():
