@@ -64,7 +64,7 @@ from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
-from ._options import PreviewPlan, parse_image_options, parse_preview
+from ._options import PreviewPlan, parse_image_options, parse_preview, refuse_pipeline_argument
 from ._run import ImageRun, ImageSteering
 from ._taesd import load_taesd
 
@@ -470,6 +470,8 @@ class ImageModel(EngineModel):
             if key == "callback_on_step_end_tensor_inputs":
                 tensor_inputs = list(dict.fromkeys([*tensor_inputs, *(value or [])]))
                 continue
+            if key not in self._params and not self._var_kw:
+                refuse_pipeline_argument(key, type(self._pipe).__name__)
             put(key, value)
         if seed is None and "generator" not in kwargs:
             seed = random.randrange(2**31)

@@ -39,7 +39,7 @@ from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
 from ._layout import VideoLatents
-from ._options import parse_video_options
+from ._options import parse_video_options, refuse_pipeline_argument
 from ._previews import PerFrameNet, VideoDecoderParts, fit_video_latent_rgb
 from ._run import RunContext, VideoJob, VideoRun, VideoSteering
 
@@ -333,6 +333,8 @@ class VideoModel(EngineModel):
             if key == "callback_on_step_end":
                 user_callback = value
                 continue
+            if key not in self._params:
+                refuse_pipeline_argument(key, type(self._pipe).__name__)
             put(key, value)
         seed = options.seed
         if "generator" not in kwargs:
