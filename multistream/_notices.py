@@ -13,6 +13,10 @@ diffusers and transformers drew two progress bars for it ("Loading pipeline comp
 `quiet_loading_bars` hides them for that load only and puts the libraries' setting back after;
 a hub or folder model keeps its bars (a download or a large load is worth watching).
 
+`quiet_here` drops given notices only where multistream says the same thing itself: the records
+its own thread emits inside the block (a pipeline call on a model's engine thread), so the same
+library call made by the user, on another thread or after the block, still warns.
+
 Example:
     >>> quiet_library_notices()
     >>> import logging
@@ -25,10 +29,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Iterator
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["NOTICES", "LibraryNoticeFilter", "progress_modules", "quiet_library_notices", "quiet_loading_bars"]
+__all__ = ["NOTICES", "LibraryNoticeFilter", "progress_modules", "quiet_here", "quiet_library_notices",
+           "quiet_loading_bars"]
 
 # The libraries whose tqdm bars a load draws; each has is_progress_bar_enabled / enable / disable.
 _PROGRESS_MODULES = ("transformers.utils.logging", "diffusers.utils.logging")
@@ -99,3 +106,65 @@ def quiet_loading_bars() -> Iterator[None]:
     finally:
         for module in turned_off:
             module.enable_progress_bar()
+
+
+class _HereFilter(logging.Filter):
+    """Drops a record when a `quiet_here` block is open on the thread that emits it and the
+    record's message contains one of that block's needles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.open: Counter[tuple[int, str]] = Counter()  # (thread ident, needle): blocks open
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self.lock:
+            needles = [needle for thread, needle in self.open if thread == record.thread]
+        if not needles:
+            return True
+        message = record.getMessage()
+        return not any(needle in message for needle in needles)
+
+
+_here_lock = threading.Lock()
+_here_filters: dict[str, _HereFilter] = {}  # logger name -> its filter, while a block is open on it
+
+
+@contextlib.contextmanager
+def quiet_here(notices: Iterable[tuple[str, str]]) -> Iterator[None]:
+    """Drop the records of ``notices`` ((logger name, text in the message)) that this thread emits
+    inside the block. Other threads' records, and every record once the block ends, still show;
+    blocks may open and close in any order (requests interleave on one engine thread), and the
+    last one out takes its filter off the logger.
+
+    Example:
+        >>> import logging
+        >>> with quiet_here([("demo.lib", "too long")]):
+        ...     logging.getLogger("demo.lib").warning("input too long, cut")   # dropped
+        >>> logging.getLogger("demo.lib").filters
+        []
+    """
+    thread = threading.get_ident()
+    keys = list(dict.fromkeys(notices))
+    with _here_lock:
+        for name, needle in keys:
+            here = _here_filters.get(name)
+            if here is None:
+                here = _here_filters[name] = _HereFilter()
+                logging.getLogger(name).addFilter(here)
+            with here.lock:
+                here.open[(thread, needle)] += 1
+    try:
+        yield
+    finally:
+        with _here_lock:
+            for name, needle in keys:
+                here = _here_filters[name]
+                with here.lock:
+                    here.open[(thread, needle)] -= 1
+                    if here.open[(thread, needle)] <= 0:
+                        del here.open[(thread, needle)]
+                    idle = not here.open
+                if idle:
+                    logging.getLogger(name).removeFilter(here)
+                    del _here_filters[name]

@@ -124,14 +124,16 @@ def parse_options(cls: type[T], owner: str, given: Mapping[str, Any], *, extra: 
     return cls(**values)
 
 
-def reject_unknown(unknown: Mapping[str, Any], known: tuple[str, ...], owner: str) -> None:
+def reject_unknown(unknown: Mapping[str, Any], known: tuple[str, ...], owner: str, *, note: str = "") -> None:
+    """Raise `InvalidArgumentError` for the first of ``unknown`` (if any), naming the closest of
+    ``known``; ``note`` ends the message (e.g. where other names would have gone)."""
     if not unknown:
         return
     name = sorted(unknown)[0]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise InvalidArgumentError(f"unknown argument {name!r} for {owner}.{hint} Known arguments: {', '.join(known)}.",
-                               param=name)
+    raise InvalidArgumentError(f"unknown argument {name!r} for {owner}.{hint} Known arguments: {', '.join(known)}."
+                               + (f" {note}" if note else ""), param=name)
 
 
 def body_fields(cls: type) -> dict[str, tuple[Any, Any]]:

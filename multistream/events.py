@@ -228,7 +228,8 @@ class AudioEvent(_BaseEvent):
         return np.frombuffer(self.data, dtype="<i2")
 
     def save(self, path: Any) -> Any:
-        """Write the whole utterance (the final event's ``audio``, WAV) to ``path``; returns the path.
+        """Write the whole utterance (the final event's ``audio``, WAV) to ``path`` (missing folders
+        are made); returns the path.
         The suffix must be ``.wav``: other formats are encoded by ``multistream speak --out x.mp3``
         or the server's ``response_format``. A chunk is raw PCM (``data``), not a file.
 
@@ -246,7 +247,7 @@ class AudioEvent(_BaseEvent):
                 f"cannot save speech as {out.name!r}: save writes WAV, so the file name must end in .wav "
                 "(for MP3, Opus, FLAC or AAC use `multistream speak TEXT --out x.mp3` or the server's "
                 "response_format)")
-        out.write_bytes(self.audio)
+        _write_file(out, self.audio)
         return out
 
 
@@ -292,7 +293,8 @@ class VideoEvent(_BaseEvent):
         return _decode_frames(self)
 
     def save(self, path: Any) -> Any:
-        """Write ``data`` to ``path`` (a clip on the final event, the preview otherwise); returns the path.
+        """Write ``data`` to ``path`` (a clip on the final event, the preview otherwise; missing folders
+        are made); returns the path.
 
         The bytes are written as they are, so the suffix must name their format (``.webm`` for the
         default clip, ``.mp4`` for ``video_format="mp4"``, ``.webp`` or ``.jpg`` for a preview):
@@ -311,8 +313,15 @@ class VideoEvent(_BaseEvent):
             raise InvalidArgumentError(
                 f"cannot save {self.mime} as {out.name!r}: the bytes are written as they are, so the file "
                 f"name must end in {' or '.join(suffixes)}{hint}")
-        out.write_bytes(self.data)
+        _write_file(out, self.data)
         return out
+
+
+def _write_file(out: Any, data: bytes) -> None:
+    """Write ``data`` to the `pathlib.Path` ``out``, making the folders missing above it, as the
+    command line's ``--out new/x.wav`` does: ``ev.save("clips/x.webm")`` was a bare FileNotFoundError."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
 
 
 # The file suffixes of each format a video event's data can have (first: the usual one).

@@ -28,6 +28,7 @@ from ._options import (
     check_size_multiple,
     parse_image_options,
     parse_preview,
+    refuse_pipeline_argument,
 )
 
 # The model modules import torch, diffusers, numpy and Pillow; they load when first asked for, so
@@ -75,5 +76,6 @@ __all__ = [
     "load_image_model",
     "parse_image_options",
     "parse_preview",
+    "refuse_pipeline_argument",
     "to_pil",
 ]

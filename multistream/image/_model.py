@@ -56,6 +56,7 @@ from ..diffusion._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_
 from ..diffusion._job import ImageJob, RunContext
 from ..diffusion._latent_rgb import LatentRGB, detect_family, latent_rgb_for
 from ..diffusion._previews import DecoderParts, settle_plan, x0_strategy
+from ..diffusion._prompt_length import PromptLimit
 from ..diffusion._sizes import ImageSizes, sizes_for
 from ..diffusion._stepper import ImageRequest, ImageStepper
 from ..engine import DEFAULT_CAPACITY, EngineModel
@@ -63,7 +64,7 @@ from ..engine.settings import engine_thread_setup
 from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
-from ._options import PreviewPlan, parse_image_options, parse_preview
+from ._options import PreviewPlan, parse_image_options, parse_preview, refuse_pipeline_argument
 from ._run import ImageRun, ImageSteering
 from ._taesd import load_taesd
 
@@ -176,6 +177,7 @@ class ImageModel(EngineModel):
                 )
             self._preview_net = net.to(self.device)
         self._takes_step_callback = "callback_on_step_end" in self._params or self._var_kw
+        self._prompt_limit = PromptLimit.of(pipeline, "image")  # None: no one number of tokens is read
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidArgumentError(f"max_batch must be an integer >= 1 (1: never batch requests), got {max_batch!r}")
         self.max_batch = max_batch
@@ -371,7 +373,7 @@ class ImageModel(EngineModel):
 
         def submit(writer: StreamWriter) -> None:
             # steer() is checked on the caller's thread and applied between two steps.
-            steering = ImageSteering(self._pipe, job.call_kwargs)
+            steering = ImageSteering(self._pipe, job.call_kwargs, prompt_limit=self._prompt_limit)
             writer.on_command(steering.handle)
             self._engine.submit(_ImageRequest(self, writer, job, job.priority, steering, checkpoints))
 
@@ -443,6 +445,10 @@ class ImageModel(EngineModel):
         put("negative_prompt", options.negative_prompt)
         put("num_inference_steps", options.steps, "steps")
         put("guidance_scale", options.guidance_scale)
+        if self._prompt_limit is not None:
+            # Said once here, in a line; the libraries' own notices of it are dropped in the run.
+            self._prompt_limit.check("prompt", options.prompt)
+            self._prompt_limit.check("negative_prompt", options.negative_prompt)
         if "height" in self._params:
             put("height", height)
             put("width", width)
@@ -464,6 +470,8 @@ class ImageModel(EngineModel):
             if key == "callback_on_step_end_tensor_inputs":
                 tensor_inputs = list(dict.fromkeys([*tensor_inputs, *(value or [])]))
                 continue
+            if key not in self._params and not self._var_kw:
+                refuse_pipeline_argument(key, type(self._pipe).__name__)
             put(key, value)
         if seed is None and "generator" not in kwargs:
             seed = random.randrange(2**31)

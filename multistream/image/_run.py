@@ -59,6 +59,7 @@ from ..diffusion._previews import (
     unpack_latents,
     x0_strategy,
 )  # fmt: skip
+from ..diffusion._prompt_length import PromptLimit, quiet_cut_notices
 from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import ImageEvent
 from ..stream import StreamWriter
@@ -173,8 +174,9 @@ class ImageSteering:
         >>> s.steer(prompt="a red circle on a yellow background")                  # doctest: +SKIP
     """
 
-    def __init__(self, pipe: Any, call_kwargs: dict[str, Any]) -> None:
+    def __init__(self, pipe: Any, call_kwargs: dict[str, Any], *, prompt_limit: PromptLimit | None = None) -> None:
         self.layout = steer_layout(pipe)
+        self._prompt_limit = prompt_limit
         self.pipe_name = type(pipe).__name__
         self._lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
@@ -264,6 +266,9 @@ class ImageSteering:
                     f"negative_prompt has no effect on this run: guidance_scale is {g:g} (<= 1, no classifier-free "
                     "guidance); steer prompt= only, or start a new stream with guidance_scale > 1"
                 )
+        if self._prompt_limit is not None:
+            for key in ("prompt", "negative_prompt"):
+                self._prompt_limit.check(key, changes.get(key))
         return changes
 
     # -- engine thread ---------------------------------------------------------------------------
@@ -417,7 +422,7 @@ class ImageRun:
         run.call_at = time.perf_counter()
         try:
             try:
-                with tracker if tracker is not None else nullcontext():
+                with tracker if tracker is not None else nullcontext(), quiet_cut_notices(pipe):
                     output = pipe(**kwargs)
             finally:
                 if self.steering is not None:

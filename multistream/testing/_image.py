@@ -18,7 +18,14 @@ from .._checks import is_int, is_number
 from .._eta import StepEta
 from ..errors import InvalidArgumentError, StreamFinishedError
 from ..events import Event, ImageEvent
-from ..image import PreviewThrottle, check_size_multiple, encode_frame, parse_image_options, parse_preview
+from ..image import (
+    PreviewThrottle,
+    check_size_multiple,
+    encode_frame,
+    parse_image_options,
+    parse_preview,
+    refuse_pipeline_argument,
+)
 from ..stream import Stream, StreamWriter
 from ._scripted import CountedModel, Counters, pause, require, start_stream
 
@@ -72,8 +79,7 @@ class ScriptedImageModel(CountedModel):
         stream previews and the final image."""
         options = parse_image_options(prompt, **options)
         for key in options.pipeline_kwargs:
-            # The real model hands these to its pipeline, which refuses names it does not take.
-            raise InvalidArgumentError(f"{type(self).__name__} takes no {key!r} argument (it has no pipeline)")
+            refuse_pipeline_argument(key, None)  # the real model hands these to its pipeline; the fake has none
         plan = options.preview or parse_preview(self.default_preview)
         why = f"the fake, like a VAE, downsamples by {self.size_multiple}"
         height, width = (default if value is None else check_size_multiple(name, value, self.size_multiple, why)

@@ -25,11 +25,11 @@ from typing import Any
 
 from .._checks import is_int, is_number
 from .._eta import StepEta
-from ..errors import InvalidArgumentError, StreamFinishedError
+from ..errors import StreamFinishedError
 from ..events import Event, VideoEvent
 from ..image import ImageSizes
 from ..stream import Stream, StreamWriter
-from ..video import parse_video_options
+from ..video import parse_video_options, refuse_pipeline_argument
 from ._scripted import CountedModel, Counters, pause, require, start_stream
 
 __all__ = ["ScriptedVideoModel"]
@@ -78,8 +78,7 @@ class ScriptedVideoModel(CountedModel):
         stream every frame's preview per step and the final clip."""
         o = parse_video_options(prompt, **options)
         for key in o.pipeline_kwargs:
-            # The real model hands these to its pipeline, which refuses names it does not take.
-            raise InvalidArgumentError(f"{type(self).__name__} takes no {key!r} argument (it has no pipeline)")
+            refuse_pipeline_argument(key, None)  # the real model hands these to its pipeline; the fake has none
         height, width = self.sizes.native_or(o.height, o.width)
         args = {
             "prompt": o.prompt, "negative_prompt": o.negative_prompt,

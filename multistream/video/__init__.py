@@ -27,6 +27,7 @@ from ._options import (
     VIDEO_STREAM_ARGS,
     VideoOptions,
     parse_video_options,
+    refuse_pipeline_argument,
 )
 
 # The model modules import torch and diffusers; they load when first asked for, so the options
@@ -96,4 +97,5 @@ __all__ = [
     "fit_video_preview_decoder",
     "load_video_model",
     "parse_video_options",
+    "refuse_pipeline_argument",
 ]

@@ -30,6 +30,7 @@ import torch
 
 from .._devices import resolve_device, resolve_dtype
 from ..diffusion._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
+from ..diffusion._prompt_length import PromptLimit
 from ..diffusion._sizes import ImageSizes, check_max_frames, sizes_for
 from ..diffusion._stepper import ImageRequest, ImageStepper
 from ..engine import DEFAULT_CAPACITY, EngineModel
@@ -38,7 +39,7 @@ from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
 from ._layout import VideoLatents
-from ._options import parse_video_options
+from ._options import parse_video_options, refuse_pipeline_argument
 from ._previews import PerFrameNet, VideoDecoderParts, fit_video_latent_rgb
 from ._run import RunContext, VideoJob, VideoRun, VideoSteering
 
@@ -132,6 +133,7 @@ class VideoModel(EngineModel):
         self._tiny: Any = preview_decoder
         allowed = tuple(getattr(pipeline, "_callback_tensor_inputs", None) or ("latents",))
         self._tensor_inputs = tuple(n for n in ("latents", "prompt_embeds", "negative_prompt_embeds") if n in allowed)
+        self._prompt_limit = PromptLimit.of(pipeline, "video")  # None: no one number of tokens is read
         self._stepper = ImageStepper(1)  # each request runs its own pipeline call; steps interleave
         self.start_engine(self._stepper, name=f"video-{self.name}", setup=engine_thread_setup)
 
@@ -281,7 +283,7 @@ class VideoModel(EngineModel):
         checkpoints = checkpoint_plan(self._run_context(), job, resume_from, on_checkpoint, checkpoint_every)
 
         def submit(writer: StreamWriter) -> None:
-            steering = VideoSteering(self._pipe, job.call_kwargs)
+            steering = VideoSteering(self._pipe, job.call_kwargs, prompt_limit=self._prompt_limit)
             writer.on_command(steering.handle)
             self.engine.submit(_VideoRequest(self, writer, job, steering, checkpoints))
 
@@ -316,6 +318,10 @@ class VideoModel(EngineModel):
 
         put("prompt", options.prompt)
         put("negative_prompt", options.negative_prompt)
+        if self._prompt_limit is not None:
+            # Said once here, in a line; the libraries' own notices of it are dropped in the run.
+            self._prompt_limit.check("prompt", options.prompt)
+            self._prompt_limit.check("negative_prompt", options.negative_prompt)
         put("num_inference_steps", steps, "steps")
         put("guidance_scale", guidance)
         put("num_frames", num_frames)
@@ -327,6 +333,8 @@ class VideoModel(EngineModel):
             if key == "callback_on_step_end":
                 user_callback = value
                 continue
+            if key not in self._params:
+                refuse_pipeline_argument(key, type(self._pipe).__name__)
             put(key, value)
         seed = options.seed
         if "generator" not in kwargs:

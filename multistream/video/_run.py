@@ -27,6 +27,7 @@ import torch
 from ..diffusion._checkpoint import RunCheckpoints
 from ..diffusion._preview_options import PreviewThrottle
 from ..diffusion._previews import X0Tracker, x0_strategy
+from ..diffusion._prompt_length import PromptLimit, quiet_cut_notices
 from ..errors import InvalidArgumentError
 from ..events import VideoEvent
 from ..stream import StreamWriter
@@ -85,8 +86,9 @@ class VideoSteering:
     are kept). Pipelines that batch the negative and positive embeddings together (CogVideoX, LTX,
     AnimateDiff) get them joined the same way; Wan keeps them apart."""
 
-    def __init__(self, pipeline: Any, call_kwargs: dict[str, Any]) -> None:
+    def __init__(self, pipeline: Any, call_kwargs: dict[str, Any], *, prompt_limit: PromptLimit | None = None) -> None:
         self._pipe = pipeline
+        self._prompt_limit = prompt_limit
         self._prompt = call_kwargs.get("prompt")
         self._negative = call_kwargs.get("negative_prompt")
         self._pending: list[dict[str, Any]] = []
@@ -135,6 +137,9 @@ class VideoSteering:
 
                 raise StreamFinishedError("the clip has finished denoising; it can no longer be steered")
             self._pending.append(dict(kwargs))
+        if self._prompt_limit is not None:
+            for key in ("prompt", "negative_prompt"):
+                self._prompt_limit.check(key, kwargs.get(key))
 
     def close(self) -> None:
         with self._lock:
@@ -266,7 +271,7 @@ class VideoRun:
         kwargs["output_type"] = "pt"
         try:
             try:
-                with tracker if tracker is not None else nullcontext():
+                with tracker if tracker is not None else nullcontext(), quiet_cut_notices(pipe):
                     output = pipe(**kwargs)
             finally:
                 if self.steering is not None:

@@ -136,3 +136,19 @@ def test_video_event_rejects_a_bad_fps() -> None:
                          height=1, mime="image/webp", data=b"x").to_dict()
     with pytest.raises(ms.EventFormatError, match="fps"):
         ms.event_from_dict({**wire, "fps": 0})
+
+
+def test_save_makes_missing_folders_as_the_command_line_does(tmp_path, monkeypatch):
+    """``ev.save("missing/x.webm")`` was a bare FileNotFoundError, while the command line's
+    ``--out new/x.wav`` makes the folders; a video or audio event's ``save`` now makes them too
+    (a relative path included), and a folder in the way that is a file is still an error."""
+    monkeypatch.chdir(tmp_path)
+    clip = ms.VideoEvent(stream_id="v", seq=0, t=0.1, is_final=True, step=2, total_steps=2, num_frames=4, fps=8,
+                         width=16, height=16, mime="video/webm", data=b"\x1aE\xdf\xa3clip", finish_reason="stop")
+    speech = ms.AudioEvent(stream_id="a", seq=2, t=0.3, is_final=True, data=b"", sample_rate=22050, sample_offset=4,
+                           num_samples=0, text_span=(0, 3), audio=b"RIFFwav", finish_reason="stop")
+    assert clip.save("missing/x.webm").read_bytes() == clip.data
+    assert speech.save(tmp_path / "a" / "b" / "hello.wav").read_bytes() == b"RIFFwav"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        clip.save(tmp_path / "file" / "x.webm")

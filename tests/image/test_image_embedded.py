@@ -85,3 +85,33 @@ def test_x0_previews_converge_on_the_final_image(shapes: ms.ImageModel) -> None:
     tail = distances[-len(distances) // 4 :]
     assert all(b <= a + 0.5 for a, b in zip(tail, tail[1:])), distances
     assert distances[-1] <= 12, distances
+
+
+def test_a_long_prompt_is_one_short_warning_of_ours() -> None:
+    """A prompt longer than the CLIP text encoder reads (22 tokens on the embedded model) printed
+    transformers' length warning and diffusers' notice quoting the whole cut text (10.8 KB for
+    2,400 tokens). Now it is one line on the "multistream" logger; the libraries' notices are
+    dropped only for our own pipeline call: the user's own call of the same pipeline still warns."""
+    import os
+    import subprocess
+    import sys
+
+    from repo_paths import ROOT
+
+    code = (
+        "import sys, multistream as ms\n"
+        "sd = ms.load_image_model(device='cpu')\n"
+        "long = ' '.join(['red circle blue background'] * 600)\n"
+        "final = sd.generate(long, steps=2, seed=0)\n"
+        "assert final.finish_reason == 'stop'\n"
+        "print('--- the user calls the pipeline', file=sys.stderr, flush=True)\n"
+        "sd.pipeline.encode_prompt(long, 'cpu', 1, False)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, _, users = proc.stderr.partition("--- the user calls the pipeline\n")
+    lines = [line for line in ours.splitlines() if line.strip()]
+    assert lines == ["prompt is 2400 tokens; the image model reads the first 22 (the rest is ignored)"], ours[:3000]
+    assert max(len(line) for line in lines) <= 300
+    assert "truncated because CLIP can only handle sequences up to 24 tokens" in users

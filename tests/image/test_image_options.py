@@ -123,3 +123,20 @@ def test_the_fake_previews_the_steps_the_real_model_does(shapes, steps: int, eve
     # subset; the count made is in both finals' metrics, and the last one is never replaced.
     assert set(fake_steps) <= set(real_steps) and fake_steps[-1] == real_steps[-1]
     assert fake[-1].metrics["previews"] == real[-1].metrics["previews"] == len(real_steps)
+
+
+@pytest.mark.model
+@embedded
+@pytest.mark.parametrize(("typo", "meant"), [("stepz", "steps"), ("negative_promt", "negative_prompt"),
+                                             ("on_checkpoints", "on_checkpoint")])
+def test_a_mistyped_keyword_names_the_closest_option(shapes, typo: str, meant: str) -> None:
+    """``stepz=2`` said only "StableDiffusionPipeline takes no 'stepz' argument": names that are not
+    options go to the pipeline, so a typo of an option was blamed on it. Now the error names the
+    keyword and the option it is closest to (the helper text's own stream uses), on both models."""
+    for model in (shapes, ScriptedImageModel(steps=2, size=16)):
+        with pytest.raises(ms.InvalidArgumentError) as info:
+            model.stream(PROMPT, **{typo: 2})
+        message = str(info.value)
+        assert message.startswith(f"unknown argument {typo!r} for ImageModel.stream(). Did you mean {meant!r}?"), message
+        assert info.value.param == typo
+    assert "StableDiffusionPipeline takes no" in _refusal(shapes, {typo: 2})

@@ -53,3 +53,29 @@ def test_speak_with_the_fake(tts):
     events = list(ms.speak(llm.stream("hi"), tts))
     text_final = next(i for i, ev in enumerate(events) if ev.type == "text" and ev.finish_reason)
     assert any(ev.type == "audio" for ev in events[:text_final]) and events[-1].type == "audio"
+
+
+def test_the_readme_speak_example_prints_the_final_meaningfully(tts, capsys):
+    """The README's ``ms.speak`` loop printed ``ev.num_samples`` for every audio event, and the final
+    has none of its own (the whole utterance is in ``.audio``): its last line was "audio 0". Run as
+    written (on the fakes), it ends with the utterance's length instead."""
+    from repo_paths import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Speech"):]
+    block = block[block.index("```python") + len("```python"):block.index("```", block.index("```python") + 3)]
+    lines = block.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("msgs = "))
+    assert lines[start + 1].startswith("for ev in ms.speak(")
+    loop = lines[start:start + 2]
+    for line in lines[start + 2:]:  # the loop's body
+        if not line.startswith(" "):
+            break
+        loop.append(line)
+    llm = ScriptedTextModel(["Hello", " there.", " How", " are", " you?"], delay_s=0.01)
+    exec("\n".join(loop), {"ms": ms, "llm": llm, "tts": tts})
+    printed = capsys.readouterr().out.splitlines()
+    assert "audio 0" not in printed
+    assert any(line.startswith("audio ") for line in printed) and any(line.startswith("text ") for line in printed)
+    last = printed[-1].split()
+    assert last[0] == "spoken" and last[2] == "s" and float(last[1]) > 0, printed

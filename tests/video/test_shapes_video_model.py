@@ -353,3 +353,35 @@ def test_more_frames_than_the_motion_modules_hold_are_refused_at_call_time(video
     assert caught.value.status == 400 and caught.value.param == "seconds"
     assert "64 frames at this model's 8 fps, more than the 32 it makes (4 seconds); ask for seconds <= 4" in caught.value.message
     assert parse_video_create({"prompt": "p", "seconds": "4"}, fmt)[1]["num_frames"] == 32
+
+
+def test_a_long_prompt_is_one_short_warning_of_ours(video_model, caplog) -> None:
+    """As for images: a prompt past the CLIP encoder's 22 tokens is one line of ours, and
+    diffusers' notice quoting the cut text is dropped for our own call of the pipeline."""
+    import logging
+
+    notices: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            notices.append(record)
+
+    # A handler on the logger the notice comes from sees what that logger's filters let through.
+    library = [logging.getLogger(type(video_model.pipeline).encode_prompt.__module__),
+               logging.getLogger("transformers.tokenization_utils_base")]
+    keep = Keep()
+    filters_before = [list(logger.filters) for logger in library]
+    for logger in library:
+        logger.addHandler(keep)
+    try:
+        with caplog.at_level(logging.WARNING, logger="multistream"):
+            final = video_model.generate(" ".join(["red circle blue background"] * 600), steps=2, seed=0,
+                                         preview="none")
+    finally:
+        for logger in library:
+            logger.removeHandler(keep)
+    assert final.finish_reason == "stop"
+    ours = [r.getMessage() for r in caplog.records if r.name == "multistream"]
+    assert ours == ["prompt is 2400 tokens; the video model reads the first 22 (the rest is ignored)"]
+    assert notices == []
+    assert [list(logger.filters) for logger in library] == filters_before  # quieted for the call only

@@ -70,3 +70,22 @@ def test_unknown_names_go_to_the_pipeline_and_the_model_names_a_typo():
     with VideoModel(tiny_video_pipeline("wan")) as vm:
         with pytest.raises(InvalidArgumentError, match="WanPipeline takes no 'num_frame' argument"):
             vm.stream("x", num_frame=9, preview="none")
+
+
+def test_a_mistyped_keyword_names_the_closest_option():
+    """``vm.stream(stepz=2)`` said only "WanPipeline takes no 'stepz' argument"; the error now names
+    the option it is closest to, as text streams do (`multistream._spec.reject_unknown`), on the
+    real model and the scripted fake alike."""
+    from multistream.testing import ScriptedVideoModel
+    from multistream.testing._random_video import tiny_video_pipeline
+    from multistream.video import VideoModel
+
+    with VideoModel(tiny_video_pipeline("wan")) as vm:
+        for model in (vm, ScriptedVideoModel(size=32)):
+            with pytest.raises(InvalidArgumentError) as info:
+                model.stream("x", stepz=2, preview="none")
+            message = str(info.value)
+            assert message.startswith("unknown argument 'stepz' for VideoModel.stream(). Did you mean 'steps'?"), message
+            assert info.value.param == "stepz"
+        with pytest.raises(InvalidArgumentError, match="Did you mean 'resume_from'?"):
+            vm.stream("x", resume_frm=None)
