@@ -136,6 +136,22 @@ def reject_unknown(unknown: Mapping[str, Any], known: tuple[str, ...], owner: st
                                + (f" {note}" if note else ""), param=name)
 
 
+def refuse_pipeline_argument(name: str, pipeline: str | None, known: tuple[str, ...], owner: str) -> None:
+    """Raise for a keyword of a diffusion model's ``stream`` that is no option (``known``) and no
+    argument of its pipeline (``pipeline``: the class name; None where there is none, as in the
+    scripted fakes), naming the closest option: a typo (``stepz=2``) must say ``steps``, not only
+    that the pipeline lacks it.
+
+    Example:
+        >>> refuse_pipeline_argument("stepz", "AnimateDiffPipeline", ("steps", "seed"), "VideoModel.stream()")
+        Traceback (most recent call last):
+        ...
+        multistream.errors.InvalidArgumentError: unknown argument 'stepz' for VideoModel.stream(). Did you mean 'steps'? Known arguments: steps, seed. Other names go to the pipeline, and AnimateDiffPipeline takes no 'stepz' argument.
+    """
+    where = f"the pipeline, and {pipeline}" if pipeline else "a pipeline, and this model has none: it"
+    reject_unknown({name: None}, known, owner, note=f"Other names go to {where} takes no {name!r} argument.")
+
+
 def body_fields(cls: type) -> dict[str, tuple[Any, Any]]:
     """``{name: (annotation, pydantic Field)}`` for `pydantic.create_model`: the options a server
     body carries, with their descriptions. Defaults of None mean "the model's own default"."""

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .._checks import is_int
-from .._spec import option, option_names, parse_options, reject_unknown
+from .._spec import option, option_names, parse_options
+from .._spec import refuse_pipeline_argument as _refuse
 from ..diffusion._preview_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES
 from ..diffusion._steps import MAX_STEPS, check_steps
@@ -213,24 +214,13 @@ def parse_image_options(prompt: Any, **options: Any) -> ImageOptions:
     return parsed
 
 
-# `ImageModel.stream`'s own keywords besides the options: a typo of one is named as well.
-_STREAM_KEYWORDS = ("taesd", "resume_from", "on_checkpoint", "checkpoint_every")
+# What `ImageModel.stream` takes: its options and its own keywords (a typo of any is named).
+IMAGE_STREAM_KEYWORDS = (*IMAGE_STREAM_ARGS, "taesd", "resume_from", "on_checkpoint", "checkpoint_every")
 
 
 def refuse_pipeline_argument(name: str, pipeline: str | None) -> None:
-    """Raise for a keyword that is no option and no argument of the pipeline (``pipeline``: its class
-    name; None where there is none, as in the scripted fake), naming the closest option: a typo
-    (``stepz=2``) must say ``steps``, not only that the pipeline lacks it.
-
-    Example:
-        >>> refuse_pipeline_argument("stepz", "StableDiffusionPipeline")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        multistream.errors.InvalidArgumentError: unknown argument 'stepz' for ImageModel.stream(). Did you mean 'steps'? Known arguments: negative_prompt, ... Other names go to the pipeline, and StableDiffusionPipeline takes no 'stepz' argument.
-    """
-    where = f"the pipeline, and {pipeline}" if pipeline else "a pipeline, and this model has none: it"
-    reject_unknown({name: None}, (*IMAGE_STREAM_ARGS, *_STREAM_KEYWORDS), "ImageModel.stream()",
-                   note=f"Other names go to {where} takes no {name!r} argument.")
+    """`multistream._spec.refuse_pipeline_argument` for ``ImageModel.stream()`` (and its scripted fake)."""
+    _refuse(name, pipeline, IMAGE_STREAM_KEYWORDS, "ImageModel.stream()")
 
 
 def check_size_multiple(name: str, value: int, multiple: int, why: str) -> int:

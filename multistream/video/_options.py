@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .._checks import is_int
-from .._spec import option, option_names, parse_options, reject_unknown
+from .._spec import option, option_names, parse_options
+from .._spec import refuse_pipeline_argument as _refuse
 from ..diffusion._preview_options import PreviewThrottle
 from ..diffusion._steps import MAX_STEPS, check_steps
 from ..errors import InvalidArgumentError
@@ -197,21 +198,10 @@ def parse_video_options(prompt: Any, **options: Any) -> VideoOptions:
     return parsed
 
 
-# `VideoModel.stream`'s own keywords besides the options: a typo of one is named as well.
-_STREAM_KEYWORDS = ("resume_from", "on_checkpoint", "checkpoint_every")
+# What `VideoModel.stream` takes: its options and its own keywords (a typo of any is named).
+VIDEO_STREAM_KEYWORDS = (*VIDEO_STREAM_ARGS, "resume_from", "on_checkpoint", "checkpoint_every")
 
 
 def refuse_pipeline_argument(name: str, pipeline: str | None) -> None:
-    """Raise for a keyword that is no option and no argument of the pipeline (``pipeline``: its class
-    name; None where there is none, as in the scripted fake), naming the closest option: a typo
-    (``stepz=2``) must say ``steps``, not only that the pipeline lacks it.
-
-    Example:
-        >>> refuse_pipeline_argument("stepz", "AnimateDiffPipeline")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        multistream.errors.InvalidArgumentError: unknown argument 'stepz' for VideoModel.stream(). Did you mean 'steps'? Known arguments: num_frames, ... Other names go to the pipeline, and AnimateDiffPipeline takes no 'stepz' argument.
-    """
-    where = f"the pipeline, and {pipeline}" if pipeline else "a pipeline, and this model has none: it"
-    reject_unknown({name: None}, (*VIDEO_STREAM_ARGS, *_STREAM_KEYWORDS), "VideoModel.stream()",
-                   note=f"Other names go to {where} takes no {name!r} argument.")
+    """`multistream._spec.refuse_pipeline_argument` for ``VideoModel.stream()`` (and its scripted fake)."""
+    _refuse(name, pipeline, VIDEO_STREAM_KEYWORDS, "VideoModel.stream()")
