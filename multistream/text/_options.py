@@ -25,7 +25,8 @@ from .._checks import is_int, is_number
 from .._spec import option, option_names, parse_options
 from ..errors import InvalidArgumentError
 
-__all__ = ["REWIND_OPTIONS", "TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt", "parse_text_options"]
+__all__ = ["CHAT_ROLES", "REWIND_OPTIONS", "TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt",
+           "check_role", "parse_text_options"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -370,11 +371,31 @@ def _check_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
             for c in calls]
 
 
+#: The roles a chat message may have: OpenAI's (``function``, deprecated there, aside).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_role(role: str, where: str) -> str:
+    """A chat message's role, ``developer`` read as ``system``; another role is an error naming it
+    (``where``: how the caller spells the field, e.g. ``messages[0].role``) and the accepted ones.
+
+    Example:
+        >>> check_role("developer", "messages[0].role")
+        'system'
+    """
+    if role not in CHAT_ROLES:
+        # A template renders an unknown role as it is, or drops the turn without a word.
+        raise InvalidArgumentError(f"{where} is {role[:40]!r}; a chat message's role is one of "
+                                   f"{', '.join(CHAT_ROLES)}", param="prompt")
+    # OpenAI's newer name for system; most chat templates know only system.
+    return "system" if role == "developer" else role
+
+
 def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Chat messages as plain ``{"role", "content"}`` dicts, or a clear error.
 
     An assistant turn may carry ``tool_calls`` (its ``content`` may then be None) and a ``tool``
-    turn its ``tool_call_id``, as OpenAI's messages do.
+    turn its ``tool_call_id``, as OpenAI's messages do; the role is one of `CHAT_ROLES`.
     """
     if not messages:
         raise InvalidArgumentError("messages is empty; pass at least one {'role': 'user', 'content': '...'}")
@@ -390,7 +411,7 @@ def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise InvalidArgumentError(f"messages[{i}]['content'] must be a string, got {message.get('content')!r}")
-        entry: dict[str, Any] = {"role": message["role"], "content": content}
+        entry: dict[str, Any] = {"role": check_role(message["role"], f"messages[{i}]['role']"), "content": content}
         if calls:
             entry["tool_calls"] = _check_tool_calls(i, calls)
         for key in ("tool_call_id", "name"):
