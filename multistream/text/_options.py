@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from .._checks import is_int, is_number
+from .._checks import check_seed, is_int, is_number
 from .._spec import option, option_names, parse_options
 from ..errors import InvalidArgumentError
 
@@ -57,11 +57,6 @@ def _top_k(v: Any) -> int | None:
 def _repetition_penalty(v: Any) -> float | None:
     _require(v is None or (is_number(v) and v > 0), f"repetition_penalty must be a number > 0 (1 disables it), got {v!r}")
     return None if v is None else float(v)
-
-
-def _seed(v: Any) -> int | None:
-    _require(v is None or (is_int(v) and 0 <= v < 2**63), f"seed must be an integer in [0, 2**63) or None, got {v!r}")
-    return None if v is None else int(v)
 
 
 def _stop(v: Any) -> tuple[str, ...]:
@@ -229,7 +224,7 @@ class TextOptions:
                                   wire=Optional[int], ge=0)
     repetition_penalty: Optional[float] = option(
         None, "a number > 0 (1 = off); null: the model's default", _repetition_penalty, wire=Optional[float], gt=0)
-    seed: Optional[int] = option(None, "an integer in [0, 2**63): reproducible sampling; null: random", _seed,
+    seed: Optional[int] = option(None, "an integer in [0, 2**63): reproducible sampling; null: random", check_seed,
                                  wire=Optional[int], ge=0, lt=2**63)
     stop: tuple[str, ...] = option((), "a string or a list of strings that end the text (never emitted)", _stop,
                                    wire=Union[str, list[str], None])
