@@ -20,9 +20,9 @@ import sys
 import wave
 from typing import Any
 
-from ..errors import MultistreamError
+from ..errors import InvalidArgumentError, MultistreamError
 from ..speech import SpeechOptions, parse_speech_options
-from ._checks import declare_options, device
+from ._checks import declare_options, device, flag_of, refuse
 from ._files import atomic_write, check_output_file
 
 
@@ -34,11 +34,28 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default=None,
                    help="a Piper .onnx voice, or a transformers VitsModel id or folder (default: the embedded voice)")
     # Every speech option (--voice, --speed, --priority), generated from SpeechOptions.
-    declare_options(p, p.add_argument_group("speech options (SpeechModel.stream)"), SpeechOptions,
-                    lambda args, given: parse_speech_options(args.text, **given))
+    declare_options(p, p.add_argument_group("speech options (SpeechModel.stream)"), SpeechOptions, check_speech)
     p.add_argument("--device", type=device, default="auto", help="auto, cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one wire event per line (NDJSON)")
     p.set_defaults(func=run, check_paths=lambda args: check_audio_path(args.out, "--out"))
+
+
+def check_speech(args: argparse.Namespace, given: dict[str, Any]) -> SpeechOptions:
+    """The speech options together, then ``--voice`` against the model's voices where they are
+    known before it loads (the embedded voice, a Piper file): an unknown voice was refused only
+    after the voice had loaded."""
+    options = parse_speech_options(args.text, **given)
+    if options.voice is not None:
+        from ..speech._loading import voices_before_loading
+        from ..speech._synth import check_voice
+
+        voices = voices_before_loading(args.model)
+        if voices is not None:
+            try:
+                check_voice(voices, options.voice)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{flag_of('voice')}: {exc}") from None
+    return options
 
 
 def audio_suffixes() -> dict[str, str]:
@@ -134,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         tts = load_speech_model(args.model, device=args.device)
         stream = tts.stream(args.text, **options)
+    except InvalidArgumentError as exc:
+        # An option only the loaded model can check (the voice of a transformers model): named by
+        # its flag, as the checks before loading name it.
+        return refuse("speak", InvalidArgumentError(f"{flag_of(exc.param)}: {exc}") if exc.param else exc)
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .._checks import is_int
+from .._checks import check_seed, is_int
 from .._spec import option, option_names, parse_options
 from .._spec import refuse_pipeline_argument as _refuse
 from ..diffusion._preview_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
@@ -116,12 +116,6 @@ def _side(name: str) -> Any:
     return check
 
 
-def _seed(v: Any) -> int | None:
-    if v is not None and (not is_int(v) or not 0 <= int(v) < 2**63):
-        raise InvalidArgumentError(f"seed must be an integer from 0 to 2**63-1 or None, got {v!r}")
-    return None if v is None else int(v)
-
-
 def _format(name: str) -> Any:
     def check(v: Any) -> str:
         from ._frames import check_format  # Pillow and numpy, only when checking
@@ -170,7 +164,7 @@ class ImageOptions:
                                    wire=Optional[int], ge=1)
     width: Optional[int] = option(None, _SIDE_HELP, _side("width"),
                                   wire=Optional[int], ge=1)
-    seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible picture; null: random", _seed,
+    seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible picture; null: random", check_seed,
                                  wire=Optional[int], ge=0, lt=2**63)
     num_images: int = option(1, "an integer >= 1: images per prompt", lambda v: _check_int("num_images", v, 1),
                              wire=int, ge=1)

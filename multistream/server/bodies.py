@@ -66,7 +66,8 @@ class ChatMessage(BaseModel):
     null) and the ``tool`` turn answering it with ``tool_call_id``."""
 
     model_config = STRICT_BODY
-    role: str = Field(description="who speaks: 'system', 'user', 'assistant' or 'tool'")
+    role: str = Field(description="who speaks: 'system', 'developer' (read as 'system'), 'user', 'assistant' or "
+                      "'tool'")
     content: Optional[str] = Field(default=None, description="the text of the turn (null only beside tool_calls)")
     name: Optional[str] = Field(default=None, description="optional speaker name (ignored by most templates)")
     tool_calls: Optional[list[ToolCall]] = Field(default=None, description="an assistant turn's function calls")

@@ -15,7 +15,7 @@ from typing import Any
 from .._hub import locate
 from ..errors import InvalidArgumentError, ModelLoadError
 from ._model import SpeechModel
-from ._synth import EMBEDDED_VOICE, PiperSynth, TransformersSynth, embedded_voice_paths
+from ._synth import EMBEDDED_VOICE, PiperSynth, TransformersSynth, embedded_voice_paths, piper_name, piper_voices
 
 __all__ = ["EMBEDDED_VOICE", "load_speech_model"]
 
@@ -71,6 +71,22 @@ def load_speech_model(name: str | os.PathLike[str] | None = None, *, device: str
     from ..engine.settings import engine_thread_setup  # torch, for a torch model only
 
     return SpeechModel(synth, setup=engine_thread_setup, **kwargs)
+
+
+def voices_before_loading(name: str | os.PathLike[str] | None) -> tuple[str, ...] | None:
+    """The voice names ``load_speech_model(name)`` will have, read from a Piper voice's config
+    without loading the voice (so a command line can refuse an unknown voice first); None where
+    only loading tells (a transformers model, a voice that is missing or unreadable)."""
+    if name is None:
+        try:
+            _, config_path = embedded_voice_paths()
+        except ModelLoadError:
+            return None  # the speech extra is missing: loading says so
+        return piper_voices(config_path, EMBEDDED_VOICE)
+    piper_file = _piper_file(os.path.expanduser(os.fspath(name)))
+    if piper_file is None:
+        return None
+    return piper_voices(piper_file + ".json", piper_name(piper_file))
 
 
 def _check_cuda(device: str) -> None:

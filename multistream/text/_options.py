@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from .._checks import is_int, is_number
+from .._checks import check_seed, is_int, is_number
 from .._spec import option, option_names, parse_options
 from ..errors import InvalidArgumentError
 
-__all__ = ["REWIND_OPTIONS", "TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt", "parse_text_options"]
+__all__ = ["CHAT_ROLES", "REWIND_OPTIONS", "TEXT_STREAM_ARGS", "TextOptions", "check_messages", "check_prompt",
+           "check_role", "parse_text_options"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -56,11 +57,6 @@ def _top_k(v: Any) -> int | None:
 def _repetition_penalty(v: Any) -> float | None:
     _require(v is None or (is_number(v) and v > 0), f"repetition_penalty must be a number > 0 (1 disables it), got {v!r}")
     return None if v is None else float(v)
-
-
-def _seed(v: Any) -> int | None:
-    _require(v is None or (is_int(v) and 0 <= v < 2**63), f"seed must be an integer in [0, 2**63) or None, got {v!r}")
-    return None if v is None else int(v)
 
 
 def _stop(v: Any) -> tuple[str, ...]:
@@ -228,7 +224,7 @@ class TextOptions:
                                   wire=Optional[int], ge=0)
     repetition_penalty: Optional[float] = option(
         None, "a number > 0 (1 = off); null: the model's default", _repetition_penalty, wire=Optional[float], gt=0)
-    seed: Optional[int] = option(None, "an integer in [0, 2**63): reproducible sampling; null: random", _seed,
+    seed: Optional[int] = option(None, "an integer in [0, 2**63): reproducible sampling; null: random", check_seed,
                                  wire=Optional[int], ge=0, lt=2**63)
     stop: tuple[str, ...] = option((), "a string or a list of strings that end the text (never emitted)", _stop,
                                    wire=Union[str, list[str], None])
@@ -370,11 +366,31 @@ def _check_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
             for c in calls]
 
 
+#: The roles a chat message may have: OpenAI's (``function``, deprecated there, aside).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_role(role: str, where: str) -> str:
+    """A chat message's role, ``developer`` read as ``system``; another role is an error naming it
+    (``where``: how the caller spells the field, e.g. ``messages[0].role``) and the accepted ones.
+
+    Example:
+        >>> check_role("developer", "messages[0].role")
+        'system'
+    """
+    if role not in CHAT_ROLES:
+        # A template renders an unknown role as it is, or drops the turn without a word.
+        raise InvalidArgumentError(f"{where} is {role[:40]!r}; a chat message's role is one of "
+                                   f"{', '.join(CHAT_ROLES)}", param="prompt")
+    # OpenAI's newer name for system; most chat templates know only system.
+    return "system" if role == "developer" else role
+
+
 def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Chat messages as plain ``{"role", "content"}`` dicts, or a clear error.
 
     An assistant turn may carry ``tool_calls`` (its ``content`` may then be None) and a ``tool``
-    turn its ``tool_call_id``, as OpenAI's messages do.
+    turn its ``tool_call_id``, as OpenAI's messages do; the role is one of `CHAT_ROLES`.
     """
     if not messages:
         raise InvalidArgumentError("messages is empty; pass at least one {'role': 'user', 'content': '...'}")
@@ -390,7 +406,7 @@ def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise InvalidArgumentError(f"messages[{i}]['content'] must be a string, got {message.get('content')!r}")
-        entry: dict[str, Any] = {"role": message["role"], "content": content}
+        entry: dict[str, Any] = {"role": check_role(message["role"], f"messages[{i}]['role']"), "content": content}
         if calls:
             entry["tool_calls"] = _check_tool_calls(i, calls)
         for key in ("tool_call_id", "name"):

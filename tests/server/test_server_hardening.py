@@ -101,6 +101,16 @@ def test_post_requires_json_content_type(srv: Any) -> None:
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("route", ["/v1/text", "/v1/image", "/v1/chat/completions", "/v1/completions",
+                                   "/v1/responses", "/v1/images/generations"])
+@pytest.mark.parametrize(("body", "kind"), [(b"null", "null"), (b"[1]", "an array"), (b"7", "a number"),
+                                            (b'"hi"', "a string"), (b"true", "true")])
+def test_a_body_that_is_not_an_object_is_named_in_json_terms(srv: Any, route: str, body: bytes, kind: str) -> None:
+    r = httpx.post(srv.url + route, content=body, headers=JSON, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == f"the request body must be a JSON object, got {kind}"
+
+
 # -- the WebSocket rejects one message and keeps the socket ----------------------------------------
 
 

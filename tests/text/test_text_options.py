@@ -39,3 +39,11 @@ def test_the_fake_model_rejects_exactly_what_the_real_one_does():
 def test_good_options_normalise():
     opts = parse_text_options(stop="END", temperature=1, seed=3)
     assert opts.stop == ("END",) and opts.temperature == 1.0 and isinstance(opts.temperature, float)
+
+
+def test_an_unknown_message_role_is_refused_with_the_roles():
+    with pytest.raises(ms.InvalidArgumentError) as info:
+        ScriptedTextModel().stream([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}])
+    assert str(info.value) == ("messages[1]['role'] is 'robot'; a chat message's role is one of "
+                               "system, developer, user, assistant, tool")
+    assert ms.text.check_messages([{"role": "developer", "content": "be brief"}])[0]["role"] == "system"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAX_BODY", "STRICT_BODY", "ErrorBody", "ErrorResponse", "OpenAIErrorBody", "OpenAIErrorResponse",
-    "parse_json", "parse_json_object", "read_body", "read_bytes", "read_json", "validate_body",
+    "parse_json", "parse_json_object", "read_body", "read_bytes", "read_json", "require_object", "validate_body",
 ]
 
 STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -131,10 +131,27 @@ def parse_json(raw: bytes | str) -> Any:
 
 
 def parse_json_object(raw: bytes | str) -> dict[str, Any]:
-    body = parse_json(raw)
+    return require_object(parse_json(raw))
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    """``body`` if it is a JSON object, else a 400 naming what it is in JSON's terms (``got null``)."""
     if not isinstance(body, dict):
-        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
+        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {_json_kind(body)}")
     return body
+
+
+def _json_kind(value: Any) -> str:
+    # The client wrote JSON, so name its type as JSON does ("got NoneType" meant nothing to it).
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__
 
 
 def _max_depth(text: str) -> int:
@@ -205,8 +222,7 @@ def _show(value: Any) -> str:
 def validate_body(model: type[BaseModel], body: Any, what: str, *, strict: bool | None = None) -> BaseModel:
     """``model.model_validate(body)``, with pydantic's errors turned into one clear 400.
     ``strict=False`` reads numbers from strings (a form's values are all strings)."""
-    if not isinstance(body, dict):
-        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
+    require_object(body)
     try:
         return model.model_validate(body, strict=strict)
     except ValidationError as exc:

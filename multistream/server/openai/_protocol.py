@@ -14,6 +14,8 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field
 
 from ..._spec import body_fields
+from ...errors import InvalidArgumentError
+from ...text import check_role
 from ..bodies import check_family_options
 from ..http.bodies import STRICT_BODY
 from ..http.problems import Problem
@@ -91,7 +93,11 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise Problem(400, "invalid_type", f"messages[{i}].content must be a string or text parts", param="messages")
-        entry: dict[str, Any] = {"role": m["role"], "content": content}
+        try:
+            role = check_role(m["role"], f"messages[{i}].role")
+        except InvalidArgumentError as exc:
+            raise Problem(400, "invalid_argument", str(exc), param="messages") from None
+        entry: dict[str, Any] = {"role": role, "content": content}
         # An assistant turn's calls and a tool turn's answer to one: the model renders them.
         if m.get("tool_calls"):
             entry["tool_calls"] = m["tool_calls"]

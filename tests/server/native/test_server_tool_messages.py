@@ -40,6 +40,14 @@ def test_bad_tool_turns_are_4xx_with_the_cause() -> None:
         assert r.status_code in (400, 422) and "content" in r.json()["error"]["message"], r.text
 
 
+def test_an_unknown_role_is_a_400_naming_the_roles() -> None:
+    with make_server(ScriptedTextModel(["x"])) as srv:
+        r = httpx.post(srv.url + "/v1/text", json={"prompt": [{"role": "robot", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "type": "invalid_argument",
+        "message": "messages[0]['role'] is 'robot'; a chat message's role is one of system, developer, user, assistant, tool"}
+
+
 def test_openapi_describes_the_tool_turns() -> None:
     with make_server(ScriptedTextModel(["x"])) as srv:
         spec = httpx.get(srv.url + "/openapi.json").json()

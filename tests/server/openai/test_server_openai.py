@@ -61,6 +61,17 @@ def test_chat_errors_use_openai_shape(client: openai.OpenAI) -> None:
     assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
+def test_an_unknown_message_role_is_a_400_naming_the_roles(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=[{"role": "robot", "content": "hi"}])  # type: ignore[misc,list-item]
+    assert info.value.body["param"] == "messages"  # type: ignore[index]
+    assert info.value.body["message"] == ("messages[0].role is 'robot'; a chat message's role is one of "  # type: ignore[index]
+                                          "system, developer, user, assistant, tool")
+    out = client.chat.completions.create(model="default", messages=[{"role": "developer", "content": "be brief"},
+                                                                    {"role": "user", "content": "hi"}], max_tokens=1)
+    assert out.choices[0].message.content == "Hello"
+
+
 def test_image_stream_with_partial_images(client: openai.OpenAI) -> None:
     events = list(client.images.generate(prompt="a red circle", model="gpt-image-1", size="32x32", stream=True, partial_images=2))
     kinds = [e.type for e in events]

@@ -52,7 +52,7 @@ from starlette.responses import JSONResponse, Response
 from ....events import Event, event_from_dict
 from ...access.keys import Principal
 from ...durable.continuation import CONTINUED_HOOKS
-from ...http.bodies import read_body
+from ...http.bodies import read_body, require_object
 from ...http.disconnect import until_done_or_gone
 from ...http.errors import json_body
 from ...http.problems import Problem
@@ -267,9 +267,7 @@ def _input_items(raw: Any, stream_id: str) -> list[dict[str, Any]]:
 async def create_response(request: Request, state: ServerState = Depends(get_state),
                           principal: Principal = Depends(get_principal)) -> Response:
     arrived = time.perf_counter()
-    body = await read_body(request, state)
-    if not isinstance(body, dict):
-        raise Problem(400, "invalid_json", f"the request body must be a JSON object, got {type(body).__name__}")
+    body = require_object(await read_body(request, state))
     history = await _history(state, body.get("previous_response_id"), request, principal)
     req, kwargs = parse_responses_body(body, state.settings, history)
     state.check_model_name("text", req.model)
