@@ -3,7 +3,8 @@
 Tiny configs after diffusers' own ``get_dummy_components`` (``tests/pipelines/{wan,cogvideo,ltx,
 animatediff}``), with the offline tokenizers of `multistream.testing._random_pipelines`, one per
 latent layout: Wan 2.1 (channels before frames), CogVideoX (frames before channels), LTX-Video
-(packed tokens) and AnimateDiff (a 2D VAE per frame). The weights are random, so the clips are
+(packed tokens) and AnimateDiff (a 2D VAE per frame; on SDXL too, whose pooled prompt joins the time
+embedding). The weights are random, so the clips are
 noise; the point is the shapes and the code paths. `shapes_animatediff_pipeline` wraps the
 embedded image model's UNet with a fresh `MotionAdapter`: the stand-in for the embedded video model.
 
@@ -27,6 +28,7 @@ __all__ = [
     "shapes_animatediff_pipeline",
     "standin_video_model",
     "tiny_animatediff_pipeline",
+    "tiny_animatediff_sdxl_pipeline",
     "tiny_cogvideox_pipeline",
     "tiny_ltx_pipeline",
     "tiny_video_pipeline",
@@ -156,6 +158,31 @@ def tiny_animatediff_pipeline(seed: int = 0) -> Any:
                                feature_extractor=None, image_encoder=None)
 
 
+def tiny_animatediff_sdxl_pipeline(seed: int = 0) -> Any:
+    """AnimateDiff on SDXL: two CLIP encoders, and the pooled prompt joins the time embedding
+    (``add_text_embeds``, which a steer must replace as well); latents ``(B, 4, F, H/2, W/2)``."""
+    from diffusers import AnimateDiffSDXLPipeline, AutoencoderKL, DDIMScheduler, MotionAdapter, UNet2DConditionModel
+    from transformers import CLIPTextModelWithProjection
+
+    _seeded(seed)
+    text_encoder = _tiny_clip()
+    text_encoder_2 = CLIPTextModelWithProjection(text_encoder.config)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=64, norm_num_groups=2, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + text_encoder_2.config.projection_dim,
+    )  # fmt: skip  (cross-attention: the two encoders' states side by side; the six numbers: SDXL's sizes)
+    vae = AutoencoderKL(block_out_channels=[8, 16], in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=2,
+                        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)
+    adapter = MotionAdapter(block_out_channels=(8, 16), motion_layers_per_block=1, motion_norm_num_groups=2,
+                            motion_num_attention_heads=2, use_motion_mid_block=False)
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="linear", clip_sample=False)
+    return AnimateDiffSDXLPipeline(vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+                                   tokenizer=offline_clip_tokenizer(), tokenizer_2=offline_clip_tokenizer(), unet=unet,
+                                   motion_adapter=adapter, scheduler=scheduler)
+
+
 @_in_eval_mode
 def shapes_animatediff_pipeline(seed: int = 0) -> Any:
     """The embedded image model's UNet, VAE and text encoder in an `AnimateDiffPipeline` with a fresh
@@ -199,6 +226,7 @@ RANDOM_VIDEO_FAMILIES: dict[str, tuple[Any, dict[str, int]]] = {
     "cogvideox": (tiny_cogvideox_pipeline, {"num_frames": 9, "height": 16, "width": 16, "max_sequence_length": 16}),
     "ltx": (tiny_ltx_pipeline, {"num_frames": 9, "height": 32, "width": 32}),
     "animatediff": (tiny_animatediff_pipeline, {"num_frames": 4, "height": 16, "width": 16}),
+    "animatediff_sdxl": (tiny_animatediff_sdxl_pipeline, {"num_frames": 4, "height": 16, "width": 16}),
 }
 
 

@@ -93,6 +93,8 @@ def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "
         found = locate(name_or_path, family="video", revision=kw.get("revision"))
         source, name = found.path, os.fspath(name_or_path)
     is_dir = os.path.isdir(source)
+    if is_dir:
+        kw = {**_saved_as_none(Path(source)), **kw}
     from diffusers import DiffusionPipeline
 
     try:
@@ -115,3 +117,20 @@ def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "
     defaults.update(model_kw.pop("defaults", None) or {})
     return VideoModel(pipe, model_dir=source if is_dir else None, name=model_kw.pop("name", None) or name,
                       defaults=defaults, **model_kw)
+
+
+def _saved_as_none(folder: Path) -> dict[str, None]:
+    """The components a pipeline folder was saved without (``[null, null]`` in model_index.json),
+    passed back as None: diffusers writes them so, but pipelines whose ``__init__`` requires one
+    (``AnimateDiffSDXLPipeline``'s ``motion_adapter`` when the UNet already holds the motion modules,
+    the embedded model's) refuse to load without it.
+
+    Example:
+        >>> _saved_as_none(EMBEDDED_VIDEO_DIR)                             # doctest: +SKIP
+        {'feature_extractor': None, 'image_encoder': None, 'motion_adapter': None, 'text_encoder': None, 'tokenizer': None}
+    """
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return {}  # no index, or a broken one: from_pretrained says what is wrong
+    return {k: None for k, v in index.items() if not k.startswith("_") and v == [None, None]}

@@ -132,7 +132,8 @@ class VideoModel(EngineModel):
             preview_decoder = PerFrameNet(preview_decoder)  # an image decoder, run on every frame
         self._tiny: Any = preview_decoder
         allowed = tuple(getattr(pipeline, "_callback_tensor_inputs", None) or ("latents",))
-        self._tensor_inputs = tuple(n for n in ("latents", "prompt_embeds", "negative_prompt_embeds") if n in allowed)
+        self._tensor_inputs = tuple(n for n in ("latents", "prompt_embeds", "negative_prompt_embeds", "add_text_embeds")
+                                   if n in allowed)
         self._prompt_limit = PromptLimit.of(pipeline, "video")  # None: no one number of tokens is read
         self._stepper = ImageStepper(1)  # each request runs its own pipeline call; steps interleave
         self.start_engine(self._stepper, name=f"video-{self.name}", setup=engine_thread_setup)

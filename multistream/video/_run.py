@@ -182,7 +182,16 @@ class VideoSteering:
                 # The new embeddings must have the old sequence length (the attention masks stay).
                 given["max_sequence_length"] = int(current.shape[1])
             encoded = pipe.encode_prompt(**{k: v for k, v in given.items() if k in params})
-            positive, negative = encoded[0], encoded[2] if len(encoded) == 4 else encoded[1]
+            # SDXL-style pipelines (AnimateDiffSDXLPipeline: the embedded model) also condition every
+            # step on the pooled prompt, `add_text_embeds`: (positive, negative, pooled, negative pooled);
+            # LTX-style ones return (positive, its mask, negative, its mask).
+            pooled_now = callback_kwargs.get("add_text_embeds")
+            if pooled_now is not None:
+                positive, negative, pooled, negative_pooled = encoded
+                pooled = torch.cat([negative_pooled, pooled]) if cfg and negative_pooled is not None else pooled
+                out["add_text_embeds"] = pooled.to(pooled_now)
+            else:
+                positive, negative = encoded[0], encoded[2] if len(encoded) == 4 else encoded[1]
             positive = positive.to(current.dtype)
             joined = cfg and negative is not None and current.shape[0] % (2 * positive.shape[0]) == 0
             if joined:

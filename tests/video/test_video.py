@@ -35,6 +35,13 @@ def animatediff():
     vm.close()
 
 
+@pytest.fixture(scope="module")
+def animatediff_sdxl():
+    vm = VideoModel(tiny_video_pipeline("animatediff_sdxl"))
+    yield vm
+    vm.close()
+
+
 @contextlib.contextmanager
 def engine_busy(vm: VideoModel):
     """Hold the model's engine between two steps while the block runs: what the block sends
@@ -97,14 +104,19 @@ def test_generate_returns_the_final_with_its_seed(wan):
     assert final.metrics["previews"] == 3 and "ttfp_ms" in final.metrics
 
 
-@pytest.mark.parametrize("fixture,call", [("wan", WAN), ("animatediff", ANIMATEDIFF)])
+@pytest.mark.parametrize("fixture,call", [("wan", WAN), ("animatediff", ANIMATEDIFF),
+                                          ("animatediff_sdxl", RANDOM_VIDEO_FAMILIES["animatediff_sdxl"][1])])
 def test_steer_changes_the_conditioning_from_the_next_step(request, fixture, call):
-    """Wan keeps negative and positive embeddings apart; AnimateDiff batches them: both steer."""
+    """Wan keeps negative and positive embeddings apart; AnimateDiff batches them; on SDXL every step
+    also reads the pooled prompt (``add_text_embeds``): each steers."""
     vm = request.getfixturevalue(fixture)
     embeds: dict[int, object] = {}
+    pooled: dict[int, object] = {}
 
     def spy(pipe, i, t, kwargs):
         embeds[int(i) + 1] = kwargs["prompt_embeds"].clone()
+        if "add_text_embeds" in kwargs:
+            pooled[int(i) + 1] = kwargs["add_text_embeds"].clone()
         return {}
 
     with engine_busy(vm):  # the steer waits for the run's first step, so it applies from step 2 on
@@ -116,6 +128,8 @@ def test_steer_changes_the_conditioning_from_the_next_step(request, fixture, cal
     assert embeds[1].shape == embeds[2].shape
     assert not embeds[1].equal(embeds[2])  # step 2 ran on the new prompt
     assert embeds[2].equal(embeds[4])
+    if fixture == "animatediff_sdxl":
+        assert pooled[1].shape == pooled[2].shape and not pooled[1].equal(pooled[2]) and pooled[2].equal(pooled[4])
     with pytest.raises(StreamFinishedError):
         s.steer(prompt="too late")
 
@@ -301,3 +315,19 @@ def test_a_preview_decoder_built_while_a_pipeline_loads_has_real_weights(monkeyp
         loader.join()
     assert net is not None and not any(p.is_meta for p in net.parameters())
     assert len(refusals) == 1  # the stand-in load ran, and failed as a load does
+
+
+def test_a_folder_saved_without_a_required_component_loads(tmp_path):
+    """AnimateDiffSDXLPipeline requires ``motion_adapter`` though a UNetMotionModel already holds the
+    motion modules; diffusers saves it as ``[null, null]`` and then refuses the folder unless told
+    ``motion_adapter=None``. load_video_model passes the folder's nulls back as None."""
+    pipe = tiny_video_pipeline("animatediff_sdxl")
+    pipe.register_modules(motion_adapter=None)  # what a trained model's folder holds: the UNet has the modules
+    pipe.save_pretrained(tmp_path)
+    vm = ms.load_video_model(tmp_path, device="cpu")
+    try:
+        assert type(vm.pipeline).__name__ == "AnimateDiffSDXLPipeline"
+        final = vm.generate("a red circle", num_frames=4, height=16, width=16, steps=2, seed=0, preview="none")
+        assert final.num_frames == 4
+    finally:
+        vm.close()

@@ -72,7 +72,7 @@ def test_contact_sheet_and_mp4(models, family):
 
 
 def test_the_three_layouts_read_as_one():
-    expected = {"wan": "ncthw", "cogvideox": "ntchw", "ltx": "packed", "animatediff": "ncthw"}
+    expected = {"wan": "ncthw", "cogvideox": "ntchw", "ltx": "packed", "animatediff": "ncthw", "animatediff_sdxl": "ncthw"}
     for family, (builder, call) in RANDOM_VIDEO_FAMILIES.items():
         pipe = builder(0)
         layout = VideoLatents.of(pipe)
