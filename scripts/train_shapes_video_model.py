@@ -169,7 +169,11 @@ def save_pipeline(pipe, out: Path) -> None:
     (out / "video.json").write_text(json.dumps(VIDEO_DEFAULTS, indent=1) + "\n")
     shutil.copy(IMAGE_MODEL / "latent_rgb.json", out / "latent_rgb.json")
     shutil.copy(IMAGE_MODEL / "preview_decoder.safetensors", out / "preview_decoder.safetensors")  # the same VAE
-    # diffusers records where each part was loaded from: a path of the machine that trained it.
+    strip_local_paths(out)
+
+
+def strip_local_paths(out: Path) -> None:
+    """diffusers records where each part was loaded from: a path of the machine that trained it."""
     for config in out.glob("*/config.json"):
         entries = json.loads(config.read_text())
         if entries.pop("_name_or_path", None) is not None:
