@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -35,7 +36,7 @@ from typing import Any, NoReturn
 from .._spec import add_cli_options, cli_values, info, option_fields
 from ..errors import InvalidArgumentError
 
-__all__ = ["OneLineParser", "check_arguments", "declare_options", "device", "flag_of", "integer", "number", "refuse"]
+__all__ = ["OneLineParser", "check_arguments", "declare_options", "device", "flag_of", "flag_problem", "integer", "number", "refuse"]
 
 # torch's device types (c10's DeviceType names), so a --device typo is refused without importing torch.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hip", "meta", "hpu", "mtia", "maia", "xla", "lazy", "ipu", "ve",
@@ -56,6 +57,19 @@ class OneLineParser(argparse.ArgumentParser):
 def flag_of(name: str) -> str:
     """The flag of option ``name``: ``--max-new-tokens`` for ``max_new_tokens``."""
     return "--" + name.replace("_", "-")
+
+
+def flag_problem(name: str, exc: Exception) -> InvalidArgumentError:
+    """An option's complaint as the command line names it: the flag first, and the library's
+    "or None" (a Python caller's way to ask for the default) as leaving the flag out.
+
+    Example:
+        >>> str(flag_problem("seed", ValueError("seed must be an integer in [0, 2**63) or None, got -1")))
+        '--seed: seed must be an integer in [0, 2**63) (or leave --seed out), got -1'
+    """
+    flag = flag_of(name)
+    message = re.sub(r" or None(?: \([^)]*\))?", f" (or leave {flag} out)", str(exc))
+    return InvalidArgumentError(f"{flag}: {message}", param=name)
 
 
 def declare_options(parser: argparse.ArgumentParser, group: Any, cls: type, finish: Finish, **kwargs: Any) -> list[str]:
@@ -95,7 +109,7 @@ def check_options(args: argparse.Namespace) -> None:
         try:
             check(value)
         except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{flag_of(name)}: {exc}") from None
+            raise flag_problem(name, exc) from None
     args.option_finish(args, given)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, MultistreamError
 from ..speech import SpeechOptions, parse_speech_options
-from ._checks import declare_options, device, flag_of, refuse
+from ._checks import declare_options, device, flag_problem, refuse
 from ._files import atomic_write, check_output_file
 
 
@@ -54,7 +54,7 @@ def check_speech(args: argparse.Namespace, given: dict[str, Any]) -> SpeechOptio
             try:
                 check_voice(voices, options.voice)
             except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"{flag_of('voice')}: {exc}") from None
+                raise flag_problem("voice", exc) from None
     return options
 
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     except InvalidArgumentError as exc:
         # An option only the loaded model can check (the voice of a transformers model): named by
         # its flag, as the checks before loading name it.
-        return refuse("speak", InvalidArgumentError(f"{flag_of(exc.param)}: {exc}") if exc.param else exc)
+        return refuse("speak", flag_problem(exc.param, exc) if exc.param else exc)
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2

@@ -62,6 +62,8 @@ REFUSED = [
     (["image", "x", "--strip-frames", "0"], "--strip-frames: 0 is out of range; give an integer >= 1"),
     (["speak", "Hello.", "--out", "t.xyz"], "--out t.xyz: .xyz is not a format this command writes"),
     (["speak", "Hello.", "--out", "t.wav", "--speed", "9"], "--speed: speed must be a number from 0.25 to 4"),
+    # The library's "or None" is, on the command line, leaving the flag out (None is no --seed value).
+    (["image", "x", "--seed", "-1"], "--seed: seed must be an integer in [0, 2**63) (or leave --seed out), got -1"),
     (["speak", "   "], "the text to speak is empty; give some words to speak, e.g. 'Hello there.'"),
     (["speak", "Hello.", "--priority", "high"], "argument --priority: invalid int value: 'high'"),
     (["fit-preview", "--out", "decoder.bin"], "--out decoder.bin: .bin is not a format"),
@@ -105,7 +107,7 @@ def test_an_unknown_voice_is_refused_before_the_voice_loads(tmp_path: Path, pipe
         model, voices = ["--model", str(tmp_path / "duo.onnx")], "['ann', 'bob']"
     code, err, imported = _run(["speak", "Hello.", "--voice", "nobody", *model], tmp_path)
     assert code == 2 and err == [f"multistream speak: --voice: unknown voice 'nobody' for this speech model; "
-                                 f"use one of {voices} or None (the default voice)"], err
+                                 f"use one of {voices} (or leave --voice out)"], err
     assert not imported & set(HEAVY), imported & set(HEAVY)
 
 
@@ -121,7 +123,7 @@ def test_a_voice_only_the_loaded_model_knows_is_named_by_its_flag(monkeypatch: p
     monkeypatch.setattr(speech, "load_speech_model", lambda *a, **k: OneVoice())
     assert main(["speak", "Hi.", "--model", "org/tts", "--voice", "nobody"]) == 2
     assert capsys.readouterr().err == ("multistream speak: --voice: unknown voice 'nobody' for this speech model; "
-                                       "use one of ['org/tts'] or None (the default voice)\n")
+                                       "use one of ['org/tts'] (or leave --voice out)\n")
 
 
 def test_good_paths_are_accepted_and_made_when_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
