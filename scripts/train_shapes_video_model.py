@@ -219,11 +219,7 @@ def train(unet, text_encoder, tokenizer, latents, clips, args, t0, on_checkpoint
         # the high-noise steps where the motion's direction is decided.
         w = torch.ones(len(t)) if args.plain_v else snr[t].clamp(max=args.min_snr) / (snr[t] + 1)
         loss = (w * (pred - target).pow(2).mean(dim=(1, 2, 3, 4))).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema.update(_Params(params))
+        optimizer_step(opt, loss, params, ema)
         run = loss.item() if step == 0 else 0.98 * run + 0.02 * loss.item()
         if step % args.log_every == 0 or step == args.steps - 1:
             log(t0, f"step {step:5d}/{args.steps} loss {run:.4f} lr {opt.param_groups[0]['lr']:.2e}")
@@ -232,6 +228,15 @@ def train(unet, text_encoder, tokenizer, latents, clips, args, t0, on_checkpoint
     ema.copy_to(_Params(params))
     unet.eval()
     text_encoder.eval()
+
+
+def optimizer_step(opt, loss: torch.Tensor, params: list, ema) -> None:
+    """One training step on ``loss``: gradients clipped at norm 1, then the optimizer, then the EMA."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    ema.update(_Params(params))
 
 
 class _Params(torch.nn.Module):

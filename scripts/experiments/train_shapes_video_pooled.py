@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from train_shapes_model import EMA, build_inference_scheduler, build_noise_schedule, log, tokenize  # noqa: E402
-from train_shapes_video_model import _Params, encode_clips  # noqa: E402
+from train_shapes_video_model import _Params, encode_clips, optimizer_step  # noqa: E402
 
 from multistream._shapes import MOTIONS, clip_caption, make_clip_dataset  # noqa: E402
 
@@ -247,11 +247,7 @@ def train(unet, te2, tokenizer, latents, clips, args, t0, on_checkpoint=None) ->
         if args.probe and named.any():
             labels = torch.tensor([list(MOTIONS).index(clips[i].motion) for i in idx.tolist()])
             loss = loss + args.probe * torch.nn.functional.cross_entropy(probe(text.text_embeds[named]), labels[named])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema.update(_Params(params))
+        optimizer_step(opt, loss, params, ema)
         run = loss.item() if step == 0 else 0.98 * run + 0.02 * loss.item()
         if step % args.log_every == 0 or step == args.steps - 1:
             log(t0, f"step {step:5d}/{args.steps} loss {run:.4f}")
