@@ -136,14 +136,14 @@ def reject_unknown(unknown: Mapping[str, Any], known: tuple[str, ...], owner: st
                                + (f" {note}" if note else ""), param=name)
 
 
-def refuse_pipeline_argument(name: str, pipeline: str | None, known: tuple[str, ...], owner: str) -> None:
+def refuse_unknown_keyword(name: str, pipeline: str | None, known: tuple[str, ...], owner: str) -> None:
     """Raise for a keyword of a diffusion model's ``stream`` that is no option (``known``) and no
     argument of its pipeline (``pipeline``: the class name; None where there is none, as in the
     scripted fakes), naming the closest option: a typo (``stepz=2``) must say ``steps``, not only
     that the pipeline lacks it.
 
     Example:
-        >>> refuse_pipeline_argument("stepz", "AnimateDiffPipeline", ("steps", "seed"), "VideoModel.stream()")
+        >>> refuse_unknown_keyword("stepz", "AnimateDiffPipeline", ("steps", "seed"), "VideoModel.stream()")
         Traceback (most recent call last):
         ...
         multistream.errors.InvalidArgumentError: unknown argument 'stepz' for VideoModel.stream(). Did you mean 'steps'? Known arguments: steps, seed. Other names go to the pipeline, and AnimateDiffPipeline takes no 'stepz' argument.

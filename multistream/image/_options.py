@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .._checks import check_seed, is_int
-from .._spec import option, option_names, parse_options
-from .._spec import refuse_pipeline_argument as _refuse
+from .._spec import option, option_names, parse_options, refuse_unknown_keyword
 from ..diffusion._preview_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES
 from ..diffusion._steps import MAX_STEPS, check_steps
@@ -213,8 +212,8 @@ IMAGE_STREAM_KEYWORDS = (*IMAGE_STREAM_ARGS, "taesd", "resume_from", "on_checkpo
 
 
 def refuse_pipeline_argument(name: str, pipeline: str | None) -> None:
-    """`multistream._spec.refuse_pipeline_argument` for ``ImageModel.stream()`` (and its scripted fake)."""
-    _refuse(name, pipeline, IMAGE_STREAM_KEYWORDS, "ImageModel.stream()")
+    """`multistream._spec.refuse_unknown_keyword` for ``ImageModel.stream()`` (and its scripted fake)."""
+    refuse_unknown_keyword(name, pipeline, IMAGE_STREAM_KEYWORDS, "ImageModel.stream()")
 
 
 def check_size_multiple(name: str, value: int, multiple: int, why: str) -> int:

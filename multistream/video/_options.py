@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .._checks import check_seed, is_int
-from .._spec import option, option_names, parse_options
-from .._spec import refuse_pipeline_argument as _refuse
+from .._spec import option, option_names, parse_options, refuse_unknown_keyword
 from ..diffusion._preview_options import PreviewThrottle
 from ..diffusion._steps import MAX_STEPS, check_steps
 from ..errors import InvalidArgumentError
@@ -197,5 +196,5 @@ VIDEO_STREAM_KEYWORDS = (*VIDEO_STREAM_ARGS, "resume_from", "on_checkpoint", "ch
 
 
 def refuse_pipeline_argument(name: str, pipeline: str | None) -> None:
-    """`multistream._spec.refuse_pipeline_argument` for ``VideoModel.stream()`` (and its scripted fake)."""
-    _refuse(name, pipeline, VIDEO_STREAM_KEYWORDS, "VideoModel.stream()")
+    """`multistream._spec.refuse_unknown_keyword` for ``VideoModel.stream()`` (and its scripted fake)."""
+    refuse_unknown_keyword(name, pipeline, VIDEO_STREAM_KEYWORDS, "VideoModel.stream()")
