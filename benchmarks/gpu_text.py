@@ -43,7 +43,7 @@ def build(mode: str | None, config: Any, device: torch.device, dtype: torch.dtyp
     from transformers import LlamaForCausalLM
 
     import multistream as ms
-    from multistream.text._quantize import quantize_model
+    from multistream.text._accel.quantize import quantize_model
 
     torch.manual_seed(0)
     with torch.device(device):  # a copy of the config: quantizing unties the head in the config it is given
@@ -72,7 +72,8 @@ def concurrent(llm: Any, prompt: str, n: int, streams: int, no_eos: dict[str, fl
     return sum(f.usage["completion_tokens"] for f in finals) / (time.perf_counter() - started)
 
 
-def run(tiny: bool, reps: int = 3, tokens: int = 128, streams: int = 8, log: Any = print) -> dict[str, dict[str, float]]:
+def run(tiny: bool, reps: int = 3, tokens: int = 128, streams: int = 8, log: Any = print,
+        tokenizer_dir: str | None = None, modes: tuple[str | None, ...] = MODES) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
     from multistream.text._loading import _embedded_model_folder
@@ -81,12 +82,12 @@ def run(tiny: bool, reps: int = 3, tokens: int = 128, streams: int = 8, log: Any
         device, dtype, tokens = torch.device("cpu"), torch.float32, 16
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
-    tokenizer = AutoTokenizer.from_pretrained(_embedded_model_folder())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or _embedded_model_folder())
     config = smollm2_1_7b_config(tiny, tokenizer)
     no_eos = {str(t): -100.0 for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}}
     prompt = "Write a long, detailed story about a lighthouse keeper and the sea."
     results: dict[str, dict[str, float]] = {}
-    for mode in MODES:
+    for mode in modes:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)

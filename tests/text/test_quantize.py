@@ -100,6 +100,24 @@ def test_int4_layer_matches_its_dequantized_weight() -> None:
     assert float((weight - linear.weight.detach()).norm() / linear.weight.detach().norm()) < 0.1
 
 
+def test_fused_int4_projections_share_their_rows_in_cudas_packed_layout_too() -> None:
+    """CUDA's tinygemm layout packs 8 output rows per leading index of ``packed`` (the CPU's, one),
+    so a projection's share of the fused q/k/v buffer is rows ``start/8 .. end/8`` there. Taking
+    ``start .. end`` gave q_proj the whole fused buffer and int4 on CUDA failed at its first forward
+    ("Expected qScaleAndZeros.size(1) == n"; seen on an H200). Built on the meta device, whose
+    shapes are CUDA's (ATen's meta functions), so it runs without a GPU."""
+    from multistream.text._accel.quantize import _concat, _share
+
+    widths = (2048, 512, 512)
+    for device, rows_per_index in (("cpu", 1), ("meta", 8)):
+        layers = [Int4Linear.from_linear(torch.nn.Linear(2048, n, bias=False, device=device)) for n in widths]
+        fused = _concat(layers)
+        assert fused is not None and fused.packed.shape[0] * rows_per_index == sum(widths)
+        _share(fused, layers)
+        for layer, n in zip(layers, widths):
+            assert layer.packed.shape[0] * rows_per_index == n == layer.scales_and_zeros.shape[1], device
+
+
 def test_int4_reproduces_weights_that_already_lie_on_a_4_bit_grid() -> None:
     """The embedded model's layers come from GGUF Q4_1 blocks (w = d * q + m, 32 weights a
     block): int4 in groups of 32 stores them again up to the bf16 rounding of d and m."""

@@ -378,8 +378,9 @@ def _share(fused: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
             layer.weight_int8, layer.scales = fused.weight_int8[start:end], fused.scales[start:end]
         elif isinstance(layer, (Q8Linear, Q4Linear)):
             layer.weight_q, layer.scales = fused.weight_q[start:end], fused.scales[start:end]
-        else:
-            layer.packed = fused.packed[start:end]
+        else:  # CUDA's tinygemm layout packs 8 output rows per leading index; the CPU's, one
+            rows = 1 if layer.on_cpu else 8
+            layer.packed = fused.packed[start // rows : end // rows]
         if layer.bias is not None:
             layer.bias = fused.bias[start:end]
         start = end
