@@ -182,6 +182,19 @@ class ImageEvent(_BaseEvent):
         img.load()
         return img
 
+    def save(self, path: Any) -> Any:
+        """Write ``data`` (the finished image on the final event, the preview otherwise) to ``path``
+        as it is, whole (missing folders are made); returns the path.
+
+        The suffix must name the bytes' format (``.png`` for the default final, ``.jpg`` or
+        ``.webp`` for a preview); for another format convert the decoded image:
+        ``ev.image.save("x.gif")``.
+
+        Example:
+            >>> sd.generate("a red circle on a blue background").save("circle.png")   # doctest: +SKIP
+        """
+        return _save_as_is(self.data, self.mime, path, " (or convert it: ev.image.save(path))")
+
 
 @dataclass(frozen=True, kw_only=True)
 class AudioEvent(_BaseEvent):
@@ -304,27 +317,35 @@ class VideoEvent(_BaseEvent):
         Example:
             >>> ev.save("clip.webm")  # doctest: +SKIP
         """
-        from pathlib import Path
-
-        out = Path(path)
-        suffixes = _SUFFIXES_OF_MIME.get(self.mime, ())
-        if suffixes and out.suffix.lower() not in suffixes:
-            hint = " (or ask for an MP4 with video_format='mp4')" if self.mime == "video/webm" else ""
-            raise InvalidArgumentError(
-                f"cannot save {self.mime} as {out.name!r}: the bytes are written as they are, so the file "
-                f"name must end in {' or '.join(suffixes)}{hint}")
-        _write_file(out, self.data)
-        return out
+        hint = " (or ask for an MP4 with video_format='mp4')" if self.mime == "video/webm" else ""
+        return _save_as_is(self.data, self.mime, path, hint)
 
 
 def _write_file(out: Any, data: bytes) -> None:
-    """Write ``data`` to the `pathlib.Path` ``out``, making the folders missing above it, as the
-    command line's ``--out new/x.wav`` does: ``ev.save("clips/x.webm")`` was a bare FileNotFoundError."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(data)
+    """Write ``data`` to the `pathlib.Path` ``out`` whole (`multistream._atomic.atomic_write`: a
+    Ctrl-C or a full disk leaves the old file, never half of the new one), making the folders
+    missing above it, as the command line's ``--out new/x.wav`` does."""
+    from ._atomic import atomic_write
+
+    atomic_write(str(out), data)
 
 
-# The file suffixes of each format a video event's data can have (first: the usual one).
+def _save_as_is(data: bytes, mime: str, path: Any, hint: str = "") -> Any:
+    """``data`` written to ``path`` as it is (whole, folders made), once the suffix names ``mime``'s
+    format: bytes of one format under another's suffix make a file that viewers refuse or misread."""
+    from pathlib import Path
+
+    out = Path(path)
+    suffixes = _SUFFIXES_OF_MIME.get(mime, ())
+    if suffixes and out.suffix.lower() not in suffixes:
+        raise InvalidArgumentError(
+            f"cannot save {mime} as {out.name!r}: the bytes are written as they are, so the file "
+            f"name must end in {' or '.join(suffixes)}{hint}")
+    _write_file(out, data)
+    return out
+
+
+# The file suffixes of each format an image or video event's data can have (first: the usual one).
 _SUFFIXES_OF_MIME = {"video/webm": (".webm",), "video/mp4": (".mp4", ".m4v"), "image/webp": (".webp",),
                      "image/jpeg": (".jpg", ".jpeg"), "image/png": (".png",)}
 

@@ -8,7 +8,7 @@ nearest existing folder above it can be written in (folders missing below it are
 file is written, as ``image --out new/o.png`` always did). And every file is written through a
 temporary file in the same folder, moved over the target with `os.replace` (atomic on POSIX and
 Windows), so a Ctrl-C, a full disk or a crash never leaves a half-written file: the target is the
-old file or the new one (`atomic_write`, `atomic_path`).
+old file or the new one (`atomic_write`, `atomic_path`, from `multistream._atomic`).
 
 Example:
     >>> import tempfile, os
@@ -22,23 +22,18 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import mimetypes
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 
-from ..errors import InvalidArgumentError, MultistreamError
+from .._atomic import WriteError, atomic_path, atomic_write
+from ..errors import InvalidArgumentError
 
 __all__ = ["WriteError", "atomic_path", "atomic_write", "check_input_folder", "check_output_file",
            "check_output_folder", "looks_like_a_file"]
 
 
-class WriteError(MultistreamError, OSError):
-    """An output file could not be written (a full disk, a folder removed during the run); the
-    target is left as it was."""
-
-_PART = ".part"  # the temporary files' suffix; they start with "." so a folder listing hides them
 
 
 def _suffixes(formats: Mapping[str, str]) -> str:
@@ -142,52 +137,3 @@ def check_input_folder(path: str | None, flag: str) -> None:
         raise InvalidArgumentError(f"{flag} {path}: no such folder; give the folder that holds the files")
 
 
-def _mode() -> int:
-    """The permissions a new file gets (0o666 less the umask), as `open` would give it;
-    `tempfile` makes 0o600 files, which `os.replace` would keep."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-@contextlib.contextmanager
-def atomic_path(path: str) -> Iterator[str]:
-    """A temporary path beside ``path`` to write to; moved over ``path`` when the block ends
-    without an error, removed when it raises (Ctrl-C included), so ``path`` is never half written.
-
-    Example:
-        >>> import tempfile, os
-        >>> target = os.path.join(tempfile.mkdtemp(), "d.bin")
-        >>> with atomic_path(target) as tmp:
-        ...     _ = open(tmp, "wb").write(b"x")
-        >>> open(target, "rb").read()
-        b'x'
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=_PART)
-        os.close(fd)
-    except OSError as exc:
-        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    try:
-        yield tmp
-        os.chmod(tmp, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else _mode())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, MultistreamError):
-            raise WriteError(f"cannot write {path}: {exc.strerror or exc} (left as it was)") from exc
-        raise
-
-
-def atomic_write(path: str, data: bytes | Iterable[bytes]) -> None:
-    """Write ``data`` (bytes, or chunks of them) to ``path`` through a temporary file in the
-    same folder and `os.replace`: ``path`` holds the old content or all of the new, never a part."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
-            fh.write(chunk)
-    # No fsync: what this guards against is the process stopping (Ctrl-C, a crash, a full disk),
-    # after which the kernel still holds every byte written; an fsync per preview would cost a
-    # disk flush per denoising step.

@@ -152,3 +152,54 @@ def test_save_makes_missing_folders_as_the_command_line_does(tmp_path, monkeypat
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         clip.save(tmp_path / "file" / "x.webm")
+
+
+def test_an_image_event_saves_its_bytes_under_their_own_suffix(tmp_path):
+    """Video and audio events had ``save`` and image events had none (users wrote
+    ``open(p, "wb").write(ev.data)``, or ``ev.image.save`` which decodes and re-encodes). Now
+    ``ev.save`` writes the bytes as they are, refuses a suffix of another format with the fix, and
+    makes missing folders."""
+    final = ms.ImageEvent(stream_id="i", seq=3, t=0.2, is_final=True, step=20, total_steps=20, width=1, height=1,
+                          mime="image/png", data=b"\x89PNG\r\n\x1a\nimage", finish_reason="stop")
+    preview = ms.ImageEvent(stream_id="i", seq=1, t=0.1, step=1, total_steps=20, width=1, height=1,
+                            mime="image/jpeg", data=b"\xff\xd8jpeg")
+    assert final.save(tmp_path / "new" / "final.png").read_bytes() == final.data
+    assert preview.save(tmp_path / "step1.JPEG").read_bytes() == preview.data
+    with pytest.raises(ms.InvalidArgumentError, match=r"must end in \.png \(or convert it: ev\.image\.save"):
+        final.save(tmp_path / "final.jpg")
+    assert not (tmp_path / "final.jpg").exists()
+
+
+def test_a_save_that_fails_midway_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """Events' ``save`` writes through a temporary file moved over the target (as the command
+    line's outputs do): a write that fails (a full disk, a Ctrl-C) leaves the old file as it was
+    and no temporary file behind; before, ``write_bytes`` truncated the old file first."""
+    import builtins
+
+    target = tmp_path / "clip.webm"
+    target.write_bytes(b"old clip")
+    clip = ms.VideoEvent(stream_id="v", seq=0, t=0.1, is_final=True, step=2, total_steps=2, num_frames=4, fps=8,
+                         width=16, height=16, mime="video/webm", data=b"\x1aE\xdf\xa3new", finish_reason="stop")
+    real_open = builtins.open
+
+    class FullDisk:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            self.handle.write(data[:2])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: FullDisk(real_open(f, mode, *a, **k))
+                        if "w" in mode else real_open(f, mode, *a, **k))
+    with pytest.raises(OSError, match="No space left"):
+        clip.save(target)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old clip"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.webm"]
