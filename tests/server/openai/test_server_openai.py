@@ -70,6 +70,13 @@ def test_an_unknown_message_role_is_a_400_naming_the_roles(client: openai.OpenAI
     out = client.chat.completions.create(model="default", messages=[{"role": "developer", "content": "be brief"},
                                                                     {"role": "user", "content": "hi"}], max_tokens=1)
     assert out.choices[0].message.content == "Hello"
+    # Responses words it the same way (its input messages have no tool role: outputs are their own items).
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="default", input=[{"role": "robot", "content": "hi"}])  # type: ignore[list-item,typeddict-item]
+    assert info.value.body["param"] == "input"  # type: ignore[index]
+    assert info.value.body["message"] == ("input[0].role is 'robot'; an input message's role is one of system, "  # type: ignore[index]
+                                          "developer, user, assistant (a tool's output is an item of type "
+                                          "function_call_output)")
 
 
 def test_image_stream_with_partial_images(client: openai.OpenAI) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, Field, create_model
 
-from ....text import TextOptions
+from ....text import TextOptions, check_role
 from ...bodies import check_prompt_limit
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
@@ -115,6 +115,10 @@ def _text_of(content: Any, where: str) -> str:
     raise Problem(400, "invalid_type", f"{where}.content must be a string or a list of text parts", param="input")
 
 
+#: The roles of a Responses input message (a tool's output is a function_call_output item instead).
+MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+
+
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items -> chat messages (function calls as an assistant turn's
     ``tool_calls``, their outputs as ``tool`` turns)."""
@@ -126,10 +130,11 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message" or (kind is None and "role" in item):
             role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise Problem(400, "invalid_argument", f"{where}.role must be user, assistant, system or developer",
-                              param="input")
-            out.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), where)})
+            if role not in MESSAGE_ROLES:  # worded as chat's check_role words it
+                raise Problem(400, "invalid_argument", f"{where}.role is {str(role)[:40]!r}; an input message's role "
+                              f"is one of {', '.join(MESSAGE_ROLES)} (a tool's output is an item of type "
+                              "function_call_output)", param="input")
+            out.append({"role": check_role(role, f"{where}.role"), "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"), "type": "function",
                     "function": {"name": str(item.get("name") or ""), "arguments": str(item.get("arguments") or "{}")}}
