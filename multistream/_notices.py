@@ -37,8 +37,9 @@ from typing import Any
 __all__ = ["NOTICES", "LibraryNoticeFilter", "progress_modules", "quiet_here", "quiet_library_notices",
            "quiet_loading_bars"]
 
-# The libraries whose tqdm bars a load draws; each has is_progress_bar_enabled / enable / disable.
-_PROGRESS_MODULES = ("transformers.utils.logging", "diffusers.utils.logging")
+# The libraries whose tqdm bars a load draws (library -> its logging module); each module has
+# is_progress_bar_enabled / enable / disable.
+_PROGRESS_MODULES = {"transformers": "transformers.utils.logging", "diffusers": "diffusers.utils.logging"}
 
 # (logger name, text in the message): notices a library prints at import or load time about its own
 # optional backends. Matched narrowly, so a real warning from the same logger still shows.
@@ -72,12 +73,14 @@ def quiet_library_notices() -> None:
             logger.addFilter(LibraryNoticeFilter(tuple(needles)))
 
 
-def progress_modules() -> Iterator[Any]:
+def progress_modules(libraries: Iterable[str] = tuple(_PROGRESS_MODULES)) -> Iterator[Any]:
     """The installed libraries' logging modules that switch their tqdm bars (``is_progress_bar_enabled``,
-    ``enable_progress_bar``, ``disable_progress_bar``): transformers' and diffusers'."""
-    for name in _PROGRESS_MODULES:
+    ``enable_progress_bar``, ``disable_progress_bar``): transformers' and diffusers', or those of
+    ``libraries`` only. Importing one imports its library (diffusers' costs 1.5 s of torch._dynamo),
+    so a text-only caller names ``("transformers",)``."""
+    for library in libraries:
         try:
-            yield importlib.import_module(name)
+            yield importlib.import_module(_PROGRESS_MODULES[library])
         except ImportError:
             continue
 

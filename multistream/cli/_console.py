@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 from .._notices import LibraryNoticeFilter, progress_modules, quiet_library_notices
@@ -34,9 +35,10 @@ def show_progress(stream: TextIO | None = None) -> bool:
         return False
 
 
-def set_library_progress(enabled: bool) -> None:
-    """Turn the libraries' own tqdm bars on (a terminal) or off (a log, a pipe)."""
-    for module in progress_modules():
+def set_library_progress(enabled: bool, libraries: Iterable[str] = ("transformers", "diffusers")) -> None:
+    """Turn the libraries' own tqdm bars on (a terminal) or off (a log, a pipe); a command that loads
+    no diffusers pipeline names ``("transformers",)``, so that it does not import diffusers."""
+    for module in progress_modules(libraries):
         (module.enable_progress_bar if enabled else module.disable_progress_bar)()
 
 

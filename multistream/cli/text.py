@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from ..text import load_text_model
 
     # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
-    set_library_progress(show_progress())
+    set_library_progress(show_progress(), ("transformers",))
     voice = None
     if args.speak:
         from ..speech import load_speech_model, speak
