@@ -34,6 +34,9 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """``"auto"`` (or None) means CUDA when present, else the CPU; anything else goes to ``torch.device``."""
     if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):  # its repr can be pages long (a tokenizer's)
+        raise InvalidArgumentError(f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device, got an object of type "
+                                   f"{type(device).__name__}")
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:

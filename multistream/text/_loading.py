@@ -271,6 +271,10 @@ def load_text_model(
     activations = check_activations(activations)
     if not isinstance(compile, bool):
         raise InvalidArgumentError(f"compile must be True or False, got {compile!r}")
+    if hasattr(device, "apply_chat_template"):  # load_text_model(model, tok): the second argument is device
+        raise InvalidArgumentError(
+            f"the second argument of load_text_model is device, and a {type(device).__name__} was given there. "
+            "Fix: pass the tokenizer by name: ms.load_text_model(model, tokenizer=tokenizer)")
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
         return _load_model_object(name_or_path, tokenizer, device, dtype, requested, activations, compile,
                                   max_batch, prefill_budget, from_pretrained_kwargs)

@@ -95,6 +95,16 @@ def test_objects_that_are_not_causal_lms_are_refused(tokenizer) -> None:
         ms.load_text_model(_tiny_llama(tokenizer), tokenizer=tokenizer, revision="main")
 
 
+def test_a_tokenizer_given_as_the_second_argument_says_to_name_it(tokenizer) -> None:
+    """``load_text_model(model, tok)``, what a ``TextIteratorStreamer`` user writes first, put the
+    tokenizer in ``device``'s place: 'unknown device' followed by the tokenizer's repr, pages long."""
+    with pytest.raises(ms.InvalidArgumentError, match=r"second argument of load_text_model is device") as info:
+        ms.load_text_model(_tiny_llama(tokenizer), tokenizer)
+    assert "tokenizer=tokenizer" in str(info.value) and len(str(info.value)) < 300
+    with pytest.raises(ms.InvalidArgumentError, match="got an object of type int$"):
+        ms.load_text_model(device=3)
+
+
 def _as_block_values(model) -> None:
     """Round each linear weight to the GGUF block grid (Q4_1; the LM head Q8_0) until it is a fixed
     point, as a model converted from a GGUF file holds its weights."""
