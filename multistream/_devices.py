@@ -14,7 +14,7 @@ import torch
 
 from .errors import InvalidArgumentError, ModelLoadError
 
-__all__ = ["MODULE_BUILD_LOCK", "check_device", "default_dtype", "resolve_device", "resolve_dtype"]
+__all__ = ["MODULE_BUILD_LOCK", "check_device", "cuda_problem", "default_dtype", "resolve_device", "resolve_dtype"]
 
 #: Held while diffusers builds a model and while multistream builds its own small modules (preview
 #: decoders). diffusers' low-memory loading (accelerate's ``init_empty_weights``) patches
@@ -51,18 +51,35 @@ def check_device(device: torch.device, family: str) -> torch.device:
         >>> check_device(torch.device("cpu"), "text")
         device(type='cpu')
     """
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU-only build of torch" if torch.version.cuda is None else "torch sees no CUDA GPU"
-            raise ModelLoadError(
-                f"device={str(device)!r} asks for CUDA, but {build} runs here (torch {torch.__version__}). Fix: "
-                f"use device='cpu' (or 'auto'), or install a CUDA build of torch on a machine with an NVIDIA GPU: "
-                f"ms.load_{family}_model(..., device='auto')")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ModelLoadError(
-                f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s). "
-                f"Fix: use 'cuda' or 'cuda:0'..'cuda:{torch.cuda.device_count() - 1}'")
+    problem = cuda_problem(device)
+    if problem is not None and not torch.cuda.is_available():
+        raise ModelLoadError(
+            f"device={str(device)!r} asks for CUDA, but {problem}. Fix: "
+            f"use device='cpu' (or 'auto'), or install a CUDA build of torch on a machine with an NVIDIA GPU: "
+            f"ms.load_{family}_model(..., device='auto')")
+    if problem is not None:
+        raise ModelLoadError(
+            f"device={str(device)!r}: {problem}. "
+            f"Fix: use 'cuda' or 'cuda:0'..'cuda:{torch.cuda.device_count() - 1}'")
     return device
+
+
+def cuda_problem(device: torch.device) -> str | None:
+    """Why this torch cannot run on a CUDA ``device`` (no CUDA, or no such GPU), or None: the cause
+    only, so that the Python loaders and the command line each word the fix in their own terms.
+
+    Example:
+        >>> cuda_problem(torch.device("cpu")) is None
+        True
+    """
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "torch sees no CUDA GPU"
+        return f"{build} runs here (torch {torch.__version__})"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -154,11 +154,13 @@ FAMILY_FILES = {
 
 
 def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = None,
-           files: str | None = None) -> HubSource:
+           files: str | None = None, pass_as: str | None = None) -> HubSource:
     """Where ``name`` points, or a `ModelLoadError` saying why it cannot load (see the module doc).
 
     ``family`` ("text", "image", "speech") names the loader in the fix; ``files`` says what a
-    folder should hold (`FAMILY_FILES` by default).
+    folder should hold (`FAMILY_FILES` by default); ``pass_as``: how the fix passes a downloaded
+    folder, ``"ms.load_text_model('./model')"`` by default (the command line gives its flag:
+    ``"--model ./model"``).
 
     Example:
         >>> source = locate("~", family="text")
@@ -187,12 +189,13 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
         return HubSource(raw, local=False)
     if _in_hub_cache(raw, revision):
         return HubSource(raw, local=False, offline=True)
+    pass_as = pass_as or f"{loader}('./model')"
     why = "HF_HUB_OFFLINE is set" if _env_offline() else f"{':'.join(map(str, _endpoint()))} cannot be reached"
     raise ModelLoadError(
         f"cannot load {raw!r}: it is not a folder here, the Hugging Face hub is not reachable from this machine "
         f"({why}), and the hub cache does not hold it. Fix: download it where there is network "
         f"(`huggingface-cli download {raw} --local-dir ./model`), copy the folder here and pass the local folder "
-        f"instead of the id; pass it: {loader}('./model')")
+        f"instead of the id; pass it: {pass_as}")
 
 
 def _nearest_existing(path: Path) -> str:

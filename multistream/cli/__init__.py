@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from ..errors import InvalidArgumentError
 from . import demo, fit_preview, image, serve, speak, text, video
-from ._checks import OneLineParser, check_arguments, check_model_argument, refuse
+from ._checks import OneLineParser, check_arguments, check_device_argument, check_model_argument, refuse
 from ._console import quiet_library_notices
 from ._files import WriteError
 
@@ -61,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every argument and output path, before any command loads a model (seconds) or makes anything.
         check_arguments(args)
         check_model_argument(args)
+        check_device_argument(args)
     except InvalidArgumentError as exc:
         return refuse(args.command, exc)
     try:

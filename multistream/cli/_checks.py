@@ -122,14 +122,34 @@ def check_arguments(args: argparse.Namespace) -> None:
         paths(args)
 
 
+def check_device_argument(args: argparse.Namespace) -> None:
+    """``--device cuda`` where torch has no CUDA, worded for the command line (the loaders' fix names
+    ``device='cpu'`` and ``ms.load_text_model``) and said before the model's libraries are imported
+    (torch alone: ``multistream video --device cuda`` said it after 5.7 s of diffusers' imports).
+    ``speak`` is its loader's to check: its voice may run on onnxruntime's CUDA without torch's."""
+    value = getattr(args, "device", None)
+    if args.command == "speak" or not isinstance(value, str) or not value.startswith("cuda"):
+        return
+    import torch
+
+    from .._devices import cuda_problem
+
+    problem = cuda_problem(torch.device(value))
+    if problem is not None:
+        raise InvalidArgumentError(
+            f"--device {value}: {problem}. Fix: leave --device out (auto: CUDA when present, else the CPU) or "
+            "pass --device cpu; for CUDA, install a CUDA build of torch on a machine with an NVIDIA GPU")
+
+
 # The commands whose ``--model`` names a folder or hub id of the model family of the same name.
 MODEL_COMMANDS = frozenset({"text", "image", "video"})
 
 
-def model_problem(value: object, family: str) -> str | None:
+def model_problem(value: object, family: str, flag: str = "--model") -> str | None:
     """What is wrong with a model argument that names a folder or hub id (a folder that does not
     exist, a name that is no hub id, a hub id neither cached nor reachable), or None; the
-    embedded model's names and ``module:factory`` pass. Torch-free: a fraction of a second."""
+    embedded model's names and ``module:factory`` pass. Torch-free: a fraction of a second. The
+    fix names ``flag`` (``--model ./model``), not the Python loader."""
     if not isinstance(value, str) or value.strip().lower() in ("none", "off", "", "default", "auto"):
         return None
     head = value.split(":")[0]
@@ -139,7 +159,7 @@ def model_problem(value: object, family: str) -> str | None:
     from ..errors import ModelLoadError
 
     try:
-        locate(value, family=family)
+        locate(value, family=family, pass_as=f"{flag} ./model")
     except ModelLoadError as exc:
         return str(exc)
     return None

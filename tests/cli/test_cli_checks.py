@@ -93,6 +93,36 @@ def test_a_bad_argument_is_refused_before_any_model_loads(tmp_path: Path, args: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["missing-parent-is-a-file"]  # nothing made
 
 
+TORCH_FAMILIES = ["text", "image", "video", "fit-preview"]
+
+
+@pytest.mark.parametrize("command", TORCH_FAMILIES)
+def test_cuda_without_cuda_is_refused_in_the_command_lines_terms(tmp_path: Path, command: str) -> None:
+    """``--device cuda`` on a CPU build of torch: the fix names the flag, not ``device='cpu'`` and
+    ``ms.load_text_model(...)``, and it comes before the model's libraries are imported (the
+    loader said it after 2.6 s (text) to 5.7 s (video) of transformers' and diffusers' imports)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = [command] if command == "fit-preview" else [command, "x"]
+    code, err, imported = _run([*args, "--device", "cuda"], tmp_path)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"multistream {command}: --device cuda: a CPU-only build of torch runs here"), err
+    assert "pass --device cpu" in err[0] and "device=" not in err[0] and "ms.load_" not in err[0], err
+    assert not imported & {"transformers", "diffusers"}, imported & {"transformers", "diffusers"}
+
+
+@pytest.mark.parametrize(("args", "flag"), [(["text", "hi", "--model"], "--model"),
+                                            (["serve", "--port", "0", "--text-model"], "--text-model")])
+def test_a_hub_id_out_of_reach_names_the_flag_in_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         args: list[str], flag: str) -> None:
+    monkeypatch.setitem(ENV, "HF_HUB_OFFLINE", "1")
+    code, err, _ = _run([*args, "nobody-xyz/no-such-model"], tmp_path)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith(f"pass it: {flag} ./model") and "ms.load_" not in err[0], err
+
+
 @pytest.mark.parametrize("piper_file", [False, True], ids=["embedded voice", "piper file"])
 def test_an_unknown_voice_is_refused_before_the_voice_loads(tmp_path: Path, piper_file: bool) -> None:
     """The voice names are in the voice's config, so ``--voice`` is checked like the other flags
