@@ -141,8 +141,8 @@ def check_device_argument(args: argparse.Namespace) -> None:
             "pass --device cpu; for CUDA, install a CUDA build of torch on a machine with an NVIDIA GPU")
 
 
-# The commands whose ``--model`` names a folder or hub id of the model family of the same name.
-MODEL_COMMANDS = frozenset({"text", "image", "video"})
+# The commands whose ``--model`` names a folder, file or hub id, and the model family it loads.
+MODEL_COMMANDS = {"text": "text", "image": "image", "video": "video", "speak": "speech"}
 
 
 def model_problem(value: object, family: str, flag: str = "--model") -> str | None:
@@ -168,9 +168,10 @@ def model_problem(value: object, family: str, flag: str = "--model") -> str | No
 def check_model_argument(args: argparse.Namespace) -> None:
     """A command's ``--model``, where it points, before anything heavy is imported
     (`model_problem`): ``multistream text --model ./nope`` took 5 s to say "no such folder", after
-    importing torch and transformers; ``multistream serve`` checks its models the same way."""
-    family = getattr(args, "command", None)
-    if family not in MODEL_COMMANDS:
+    importing torch and transformers; ``multistream serve`` checks its models the same way.
+    (``multistream speak --model ./no.onnx`` said "multistream: ... or None for the embedded voice".)"""
+    family = MODEL_COMMANDS.get(getattr(args, "command", None) or "")
+    if family is None:
         return
     problem = model_problem(getattr(args, "model", None), family)
     if problem is not None:

@@ -76,6 +76,7 @@ REFUSED = [
     (["text", "hi"], "--model: no such folder"),
     (["image", "x"], "--model: no such folder"),
     (["video", "x", "--model", "./no-such-video-model"], "--model: no such folder: './no-such-video-model'"),
+    (["speak", "Hello."], "--model: no such file: "),  # was 'multistream: ...' and 'or None for the embedded voice'
 ]
 
 
@@ -151,6 +152,7 @@ def test_a_voice_only_the_loaded_model_knows_is_named_by_its_flag(monkeypatch: p
             check_voice(("org/tts",), voice)
 
     monkeypatch.setattr(speech, "load_speech_model", lambda *a, **k: OneVoice())
+    monkeypatch.setattr("multistream.cli._checks.model_problem", lambda *a, **k: None)  # org/tts: a stand-in
     assert main(["speak", "Hi.", "--model", "org/tts", "--voice", "nobody"]) == 2
     assert capsys.readouterr().err == ("multistream speak: --voice: unknown voice 'nobody' for this speech model; "
                                        "use one of ['org/tts'] (or leave --voice out)\n")
