@@ -258,7 +258,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads of both sessions")
-    ap.add_argument("--concurrent", type=int, default=4)
+    ap.add_argument("--concurrent", type=int, default=4, help="streams at once on one model (0: skip)")
     ap.add_argument("--token-ms", type=float, default=80.0, help="the scripted text model's time per token")
     ap.add_argument("--llm", choices=["scripted", "embedded"], default="scripted")
     ap.add_argument("--breakdown", action="store_true", help="also say where a stream's wall time goes against piper's")
@@ -315,12 +315,13 @@ def main() -> int:
           f"first audio {fa * 1000:.0f} ms (+{(fa - fs) * 1000:.0f} ms), text final {tf * 1000:.0f} ms")
 
     n = args.concurrent
-    firsts, wall, audio = run_concurrent(tts, TEXT, n)
-    seq_total = med["stream"][1] * n
-    print(f"{n} concurrent streams: TTFA median {statistics.median(firsts) * 1000:.0f} ms "
-          f"(max {max(firsts) * 1000:.0f} ms), wall {wall * 1000:.0f} ms for {audio:.1f} s of audio "
-          f"(RTF {wall / audio:.3f}); one after another: {seq_total * 1000:.0f} ms, first audio of the last "
-          f"after ~{med['stream'][1] * (n - 1) * 1000 + med['stream'][0] * 1000:.0f} ms")
+    if n > 0:  # --concurrent 0 skips this part
+        firsts, wall, audio = run_concurrent(tts, TEXT, n)
+        seq_total = med["stream"][1] * n
+        print(f"{n} concurrent streams: TTFA median {statistics.median(firsts) * 1000:.0f} ms "
+              f"(max {max(firsts) * 1000:.0f} ms), wall {wall * 1000:.0f} ms for {audio:.1f} s of audio "
+              f"(RTF {wall / audio:.3f}); one after another: {seq_total * 1000:.0f} ms, first audio of the last "
+              f"after ~{med['stream'][1] * (n - 1) * 1000 + med['stream'][0] * 1000:.0f} ms")
     tts.close()
     return 0
 
