@@ -258,6 +258,25 @@ def test_json_body_content_before_the_end_and_delete_stops_the_job() -> None:
         assert len(vm.calls) == 1 and vm.calls[0]["video_format"] == "webm" and vm.calls[0]["steps"] == 100
 
 
+def test_a_bad_option_is_a_400_also_when_the_job_would_wait_for_a_slot() -> None:
+    """A create that would queue answered 200 and its job failed later with the message a free
+    slot's create gave as a 400 (``steps=0``, ``seed=-1``, ``video_format="gif"``)."""
+    vm = ScriptedVideoModel(steps=200, num_frames=4, size=32, delay_s=0.05)
+    with _server(vm, video_concurrency=1) as srv:
+        client = _sdk(srv)
+        running = client.videos.create(prompt="a red circle moving left")
+        assert running.status == "in_progress"
+        for extra, message in (({"steps": 0}, "steps must be an integer from 1"),
+                               ({"seed": -1}, "seed must be an integer in [0, 2**63)"),
+                               ({"video_format": "gif"}, "unknown video_format='gif'")):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.videos.create(prompt="p", extra_body=extra)
+            error = info.value.body
+            assert isinstance(error, dict) and error["param"] == next(iter(extra)) and message in error["message"]
+        assert srv.state.gates["video"].queued == 0 and len(vm.calls) == 1
+        client.videos.delete(running.id)
+
+
 def test_openapi_publishes_both_bodies(srv: Any) -> None:
     doc = httpx.get(srv.url + "/openapi.json").json()
     schemas = doc["components"]["schemas"]
