@@ -20,7 +20,9 @@ from PIL import Image
 from server_fixtures import iter_events, iter_sse, live_server, wait_until
 
 from multistream import VideoEvent, event_from_dict
+from multistream.errors import InvalidArgumentError
 from multistream.server import ServerSettings, create_app, decode_message
+from multistream.server.families import family
 from multistream.testing import ScriptedTextModel, ScriptedVideoModel
 
 
@@ -275,6 +277,41 @@ def test_a_bad_option_is_a_400_also_when_the_job_would_wait_for_a_slot() -> None
             assert isinstance(error, dict) and error["param"] == next(iter(extra)) and message in error["message"]
         assert srv.state.gates["video"].queued == 0 and len(vm.calls) == 1
         client.videos.delete(running.id)
+
+
+def test_a_size_the_model_cannot_make_is_a_400_also_when_the_request_would_wait() -> None:
+    """The served model's own checks (its sizes, its frame counts) ran only when it started: a
+    native request that had to wait answered 200, ``event: queued``, then an error event."""
+    vm = ScriptedVideoModel(steps=200, num_frames=4, size=32, delay_s=0.05)
+    with _server(vm, video_concurrency=1) as srv:
+        with httpx.stream("POST", srv.url + "/v1/video", json={"prompt": "a red circle"}, timeout=60) as running:
+            assert running.status_code == 200
+            wait_until(lambda: srv.state.gates["video"].would_wait(), what="the one slot to be taken")
+            with httpx.stream("POST", srv.url + "/v1/video", json={"prompt": "p", "width": 100}, timeout=10) as r:
+                assert r.status_code == 400  # not 200 with `event: queued`
+                assert "width=100 is not a multiple of 8" in json.loads(r.read())["error"]["message"]
+            assert srv.state.gates["video"].queued == 0 and len(vm.calls) == 1
+            httpx.delete(f"{srv.url}/v1/streams/{running.headers['x-stream-id']}",
+                         headers={"X-Resume-Token": running.headers["x-resume-token"]})
+
+
+def test_the_video_familys_model_checks_are_the_models_own() -> None:
+    check_model = family("video").check_model
+    assert check_model is not None
+
+    class Causal:
+        sizes = ScriptedVideoModel(size=32).sizes
+
+        def check_num_frames(self, n: int) -> int:
+            if n % 4 != 1:
+                raise InvalidArgumentError(f"num_frames={n} does not fit this model's VAE")
+            return n
+
+    check_model(Causal(), {"prompt": "p", "num_frames": 9, "width": 64})
+    with pytest.raises(InvalidArgumentError, match="num_frames=8 does not fit"):
+        check_model(Causal(), {"prompt": "p", "num_frames": 8})
+    with pytest.raises(InvalidArgumentError, match="height=1000 is above 128"):
+        check_model(Causal(), {"prompt": "p", "height": 1000})
 
 
 def test_openapi_publishes_both_bodies(srv: Any) -> None:
