@@ -89,7 +89,10 @@ def finish_checking_sizes(parse: Callable[..., Any], embedded_sizes: Any) -> Fin
     def finish(args: argparse.Namespace, given: dict[str, Any]) -> Any:
         options = parse(args.prompt, **given)
         if args.model is None:
-            embedded_sizes.check(options.height, options.width)
+            try:
+                embedded_sizes.check(options.height, options.width)
+            except InvalidArgumentError as exc:  # named by its flag, as every other option's refusal is
+                raise flag_problem(exc.param or "width", exc) from None
         return options
 
     return finish
