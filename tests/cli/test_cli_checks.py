@@ -76,6 +76,12 @@ REFUSED = [
     (["text", "hi"], "--model: no such folder"),
     (["image", "x"], "--model: no such folder"),
     (["video", "x", "--model", "./no-such-video-model"], "--model: no such folder: './no-such-video-model'"),
+    # A file, or a folder that is no pipeline, loaded torch and diffusers for 8 s first, then said
+    # "HFValidationError: Repo id must use alphanumeric chars" or "no file named model_index.json".
+    (["video", "x", "--model", "missing-parent-is-a-file"],
+     "--model: 'missing-parent-is-a-file' is a single file; load_video_model takes a diffusers folder"),
+    (["video", "x", "--model", "."], "--model: the folder '.' holds no model_index.json, so it is no diffusers "
+     "pipeline. Fix: pass a folder holding a diffusers text-to-video pipeline"),
 ]
 
 
