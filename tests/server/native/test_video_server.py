@@ -214,7 +214,14 @@ def test_openai_refusals(srv: Any) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.videos.create(prompt="p", model="veo-3")
     assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
-    assert client.videos.create(prompt="p", model="sora-2").model == "sora-2"
+    created = client.videos.create(prompt="p", model="sora-2")
+    assert created.model == "sora-2"
+    with pytest.raises(openai.BadRequestError) as info:  # it was a bare 404 "no route POST /v1/videos/.../remix"
+        client.videos.remix(created.id, prompt="p, but blue")
+    assert info.value.body["code"] == "unsupported" and "remixing a video is not supported" in info.value.body[  # type: ignore[index]
+        "message"]
+    with pytest.raises(openai.NotFoundError):
+        client.videos.remix("video_nope", prompt="p")
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve("video_nope")
     r = httpx.get(f"{srv.url}/v1/videos/video_nope/content?variant=gif")
