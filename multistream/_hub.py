@@ -154,11 +154,12 @@ FAMILY_FILES = {
 
 
 def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = None,
-           files: str | None = None) -> HubSource:
+           files: str | None = None, how: str | None = None) -> HubSource:
     """Where ``name`` points, or a `ModelLoadError` saying why it cannot load (see the module doc).
 
     ``family`` ("text", "image", "speech") names the loader in the fix; ``files`` says what a
-    folder should hold (`FAMILY_FILES` by default).
+    folder should hold (`FAMILY_FILES` by default); ``how`` is how the caller passes a downloaded
+    folder (the loader call by default; the command line says ``--model ./model``).
 
     Example:
         >>> source = locate("~", family="text")
@@ -190,11 +191,12 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
     if _in_hub_cache(raw, revision):
         return HubSource(raw, local=False, offline=True)
     why = "HF_HUB_OFFLINE is set" if _env_offline() else f"{':'.join(map(str, _endpoint()))} cannot be reached"
+    how = how or f"{loader}('./model')"
     raise ModelLoadError(
         f"cannot load {raw!r}: it is not a folder here, the Hugging Face hub is not reachable from this machine "
         f"({why}), and the hub cache does not hold it. Fix: download it where there is network "
         f"(`huggingface-cli download {raw} --local-dir ./model`), copy the folder here and pass the local folder "
-        f"instead of the id; pass it: {loader}('./model')")
+        f"instead of the id; pass it: {how}")
 
 
 #: The families whose local model is a diffusers folder: a file, or a folder without its

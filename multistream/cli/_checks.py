@@ -140,10 +140,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 MODEL_COMMANDS = frozenset({"text", "image", "video"})
 
 
-def model_problem(value: object, family: str) -> str | None:
+def model_problem(value: object, family: str, flag: str = "--model") -> str | None:
     """What is wrong with a model argument that names a folder or hub id (a folder that does not
     exist, a name that is no hub id, a hub id neither cached nor reachable), or None; the
-    embedded model's names and ``module:factory`` pass. Torch-free: a fraction of a second."""
+    embedded model's names and ``module:factory`` pass. Torch-free: a fraction of a second.
+    ``flag`` is the argument's flag, for the fix (``--model ./model``, not the Python call)."""
     if not isinstance(value, str) or value.strip().lower() in ("none", "off", "", "default", "auto"):
         return None
     head = value.split(":")[0]
@@ -153,7 +154,7 @@ def model_problem(value: object, family: str) -> str | None:
     from ..errors import ModelLoadError
 
     try:
-        locate(value, family=family)
+        locate(value, family=family, how=f"{flag} ./model")
     except ModelLoadError as exc:
         return str(exc)
     return None

@@ -144,7 +144,7 @@ def model_path_problem(args: argparse.Namespace) -> str | None:
     None; found in a fraction of a second instead of after the server has started loading."""
     for family in FAMILY_NAMES:
         value = getattr(args, f"{family}_model", None)
-        problem = model_problem(value, family)
+        problem = model_problem(value, family, f"--{family}-model")
         if problem is not None:
             return f"--{family}-model {value}: {problem}"
     return None

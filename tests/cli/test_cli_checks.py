@@ -345,3 +345,19 @@ def test_a_second_ctrl_c_stops_at_once() -> None:
     assert signal.getsignal(signal.SIGINT) is not ctrl_c.interrupt  # the handler is put back
     with pytest.raises(KeyboardInterrupt):
         ctrl_c.interrupt()  # the second one stops at once
+
+
+def test_a_hub_id_that_cannot_load_is_fixed_with_the_flag_not_the_python_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fix said "pass it: ms.load_video_model('./model')" on the command line too."""
+    import argparse
+
+    from multistream.cli._checks import model_problem
+    from multistream.cli.serve import model_path_problem
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    problem = model_problem("someone/a-video-model-not-cached", "video")
+    assert problem is not None and problem.endswith("pass it: --model ./model"), problem
+    args = argparse.Namespace(text_model=None, image_model=None, speech_model=None,
+                              video_model="someone/a-video-model-not-cached")
+    served = model_path_problem(args)
+    assert served is not None and served.endswith("pass it: --video-model ./model"), served
