@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 from .errors import ModelLoadError
 
-__all__ = ["FAMILY_FILES", "HubSource", "hub_reachable", "locate", "looks_like_path"]
+__all__ = ["FAMILY_FILES", "PIPELINE_FOLDER_FAMILIES", "HubSource", "hub_reachable", "locate", "looks_like_path"]
 
 # How long the probe waits for the hub (DNS and connect), and how long its answer is kept: a
 # machine whose network comes back is noticed within a minute, and a burst of loads probes once.
@@ -172,6 +172,8 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
     path = os.path.expanduser(raw)
     loader = f"ms.load_{family}_model"
     if os.path.exists(path):
+        if family in PIPELINE_FOLDER_FAMILIES:
+            _check_pipeline_folder(raw, path, family)
         return HubSource(path, local=True)
     if not raw.strip():
         raise ModelLoadError(f"the {family} model name is empty. Fix: pass a local folder or a hub id to {loader}()")
@@ -196,6 +198,23 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
         f"({why}), and the hub cache does not hold it. Fix: download it where there is network "
         f"(`huggingface-cli download {raw} --local-dir ./model`), copy the folder here and pass the local folder "
         f"instead of the id; pass it: {pass_as}")
+
+
+#: The families whose local model is a diffusers folder: a file, or a folder without its
+#: model_index.json, is refused here, before the loader imports torch and diffusers (8 s, then
+#: "HFValidationError: Repo id must use alphanumeric chars" for a file).
+PIPELINE_FOLDER_FAMILIES = frozenset({"image", "video"})
+
+
+def _check_pipeline_folder(raw: str, path: str, family: str) -> None:
+    if not os.path.isdir(path):
+        raise ModelLoadError(
+            f"{raw!r} is a single file; load_{family}_model takes a diffusers folder (model_index.json inside). "
+            "Convert a single-file checkpoint with diffusers' from_single_file(...).save_pretrained(folder)")
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        raise ModelLoadError(
+            f"the folder {raw!r} holds no model_index.json, so it is no diffusers pipeline. Fix: pass a folder "
+            f"holding {FAMILY_FILES[family]}, as `huggingface-cli download OWNER/NAME --local-dir DIR` makes one")
 
 
 def _nearest_existing(path: Path) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -206,11 +207,15 @@ def add_cli_options(parser: Any, cls: type, *, names: tuple[str, ...] | None = N
         meta = info(field)
         spellings = ["--" + field.name.replace("_", "-"), *(flags or {}).get(field.name, ())]
         default = field.default if field.default is not dataclasses.MISSING else None
+        doc = meta.doc
         if default is None or default == ():
-            shown = "" if "null" in meta.doc else " (default: not set)"  # the doc says what null means
+            shown = "" if "null" in doc else " (default: not set)"  # the doc says what null means
         else:
             shown = f" (default: {default!r})"
-        help_text = f"{meta.doc}{shown}".replace("%", "%%").replace("null", "unset")
+            # Leaving the flag out gives this default, not null (no flag value means null): the doc's
+            # "; null: full size" would read "unset: full size (default: 256)".
+            doc = re.sub(r"; null: [^;]*", "", doc)
+        help_text = f"{doc}{shown}".replace("%", "%%").replace("null", "unset")
         wire_args = [a for a in getattr(meta.wire, "__args__", (meta.wire,)) if a is not type(None)]
         if meta.wire is bool or wire_args == [bool]:
             parser.add_argument(*spellings, dest=field.name, action=argparse.BooleanOptionalAction, default=None,

@@ -36,7 +36,8 @@ from typing import Any, NoReturn
 from .._spec import add_cli_options, cli_values, info, option_fields
 from ..errors import InvalidArgumentError
 
-__all__ = ["OneLineParser", "check_arguments", "declare_options", "device", "flag_of", "flag_problem", "integer", "number", "refuse"]
+__all__ = ["OneLineParser", "check_arguments", "declare_options", "device", "flag_of", "flag_problem", "integer",
+           "leave_out", "number", "refuse"]
 
 # torch's device types (c10's DeviceType names), so a --device typo is refused without importing torch.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hip", "meta", "hpu", "mtia", "maia", "xla", "lazy", "ipu", "ve",
@@ -68,8 +69,18 @@ def flag_problem(name: str, exc: Exception) -> InvalidArgumentError:
         '--seed: seed must be an integer in [0, 2**63) (or leave --seed out), got -1'
     """
     flag = flag_of(name)
-    message = re.sub(r" or None(?: \([^)]*\))?", f" (or leave {flag} out)", str(exc))
-    return InvalidArgumentError(f"{flag}: {message}", param=name)
+    return InvalidArgumentError(f"{flag}: {leave_out(str(exc), flag)}", param=name)
+
+
+def leave_out(message: str, flag: str) -> str:
+    """``message`` with the library's "or None" (a Python caller's way to ask for the default)
+    said as leaving ``flag`` out.
+
+    Example:
+        >>> leave_out("--video-concurrency must be an integer >= 1 or None, got 0", "--video-concurrency")
+        '--video-concurrency must be an integer >= 1 (or leave --video-concurrency out), got 0'
+    """
+    return re.sub(r" or None(?: \([^)]*\))?", f" (or leave {flag} out)", message)
 
 
 def declare_options(parser: argparse.ArgumentParser, group: Any, cls: type, finish: Finish, **kwargs: Any) -> list[str]:
@@ -89,7 +100,10 @@ def finish_checking_sizes(parse: Callable[..., Any], embedded_sizes: Any) -> Fin
     def finish(args: argparse.Namespace, given: dict[str, Any]) -> Any:
         options = parse(args.prompt, **given)
         if args.model is None:
-            embedded_sizes.check(options.height, options.width)
+            try:
+                embedded_sizes.check(options.height, options.width)
+            except InvalidArgumentError as exc:  # named by its flag, as every other option's refusal is
+                raise flag_problem(exc.param or "width", exc) from None
         return options
 
     return finish

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from ._checks import integer, model_problem
+from ._checks import flag_of, integer, leave_out, model_problem
 
 
 def add_parser(subparsers: Any) -> None:
@@ -157,8 +157,10 @@ def _in_the_users_terms(exc: Exception, given: dict[str, Any]) -> str:
     prefix = f"ServerSettings.{param} "
     if not param or not message.startswith(prefix):
         return message
-    name = f"--{param.replace('_', '-')}" if param in given else f"MULTISTREAM_{param.upper()}"
-    return f"{name} {message[len(prefix):]}"
+    if param not in given:
+        return f"MULTISTREAM_{param.upper()} {message[len(prefix):]}"
+    flag = flag_of(param)
+    return leave_out(f"{flag} {message[len(prefix):]}", flag)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,7 +68,8 @@ class ImageSizes:
         else:
             return value
         why = f" ({self.why})" if self.why else ""
-        raise InvalidArgumentError(f"{name}={value} {problem}: this model makes {self.describe()}{why}; use e.g. {hint}")
+        raise InvalidArgumentError(f"{name}={value} {problem}: this model makes {self.describe()}{why}; use e.g. {hint}",
+                                   param=name)
 
     def check(self, height: int | None, width: int | None) -> tuple[int | None, int | None]:
         """Both sides checked; None (the model's own default) passes as it is."""

@@ -127,12 +127,7 @@ def load_image_model(
         # cache lacks the model) fails here, in a fraction of a second, instead of in hub retries.
         found = locate(name_or_path, family="image", revision=kw.get("revision"))
         source, offline = found.path, offline or found.offline
-        is_dir = os.path.isdir(source)
-        if not is_dir and os.path.isfile(source):
-            raise ModelLoadError(
-                f"{source!r} is a single file; load_image_model takes a diffusers folder (model_index.json "
-                "inside). Convert a single-file checkpoint with diffusers' from_single_file(...).save_pretrained(folder)"
-            )
+        is_dir = os.path.isdir(source)  # a local file, or a folder without model_index.json, was refused there
     class_name = _class_name_of(source) if is_dir else None
     if torch_dtype is None and class_name is None and not is_dir and torch_device.type == "cuda":
         # Only the dtype depends on the class (Flux: bfloat16), so only then is it looked up.

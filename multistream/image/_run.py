@@ -127,7 +127,7 @@ class RunStats:
         if self.encoded:
             out["encode_ms"] = self.encode_ms / self.encoded
             out["preview_bytes"] = self.encoded_bytes / self.encoded
-        out.update({k: float(v) for k, v in extra.items()})
+        out.update({k: v if k == "seed" else float(v) for k, v in extra.items()})  # the seed stays an exact int
         return out
 
 
@@ -464,7 +464,7 @@ class ImageRun:
                 pixels = sum(_image_pixels(images[i]) for i in range(count))
                 self.context.decode_time.record(pixels, pipeline_done - run.last_step_at)
         if job.seed >= 0:
-            extra["seed"] = float(job.seed)
+            extra["seed"] = job.seed
         extra.update(self._checkpoint_metrics())
         metrics = run.metrics(worker, **extra)
         for i, frame in enumerate(frames):
@@ -598,7 +598,7 @@ class ImageRun:
             # Cancelled before the first step: nothing to show but a placeholder pixel.
             blank = encode_frame(np.full((1, 1, 3), 128, dtype=np.uint8), job.preview_format, job.preview_quality)
             frames = [(0, blank)] * job.num_images
-        extra = {"seed": float(job.seed)} if job.seed >= 0 else {}
+        extra = {"seed": job.seed} if job.seed >= 0 else {}
         extra.update(self._checkpoint_metrics())
         metrics = run.metrics(self.worker, **extra)
         for i, (step, frame) in enumerate(frames):
@@ -619,7 +619,7 @@ class ImageRun:
         frames = [encode_frame(host.array(i), job.final_format, job.final_quality) for i in range(host.shape[0])]
         extra = {"decode_ms": (time.perf_counter() - started) * 1e3}
         if job.seed >= 0:
-            extra["seed"] = float(job.seed)
+            extra["seed"] = job.seed
         extra.update(self._checkpoint_metrics())
         metrics = run.metrics(self.worker, **extra)
         for i, frame in enumerate(frames):

@@ -11,7 +11,9 @@ family's name. An entry says:
   keyword arguments, priority); ``body``: its pydantic model (published in ``/openapi.json``);
 - ``adapt``: what a request's arguments become for the loaded model (a speech voice's OpenAI name
   -> the model's default voice); ``check``: the model-independent checks of those arguments (the
-  family's own code, torch-free), run where the model is not (a Ray ingress);
+  family's own code, torch-free), run where the model is not (a Ray ingress); ``check_model``: the
+  checks that need the loaded model (a size it cannot make, a frame count it cannot take), run
+  before a request waits in the queue, so they are a 400 there too and not an error event later;
 - ``filter_fields``: the request fields the content filter reads (each prompt; speech's ``text``),
   ``filters_output``: whether its output is text the filter reads as it grows, and
   ``refuse_filtered``: a stopped input is a 400 (else an empty final with ``content_filter``);
@@ -84,6 +86,7 @@ class Family:
     refuse_filtered: bool = True
     adapt: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
     check: Callable[[dict[str, Any]], None] | None = None
+    check_model: Callable[[Any, dict[str, Any]], None] | None = None
     after_end: str = "start a new stream"
     continues: bool = False
     on_ray: bool = False
@@ -225,6 +228,20 @@ def _check_video(kwargs: dict[str, Any]) -> None:
     parse_video_options(**kwargs)
 
 
+def _check_sizes(model: Any, kwargs: dict[str, Any]) -> None:
+    # The model's own check (`ImageSizes.check`), which its .stream() runs again when it starts.
+    sizes = getattr(model, "sizes", None)
+    if sizes is not None and (kwargs.get("height") is not None or kwargs.get("width") is not None):
+        sizes.check(kwargs.get("height"), kwargs.get("width"))
+
+
+def _check_video_model(model: Any, kwargs: dict[str, Any]) -> None:
+    _check_sizes(model, kwargs)
+    check_num_frames = getattr(model, "check_num_frames", None)
+    if check_num_frames is not None and kwargs.get("num_frames") is not None:
+        check_num_frames(kwargs["num_frames"])
+
+
 def _check_speech(kwargs: dict[str, Any]) -> None:
     from ..speech import parse_speech_options
 
@@ -246,6 +263,7 @@ FAMILIES: tuple[Family, ...] = (
            requires=("torch", "transformers"), options=TextOptions, settings_options=("speculate",)),
     Family("image", parse=parse_image_body, body=ImageBody, server_final=_image_final, summary="Stream an image",
            filter_fields=("prompt", "negative_prompt"), continues=True, on_ray=True, checkpoints=True, check=_check_image,
+           check_model=_check_sizes,
            openai_models=("gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5", "dall-e-2", "dall-e-3"),
            requires=("torch", "diffusers"), options=ImageOptions),
     Family("speech", parse=parse_speech_body, body=SpeechBody, server_final=_speech_final, summary="Stream speech",
@@ -255,7 +273,8 @@ FAMILIES: tuple[Family, ...] = (
     # A clip is continued after a restart from its newest checkpoint, as an image is (not on Ray:
     # the Ray deployments serve text and images).
     Family("video", parse=parse_video_body, body=VideoBody, server_final=_video_final, summary="Stream a video clip",
-           filter_fields=("prompt", "negative_prompt"), check=_check_video, continues=True, checkpoints=True,
+           filter_fields=("prompt", "negative_prompt"), check=_check_video, check_model=_check_video_model,
+           continues=True, checkpoints=True,
            openai_models=("sora-2", "sora-2-pro", "sora-2-2025-10-06", "sora-2-pro-2025-10-06", "sora-2-2025-12-08"),
            # The embedded model's folder too: `installed` finds it without importing anything.
            requires=("torch", "diffusers", "av", "multistream._models.shapes_video"), options=VideoOptions),

@@ -251,6 +251,11 @@ class ServerState:
         kwargs = fam.with_server_defaults(kwargs, self.settings)
         if fam.adapt is not None:
             kwargs = fam.adapt(model, kwargs)
+        if fam.check_model is not None:
+            try:
+                fam.check_model(model, kwargs)
+            except Exception as exc:  # noqa: BLE001 - said as .stream() would have said it: a 400 for bad input
+                raise _start_problem(kind, exc) from None
         owner = principal.id if principal is not None else None
         keyed = bool(principal is not None and principal.keyed)
         if principal is not None and keyed and _stream_takes(model, "cache_salt"):

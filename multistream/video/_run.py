@@ -365,7 +365,7 @@ class VideoRun:
         out: dict[str, float] = {
             "steps": float(stats.steps),
             "duration_ms": (time.perf_counter() - stats.started) * 1e3,
-            "seed": float(job.seed),
+            "seed": job.seed,  # an int: a float loses seeds above 2**53 (up to 2**63 are taken)
             "previews": float(len(stats.preview_ms)),
         }
         if stats.first_preview is not None:

@@ -77,6 +77,12 @@ REFUSED = [
     (["image", "x"], "--model: no such folder"),
     (["video", "x", "--model", "./no-such-video-model"], "--model: no such folder: './no-such-video-model'"),
     (["speak", "Hello."], "--model: no such file: "),  # was 'multistream: ...' and 'or None for the embedded voice'
+    # A file, or a folder that is no pipeline, loaded torch and diffusers for 8 s first, then said
+    # "HFValidationError: Repo id must use alphanumeric chars" or "no file named model_index.json".
+    (["video", "x", "--model", "missing-parent-is-a-file"],
+     "--model: 'missing-parent-is-a-file' is a single file; load_video_model takes a diffusers folder"),
+    (["video", "x", "--model", "."], "--model: the folder '.' holds no model_index.json, so it is no diffusers "
+     "pipeline. Fix: pass a folder holding a diffusers text-to-video pipeline"),
 ]
 
 
@@ -371,3 +377,19 @@ def test_a_second_ctrl_c_stops_at_once() -> None:
     assert signal.getsignal(signal.SIGINT) is not ctrl_c.interrupt  # the handler is put back
     with pytest.raises(KeyboardInterrupt):
         ctrl_c.interrupt()  # the second one stops at once
+
+
+def test_a_hub_id_that_cannot_load_is_fixed_with_the_flag_not_the_python_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fix said "pass it: ms.load_video_model('./model')" on the command line too."""
+    import argparse
+
+    from multistream.cli._checks import model_problem
+    from multistream.cli.serve import model_path_problem
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    problem = model_problem("someone/a-video-model-not-cached", "video")
+    assert problem is not None and problem.endswith("pass it: --model ./model"), problem
+    args = argparse.Namespace(text_model=None, image_model=None, speech_model=None,
+                              video_model="someone/a-video-model-not-cached")
+    served = model_path_problem(args)
+    assert served is not None and served.endswith("pass it: --video-model ./model"), served

@@ -47,6 +47,15 @@ def test_text_help_says_what_python_says() -> None:
     assert "--max-new-tokens MAX_NEW_TOKENS an integer >= 1: tokens to generate at most (default: 256)" in text
 
 
+@pytest.mark.parametrize("command", ["image", "video"])
+def test_a_flag_with_a_default_does_not_say_what_null_means(command: str) -> None:
+    """``--preview-max-side``'s help said "unset: full size (default: 256)": leaving the flag out
+    gives 256; null (full size) is the Python call's and the server's, which no flag value spells."""
+    text = _help(command)
+    after = text.rsplit("PREVIEW_MAX_SIDE", 1)[1].split(" --", 1)[0]  # its help, after the usage line
+    assert "(default: 256)" in after and "unset" not in after, after
+
+
 def test_preview_help_lists_every_mode() -> None:
     text = _help("image")
     after = text.split("--preview PREVIEW one of", 1)[1].split("--preview-every", 1)[0]

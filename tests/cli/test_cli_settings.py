@@ -89,6 +89,13 @@ def test_a_bad_setting_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     assert "multistream serve: --queue-size must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
+def test_a_bad_optional_setting_flag_says_leave_it_out_not_none(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--text-model", "none", "--image-model", "none", "--video-concurrency", "0"]) == 2
+    # It said "must be an integer >= 1 or None": no flag value spells None.
+    assert ("multistream serve: --video-concurrency must be an integer >= 1 (or leave --video-concurrency out), "
+            "got 0") in capsys.readouterr().err
+
+
 def test_a_bad_setting_from_the_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("MULTISTREAM_QUEUE_SIZE", "0")

@@ -115,3 +115,11 @@ def test_a_long_prompt_is_one_short_warning_of_ours() -> None:
     assert lines == ["prompt is 2400 tokens; the image model reads the first 22 (the rest is ignored)"], ours[:3000]
     assert max(len(line) for line in lines) <= 300
     assert "truncated because CLIP can only handle sequences up to 24 tokens" in users
+
+
+def test_the_final_reports_a_large_seed_exactly(shapes: ms.ImageModel) -> None:
+    """``metrics["seed"]`` was a float, which is not exact above 2**53 (seeds up to 2**63 are taken)."""
+    seed = 2**62 + 1
+    final = shapes.generate("a red circle", steps=1, seed=seed, preview="none")
+    assert final.metrics["seed"] == seed and isinstance(final.metrics["seed"], int)
+    assert ms.event_from_dict(final.to_dict()).metrics["seed"] == seed  # and on the wire

@@ -385,3 +385,11 @@ def test_a_long_prompt_is_one_short_warning_of_ours(video_model, caplog) -> None
     assert ours == ["prompt is 2400 tokens; the video model reads the first 22 (the rest is ignored)"]
     assert notices == []
     assert [list(logger.filters) for logger in library] == filters_before  # quieted for the call only
+
+
+def test_the_final_reports_a_large_seed_exactly(video_model) -> None:
+    """``metrics["seed"]`` was a float: a seed above 2**53 (any up to 2**63 is taken) came back as
+    another number, so re-running with the reported seed gave another clip."""
+    seed = 2**62 + 1
+    final = video_model.generate("a red circle", steps=1, seed=seed, preview="none")
+    assert final.metrics["seed"] == seed and isinstance(final.metrics["seed"], int)

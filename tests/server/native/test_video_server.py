@@ -20,7 +20,9 @@ from PIL import Image
 from server_fixtures import iter_events, iter_sse, live_server, wait_until
 
 from multistream import VideoEvent, event_from_dict
+from multistream.errors import InvalidArgumentError
 from multistream.server import ServerSettings, create_app, decode_message
+from multistream.server.families import family
 from multistream.testing import ScriptedTextModel, ScriptedVideoModel
 
 
@@ -212,7 +214,14 @@ def test_openai_refusals(srv: Any) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.videos.create(prompt="p", model="veo-3")
     assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
-    assert client.videos.create(prompt="p", model="sora-2").model == "sora-2"
+    created = client.videos.create(prompt="p", model="sora-2")
+    assert created.model == "sora-2"
+    with pytest.raises(openai.BadRequestError) as info:  # it was a bare 404 "no route POST /v1/videos/.../remix"
+        client.videos.remix(created.id, prompt="p, but blue")
+    assert info.value.body["code"] == "unsupported" and "remixing a video is not supported" in info.value.body[  # type: ignore[index]
+        "message"]
+    with pytest.raises(openai.NotFoundError):
+        client.videos.remix("video_nope", prompt="p")
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve("video_nope")
     r = httpx.get(f"{srv.url}/v1/videos/video_nope/content?variant=gif")
@@ -256,6 +265,60 @@ def test_json_body_content_before_the_end_and_delete_stops_the_job() -> None:
         assert httpx.delete(f"{srv.url}/v1/videos/{job['id']}").json()["deleted"] is True
         wait_until(lambda: vm.finish_reasons == ["cancelled"], what="the deleted job's stream to be cancelled")
         assert len(vm.calls) == 1 and vm.calls[0]["video_format"] == "webm" and vm.calls[0]["steps"] == 100
+
+
+def test_a_bad_option_is_a_400_also_when_the_job_would_wait_for_a_slot() -> None:
+    """A create that would queue answered 200 and its job failed later with the message a free
+    slot's create gave as a 400 (``steps=0``, ``seed=-1``, ``video_format="gif"``)."""
+    vm = ScriptedVideoModel(steps=200, num_frames=4, size=32, delay_s=0.05)
+    with _server(vm, video_concurrency=1) as srv:
+        client = _sdk(srv)
+        running = client.videos.create(prompt="a red circle moving left")
+        assert running.status == "in_progress"
+        for extra, message in (({"steps": 0}, "steps must be an integer from 1"),
+                               ({"seed": -1}, "seed must be an integer in [0, 2**63)"),
+                               ({"video_format": "gif"}, "unknown video_format='gif'")):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.videos.create(prompt="p", extra_body=extra)
+            error = info.value.body
+            assert isinstance(error, dict) and error["param"] == next(iter(extra)) and message in error["message"]
+        assert srv.state.gates["video"].queued == 0 and len(vm.calls) == 1
+        client.videos.delete(running.id)
+
+
+def test_a_size_the_model_cannot_make_is_a_400_also_when_the_request_would_wait() -> None:
+    """The served model's own checks (its sizes, its frame counts) ran only when it started: a
+    native request that had to wait answered 200, ``event: queued``, then an error event."""
+    vm = ScriptedVideoModel(steps=200, num_frames=4, size=32, delay_s=0.05)
+    with _server(vm, video_concurrency=1) as srv:
+        with httpx.stream("POST", srv.url + "/v1/video", json={"prompt": "a red circle"}, timeout=60) as running:
+            assert running.status_code == 200
+            wait_until(lambda: srv.state.gates["video"].would_wait(), what="the one slot to be taken")
+            with httpx.stream("POST", srv.url + "/v1/video", json={"prompt": "p", "width": 100}, timeout=10) as r:
+                assert r.status_code == 400  # not 200 with `event: queued`
+                assert "width=100 is not a multiple of 8" in json.loads(r.read())["error"]["message"]
+            assert srv.state.gates["video"].queued == 0 and len(vm.calls) == 1
+            httpx.delete(f"{srv.url}/v1/streams/{running.headers['x-stream-id']}",
+                         headers={"X-Resume-Token": running.headers["x-resume-token"]})
+
+
+def test_the_video_familys_model_checks_are_the_models_own() -> None:
+    check_model = family("video").check_model
+    assert check_model is not None
+
+    class Causal:
+        sizes = ScriptedVideoModel(size=32).sizes
+
+        def check_num_frames(self, n: int) -> int:
+            if n % 4 != 1:
+                raise InvalidArgumentError(f"num_frames={n} does not fit this model's VAE")
+            return n
+
+    check_model(Causal(), {"prompt": "p", "num_frames": 9, "width": 64})
+    with pytest.raises(InvalidArgumentError, match="num_frames=8 does not fit"):
+        check_model(Causal(), {"prompt": "p", "num_frames": 8})
+    with pytest.raises(InvalidArgumentError, match="height=1000 is above 128"):
+        check_model(Causal(), {"prompt": "p", "height": 1000})
 
 
 def test_openapi_publishes_both_bodies(srv: Any) -> None:

@@ -98,6 +98,22 @@ def test_image_errors_name_openais_fields(client: openai.OpenAI) -> None:
     assert info.value.body["param"] == "n" and info.value.body["message"].startswith("'n' is 50 but this server allows")  # type: ignore[index]
 
 
+def test_a_bad_image_option_is_a_400_at_once_when_every_slot_is_busy() -> None:
+    """The option checks ran in the model's .stream(), once a slot was free: with the one slot busy
+    for 10 s, ``steps=0`` waited in the queue all that time for its 400."""
+    with make_server(image=ScriptedImageModel(steps=200, size=32, delay_s=0.05), image_concurrency=1) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=3)
+        with httpx.stream("POST", live.url + "/v1/image", json={"prompt": "a"}, timeout=60) as running:
+            assert running.status_code == 200
+            for extra, param in (({"steps": 0}, "steps"), ({"seed": -1}, "seed")):
+                with pytest.raises(openai.BadRequestError) as info:  # not APITimeoutError
+                    client.images.generate(prompt="x", extra_body=extra)
+                assert info.value.body["param"] == param  # type: ignore[index]
+            assert live.state.gates["image"].queued == 0
+            httpx.delete(f"{live.url}/v1/streams/{running.headers['x-stream-id']}",
+                         headers={"X-Resume-Token": running.headers["x-resume-token"]})
+
+
 def test_a_bad_field_inside_an_object_field_is_named(srv) -> None:  # type: ignore[no-untyped-def]
     body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "stream_options": {"bogus": 1}}

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field, create_model
 
 from ....image import ImageOptions
-from ...bodies import check_image_limits
+from ...bodies import check_family_options, check_image_limits
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from ...settings import ServerSettings
@@ -94,4 +94,7 @@ def image_kwargs(body: Any, settings: ServerSettings, sizes: Any = None) -> tupl
     stream = bool(req.stream)
     kwargs = req.to_image_options(fmt, stream and partial > 0, sizes)
     check_image_limits(kwargs, settings)
+    # The family's own checks now: open_stream runs the model's only once a slot is free, so a bad
+    # option (steps=0) waited in the queue for its 400.
+    check_family_options("image", kwargs)
     return kwargs, req.priority, stream, partial, fmt

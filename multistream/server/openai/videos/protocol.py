@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, create_model
 
 from ....errors import InvalidArgumentError
 from ....video import VideoOptions
+from ...bodies import check_family_options
 from ...http.bodies import LAX_BODY, validate_body
 from ...http.problems import Problem
 from .._common import openai_size
@@ -219,4 +220,8 @@ def parse_video_create(body: Any, fmt: VideoFormat, *, form: bool = False) -> tu
     ``form``: the body came as a form, whose values are all strings: numbers are read from them
     (``"20"`` -> 20); a JSON body is checked strictly (a number must be a number)."""
     req = validate_body(VideoCreateBody, body, "POST /v1/videos", strict=False if form else None)
-    return req, req.to_video_options(fmt)  # type: ignore[attr-defined]
+    kwargs: dict[str, Any] = req.to_video_options(fmt)  # type: ignore[attr-defined]
+    # The family's own checks now, not when the model starts: a job that waits for a slot answers
+    # before that, and a bad option (steps=0) would be a 200 whose job fails later instead of a 400.
+    check_family_options("video", kwargs)
+    return req, kwargs

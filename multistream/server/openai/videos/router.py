@@ -1,6 +1,7 @@
 """OpenAI's Videos API: ``POST /v1/videos`` (a job), ``GET /v1/videos`` (a page of them),
 ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content?variant=video|thumbnail|spritesheet`` and
-``DELETE /v1/videos/{id}``, over the served video model.
+``DELETE /v1/videos/{id}``, over the served video model (``POST /v1/videos/{id}/remix`` is a 400 that
+says remixing is not supported).
 
 A job is one video stream run in the background: the create answers at once (``queued``, or
 ``in_progress`` when a slot was free), one reader follows the stream to its end (so the grace
@@ -240,6 +241,16 @@ async def download_video(video_id: str, request: Request, state: ServerState = D
         asset.media_type, "bin")
     return Response(asset.data, media_type=asset.media_type, headers={
         "Content-Disposition": f'attachment; filename="{job.id}-{variant or "video"}.{ext}"'})
+
+
+@router.post("/v1/videos/{video_id}/remix", responses={400: {"description": "remixing is not supported"}, **_ERRORS})
+async def remix_video(video_id: str, request: Request, state: ServerState = Depends(get_state),
+                      principal: Principal = Depends(get_principal)) -> Response:
+    """OpenAI's ``client.videos.remix``: refused by name (it was a bare "no route" 404)."""
+    _owned(state, video_id, request, principal)  # a video that is not the client's is still a 404
+    raise Problem(400, "unsupported", "remixing a video is not supported: the served video model makes clips from a "
+                  "text prompt only; create a new video (client.videos.create) with the changed prompt",
+                  param="video_id")
 
 
 @router.delete("/v1/videos/{video_id}", responses={200: {"description": "{id, object: video.deleted, deleted}"},
