@@ -7,10 +7,13 @@ Example:
     >>> p = Problem(429, "queue_full", "the text queue is full (64 waiting); retry later", {"Retry-After": "2"})
     >>> p.body()["error"]["type"]
     'queue_full'
+    >>> Problem(400, "invalid_argument", "seed must be an integer or None, got -1").message  # JSON's word
+    'seed must be an integer or null, got -1'
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -18,6 +21,10 @@ from starlette.responses import JSONResponse
 from ...errors import InvalidArgumentError, MultistreamError, PromptTooLongError
 
 __all__ = ["Problem", "problem_from_exception"]
+
+# The library's messages are written for Python callers, whose way to ask for the default is None
+# ("seed must be an integer in [0, 2**63) or None"); an HTTP client writes JSON, where it is null.
+_PYTHONS_NONE = re.compile(r"\bor None\b")
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
@@ -30,6 +37,7 @@ class Problem(Exception):
 
     def __init__(self, status: int, type: str, message: str, headers: dict[str, str] | None = None,
                  param: str | None = None) -> None:
+        message = _PYTHONS_NONE.sub("or null", message)
         super().__init__(message)
         self.status = status
         self.type = type

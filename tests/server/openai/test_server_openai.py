@@ -61,6 +61,15 @@ def test_chat_errors_use_openai_shape(client: openai.OpenAI) -> None:
     assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
+def test_a_400_spells_the_default_as_json_does(client: openai.OpenAI) -> None:
+    """The library's checks say "or None" (a Python caller's way to ask for the default); an HTTP
+    client sends JSON, where that is null (a newcomer pass found "or None" in the server's 400s)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], seed=-1)
+    message = info.value.body["message"]  # type: ignore[index]
+    assert "or null" in message and "None" not in message, message
+
+
 def test_an_unknown_message_role_is_a_400_naming_the_roles(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=[{"role": "robot", "content": "hi"}])  # type: ignore[misc,list-item]
