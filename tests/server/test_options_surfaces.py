@@ -1,7 +1,8 @@
 """Every option of every family, from every surface: the Python call, ``POST /v1/text`` and
 ``/v1/image``, the WebSocket and the Ray ingress's own check. A good value reaches the model; a bad
-one is refused everywhere with the very message ``stream()`` raises. The bodies and the options
-are one definition, so ``/openapi.json`` lists exactly the Python options."""
+one is refused everywhere with the very message ``stream()`` raises (over HTTP and the WebSocket in
+JSON's words: ``null`` for ``None``). The bodies and the options are one definition, so
+``/openapi.json`` lists exactly the Python options."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 import multistream as ms
 from multistream.image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
+from multistream.server.http.problems import json_spelling
 from multistream.server.ray import RemoteModel
 from multistream.text import TEXT_STREAM_ARGS, TextOptions, parse_text_options
 
@@ -108,8 +110,8 @@ def test_text_option_good_reaches_the_model_and_bad_gets_the_python_message_ever
             expected, name)
         r = client.post(srv.url + "/v1/text", json={"prompt": "hi", name: bad})
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["message"] == message
-    assert ws_refusal(srv, {"type": "text", "id": "x", "prompt": "hi", name: bad}) == message
+        assert r.json()["error"]["message"] == json_spelling(message)
+    assert ws_refusal(srv, {"type": "text", "id": "x", "prompt": "hi", name: bad}) == json_spelling(message)
     with pytest.raises(ms.InvalidArgumentError) as info:  # the Ray ingress checks before it calls a replica
         RemoteModel("text", handle=None).stream(prompt="hi", **{name: bad})
     assert str(info.value) == message
@@ -132,8 +134,8 @@ def test_image_option_good_reaches_the_model_and_bad_gets_the_python_message_eve
         assert (expected.mode if name == "preview" else expected) == got
         r = client.post(srv.url + "/v1/image", json={"prompt": "a red circle", name: bad})
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["message"] == message
-    assert ws_refusal(srv, {"type": "image", "id": "x", "prompt": "a red circle", name: bad}) == message
+        assert r.json()["error"]["message"] == json_spelling(message)
+    assert ws_refusal(srv, {"type": "image", "id": "x", "prompt": "a red circle", name: bad}) == json_spelling(message)
     with pytest.raises(ms.InvalidArgumentError) as info:
         RemoteModel("image", handle=None).stream(prompt="a red circle", **{name: bad})
     assert str(info.value) == message

@@ -20,11 +20,24 @@ from starlette.responses import JSONResponse
 
 from ...errors import InvalidArgumentError, MultistreamError, PromptTooLongError
 
-__all__ = ["Problem", "problem_from_exception"]
+__all__ = ["Problem", "json_spelling", "problem_from_exception"]
 
 # The library's messages are written for Python callers, whose way to ask for the default is None
 # ("seed must be an integer in [0, 2**63) or None"); an HTTP client writes JSON, where it is null.
-_PYTHONS_NONE = re.compile(r"\bor None\b")
+_PYTHON_WORDS = ((re.compile(r"\bTrue, False or None\b"), "true, false or null"), (re.compile(r"\bor None\b"), "or null"))
+
+
+def json_spelling(message: str) -> str:
+    """A library message as an HTTP client reads it: Python's ``None`` (and ``True, False``) in
+    JSON's words, as the command line says ``(or leave --seed out)`` for the same message.
+
+    Example:
+        >>> json_spelling("chat must be True, False or None (automatic), got 'yes'")
+        "chat must be true, false or null (automatic), got 'yes'"
+    """
+    for pattern, words in _PYTHON_WORDS:
+        message = pattern.sub(words, message)
+    return message
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
@@ -37,7 +50,7 @@ class Problem(Exception):
 
     def __init__(self, status: int, type: str, message: str, headers: dict[str, str] | None = None,
                  param: str | None = None) -> None:
-        message = _PYTHONS_NONE.sub("or null", message)
+        message = json_spelling(message)
         super().__init__(message)
         self.status = status
         self.type = type
