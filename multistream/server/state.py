@@ -74,6 +74,8 @@ class ModelSlot:
     def name(self) -> str:
         if self.model is not None:
             return str(getattr(self.model, "name", None) or self.kind)
+        if self.spec == "default":  # the embedded model, by the name it will report once loaded
+            return family(self.kind).embedded_name or self.kind
         return self.spec if isinstance(self.spec, str) else self.kind
 
     def start_loading(self) -> None:

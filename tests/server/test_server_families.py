@@ -428,3 +428,25 @@ def test_steer_and_rewind_instructions_go_through_the_content_filter():
     assert answers["steer"].status_code == 200 and answers["steer"].json()["accepted"]
     final = events[-1]
     assert [(e["kind"], e["instruction"]) for e in final["revisions"]] == [("steer", "talk about *******")]
+
+
+def test_models_list_each_embedded_model_by_its_own_name_while_it_loads() -> None:
+    """``GET /v1/models`` listed every family's embedded model as ``"default"`` until it had
+    loaded (four entries with one id; found by a newcomer pass); each now has the name it reports
+    once loaded, from the family table."""
+    from multistream.server.openai.models import _model_entries
+    from multistream.server.state import ServerState
+    from multistream.speech._synth import EMBEDDED_VOICE
+    from multistream.text._loading import EMBEDDED_TEXT_MODEL
+
+    state = ServerState(ServerSettings(), models={f.name: "default" for f in FAMILIES})  # loading not started
+    entries = _model_entries(state)
+    assert [e["state"] for e in entries] == ["pending"] * len(FAMILIES)
+    assert {e["kind"]: e["id"] for e in entries} == {f.name: f.embedded_name for f in FAMILIES}
+    assert len({e["id"] for e in entries}) == len(FAMILIES) and all("default" in e["aliases"] for e in entries)
+    # The names the loaders give the embedded models (the image and video ones by loading them).
+    assert family("text").embedded_name == EMBEDDED_TEXT_MODEL
+    assert family("speech").embedded_name == EMBEDDED_VOICE
+    for name, load in (("image", ms.load_image_model), ("video", ms.load_video_model)):
+        with load() as model:
+            assert family(name).embedded_name == model.name
