@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --tiny     # anywhere: a narrow model on the CPU, to check the script
+#   bash benchmarks/gpu_check.sh --text     # text: bf16 / int8 / int4 on SmolLM2-1.7B's layout (gpu_text.py)
+#   bash benchmarks/gpu_check.sh --video    # video: the embedded model on CUDA, Wan 2.1 1.3B's layout (gpu_video.py)
 #
 # A machine without diffusers can get it as wheels in .whl/ (pure Python), fetched beforehand:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl diffusers==0.42.1
