@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -108,33 +109,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def text_check(args: argparse.Namespace) -> int:
-    import torch
     from gpu_text import MODES, print_table, run
 
-    if not args.tiny and not torch.cuda.is_available():
-        print("no CUDA device; run with --tiny to check the script on the CPU", file=sys.stderr)
-        return 2
-    started = time.perf_counter()
-    name = "cpu (--tiny)" if args.tiny else torch.cuda.get_device_name(0)
-    print(f"device: {name}; torch {torch.__version__}; text modes on SmolLM2-1.7B's layout, random weights")
     modes = tuple(None if m in ("bf16", "fp32") else m for m in args.modes.split(",")) if args.modes else MODES
-    print_table(run(args.tiny, reps=args.reps, tokenizer_dir=args.tokenizer, modes=modes))
-    print(f"total {time.perf_counter() - started:.0f} s")
-    return 0
+    return on_device(args, "text modes on SmolLM2-1.7B's layout, random weights",
+                     lambda: print_table(run(args.tiny, reps=args.reps, tokenizer_dir=args.tokenizer, modes=modes)))
 
 
 def video_check(args: argparse.Namespace) -> int:
     import diffusers
-    import torch
     from gpu_video import run
+
+    return on_device(args, f"diffusers {diffusers.__version__}", lambda: run(args.tiny, reps=args.reps, steps=args.steps))
+
+
+def on_device(args: argparse.Namespace, what: str, check: Callable[[], None]) -> int:
+    """Run ``check`` on CUDA (or, with ``--tiny``, on the CPU), under a line naming the device and
+    ``what``, and say how long it took; 2 where there is no CUDA device."""
+    import torch
 
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device; run with --tiny to check the script on the CPU", file=sys.stderr)
         return 2
     started = time.perf_counter()
     name = "cpu (--tiny)" if args.tiny else torch.cuda.get_device_name(0)
-    print(f"device: {name}; torch {torch.__version__}, diffusers {diffusers.__version__}")
-    run(args.tiny, reps=args.reps, steps=args.steps)
+    print(f"device: {name}; torch {torch.__version__}; {what}")
+    check()
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0
 

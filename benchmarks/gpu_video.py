@@ -127,12 +127,7 @@ def embedded_part(tiny: bool, log: Any = print) -> None:
     from multistream._shapes._motion import judged_video_prompts
 
     started = time.perf_counter()
-    try:
-        vm = ms.load_video_model(device="cpu" if tiny else "auto")
-    except ms.ModelLoadError as exc:  # seen once: transformers' hub kernels on CUDA without the kernels package
-        log(f"embedded video model: load failed: {exc}\n  again with USE_HUB_KERNELS=NO (transformers' hub kernels off)")
-        os.environ["USE_HUB_KERNELS"] = "NO"
-        vm = ms.load_video_model(device="cpu" if tiny else "auto")
+    vm = ms.load_video_model(device="cpu" if tiny else "auto")
     log(f"embedded video model: loaded in {time.perf_counter() - started:.1f} s on {vm.device}, "
         f"{vm.pipeline.unet.dtype}")  # fmt: skip
     prompts = judged_video_prompts()[: 4 if tiny else None]

@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 from .errors import ModelLoadError
 
-__all__ = ["FAMILY_FILES", "PIPELINE_FOLDER_FAMILIES", "HubSource", "hub_reachable", "locate", "looks_like_path"]
+__all__ = ["FAMILY_FILES", "HubSource", "hub_reachable", "locate", "looks_like_path"]
 
 # How long the probe waits for the hub (DNS and connect), and how long its answer is kept: a
 # machine whose network comes back is noticed within a minute, and a burst of loads probes once.
@@ -172,7 +172,7 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
     path = os.path.expanduser(raw)
     loader = f"ms.load_{family}_model"
     if os.path.exists(path):
-        if family in PIPELINE_FOLDER_FAMILIES:
+        if family in _PIPELINE_FOLDER_FAMILIES:
             _check_pipeline_folder(raw, path, family)
         return HubSource(path, local=True)
     if not raw.strip():
@@ -203,7 +203,7 @@ def locate(name: str | os.PathLike[str], *, family: str, revision: str | None = 
 #: The families whose local model is a diffusers folder: a file, or a folder without its
 #: model_index.json, is refused here, before the loader imports torch and diffusers (8 s, then
 #: "HFValidationError: Repo id must use alphanumeric chars" for a file).
-PIPELINE_FOLDER_FAMILIES = frozenset({"image", "video"})
+_PIPELINE_FOLDER_FAMILIES = frozenset({"image", "video"})
 
 
 def _check_pipeline_folder(raw: str, path: str, family: str) -> None:

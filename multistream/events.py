@@ -27,6 +27,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
+from ._atomic import atomic_write
 from ._checks import is_int
 from .errors import EventFormatError, InvalidArgumentError
 
@@ -260,7 +261,7 @@ class AudioEvent(_BaseEvent):
                 f"cannot save speech as {out.name!r}: save writes WAV, so the file name must end in .wav "
                 "(for MP3, Opus, FLAC or AAC use `multistream speak TEXT --out x.mp3` or the server's "
                 "response_format)")
-        _write_file(out, self.audio)
+        atomic_write(str(out), self.audio)  # whole: a Ctrl-C or a full disk leaves the old file
         return out
 
 
@@ -321,15 +322,6 @@ class VideoEvent(_BaseEvent):
         return _save_as_is(self.data, self.mime, path, hint)
 
 
-def _write_file(out: Any, data: bytes) -> None:
-    """Write ``data`` to the `pathlib.Path` ``out`` whole (`multistream._atomic.atomic_write`: a
-    Ctrl-C or a full disk leaves the old file, never half of the new one), making the folders
-    missing above it, as the command line's ``--out new/x.wav`` does."""
-    from ._atomic import atomic_write
-
-    atomic_write(str(out), data)
-
-
 def _save_as_is(data: bytes, mime: str, path: Any, hint: str = "") -> Any:
     """``data`` written to ``path`` as it is (whole, folders made), once the suffix names ``mime``'s
     format: bytes of one format under another's suffix make a file that viewers refuse or misread."""
@@ -341,7 +333,7 @@ def _save_as_is(data: bytes, mime: str, path: Any, hint: str = "") -> Any:
         raise InvalidArgumentError(
             f"cannot save {mime} as {out.name!r}: the bytes are written as they are, so the file "
             f"name must end in {' or '.join(suffixes)}{hint}")
-    _write_file(out, data)
+    atomic_write(str(out), data)  # whole: a Ctrl-C or a full disk leaves the old file; folders made
     return out
 
 

@@ -39,6 +39,7 @@ def json_spelling(message: str) -> str:
         message = pattern.sub(words, message)
     return message
 
+
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
                  415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
