@@ -5,7 +5,9 @@ A newcomer's first ``multistream image`` printed two transformers notices about 
 optional backend of image processors multistream never uses): not theirs to fix, so the command
 line drops those records; every other warning still shows. Progress bars (tqdm: transformers'
 GGUF conversion and weight loading, diffusers' pipeline loading, the preview fit) show on a
-terminal and stay out of logs and pipes.
+terminal and stay out of logs and pipes. So does the line that says a model is loading
+(`loading_notice`): a warm start of the embedded text model still takes seconds (its libraries'
+imports), which a newcomer saw as a blank terminal.
 
 Example:
     >>> from multistream.cli._console import quiet_library_notices, show_progress
@@ -16,13 +18,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 from .._notices import LibraryNoticeFilter, progress_modules, quiet_library_notices
 
-__all__ = ["LibraryNoticeFilter", "progress_stream", "quiet_library_notices", "set_library_progress", "show_progress"]
+__all__ = ["LibraryNoticeFilter", "loading_notice", "progress_stream", "quiet_library_notices", "set_library_progress",
+           "show_progress"]
 
 
 def show_progress(stream: TextIO | None = None) -> bool:
@@ -45,3 +49,26 @@ def set_library_progress(enabled: bool, libraries: Iterable[str] = ("transformer
 def progress_stream() -> TextIO | None:
     """Where the command line's own tqdm bars go: stderr on a terminal, nowhere otherwise."""
     return sys.stderr if show_progress() else None
+
+
+@contextlib.contextmanager
+def loading_notice(what: str, stream: TextIO | None = None) -> Iterator[None]:
+    """On a terminal, ``loading <what>...`` on stderr while the block runs (a model loading), erased
+    when it ends, so the first output takes the line; nothing in a log or a pipe. The libraries'
+    own bars (a first conversion) start with a carriage return and simply write over it.
+
+    Example:
+        >>> with loading_notice("the embedded text model"):   # doctest: +SKIP
+        ...     llm = load_text_model()
+    """
+    stream = sys.stderr if stream is None else stream
+    if not show_progress(stream):
+        yield
+        return
+    stream.write(f"loading {what}...")
+    stream.flush()
+    try:
+        yield
+    finally:
+        stream.write("\r\x1b[2K")
+        stream.flush()

@@ -16,7 +16,7 @@ from .._spec import cli_values
 from ..errors import MultistreamError
 from ..text import TextOptions, parse_text_options
 from ._checks import declare_options, device
-from ._console import set_library_progress, show_progress
+from ._console import loading_notice, set_library_progress, show_progress
 from ._interrupt import TEXT_NOTICE, CtrlC
 from .speak import AudioSoFar, check_audio_path, write_audio
 
@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"multistream: {exc}", file=sys.stderr)
             return 2
     try:
-        llm = load_text_model(args.model, device=args.device, quantize=args.quantize, compile=args.compile)
+        with loading_notice(repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"):
+            llm = load_text_model(args.model, device=args.device, quantize=args.quantize, compile=args.compile)
         stream = llm.stream(args.prompt, chat=False if args.raw else None, **cli_values(args, args.option_names))
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Any
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ._checks import declare_options, device, finish_checking_sizes
-from ._console import set_library_progress, show_progress
+from ._console import loading_notice, set_library_progress, show_progress
 from ._files import atomic_write, check_output_file, check_output_folder
 from ._interrupt import CtrlC
 
@@ -132,7 +132,8 @@ def load_model(name: str | None, device: str) -> Any:
     """The video model the command runs (a seam the tests replace with a scripted model)."""
     from ..video import load_video_model
 
-    return load_video_model(name, device=device)
+    with loading_notice(repr(name) if name else "the embedded video model"):
+        return load_video_model(name, device=device)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,9 +13,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from multistream.cli._console import LibraryNoticeFilter, quiet_library_notices, set_library_progress, show_progress
+from multistream.cli._console import (
+    LibraryNoticeFilter,
+    loading_notice,
+    quiet_library_notices,
+    set_library_progress,
+    show_progress,
+)
 from multistream.cli.image import out_target
 from repo_paths import ROOT
+from terminal import on_a_terminal
 
 
 
@@ -106,3 +113,30 @@ def test_progress_bars_only_on_a_terminal() -> None:
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         set_library_progress(before)
+
+
+def test_loading_notice_on_a_terminal_only_and_erased_even_when_the_load_fails() -> None:
+    tty = _Tty()
+    with loading_notice("the embedded text model"):  # stderr is pytest's capture here: not a terminal
+        pass
+    with loading_notice("'my/model'", tty):
+        assert tty.getvalue() == "loading 'my/model'..."
+    assert tty.getvalue() == "loading 'my/model'...\r\x1b[2K"  # erased: the answer takes the line
+    failed = _Tty()
+    with pytest.raises(OSError), loading_notice("x", failed):
+        raise OSError("no such file")
+    assert failed.getvalue().endswith("\r\x1b[2K")  # the error message then starts on a clean line
+    piped = io.StringIO()
+    with loading_notice("x", piped):
+        pass
+    assert piped.getvalue() == ""  # nothing in a log or a pipe
+
+
+@pytest.mark.model
+def test_cli_text_says_the_model_is_loading_on_a_terminal_then_the_answer_takes_the_line() -> None:
+    # A warm load still takes seconds (its libraries' imports): a newcomer saw a blank terminal.
+    rc, seen = on_a_terminal(["text", "Hi", "--max-new-tokens", "4", "--seed", "0"])
+    assert rc == 0, seen
+    assert seen.startswith("loading the embedded text model (SmolLM2-135M-Instruct)..."), seen[:300]
+    erased = seen.index("\r\x1b[2K")
+    assert "[4 tokens, TTFT" in seen[erased:], seen  # the summary line comes after the erase
