@@ -61,15 +61,19 @@ def flag_of(name: str) -> str:
 
 
 def flag_problem(name: str, exc: Exception) -> InvalidArgumentError:
-    """An option's complaint as the command line names it: the flag first, and the library's
-    "or None" (a Python caller's way to ask for the default) as leaving the flag out.
+    """An option's complaint as the command line names it: the flag first, the library's
+    ``name=value`` (a Python keyword) as the flag and its value, and its "or None" (a Python
+    caller's way to ask for the default) as leaving the flag out.
 
     Example:
         >>> str(flag_problem("seed", ValueError("seed must be an integer in [0, 2**63) or None, got -1")))
         '--seed: seed must be an integer in [0, 2**63) (or leave --seed out), got -1'
+        >>> str(flag_problem("height", ValueError("height=100 is not a multiple of 16; use e.g. height=96")))
+        '--height 100 is not a multiple of 16; use e.g. --height 96'
     """
     flag = flag_of(name)
-    return InvalidArgumentError(f"{flag}: {leave_out(str(exc), flag)}", param=name)
+    message, spelled = re.subn(rf"(?<![\w-]){re.escape(name)}=", f"{flag} ", leave_out(str(exc), flag))
+    return InvalidArgumentError(message if spelled else f"{flag}: {message}", param=name)
 
 
 def leave_out(message: str, flag: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
-from ._checks import declare_options, device, finish_checking_sizes
+from ._checks import declare_options, device, finish_checking_sizes, flag_problem
 from ._console import loading_notice, set_library_progress, show_progress
 from ._files import atomic_write, check_output_file, check_output_folder
 from ._interrupt import CtrlC
@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
             try:
                 check_max_frames(options.num_frames, EMBEDDED_VIDEO_MAX_FRAMES)
             except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"--num-frames: {exc}") from None
+                raise flag_problem("num_frames", exc) from None
         return options
 
     p = subparsers.add_parser("video", help="make a short clip, streaming every frame's preview per step",

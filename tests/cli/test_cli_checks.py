@@ -48,7 +48,7 @@ REFUSED = [
     (["text", "hi", "--speak", "answer.xyz"], "--speak answer.xyz: .xyz is not a format this command writes"),
     (["text", "hi", "--speak", "missing-parent-is-a-file/answer.wav"], "is a file, not a folder"),
     (["image", "x", "--steps", "0"], "--steps: steps must be an integer from 1 to 1000"),
-    (["image", "x", "--preview", "foo"], "--preview: unknown preview='foo'; use one of"),
+    (["image", "x", "--preview", "foo"], "image: unknown --preview 'foo'; use one of"),
     (["image", "x", "--out", "final.gif"], "--out final.gif: .gif is not a format this command writes"),
     (["image", "x", "--out", "o.txt"], "--out o.txt: .txt is not a format this command writes"),  # was a folder
     (["image", "x", "--out", "o.png", "--final-format", "webp"], "drop --final-format"),
@@ -56,7 +56,12 @@ REFUSED = [
     (["image", "x", "--strip", "strip.gif"], "--strip strip.gif: .gif is not a format"),
     (["video", "x", "--steps", "100000000000"], "--steps: steps must be an integer from 1 to 1000"),  # numpy: 745 GiB
     (["image", "x", "--steps", "2000"], "--steps: steps must be an integer from 1 to 1000"),
-    (["video", "x", "--num-frames", "33"], "--num-frames: num_frames=33 is more than this model takes: its motion modules hold at most 32"),
+    (["video", "x", "--num-frames", "33"], "video: --num-frames 33 is more than this model takes: its motion modules hold at most 32 frames; use "
+     "--num-frames 32 or fewer"),
+    # A size is said as its flag and value, the nearest sizes too (the library says height=100 in Python).
+    (["video", "x", "--height", "100"], "video: --height 100 is not a multiple of 16: this model makes sides "
+     "that are multiples of 16 from 16 to 128 pixels"),
+    (["video", "x", "--width", "100"], "; use e.g. --width 96 or 112"),
     (["video", "x", "--previews", "p.mp4"], "--previews p.mp4: .mp4 names a file, and this flag takes a folder"),
     (["image", "x", "--taesd", "no-such-folder"], "--taesd no-such-folder: no such folder"),
     (["image", "x", "--strip-frames", "0"], "--strip-frames: 0 is out of range; give an integer >= 1"),

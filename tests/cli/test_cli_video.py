@@ -94,10 +94,11 @@ def test_default_out_and_json(tmp_path: Path) -> None:
     (["--steps", "0"], "--steps"),
     (["--preview", "fancy"], "--preview"),
     # The embedded model's sizes are known without loading it (a newcomer's --width 100 waited 7 s).
-    # Named by its flag first, as every other refused option is.
-    (["--width", "100"], "multistream video: --width: width=100 is not a multiple of 16: this model makes sides that "
+    # Named by its flag first, as every other refused option is, and in the command line's spelling.
+    (["--width", "100"], "multistream video: --width 100 is not a multiple of 16: this model makes sides that "
      "are multiples of 16 from 16 to 128 pixels, native 64x64"),
-    (["--height", "1000"], "multistream video: --height: height=1000 is above 128"),
+    (["--width", "100"], "; use e.g. --width 96 or 112"),
+    (["--height", "1000"], "multistream video: --height 1000 is above 128"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(args: list[str], message: str,
                                                          monkeypatch: pytest.MonkeyPatch,
