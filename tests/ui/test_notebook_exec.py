@@ -45,6 +45,11 @@ def test_notebook_runs_and_streams_display_updates() -> None:
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
+    # No library warning in a newcomer's first cells: tqdm's "IProgress not found. Please update jupyter
+    # and ipywidgets" came with every model load until the notebook extra brought ipywidgets.
+    stderr = [o.text for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "stream" and o.name == "stderr"]
+    assert not any("IProgress" in text or "Warning" in text for text in stderr), stderr
     cells_with_updates = {u["cell"] for u in updates}
     assert len(cells_with_updates) >= 4  # text, image, chain, merge each updated in place
     assert any("data:image/jpeg;base64," in u["html"] for u in updates)  # live previews
