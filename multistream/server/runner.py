@@ -25,10 +25,11 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -273,5 +274,32 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = 
     prints what a signal does, one line (default: the log, at warning level)."""
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
     server = DrainingServer(config, say=say)
-    server.run()
+    with _multistream_log_like_uvicorns(log_level):
+        server.run()
     return 1 if server.failed_models else server.exit_status
+
+
+@contextlib.contextmanager
+def _multistream_log_like_uvicorns(log_level: str | int) -> Iterator[None]:
+    """While the server runs, multistream's own log lines ("text model ... is ready (loaded in
+    6.2 s)", "serving degraded", what a signal does) go to stderr at ``log_level`` in uvicorn's
+    format, beside its lines, when nobody configured logging: until now the INFO lines were
+    dropped and the errors came through Python's last-resort handler without a level. Logging a
+    caller configured (a handler on ``multistream`` or on the root logger) is left as it is."""
+    log = logging.getLogger("multistream")
+    if log.handlers or logging.getLogger().handlers:
+        yield
+        return
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    level = logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level
+    before = log.level
+    log.addHandler(handler)
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(before)

@@ -87,9 +87,10 @@ class ModelSlot:
     def _load(self) -> None:
         try:
             with _LOAD_LOCK:
+                started = time.perf_counter()
                 self.model = load_model(self.kind, self.spec)
             self.state = "ready"
-            logger.info("%s model %s is ready", self.kind, self.name)
+            logger.info("%s model %s is ready (loaded in %.1f s)", self.kind, self.name, time.perf_counter() - started)
         except BaseException as exc:  # noqa: BLE001 - report it on /healthz, keep serving the rest
             self.error = type(exc).__name__  # the traceback is in the log, not on the wire
             self.reason = load_failure(self.kind, self.name, exc)

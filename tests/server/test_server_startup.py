@@ -380,3 +380,29 @@ def test_the_registry_says_when_no_stream_has_run_for_a_while() -> None:
             assert [ev for ev in events if ev.get("is_final")]
         wait_until(lambda: registry.idle_for(0.0), what="the stream to end")
         assert not registry.idle_for(60.0)  # it ended just now
+
+
+def _ready_then_stopped(port: int, *args: str) -> str:
+    """``multistream serve ARGS`` until /readyz says ready, then SIGTERM: everything it printed."""
+    proc = _serve(port, *args)
+    try:
+        wait_until(lambda: (r := _get(f"http://127.0.0.1:{port}/readyz")) is not None and r.status_code == 200,
+                   timeout=60, what="the server to be ready")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.communicate()[0].decode(errors="replace")
+
+
+def test_serve_logs_each_model_ready_with_its_load_time_in_uvicorns_format() -> None:
+    # These INFO lines were dropped (nobody configured the multistream logger): an operator saw
+    # "Uvicorn running on ..." and then nothing while the models loaded, and nothing when they had.
+    models = ("--text-model", "multistream.testing:ScriptedTextModel", "--image-model", "none",
+              "--speech-model", "none", "--video-model", "none")
+    output = _ready_then_stopped(_free_port(), *models)
+    ready = [line for line in output.splitlines() if "text model" in line and "is ready (loaded in " in line]
+    assert len(ready) == 1 and ready[0].startswith("INFO:") and ready[0].rstrip().endswith(" s)"), output
+    quiet = _ready_then_stopped(_free_port(), *models, "--log-level", "warning")
+    assert "is ready" not in quiet, quiet  # --log-level is the server's, for multistream's lines too
