@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from . import main
+from . import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, default_dtype, resolve_device, resolve_dtype
+from .._gc import pauses_collector
 from .._hub import locate
 from .._notices import quiet_library_notices, quiet_loading_bars
 from ..diffusion._pipeline_args import dtype_kwarg
@@ -79,6 +80,7 @@ def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kw: An
         return DiffusionPipeline.from_pretrained(source, local_files_only=local_only, **dtype_kwarg(dtype), **kw)
 
 
+@pauses_collector  # a load builds millions of lasting objects: `multistream._gc`
 def load_image_model(
     name_or_path: Any = None,
     device: str | torch.device = "auto",

@@ -12,6 +12,7 @@ import glob
 import os
 from typing import Any
 
+from .._gc import pauses_collector
 from .._hub import locate
 from ..errors import InvalidArgumentError, ModelLoadError
 from ._model import SpeechModel
@@ -30,6 +31,7 @@ def _piper_file(name: str) -> str | None:
     return None
 
 
+@pauses_collector  # a load builds millions of lasting objects: `multistream._gc`
 def load_speech_model(name: str | os.PathLike[str] | None = None, *, device: str = "auto",
                       threads: int | None = 1, **kwargs: Any) -> SpeechModel:
     """Load a text-to-speech model that streams ``audio`` events.

@@ -24,6 +24,7 @@ import torch
 
 from .._cache import cache_dir
 from .._devices import check_device, default_dtype, resolve_device, resolve_dtype
+from .._gc import pauses_collector
 from .._hub import locate
 from ..errors import InvalidArgumentError, ModelLoadError
 from ._accel.compiled_decode import CompileReport, compile_decode
@@ -201,6 +202,7 @@ def _write_quantized(path: Path, states: dict[str, dict[str, Any]]) -> None:
         staging.unlink(missing_ok=True)
 
 
+@pauses_collector  # a load builds millions of lasting objects: `multistream._gc`
 def load_text_model(
     name_or_path: str | os.PathLike[str] | Any | None = None,
     device: str | torch.device = "auto",

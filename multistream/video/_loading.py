@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._devices import MODULE_BUILD_LOCK, check_device, resolve_device, resolve_dtype
+from .._gc import pauses_collector
 from .._notices import quiet_library_notices, quiet_loading_bars
 from ..diffusion._pipeline_args import dtype_kwarg
 from ..diffusion._sizes import EMBEDDED_VIDEO_SIZES
@@ -51,6 +52,7 @@ def read_video_defaults(folder: str | os.PathLike[str]) -> dict[str, Any]:
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
+@pauses_collector  # a load builds millions of lasting objects: `multistream._gc`
 def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "auto",
                      dtype: str | torch.dtype | None = None, **kw: Any) -> VideoModel:
     """Load a diffusers text-to-video pipeline as a streaming `VideoModel`.
