@@ -11,7 +11,8 @@ collection at the end (0.3-0.4 s): the load's objects then sit in the oldest gen
 first tokens after it are not the ones that pay for walking them. The switch is process-wide
 (``gc.disable``), so other threads' cyclic garbage waits for the load too (seconds); reference
 counting still frees everything else at once. Loads in several threads at once share one pause:
-the collector comes back when the last one ends, and only if it was on when the first began.
+the collector comes back when the last one ends, and only if it was on when the first began;
+the server's loads, one after another, share one pause (`paused_until`).
 
 Example:
     >>> import gc
@@ -28,10 +29,10 @@ import contextlib
 import functools
 import gc
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["paused_collector", "pauses_collector"]
+__all__ = ["pause_collector", "paused_collector", "paused_until", "pauses_collector"]
 
 _lock = threading.Lock()
 _loads = 0  # loads in progress (any thread)
@@ -40,25 +41,64 @@ _was_enabled = False  # whether the collector was on when the first of them bega
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-@contextlib.contextmanager
-def paused_collector() -> Iterator[None]:
-    """No cyclic garbage collection while the block runs (see the module's docstring)."""
+def pause_collector() -> Callable[[], None]:
+    """Turn the collector off (shared with every pause in progress); returns the function that
+    ends this pause (once; the last one to end turns it back on and collects)."""
     global _loads, _was_enabled
     with _lock:
         if _loads == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
         _loads += 1
+    ended = False
+
+    def resume() -> None:
+        global _loads
+        nonlocal ended
+        with _lock:
+            if ended:
+                return
+            ended = True
+            _loads -= 1
+            last = _loads == 0 and _was_enabled
+            if last:
+                gc.enable()
+        if last:
+            gc.collect()  # once, now: not at the first tokens' expense
+
+    return resume
+
+
+@contextlib.contextmanager
+def paused_collector() -> Iterator[None]:
+    """No cyclic garbage collection while the block runs (see the module's docstring)."""
+    resume = pause_collector()
     try:
         yield
     finally:
-        with _lock:
-            _loads -= 1
-            resume = _loads == 0 and _was_enabled
-            if resume:
-                gc.enable()
-        if resume:
-            gc.collect()  # once, now: not at the first tokens' expense
+        resume()
+
+
+def paused_until(events: Iterable[threading.Event]) -> None:
+    """Pause the collector now and until every event is set (a watcher thread ends the pause):
+    the server's models load one after another in threads of their own, and their loads share
+    this one pause, so the collector walks what they built once, after the last.
+
+    Example:
+        >>> done = threading.Event()
+        >>> paused_until([done]); gc.isenabled()
+        False
+        >>> done.set()
+    """
+    resume = pause_collector()
+    waiting = list(events)
+
+    def watch() -> None:
+        for event in waiting:
+            event.wait()
+        resume()
+
+    threading.Thread(target=watch, name="multistream-collector-pause", daemon=True).start()
 
 
 def pauses_collector(load: F) -> F:

@@ -45,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from .._gc import paused_until
 from ..errors import InvalidArgumentError
 from . import openai
 from .access.keys import KeyRing
@@ -122,7 +123,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = ServerState(settings, content_filter=content_filter, keyring=keyring, models=specs)
         app.state.multistream = state
-        for slot in state.models.values():
+        loading = [slot for slot in state.models.values() if slot.state == "pending"]
+        if loading:  # their loads share one pause of the collector: one walk after the last (`multistream._gc`)
+            paused_until(slot.settled for slot in loading)
+        for slot in loading:
             slot.start_loading()
         stop_waiting = threading.Event()
         if demo is not None:  # built once the models are in and clients are quiet (or at its first request)

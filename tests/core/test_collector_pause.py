@@ -95,3 +95,25 @@ def test_the_command_freezes_the_collector_before_the_process_exits_and_main_doe
     assert scripts["multistream"] == "multistream.cli:entry"
     for module in ("multistream/__main__.py", "multistream/cli/__main__.py"):
         assert "sys.exit(entry())" in (ROOT / module).read_text(), module
+
+
+def test_the_servers_model_loads_share_one_pause_and_the_collector_is_back_once_they_settled() -> None:
+    from multistream.testing import ScriptedImageModel, ScriptedTextModel
+    from server_fixtures import make_server, wait_until
+
+    seen: dict[str, bool] = {}
+
+    def text_factory() -> Any:  # loaded first (the server loads one model at a time)
+        seen["text load"] = gc.isenabled()
+        return ScriptedTextModel(["a"])
+
+    def image_factory() -> Any:
+        seen["image load"] = gc.isenabled()  # the text load has ended: the pause goes on for this one
+        return ScriptedImageModel()
+
+    with make_server(text_factory, image_factory) as srv:
+        import httpx
+
+        wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, what="the models to load")
+        wait_until(gc.isenabled, what="the collector to come back")
+    assert seen == {"text load": False, "image load": False}
