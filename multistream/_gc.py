@@ -41,9 +41,11 @@ _was_enabled = False  # whether the collector was on when the first of them bega
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def pause_collector() -> Callable[[], None]:
+def pause_collector(finish: Callable[[], object] = gc.collect) -> Callable[[], None]:
     """Turn the collector off (shared with every pause in progress); returns the function that
-    ends this pause (once; the last one to end turns it back on and collects)."""
+    ends this pause (once). The last one to end turns it back on and runs its ``finish``: one
+    full collection by default; a process that is all ours (the ``multistream`` command) passes
+    `gc.freeze`, which sets the load's objects aside without walking them at all."""
     global _loads, _was_enabled
     with _lock:
         if _loads == 0:
@@ -64,15 +66,16 @@ def pause_collector() -> Callable[[], None]:
             if last:
                 gc.enable()
         if last:
-            gc.collect()  # once, now: not at the first tokens' expense
+            finish()  # once, now: not at the first tokens' expense
 
     return resume
 
 
 @contextlib.contextmanager
-def paused_collector() -> Iterator[None]:
-    """No cyclic garbage collection while the block runs (see the module's docstring)."""
-    resume = pause_collector()
+def paused_collector(finish: Callable[[], object] = gc.collect) -> Iterator[None]:
+    """No cyclic garbage collection while the block runs (see the module's docstring and
+    `pause_collector` for ``finish``)."""
+    resume = pause_collector(finish)
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import InvalidArgumentError
-from . import demo, fit_preview, image, serve, speak, text, video
+from . import _console, demo, fit_preview, image, serve, speak, text, video
 from ._checks import OneLineParser, check_arguments, check_device_argument, check_model_argument, refuse
 from ._console import quiet_library_notices
 from ._files import WriteError
@@ -57,6 +57,7 @@ def entry() -> int:
     flush) still run. Only the process's own entry does this: `main` called from Python leaves
     the caller's collector alone.
     """
+    _console.OWN_PROCESS = True  # a command's model load may end its collector pause with a freeze
     status = main()
     gc.freeze()
     return status

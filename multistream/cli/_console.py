@@ -25,8 +25,11 @@ from typing import Any, TextIO
 
 from .._notices import LibraryNoticeFilter, progress_modules, quiet_library_notices
 
-__all__ = ["LibraryNoticeFilter", "loading_notice", "progress_stream", "quiet_library_notices", "set_library_progress",
-           "show_progress"]
+__all__ = ["LibraryNoticeFilter", "loading_notice", "model_loading", "progress_stream", "quiet_library_notices",
+           "set_library_progress", "show_progress"]
+
+#: True when the command line is the process (`multistream.cli.entry`), not `main` called from Python.
+OWN_PROCESS = False
 
 
 def show_progress(stream: TextIO | None = None) -> bool:
@@ -72,3 +75,22 @@ def loading_notice(what: str, stream: TextIO | None = None) -> Iterator[None]:
     finally:
         stream.write("\r\x1b[2K")
         stream.flush()
+
+
+@contextlib.contextmanager
+def model_loading(what: str) -> Iterator[None]:
+    """A command's model load, from its libraries' imports to the loaded model: `loading_notice`,
+    and Python's cyclic collector held off (`multistream._gc`); when the command is the process,
+    the pause ends with `gc.freeze` (what the load built lives until the process exits: nothing
+    to walk), else with one collection.
+
+    Example:
+        >>> with model_loading("the embedded text model"):    # doctest: +SKIP
+        ...     llm = load_text_model()
+    """
+    import gc
+
+    from .._gc import paused_collector
+
+    with loading_notice(what), paused_collector(gc.freeze if OWN_PROCESS else gc.collect):
+        yield

@@ -27,7 +27,7 @@ from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions, parse_image_options
 from ._checks import declare_options, device, finish_checking_sizes, integer
-from ._console import loading_notice, set_library_progress, show_progress
+from ._console import model_loading, set_library_progress, show_progress
 from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_a_file
 from ._interrupt import CtrlC
 
@@ -168,11 +168,11 @@ def _progress(line: str, final: bool = False) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..image import load_image_model
 
-    # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
-    set_library_progress(show_progress())
     out, out_file, final_format = out_target(default_out(args), args.final_format)  # checked (check_paths)
     try:
-        with loading_notice(repr(args.model) if args.model else "the embedded image model"):
+        with model_loading(repr(args.model) if args.model else "the embedded image model"):
+            # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
+            set_library_progress(show_progress())
             model = load_image_model(args.model, device=args.device, taesd=args.taesd)
         stream = model.stream(args.prompt, **{**cli_values(args, args.option_names), "final_format": final_format})
     except MultistreamError as exc:

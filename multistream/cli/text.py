@@ -16,7 +16,7 @@ from .._spec import cli_values
 from ..errors import MultistreamError
 from ..text import TextOptions, parse_text_options
 from ._checks import declare_options, device
-from ._console import loading_notice, set_library_progress, show_progress
+from ._console import model_loading, set_library_progress, show_progress
 from ._interrupt import TEXT_NOTICE, CtrlC
 from .speak import AudioSoFar, check_audio_path, write_audio
 
@@ -48,19 +48,16 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..text import load_text_model
 
-    # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
-    set_library_progress(show_progress(), ("transformers",))
     voice = None
-    if args.speak:
-        from ..speech import load_speech_model, speak
-
-        try:  # the voice first: it loads in a moment, and a missing `speech` extra shows before the text model
-            voice = load_speech_model()
-        except MultistreamError as exc:
-            print(f"multistream: {exc}", file=sys.stderr)
-            return 2
     try:
-        with loading_notice(repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"):
+        with model_loading(repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"):
+            # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
+            set_library_progress(show_progress(), ("transformers",))
+            if args.speak:
+                from ..speech import load_speech_model
+
+                # The voice first: it loads in a moment, and a missing `speech` extra shows before the text model.
+                voice = load_speech_model()
             llm = load_text_model(args.model, device=args.device, quantize=args.quantize, compile=args.compile)
         stream = llm.stream(args.prompt, chat=False if args.raw else None, **cli_values(args, args.option_names))
     except MultistreamError as exc:
@@ -68,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     spoken = None
     if voice is not None:
+        from ..speech import speak
+
         try:
             spoken = speak(stream, voice)
         except MultistreamError as exc:

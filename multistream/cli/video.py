@@ -27,7 +27,7 @@ from typing import Any
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ._checks import declare_options, device, finish_checking_sizes, flag_problem
-from ._console import loading_notice, set_library_progress, show_progress
+from ._console import model_loading, set_library_progress, show_progress
 from ._files import atomic_write, check_output_file, check_output_folder
 from ._interrupt import CtrlC
 
@@ -132,12 +132,13 @@ def load_model(name: str | None, device: str) -> Any:
     """The video model the command runs (a seam the tests replace with a scripted model)."""
     from ..video import load_video_model
 
-    with loading_notice(repr(name) if name else "the embedded video model"):
+    with model_loading(repr(name) if name else "the embedded video model"):
+        # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
+        set_library_progress(show_progress())
         return load_video_model(name, device=device)
 
 
 def run(args: argparse.Namespace) -> int:
-    set_library_progress(show_progress())
     out = out_path(args)
     video_format = CLIP_SUFFIXES[os.path.splitext(out)[1].lower()] if out is not None else "webm"  # checked
     try:

@@ -86,8 +86,9 @@ def test_the_command_freezes_the_collector_before_the_process_exits_and_main_doe
     frozen_before = gc.get_freeze_count()
     assert cli.main([]) == 2 and gc.get_freeze_count() == frozen_before  # no command: the help, nothing frozen
     monkeypatch.setattr(cli, "main", lambda argv=None: 0)
+    monkeypatch.setattr(cli._console, "OWN_PROCESS", False)  # entry sets it: restored after this test
     try:
-        assert cli.entry() == 0
+        assert cli.entry() == 0 and cli._console.OWN_PROCESS
         assert gc.get_freeze_count() > frozen_before
     finally:
         gc.unfreeze()  # this test process goes on: its objects are collectable again
@@ -117,3 +118,20 @@ def test_the_servers_model_loads_share_one_pause_and_the_collector_is_back_once_
         wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, what="the models to load")
         wait_until(gc.isenabled, what="the collector to come back")
     assert seen == {"text load": False, "image load": False}
+
+
+def test_a_commands_model_load_ends_its_pause_with_a_freeze_only_when_the_command_is_the_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from multistream.cli import _console
+
+    frozen = gc.get_freeze_count()
+    with _console.model_loading("a model"):  # main() called from Python: the caller's collector
+        assert not gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    monkeypatch.setattr(_console, "OWN_PROCESS", True)  # as cli.entry sets it
+    try:
+        with _console.model_loading("a model"):
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > frozen  # set aside, never walked
+    finally:
+        gc.unfreeze()
