@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
     voice = None
     try:
-        with model_loading(repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"):
+        what = repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"
+        with model_loading(what + (" and the voice" if args.speak else "")):
             # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
             set_library_progress(show_progress(), ("transformers",))
             if args.speak:

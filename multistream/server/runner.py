@@ -29,11 +29,14 @@ import contextlib
 import gc
 import logging
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 import uvicorn
+
+from .._gc import paused as collector_paused
 
 try:  # uvicorn's C parser (httptools): several times cheaper per request and per SSE chunk than h11
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HttpProtocol
@@ -88,7 +91,9 @@ class DrainingServer(uvicorn.Server):
             return True
         slots = state.models.values()
         failed = state.failed
-        settled = not any(s.state in ("pending", "loading") for s in slots)
+        # Settled once every load is over and so is their collector pause (`multistream._gc`):
+        # start-up's objects are collected and frozen after it, never during it.
+        settled = not any(s.state in ("pending", "loading") for s in slots) and not collector_paused()
         nothing_loaded = settled and not any(s.state == "ready" for s in slots)
         if failed and (not state.settings.allow_partial or nothing_loaded):
             self.failed_models = failed
@@ -272,11 +277,19 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = 
     Returns the process's exit status: 0; 1 when a model failed to load (see ``allow_partial``);
     128 + the signal's number (130 for Ctrl-C) when a second signal stopped it at once. ``say``
     prints what a signal does, one line (default: the log, at warning level)."""
+    state = getattr(app, "state", None)
+    if state is not None:  # the models' load pause ends without a walk: `_freeze_startup_objects` does it
+        state.runner_collects_startup = True
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
     server = DrainingServer(config, say=say)
     with _multistream_log_like_uvicorns(log_level):
         server.run()
     return 1 if server.failed_models else server.exit_status
+
+
+_LOG_LOCK = threading.Lock()
+_log_users = 0  # serve() calls running with the handler below attached
+_log_restore: tuple[logging.Handler, int] | None = None
 
 
 @contextlib.contextmanager
@@ -285,21 +298,42 @@ def _multistream_log_like_uvicorns(log_level: str | int) -> Iterator[None]:
     6.2 s)", "serving degraded", what a signal does) go to stderr at ``log_level`` in uvicorn's
     format, beside its lines, when nobody configured logging: until now the INFO lines were
     dropped and the errors came through Python's last-resort handler without a level. Logging a
-    caller configured (a handler on ``multistream`` or on the root logger) is left as it is."""
-    log = logging.getLogger("multistream")
-    if log.handlers or logging.getLogger().handlers:
-        yield
-        return
-    from uvicorn.logging import DefaultFormatter
+    caller configured (a handler on the root logger, ``multistream`` or any ``multistream.*``
+    logger) is left as it is. Servers run at once in one process share the one handler."""
+    global _log_users, _log_restore
+    with _LOG_LOCK:
+        if _log_users == 0 and _logging_configured():
+            attached = False
+        else:
+            attached = True
+            if _log_users == 0:
+                from uvicorn.logging import DefaultFormatter
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
-    level = logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level
-    before = log.level
-    log.addHandler(handler)
-    log.setLevel(level)
+                log = logging.getLogger("multistream")
+                handler = logging.StreamHandler()
+                handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+                _log_restore = (handler, log.level)
+                log.addHandler(handler)
+                log.setLevel(logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level)
+            _log_users += 1
     try:
         yield
     finally:
-        log.removeHandler(handler)
-        log.setLevel(before)
+        if attached:
+            with _LOG_LOCK:
+                _log_users -= 1
+                if _log_users == 0 and _log_restore is not None:
+                    handler, level = _log_restore
+                    log = logging.getLogger("multistream")
+                    log.removeHandler(handler)
+                    log.setLevel(level)
+                    _log_restore = None
+
+
+def _logging_configured() -> bool:
+    """Whether a handler sits on the root logger or on any ``multistream`` logger."""
+    if logging.getLogger().handlers:
+        return True
+    loggers = logging.Logger.manager.loggerDict
+    return any(isinstance(lg, logging.Logger) and lg.handlers and (name == "multistream" or name.startswith("multistream."))
+               for name, lg in list(loggers.items()))

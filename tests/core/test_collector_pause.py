@@ -20,6 +20,21 @@ from multistream._gc import paused_collector, pauses_collector
 from repo_paths import ROOT
 
 
+def _collections_during(block: Any) -> list[int]:
+    seen: list[int] = []
+
+    def count(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        block()
+    finally:
+        gc.callbacks.remove(count)
+    return seen
+
+
 def test_the_collector_is_off_during_the_block_and_back_after_it_even_on_an_error() -> None:
     assert gc.isenabled()
     with pytest.raises(OSError), paused_collector():
@@ -63,22 +78,15 @@ def test_loads_in_two_threads_share_one_pause_until_the_last_ends() -> None:
 
 
 @pytest.mark.model
-def test_a_warm_load_of_the_embedded_text_model_runs_one_collection_its_last() -> None:
+def test_a_second_load_of_the_embedded_text_model_walks_no_heap() -> None:
     import multistream as ms
 
     ms.load_text_model()  # warm: its caches written, its libraries imported
-    seen: list[int] = []
-
-    def count(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            seen.append(info["generation"])
-
-    gc.callbacks.append(count)
-    try:
-        ms.load_text_model()
-    finally:
-        gc.callbacks.remove(count)
-    assert seen == [2], seen  # without the pause: dozens of collections, the old generation walked again and again
+    seen = _collections_during(ms.load_text_model)
+    # On the old code: 104 collections, one of them a full walk of the heap (0.3 s and more in a
+    # notebook). Now none during the load; it built little, so no full walk at its end either (a
+    # first load in a fresh process leaves some 450,000 objects and gets its one full walk).
+    assert len(seen) <= 2 and 2 not in seen, seen
 
 
 def test_the_command_freezes_the_collector_before_the_process_exits_and_main_does_not(
@@ -124,14 +132,69 @@ def test_a_commands_model_load_ends_its_pause_with_a_freeze_only_when_the_comman
         monkeypatch: pytest.MonkeyPatch) -> None:
     from multistream.cli import _console
 
+    from multistream._gc import BACKLOG
+
     frozen = gc.get_freeze_count()
+    built: list[Any] = []
     with _console.model_loading("a model"):  # main() called from Python: the caller's collector
         assert not gc.isenabled()
+        built.extend([i] for i in range(BACKLOG + 1000))  # what a load builds
     assert gc.isenabled() and gc.get_freeze_count() == frozen
     monkeypatch.setattr(_console, "OWN_PROCESS", True)  # as cli.entry sets it
     try:
         with _console.model_loading("a model"):
             assert not gc.isenabled()
+            built.extend([i] for i in range(BACKLOG + 1000))
         assert gc.isenabled() and gc.get_freeze_count() > frozen  # set aside, never walked
     finally:
         gc.unfreeze()
+
+
+def test_a_pause_that_built_little_ends_without_a_collection_and_a_big_one_with_one() -> None:
+    from multistream import _gc
+
+    gc.collect()
+    kept: list[Any] = []
+
+    def small() -> None:  # a model object passed in, an argument refused: no full walk of a big heap
+        with paused_collector():
+            kept.extend([i] for i in range(1000))
+
+    def big() -> None:
+        with paused_collector():
+            kept.extend([i] for i in range(_gc.BACKLOG + 1000))
+
+    assert 2 not in _collections_during(small)  # the young objects only, as the collector would anyway
+    assert _collections_during(big)[:1] == [2]  # one full walk first, not a young one of the whole backlog
+    kept.clear()
+
+
+def test_the_servers_shared_pause_ends_at_its_limit_when_a_load_never_settles() -> None:
+    from multistream._gc import paused, paused_until
+    from server_fixtures import wait_until
+
+    never = threading.Event()
+    paused_until([never], limit_s=0.2)  # a stalled download, a factory that never returns
+    assert paused() and not gc.isenabled()
+    wait_until(lambda: not paused(), timeout=10, what="the pause to end at its limit")
+    assert gc.isenabled()
+
+
+def test_serve_leaves_logging_someone_configured_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from multistream.server import runner
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's own handlers sit on the root
+    assert not runner._logging_configured()
+    with runner._multistream_log_like_uvicorns("info"):
+        assert len(logging.getLogger("multistream").handlers) == 1
+        with runner._multistream_log_like_uvicorns("info"):  # a second server in the process shares it
+            assert len(logging.getLogger("multistream").handlers) == 1
+        assert len(logging.getLogger("multistream").handlers) == 1  # the first server still runs
+    assert logging.getLogger("multistream").handlers == []
+    child = logging.getLogger("multistream.server")
+    monkeypatch.setattr(child, "handlers", [logging.NullHandler()])  # the operator's own handler
+    assert runner._logging_configured()
+    with runner._multistream_log_like_uvicorns("info"):
+        assert logging.getLogger("multistream").handlers == []  # no second copy of each line

@@ -104,7 +104,7 @@ def test_cli_refuses_a_size_before_the_model_loads(monkeypatch, tmp_path, capsys
     out = tmp_path / "out"
     assert cli.main(["image", "x", "--width", "100", "--height", "100", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "height=100 is not a multiple of 16" in err and ACCEPTED in err
+    assert "--height 100 is not a multiple of 16" in err and ACCEPTED in err  # the flag, as the CLI spells it
     assert not out.exists()
 
 
@@ -116,7 +116,7 @@ def test_cli_process_exits_2_with_the_sizes_and_no_traceback(tmp_path) -> None:
                            "--height", "1024", "--out", str(tmp_path / "o")], capture_output=True, text=True,
                           env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert "height=1024 is above 128" in proc.stderr and ACCEPTED in proc.stderr
+    assert "--height 1024 is above 128" in proc.stderr and ACCEPTED in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
