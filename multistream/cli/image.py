@@ -166,11 +166,11 @@ def _progress(line: str, final: bool = False) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..image import load_image_model
-
     out, out_file, final_format = out_target(default_out(args), args.final_format)  # checked (check_paths)
     try:
         with model_loading(repr(args.model) if args.model else "the embedded image model"):
+            from ..image import load_image_model  # torch's and diffusers' imports too: inside the line and the pause
+
             # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
             set_library_progress(show_progress())
             model = load_image_model(args.model, device=args.device, taesd=args.taesd)

@@ -46,12 +46,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..text import load_text_model
-
     voice = None
     try:
         what = repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"
         with model_loading(what + (" and the voice" if args.speak else "")):
+            from ..text import load_text_model  # torch's import too: inside the line and the pause
+
             # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
             set_library_progress(show_progress(), ("transformers",))
             if args.speak:

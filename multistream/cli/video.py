@@ -130,9 +130,9 @@ def _line(text: str, final: bool = False) -> None:
 
 def load_model(name: str | None, device: str) -> Any:
     """The video model the command runs (a seam the tests replace with a scripted model)."""
-    from ..video import load_video_model
-
     with model_loading(repr(name) if name else "the embedded video model"):
+        from ..video import load_video_model  # torch's and diffusers' imports too: inside the line and the pause
+
         # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
         set_library_progress(show_progress())
         return load_video_model(name, device=device)
