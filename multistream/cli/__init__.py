@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import InvalidArgumentError
-from . import _console, demo, fit_preview, image, serve, speak, text, video
+from . import demo, fit_preview, image, serve, speak, text, video
 from ._checks import OneLineParser, check_arguments, check_device_argument, check_model_argument, refuse
 from ._console import quiet_library_notices
 from ._files import WriteError
@@ -57,14 +57,15 @@ def entry() -> int:
     flush) still run. Only the process's own entry does this: `main` called from Python leaves
     the caller's collector alone.
     """
-    _console.OWN_PROCESS = True  # a command's model load may end its collector pause with a freeze
-    status = main()
+    status = main(own_process=True)
     gc.freeze()
     return status
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+    ``own_process``: the command is the whole process (`entry`), so a command's model load may
+    end its collector pause with a freeze (`cli._console.model_loading`).
 
     Example:
         >>> main(["text", "--help"])  # doctest: +SKIP
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_library_notices()  # before any subcommand imports transformers
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.own_process = own_process
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -19,17 +19,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 from .._notices import LibraryNoticeFilter, progress_modules, quiet_library_notices
 
-__all__ = ["LibraryNoticeFilter", "loading_notice", "model_loading", "progress_stream", "quiet_library_notices",
-           "set_library_progress", "show_progress"]
+__all__ = ["ERASE_LINE", "LibraryNoticeFilter", "loading_notice", "model_loading", "progress_stream", "quiet_library_notices",
+           "set_library_progress", "show_progress", "status_line"]
 
-#: True when the command line is the process (`multistream.cli.entry`), not `main` called from Python.
-OWN_PROCESS = False
+#: Back to the start of the terminal's line and clear it: a status line is rewritten in place.
+ERASE_LINE = "\r\x1b[2K"
 
 
 def show_progress(stream: TextIO | None = None) -> bool:
@@ -47,6 +48,16 @@ def set_library_progress(enabled: bool, libraries: Iterable[str] = ("transformer
     no diffusers pipeline names ``("transformers",)``, so that it does not import diffusers."""
     for module in progress_modules(libraries):
         (module.enable_progress_bar if enabled else module.disable_progress_bar)()
+
+
+def status_line(text: str, final: bool = False) -> None:
+    """A command's progress line on stderr: rewritten in place on a terminal (``final`` ends it
+    with a newline), one line each in a log or a pipe."""
+    if sys.stderr.isatty():
+        sys.stderr.write(ERASE_LINE + text + ("\n" if final else ""))
+    else:
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def progress_stream() -> TextIO | None:
@@ -73,24 +84,26 @@ def loading_notice(what: str, stream: TextIO | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        stream.write("\r\x1b[2K")
+        stream.write(ERASE_LINE)
         stream.flush()
 
 
 @contextlib.contextmanager
-def model_loading(what: str) -> Iterator[None]:
+def model_loading(what: str, own_process: bool,
+                  libraries: Iterable[str] = ("transformers", "diffusers")) -> Iterator[None]:
     """A command's model load, from its libraries' imports to the loaded model: `loading_notice`,
-    and Python's cyclic collector held off (`multistream._gc`); when the command is the process,
-    the pause ends with `gc.freeze` (what the load built lives until the process exits: nothing
-    to walk), else with one collection.
+    the ``libraries``' loading bars on a terminal only (`set_library_progress`), and Python's
+    cyclic collector held off (`multistream._gc`). When the command is the process
+    (``own_process``: `multistream.cli.entry`), the pause ends with `gc.freeze`: what the load
+    built lives until the process exits, so nothing is walked; called from Python, with one
+    collection.
 
     Example:
-        >>> with model_loading("the embedded text model"):    # doctest: +SKIP
+        >>> with model_loading("the embedded text model", own_process=True, libraries=("transformers",)):  # doctest: +SKIP
         ...     llm = load_text_model()
     """
-    import gc
-
     from .._gc import paused_collector
 
-    with loading_notice(what), paused_collector(gc.freeze if OWN_PROCESS else gc.collect):
+    with loading_notice(what), paused_collector(gc.freeze if own_process else gc.collect):
+        set_library_progress(show_progress(), libraries)
         yield

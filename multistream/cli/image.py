@@ -27,7 +27,7 @@ from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions, parse_image_options
 from ._checks import declare_options, device, finish_checking_sizes, integer
-from ._console import model_loading, set_library_progress, show_progress
+from ._console import model_loading, show_progress, status_line
 from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_a_file
 from ._interrupt import CtrlC
 
@@ -157,22 +157,12 @@ class _StepBar:
         self._bar.close()
 
 
-def _progress(line: str, final: bool = False) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\x1b[2K" + line + ("\n" if final else ""))
-    else:
-        sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
 def run(args: argparse.Namespace) -> int:
     out, out_file, final_format = out_target(default_out(args), args.final_format)  # checked (check_paths)
     try:
-        with model_loading(repr(args.model) if args.model else "the embedded image model"):
+        with model_loading(repr(args.model) if args.model else "the embedded image model", args.own_process):
             from ..image import load_image_model  # torch's and diffusers' imports too: inside the line and the pause
 
-            # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
-            set_library_progress(show_progress())
             model = load_image_model(args.model, device=args.device, taesd=args.taesd)
         stream = model.stream(args.prompt, **{**cli_values(args, args.option_names), "final_format": final_format})
     except MultistreamError as exc:
@@ -183,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     last_t, last_step = 0.0, 0
     previews: list[Any] = []
     bar = _StepBar() if show_progress() else None
-    ctrl_c = CtrlC(lambda line: _progress(line, final=True))
+    ctrl_c = CtrlC(lambda line: status_line(line, final=True))
     with stream, bar if bar is not None else contextlib.nullcontext():
         for ev in ctrl_c.events(stream):
             if args.json:
@@ -208,18 +198,18 @@ def run(args: argparse.Namespace) -> int:
                     bar.show(ev.step, ev.total_steps, ev.eta_s, ms_per_step)
                 else:
                     eta = f"  eta {ev.eta_s:.1f} s" if ev.eta_s is not None else ""
-                    _progress(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
+                    status_line(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
     final = stream.final
     if final is None or final.type == "error":
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
-        _progress(f"multistream: error: {message}", final=True)
+        status_line(f"multistream: error: {message}", final=True)
         return 1
     if args.strip:
         write_strip(previews, final, args.strip, args.strip_frames)
     metrics = final.metrics or {}  # type: ignore[union-attr]
     written = os.path.join(out, "final." + _EXTENSIONS.get(final.mime, "bin")) if out else out_file  # type: ignore[union-attr]
     where = f" -> {written}" if written else ""
-    _progress(
+    status_line(
         f"done: {final.width}x{final.height} {final.mime}, {int(metrics.get('steps', 0))} steps, "  # type: ignore[union-attr]
         f"{metrics.get('ms_per_step', 0):.0f} ms/step, {metrics.get('duration_ms', 0) / 1e3:.1f} s, "
         f"seed {int(metrics.get('seed', -1))}, finish: {final.finish_reason}{where}",  # type: ignore[union-attr]

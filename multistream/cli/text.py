@@ -16,7 +16,7 @@ from .._spec import cli_values
 from ..errors import MultistreamError
 from ..text import TextOptions, parse_text_options
 from ._checks import declare_options, device
-from ._console import model_loading, set_library_progress, show_progress
+from ._console import model_loading
 from ._interrupt import TEXT_NOTICE, CtrlC
 from .speak import AudioSoFar, check_audio_path, write_audio
 
@@ -49,11 +49,10 @@ def run(args: argparse.Namespace) -> int:
     voice = None
     try:
         what = repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"
-        with model_loading(what + (" and the voice" if args.speak else "")):
+        # transformers' bars only (the embedded model's first conversion, weight loading): no diffusers import.
+        with model_loading(what + (" and the voice" if args.speak else ""), args.own_process, ("transformers",)):
             from ..text import load_text_model  # torch's import too: inside the line and the pause
 
-            # transformers' bars (the embedded model's first conversion, weight loading) on a terminal only.
-            set_library_progress(show_progress(), ("transformers",))
             if args.speak:
                 from ..speech import load_speech_model
 

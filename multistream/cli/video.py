@@ -27,7 +27,7 @@ from typing import Any
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ._checks import declare_options, device, finish_checking_sizes, flag_problem
-from ._console import model_loading, set_library_progress, show_progress
+from ._console import model_loading, show_progress, status_line
 from ._files import atomic_write, check_output_file, check_output_folder
 from ._interrupt import CtrlC
 
@@ -120,36 +120,27 @@ class _StepBar:
         self._bar.close()
 
 
-def _line(text: str, final: bool = False) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\x1b[2K" + text + ("\n" if final else ""))
-    else:
-        sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
 def load_model(name: str | None, device: str) -> Any:
     """The video model the command runs (a seam the tests replace with a scripted model)."""
-    with model_loading(repr(name) if name else "the embedded video model"):
-        from ..video import load_video_model  # torch's and diffusers' imports too: inside the line and the pause
+    from ..video import load_video_model
 
-        # The libraries' loading bars on a terminal (a first load takes a while), not in a log or pipe.
-        set_library_progress(show_progress())
-        return load_video_model(name, device=device)
+    return load_video_model(name, device=device)
 
 
 def run(args: argparse.Namespace) -> int:
     out = out_path(args)
     video_format = CLIP_SUFFIXES[os.path.splitext(out)[1].lower()] if out is not None else "webm"  # checked
     try:
-        model = load_model(args.model, args.device)
+        # torch's and diffusers' imports too (in load_model): inside the line and the pause
+        with model_loading(repr(args.model) if args.model else "the embedded video model", args.own_process):
+            model = load_model(args.model, args.device)
         stream = model.stream(args.prompt, **cli_values(args, args.option_names), video_format=video_format)
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2
     last_t, last_step = 0.0, 0
     bar = _StepBar() if show_progress() else None
-    ctrl_c = CtrlC(lambda line: _line(line, final=True))
+    ctrl_c = CtrlC(lambda line: status_line(line, final=True))
     with stream, bar if bar is not None else contextlib.nullcontext():
         for ev in ctrl_c.events(stream):
             if args.json:
@@ -166,15 +157,15 @@ def run(args: argparse.Namespace) -> int:
                 bar.show(ev.step, ev.total_steps, ev.eta_s, ms_per_step)
             else:
                 eta = f"  eta {ev.eta_s:.1f} s" if ev.eta_s is not None else ""
-                _line(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
+                status_line(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
     final = stream.final
     if final is None or final.type == "error":
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
-        _line(f"multistream: error: {message}", final=True)
+        status_line(f"multistream: error: {message}", final=True)
         return 1
     if not final.mime.startswith("video/"):  # type: ignore[union-attr]
         # A cancelled run ends on its newest preview, not a clip: nothing to write as one.
-        _line(f"multistream: {final.finish_reason} at step {final.step}/{final.total_steps}; no clip written",  # type: ignore[union-attr]
+        status_line(f"multistream: {final.finish_reason} at step {final.step}/{final.total_steps}; no clip written",  # type: ignore[union-attr]
               final=True)
         return 1
     if out is not None:
@@ -185,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         atomic_write(args.sheet, encode_sheet(final.frames, SHEET_SUFFIXES[os.path.splitext(args.sheet)[1].lower()]))  # type: ignore[union-attr]
     m = final.metrics or {}  # type: ignore[union-attr]
     written = " -> " + ", ".join(p for p in (out, args.sheet) if p) if out or args.sheet else ""
-    _line(f"done: {final.num_frames} frames {final.width}x{final.height} at {final.fps:g} fps, {final.mime}, "  # type: ignore[union-attr]
+    status_line(f"done: {final.num_frames} frames {final.width}x{final.height} at {final.fps:g} fps, {final.mime}, "  # type: ignore[union-attr]
           f"{int(m.get('steps', final.step))} steps, {m.get('duration_ms', 0) / 1e3:.1f} s, "  # type: ignore[union-attr]
           f"finish: {final.finish_reason}{written}", final=True)  # type: ignore[union-attr]
     return ctrl_c.status()

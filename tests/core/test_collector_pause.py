@@ -93,10 +93,10 @@ def test_the_command_freezes_the_collector_before_the_process_exits_and_main_doe
         monkeypatch: pytest.MonkeyPatch) -> None:
     frozen_before = gc.get_freeze_count()
     assert cli.main([]) == 2 and gc.get_freeze_count() == frozen_before  # no command: the help, nothing frozen
-    monkeypatch.setattr(cli, "main", lambda argv=None: 0)
-    monkeypatch.setattr(cli._console, "OWN_PROCESS", False)  # entry sets it: restored after this test
+    told: list[bool] = []
+    monkeypatch.setattr(cli, "main", lambda argv=None, own_process=False: told.append(own_process) or 0)
     try:
-        assert cli.entry() == 0 and cli._console.OWN_PROCESS
+        assert cli.entry() == 0 and told == [True]  # its commands may end their load's pause with a freeze
         assert gc.get_freeze_count() > frozen_before
     finally:
         gc.unfreeze()  # this test process goes on: its objects are collectable again
@@ -128,21 +128,20 @@ def test_the_servers_model_loads_share_one_pause_and_the_collector_is_back_once_
     assert seen == {"text load": False, "image load": False}
 
 
-def test_a_commands_model_load_ends_its_pause_with_a_freeze_only_when_the_command_is_the_process(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_commands_model_load_ends_its_pause_with_a_freeze_only_when_the_command_is_the_process() -> None:
     from multistream.cli import _console
 
     from multistream._gc import BACKLOG
 
     frozen = gc.get_freeze_count()
     built: list[Any] = []
-    with _console.model_loading("a model"):  # main() called from Python: the caller's collector
+    # main() called from Python: the caller's collector, walked once
+    with _console.model_loading("a model", own_process=False, libraries=("transformers",)):
         assert not gc.isenabled()
         built.extend([i] for i in range(BACKLOG + 1000))  # what a load builds
     assert gc.isenabled() and gc.get_freeze_count() == frozen
-    monkeypatch.setattr(_console, "OWN_PROCESS", True)  # as cli.entry sets it
     try:
-        with _console.model_loading("a model"):
+        with _console.model_loading("a model", own_process=True, libraries=("transformers",)):  # cli.entry
             assert not gc.isenabled()
             built.extend([i] for i in range(BACKLOG + 1000))
         assert gc.isenabled() and gc.get_freeze_count() > frozen  # set aside, never walked
