@@ -33,6 +33,12 @@ dependency. What is left is FastAPI's routing and dependencies, sse-starlette's 
 response, and the two hops per event (model thread -> pump task -> subscriber) that a model in
 its own threads needs.
 
+The cyclic GC again (issue 35, the round after): with start-up frozen, what a burst's live streams
+hold still made young and full collections in the middle of every 200-client round (1.6-1.8 s
+over 15 rounds, a full collection of 50-60 ms each); `multistream.server.collector` now runs
+them at a moment without a live stream. Switched off altogether (an experiment), the collector's
+absence brought 200 clients to 1.0-1.15x; what is left is the server's own work per stream.
+
 The scripted fake ran a thread per stream until issue 35's last round: 200 threads waking every
 5 ms fought the loop for the GIL, and that was most of the gap at 200 clients (1.8x p50, 3.2x p95
 against 1.2x with ``--model ticker``). It now runs all its streams from one thread

@@ -37,6 +37,7 @@ from typing import Any
 import uvicorn
 
 from .._gc import paused as collector_paused
+from .collector import ServingCollector
 
 try:  # uvicorn's C parser (httptools): several times cheaper per request and per SSE chunk than h11
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HttpProtocol
@@ -69,6 +70,7 @@ class DrainingServer(uvicorn.Server):
         self._watcher: asyncio.Task[None] | None = None
         self.failed_models: dict[str, str] = {}
         self._settled = False  # every model loaded or failed, and said so
+        self.collector: ServingCollector | None = None  # started once the models have settled
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -109,6 +111,10 @@ class DrainingServer(uvicorn.Server):
         if failed:
             logger.warning("serving degraded: %s", "; ".join(failed.values()))
         _freeze_startup_objects()
+        if self._loop is not None:  # from now on, collections wait for a moment without live streams
+            registry = state.registry
+            self.collector = ServingCollector(lambda: len(registry.live))
+            self.collector.start(self._loop)
         return True
 
     def run(self, sockets: Any = None) -> None:
@@ -116,6 +122,8 @@ class DrainingServer(uvicorn.Server):
             super().run(sockets)
         finally:  # after asyncio.run has cancelled what was left: its tracebacks are filtered till then
             _UVICORN_LOG.removeFilter(_drop_cancelled)
+            if self.collector is not None:
+                self.collector.stop()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it only sets flags and hands the work to the loop. Printing from here

@@ -1,0 +1,140 @@
+"""The cyclic collector while the server streams (`multistream.server.collector`): raised threshold
+while streams are live, the due collection at the first moment without one, thresholds back at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from multistream.server import ServerSettings, create_app, uvicorn_config
+from multistream.server.collector import BUSY_THRESHOLD, ServingCollector
+from multistream.server.runner import DrainingServer
+from multistream.testing import ScriptedTextModel
+
+
+class Collections(list):  # type: ignore[type-arg]
+    """(generation, live streams then) of every collection that ends; ``live["now"]`` is the count."""
+
+    live: dict[str, int]
+
+
+@pytest.fixture
+def collections() -> Iterator[Collections]:
+    seen = Collections()
+    seen.live = live = {"now": 0}
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if phase == "stop":
+            seen.append((info["generation"], live["now"]))
+
+    gc.callbacks.append(note)
+    thresholds = gc.get_threshold()
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*thresholds)
+
+
+def _allocate(n: int) -> list[list[int]]:
+    return [[i] for i in range(n)]  # n tracked objects that stay alive (net allocations)
+
+
+def test_collections_wait_while_streams_are_live_and_run_once_none_is(collections: Collections) -> None:
+    async def scenario() -> tuple[int, int, int]:
+        live = collections.live
+        live["now"] = 1
+        collector = ServingCollector(lambda: live["now"], tick_s=0.01)
+        collector.start(asyncio.get_running_loop())
+        busy_threshold = gc.get_threshold()[0]
+        gc.collect()
+        collections.clear()
+        kept = _allocate(5_000)  # seven times CPython's first threshold: collections were due
+        await asyncio.sleep(0.05)
+        during = len(collections)
+        live["now"] = 0
+        await asyncio.sleep(0.05)
+        collector.stop()
+        del kept
+        return busy_threshold, during, collector.idle_collections
+
+    thresholds = gc.get_threshold()
+    busy_threshold, during, idle = asyncio.run(scenario())
+    assert busy_threshold == BUSY_THRESHOLD
+    assert during == 0  # none while the stream was live
+    assert idle >= 1 and any(live == 0 for _, live in collections)  # the due one, once nothing was live
+    assert gc.get_threshold() == thresholds  # stop puts CPython's thresholds back
+
+
+def test_under_sustained_load_the_collector_still_runs_at_the_raised_threshold(collections: Collections) -> None:
+    async def scenario() -> None:
+        collector = ServingCollector(lambda: 1, busy_threshold=2_000, tick_s=0.01)
+        collector.start(asyncio.get_running_loop())
+        gc.collect()
+        collections.clear()
+        kept = _allocate(6_000)  # a stream is always live: memory must stay bounded all the same
+        await asyncio.sleep(0.02)
+        collector.stop()
+        del kept
+
+    asyncio.run(scenario())
+    assert len(collections) >= 2  # about one per 2,000 objects, none of them at an idle moment
+
+
+def test_a_model_loads_pause_is_not_ended_by_an_idle_moment(collections: Collections) -> None:
+    async def scenario() -> int:
+        collector = ServingCollector(lambda: 0, tick_s=0.01)
+        gc.disable()  # what `multistream._gc` does while a model loads
+        try:
+            kept = _allocate(5_000)
+            collector.start(asyncio.get_running_loop())
+            await asyncio.sleep(0.05)
+            collector.stop()
+            del kept
+            return collector.idle_collections
+        finally:
+            gc.enable()
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_the_servers_runner_raises_the_threshold_collects_after_a_stream_and_restores_it_at_exit() -> None:
+    model = ScriptedTextModel([f" t{i}" for i in range(30)], delay_s=0.01)
+    app = create_app(text_model=model, settings=ServerSettings())
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = DrainingServer(uvicorn_config(app, log_level="warning", lifespan="on"))
+    thresholds = gc.get_threshold()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server.collector is None:  # started once the model has settled and start-up is frozen
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not settle"
+            time.sleep(0.02)
+        assert gc.get_threshold()[0] == BUSY_THRESHOLD
+        before = server.collector.idle_collections
+        with httpx.stream("POST", url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 30}, timeout=30) as r:
+            text = "".join(line for line in r.iter_lines() if line.startswith("data:"))
+        assert '"is_final":true' in text
+        _allocate(2_000)  # garbage enough for a young collection to be due
+        deadline = time.monotonic() + 5
+        while server.collector.idle_collections == before:  # run at the first check without a live stream
+            assert time.monotonic() < deadline, "no collection once the stream had ended"
+            time.sleep(0.02)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        gc.unfreeze()  # this test process goes on: start-up's objects are collectable again
+    assert gc.get_threshold() == thresholds
