@@ -1,6 +1,7 @@
 """Shared server state: the served models, admission gates, per-client quotas, the registry.
 
-Routes get it through FastAPI's ``Depends(get_state)`` and the caller through ``Depends(get_principal)``.
+Routes get it through FastAPI's ``Depends(get_state)`` and the caller through ``Depends(get_principal)``;
+the routes that start streams (`http.routes.RequestOnlyRoute`) call `state_of` and `principal_of`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .streams.filtering import STOP, ContentFilter
 from .streams.registry import Registry, StreamRecord
 from .streams.waiting import WaitingStreams
 
-__all__ = ["ModelSlot", "ServerState", "get_principal", "get_state"]
+__all__ = ["ModelSlot", "ServerState", "get_principal", "get_state", "principal_of", "state_of"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -302,8 +303,13 @@ class ServerState:
                 with reserved_stream_id(reserved[0]) if reserved else contextlib.nullcontext():
                     return model.stream(**kwargs, **extra)  # type: ignore[no-any-return]
 
-            # A model whose .stream() needs the event loop (the Ray handle schedules its pump on it) says so.
-            stream = start() if getattr(model, "stream_needs_loop", False) else await _off_loop(start)
+            # A model whose .stream() needs the event loop (the Ray handle schedules its pump on it) says
+            # so; one whose start is quick (``quick_stream_start``, TextModel's) skips the hand-off for
+            # the requests its family says start at once (`Family.quick_start`: no grammar, a short prompt).
+            on_loop = getattr(model, "stream_needs_loop", False) or (
+                not extra and getattr(model, "quick_stream_start", False) and fam.quick_start is not None
+                and fam.quick_start(kwargs))
+            stream = start() if on_loop else await _off_loop(start)
         except BaseException as exc:
             gate.release()
             release_quota()
@@ -561,10 +567,15 @@ async def _off_loop(start: Callable[[], Stream]) -> Stream:
 
 
 
+def state_of(conn: HTTPConnection) -> ServerState:
+    """The app's `ServerState`, for a route without a ``{stream_id}`` (`get_state` otherwise)."""
+    return conn.app.state.multistream  # type: ignore[no-any-return]
+
+
 async def get_state(conn: HTTPConnection) -> ServerState:
     """FastAPI dependency: the app's `ServerState`. With a shared event log, a route about a
     stream this process does not hold (``{stream_id}`` in its path) first loads it from the log."""
-    state: ServerState = conn.app.state.multistream
+    state = state_of(conn)
     stream_id = conn.path_params.get("stream_id") if state.registry.log is not None else None
     if isinstance(stream_id, str):
         await state.registry.fetch(stream_id)
@@ -583,6 +594,11 @@ def _event_log(settings: ServerSettings) -> Any:
 async def get_principal(conn: HTTPConnection) -> Principal:
     """FastAPI dependency: who is calling (set by the security middleware). Async, so FastAPI
     calls it on the loop rather than through a worker thread (a thread hop per request)."""
+    return principal_of(conn)
+
+
+def principal_of(conn: HTTPConnection) -> Principal:
+    """Who is calling (`get_principal` without FastAPI: a `RequestOnlyRoute`'s endpoint)."""
     principal = getattr(conn.state, "principal", None)
     if principal is None:  # an app used without its middleware (should not happen)
         client = conn.client

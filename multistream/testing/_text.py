@@ -110,6 +110,9 @@ class ScriptedTextModel(CountedModel):
         multistream.errors.InvalidArgumentError: max_new_tokens must be an integer >= 1, got 0
     """
 
+    #: As `TextModel`: ``.stream()`` returns at once (a server may call it on its event loop).
+    quick_stream_start = True
+
     def __init__(
         self,
         tokens: Sequence[str] | None = None,

@@ -108,6 +108,10 @@ class TextModel(EngineModel):
     quantization: Any = None
     #: How ``load_text_model(compile=...)`` compiled the decode step (a `CompileReport`), or None.
     compiled: Any = None
+    #: ``.stream()`` returns within a millisecond or so when there is no grammar to compile and the
+    #: prompt is short (options, chat template, tokenizer; the engine takes the request later), so
+    #: a server may call it on its event loop (`multistream.server.families.Family.quick_start`).
+    quick_stream_start = True
 
     def __init__(
         self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = DEFAULT_MAX_BATCH, prefill_budget: int = 512

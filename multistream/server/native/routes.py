@@ -52,7 +52,8 @@ from ..families import FAMILIES, Family
 from ..http.bodies import ErrorResponse, read_body
 from ..http.errors import error_responses, json_body
 from ..http.problems import Problem
-from ..state import ServerState, get_principal, get_state
+from ..http.routes import RequestOnlyRoute
+from ..state import ServerState, get_principal, get_state, principal_of, state_of
 from ..streams.edits import apply_edit
 from ..streams.registry import StreamRecord
 from .sse import new_stream_sse, sse_response
@@ -87,16 +88,17 @@ def _family_route(fam: Family) -> None:
     """``POST /v1/<family>``: its body (`Family.body`, `Family.parse`) -> a new stream's SSE; one
     route per entry of the family table, so a family added there is served here."""
 
-    async def post(request: Request, state: ServerState = Depends(get_state),
-                   principal: Principal = Depends(get_principal)) -> Response:
+    async def post(request: Request) -> Response:
         arrived = time.perf_counter()
+        state, principal = state_of(request), principal_of(request)  # the hot path: no FastAPI dependencies
         kwargs, priority = fam.parse(await read_body(request, state), state.settings)
         return await new_stream_sse(state, fam.name, kwargs, priority=priority, request=request, arrived_at=arrived,
                                     principal=principal)
 
     post.__name__ = f"post_{fam.name}"  # the OpenAPI operation id
-    router.post(fam.route, responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(fam.body),
-                summary=fam.summary or f"Stream {fam.name}", description=fam.body.__doc__)(post)
+    router.add_api_route(fam.route, post, methods=["POST"], route_class_override=RequestOnlyRoute,
+                         responses={200: _SSE, **_ERRORS}, openapi_extra=json_body(fam.body),
+                         summary=fam.summary or f"Stream {fam.name}", description=fam.body.__doc__)
 
 
 for _fam in FAMILIES:

@@ -32,7 +32,10 @@ def test_frames_are_sse_starlettes_encoding_byte_for_byte() -> None:
 
 
 class _HeldModel(ScriptedTextModel):
-    """``.stream("hold")`` blocks (as a long prompt's tokenization would) until released."""
+    """``.stream("hold")`` blocks (as a long prompt's tokenization would) until released; a model
+    that does not say its start is quick (``quick_stream_start``) is always started on a worker."""
+
+    quick_stream_start = False
 
     def __init__(self) -> None:
         super().__init__(TOKENS)
@@ -70,6 +73,50 @@ def test_a_slow_stream_call_does_not_hold_up_other_streams() -> None:
         model.release.set()
         thread.join(60)
         check_sequence(held)
+
+
+class _ThreadNotingModel(ScriptedTextModel):
+    """Notes the thread each ``.stream()`` call runs on."""
+
+    def __init__(self) -> None:
+        super().__init__(TOKENS)
+        self.threads: list[str] = []
+
+    def stream(self, prompt: Any, **options: Any) -> Any:
+        self.threads.append(threading.current_thread().name)
+        return super().stream(prompt, **options)
+
+
+def test_a_quick_request_starts_on_the_event_loop_and_a_grammar_or_long_prompt_on_a_worker() -> None:
+    model = _ThreadNotingModel()
+    bodies = [{"prompt": "hi"},  # quick: started on the loop, no hand-off to a worker thread
+              {"prompt": "hi", "json_schema": {"type": "object"}},  # a grammar to compile
+              {"prompt": "x" * 1_001},  # a long prompt to tokenize
+              {"prompt": [{"role": "user", "content": "hi"}]}]  # quick too
+    with make_server(model) as srv:
+        for body in bodies:
+            with httpx.stream("POST", srv.url + "/v1/text", json={**body, "max_new_tokens": 2}, timeout=30) as r:
+                check_sequence([json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")])
+        loop_thread = model.threads[0]
+    assert not loop_thread.startswith("multistream-start")
+    assert [name.startswith("multistream-start") for name in model.threads] == [False, True, True, False]
+    assert model.threads[3] == loop_thread
+
+
+def test_the_stream_routes_skip_fastapis_dependency_solving(monkeypatch: Any) -> None:
+    import fastapi.routing
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("solve_dependencies called")
+
+    monkeypatch.setattr(fastapi.routing, "solve_dependencies", refuse)
+    with make_server(ScriptedTextModel(TOKENS)) as srv:
+        with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 2}, timeout=30) as r:
+            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+            stream_id = r.headers["x-stream-id"]
+        check_sequence(events)  # a RequestOnlyRoute: its endpoint reads the state and the caller itself
+        # A route with FastAPI dependencies meets the refusal: the patch was in effect.
+        assert httpx.get(f"{srv.url}/v1/streams/{stream_id}", timeout=30).status_code == 500
 
 
 def test_the_server_speaks_httptools_with_the_head_deadline() -> None:

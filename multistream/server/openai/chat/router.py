@@ -49,26 +49,26 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...access.keys import Principal
 from ...http.errors import json_body
-from ...state import ServerState, get_principal, get_state
+from ...http.routes import RequestOnlyRoute
+from ...state import principal_of, state_of
 from .._choices import collect_choices, interleave, open_choices
 from .._common import ERRORS, chunk_events, error_body, read_model_body, sse_of
 from .audio import chat_with_audio, wants_audio
 from .protocol import ChatCompletionRequest, chat_choices, chat_kwargs
 from .serving import ChatChunks
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=RequestOnlyRoute)  # the hot path: no FastAPI dependencies
 
 
 @router.post("/v1/chat/completions", responses=ERRORS, openapi_extra=json_body(ChatCompletionRequest))
-async def chat(request: Request, state: ServerState = Depends(get_state),
-               principal: Principal = Depends(get_principal)) -> Response:
+async def chat(request: Request) -> Response:
     arrived = time.perf_counter()
+    state, principal = state_of(request), principal_of(request)
     settings = state.settings
     body = await read_model_body(request, state, "text")
     if wants_audio(body):  # modalities=["text", "audio"]: the answer spoken while it is written

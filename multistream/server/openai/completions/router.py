@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -36,7 +36,8 @@ from ...access.keys import Principal
 from ...http.bodies import read_body
 from ...http.errors import json_body
 from ...http.problems import Problem
-from ...state import ServerState, get_principal, get_state
+from ...http.routes import RequestOnlyRoute
+from ...state import ServerState, principal_of, state_of
 from ...streams.registry import StreamRecord
 from .._choices import collect_choices, interleave, open_choices
 from .._common import ERRORS, chunk_events, error_body, sse_of
@@ -44,7 +45,7 @@ from .._protocol import check_options
 from .protocol import CompletionRequest, parse_completion
 from .serving import CompletionChunks, Echo
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=RequestOnlyRoute)  # the hot path: no FastAPI dependencies
 
 
 async def _echo(state: ServerState, prompt: str, req: CompletionRequest, request: Request,
@@ -70,9 +71,9 @@ async def _echo(state: ServerState, prompt: str, req: CompletionRequest, request
 
 
 @router.post("/v1/completions", responses=ERRORS, openapi_extra=json_body(CompletionRequest))
-async def completions(request: Request, state: ServerState = Depends(get_state),
-                      principal: Principal = Depends(get_principal)) -> Response:
+async def completions(request: Request) -> Response:
     arrived = time.perf_counter()
+    state, principal = state_of(request), principal_of(request)
     settings = state.settings
     req = parse_completion(await read_body(request, state), settings)
     state.check_model_name("text", req.model)
