@@ -159,3 +159,18 @@ def test_speech_events_delta_then_done_with_usage() -> None:
                              "audio_seconds": 1.0}
     error = ErrorEvent(stream_id="s", seq=1, t=0.0, error={"type": "x", "message": "failed"})
     assert events.payloads(b"", error) == [("error", {"type": "error", "error": {"type": "x", "message": "failed"}})]
+
+
+def test_a_chat_body_logs_only_the_fields_it_really_ignores(caplog: Any) -> None:
+    import logging
+
+    from multistream.server import ServerSettings
+    from multistream.server.openai.chat.protocol import chat_kwargs
+
+    base = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+    with caplog.at_level(logging.INFO, logger="multistream"):
+        chat_kwargs(base, ServerSettings())  # the model is checked, not ignored: no line
+        assert not [r for r in caplog.records if "ignoring" in r.getMessage()]
+        chat_kwargs({**base, "user": "u1"}, ServerSettings())
+    assert [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()] == [
+        "chat completion: ignoring field(s) ['user']"]

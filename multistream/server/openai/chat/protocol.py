@@ -30,7 +30,8 @@ from .._protocol import StreamOptions, chat_messages, check_options, given_optio
 logger = logging.getLogger("multistream.server")
 
 
-_IGNORED_CHAT = ("user", "metadata", "store", "service_tier", "model")
+# (``model`` is not among them: it names the served model, or the request is a 404 `model_not_found`.)
+_IGNORED_CHAT = ("user", "metadata", "store", "service_tier")
 
 
 class _ChatCompletionBase(BaseModel):
