@@ -70,6 +70,7 @@ from .bodies import (
     parse_speech_body,
     parse_text_body,
     parse_video_body,
+    prompt_chars,
     speech_voice,
 )
 from .http.problems import Problem
@@ -230,20 +231,21 @@ QUICK_PROMPT_CHARS = 1_000
 
 
 def _text_starts_quickly(kwargs: dict[str, Any]) -> bool:
-    """No grammar to compile (``allowed``, ``json_schema``, ``tools``) and a short prompt.
+    """No grammar to compile (``allowed``, ``json_schema``, ``tools``), no token table to build
+    (``logprobs``, ``top_logprobs``: built on their first use), one stream (not one of ``n``
+    choices, each encoding the prompt again) and a short prompt (tool calls' arguments included).
 
     >>> _text_starts_quickly({"prompt": "Hi"}), _text_starts_quickly({"prompt": "Hi", "json_schema": {}})
     (True, False)
     """
-    if any(kwargs.get(name) is not None for name in ("allowed", "json_schema", "tools")):
+    if any(kwargs.get(name) is not None for name in ("allowed", "json_schema", "tools", "share")):
+        return False
+    if kwargs.get("logprobs") or kwargs.get("top_logprobs"):
         return False
     prompt = kwargs.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt) <= QUICK_PROMPT_CHARS
-    if isinstance(prompt, list):
-        return sum(len(str(m.get("content", ""))) if isinstance(m, dict) else QUICK_PROMPT_CHARS + 1
-                   for m in prompt) <= QUICK_PROMPT_CHARS
-    return False
+    if isinstance(prompt, list) and not all(isinstance(m, dict) for m in prompt):
+        return False
+    return isinstance(prompt, (str, list)) and prompt_chars(prompt) <= QUICK_PROMPT_CHARS
 
 
 def _check_image(kwargs: dict[str, Any]) -> None:

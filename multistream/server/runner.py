@@ -113,9 +113,16 @@ class DrainingServer(uvicorn.Server):
         _freeze_startup_objects()
         if self._loop is not None:  # from now on, collections wait for a moment without live streams
             registry = state.registry
-            self.collector = ServingCollector(lambda: len(registry.live))
+            self.collector = ServingCollector(lambda: registry.idle_for(0.02))
             self.collector.start(self._loop)
         return True
+
+    async def serve(self, sockets: Any = None) -> None:
+        try:
+            await super().serve(sockets)
+        finally:  # also when embedded (``await server.serve()``), not only through `run`
+            if self.collector is not None:
+                self.collector.stop()
 
     def run(self, sockets: Any = None) -> None:
         try:

@@ -82,9 +82,12 @@ def compile_allowed(allowed: Any) -> str | None:
 def grammar_of(allowed: str | None, json_schema: str | None, tools: str | None = None,
                tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> str | None:
     """The llguidance grammar of a stream's constraints (None: unconstrained)."""
+    active = tools_active(tools, tool_choice)
+    if not active and json_schema is None and allowed is None:
+        return None  # without importing llguidance: a server may start this stream on its event loop
     import llguidance
 
-    if tools_active(tools, tool_choice):
+    if active:
         assert tools is not None
         return llguidance.LLMatcher.grammar_from_lark(tools_grammar(tools, tool_choice, parallel_tool_calls,
                                                                     json_schema))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from multistream.server import ServerSettings, create_app, uvicorn_config
-from multistream.server.collector import BUSY_THRESHOLD, ServingCollector
+from multistream.server.collector import BUSY_THRESHOLD, FULL_INTERVAL_S, ServingCollector
 from multistream.server.runner import DrainingServer
 from multistream.testing import ScriptedTextModel
 
@@ -52,7 +53,7 @@ def test_collections_wait_while_streams_are_live_and_run_once_none_is(collection
     async def scenario() -> tuple[int, int, int]:
         live = collections.live
         live["now"] = 1
-        collector = ServingCollector(lambda: live["now"], tick_s=0.01)
+        collector = ServingCollector(lambda: live["now"] == 0, tick_s=0.01)
         collector.start(asyncio.get_running_loop())
         busy_threshold = gc.get_threshold()[0]
         gc.collect()
@@ -76,7 +77,7 @@ def test_collections_wait_while_streams_are_live_and_run_once_none_is(collection
 
 def test_under_sustained_load_the_collector_still_runs_at_the_raised_threshold(collections: Collections) -> None:
     async def scenario() -> None:
-        collector = ServingCollector(lambda: 1, busy_threshold=2_000, tick_s=0.01)
+        collector = ServingCollector(lambda: False, busy_threshold=2_000, tick_s=0.01)
         collector.start(asyncio.get_running_loop())
         gc.collect()
         collections.clear()
@@ -91,7 +92,7 @@ def test_under_sustained_load_the_collector_still_runs_at_the_raised_threshold(c
 
 def test_a_model_loads_pause_is_not_ended_by_an_idle_moment(collections: Collections) -> None:
     async def scenario() -> int:
-        collector = ServingCollector(lambda: 0, tick_s=0.01)
+        collector = ServingCollector(lambda: True, tick_s=0.01)
         gc.disable()  # what `multistream._gc` does while a model loads
         try:
             kept = _allocate(5_000)
@@ -104,6 +105,54 @@ def test_a_model_loads_pause_is_not_ended_by_an_idle_moment(collections: Collect
             gc.enable()
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_collectors_side_by_side_put_the_thresholds_back_when_the_last_stops() -> None:
+    thresholds = gc.get_threshold()
+    loop = asyncio.new_event_loop()
+    try:
+        a, b = ServingCollector(lambda: False), ServingCollector(lambda: False)
+        a.start(loop)
+        b.start(loop)  # a second server in the process: it keeps CPython's thresholds as the idle ones
+        assert b._idle == thresholds and gc.get_threshold()[0] == BUSY_THRESHOLD
+        a.stop()
+        assert gc.get_threshold()[0] == BUSY_THRESHOLD  # b still serves
+        b.stop()
+        b.stop()  # idempotent
+        assert gc.get_threshold() == thresholds
+        gc.set_threshold(0)  # a process that switched automatic collection off: it stays off
+        c = ServingCollector(lambda: True)
+        c.start(loop)
+        assert gc.get_threshold()[0] == 0 and c.idle_collections == 0
+        c.stop()
+    finally:
+        gc.set_threshold(*thresholds)
+        loop.close()
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="3.14's incremental collector: a due collection is gen 1")
+def test_full_collections_at_quiet_moments_are_spaced_out(collections: Collections) -> None:
+    loop = asyncio.new_event_loop()
+    collector = ServingCollector(lambda: True, tick_s=60)
+    try:
+        collector.start(loop)  # its first check: whatever is due now
+        for _ in range(10):
+            gc.collect(1)  # ten collections of generation 1: a full one is due by CPython's counts
+        kept = _allocate(1_000)
+        collections.clear()
+        collector._tick()
+        assert [g for g, _ in collections] == [1]  # the last full one (start-up's) is under 10 s old
+        for _ in range(10):
+            gc.collect(1)
+        kept += _allocate(1_000)
+        collections.clear()
+        collector._last_full -= FULL_INTERVAL_S
+        collector._tick()
+        assert [g for g, _ in collections] == [2]
+        del kept
+    finally:
+        collector.stop()
+        loop.close()
 
 
 def test_the_servers_runner_raises_the_threshold_collects_after_a_stream_and_restores_it_at_exit() -> None:

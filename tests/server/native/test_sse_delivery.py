@@ -9,6 +9,8 @@ import threading
 from typing import Any
 
 import httpx
+import pytest
+from fastapi import Request  # module level: the endpoints' string annotations resolve against it
 from server_fixtures import ScriptedTextModel, make_server
 from sse_starlette import ServerSentEvent
 from test_server import check_sequence, wait_until
@@ -117,6 +119,28 @@ def test_the_stream_routes_skip_fastapis_dependency_solving(monkeypatch: Any) ->
         check_sequence(events)  # a RequestOnlyRoute: its endpoint reads the state and the caller itself
         # A route with FastAPI dependencies meets the refusal: the patch was in effect.
         assert httpx.get(f"{srv.url}/v1/streams/{stream_id}", timeout=30).status_code == 500
+
+
+def test_a_request_only_route_refuses_an_endpoint_with_dependencies() -> None:
+    from fastapi import APIRouter, Depends
+
+    from multistream.server.http.routes import RequestOnlyRoute
+
+    async def guard() -> None: ...
+
+    async def plain(request: Request) -> None: ...
+
+    async def guarded(request: Request, _: None = Depends(guard)) -> None: ...
+
+    async def by_id(request: Request, stream_id: str) -> None: ...
+
+    APIRouter().add_api_route("/ok", plain, methods=["POST"], route_class_override=RequestOnlyRoute)
+    for path, endpoint in [("/a", guarded), ("/b/{stream_id}", by_id)]:
+        with pytest.raises(TypeError, match="takes the Request alone"):
+            APIRouter().add_api_route(path, endpoint, methods=["POST"], route_class_override=RequestOnlyRoute)
+    router = APIRouter(route_class=RequestOnlyRoute, dependencies=[Depends(guard)])
+    with pytest.raises(TypeError, match="takes the Request alone"):  # a router's own dependencies too
+        router.add_api_route("/c", plain, methods=["POST"])
 
 
 def test_the_server_speaks_httptools_with_the_head_deadline() -> None:
