@@ -7,8 +7,9 @@ streams run (events, their wire JSON, tasks, futures), and everything a live str
 the young collections, so it keeps being walked again by the older ones. Measured with
 ``benchmarks/sse_anchor.py`` (200 SSE clients of the scripted model, 15 interleaved rounds, this
 2-core machine): the server spent 1.6-1.8 s in the collector over 3,000 streams, about 0.55 ms a
-stream, with a full collection of 50-60 ms in every round; its first tokens came at 1.26-1.53x
-the bare sse-starlette anchor's (p50), and at 1.0-1.15x with the collector switched off.
+stream, with a full collection of 50-60 ms in every round; its first tokens came at 1.15-1.57x
+the bare sse-starlette anchor's (p50, eight runs), and at 1.01-1.15x with automatic collection
+switched off after start-up (three runs).
 
 `ServingCollector` raises the first threshold to `BUSY_THRESHOLD` and, every `TICK_S` on the
 event loop, asks whether now is a quiet moment (the runner: no stream live, none started or ended
@@ -19,8 +20,7 @@ first tokens of a burst to the old one.) A full collection (generation 2) is due
 counts, but this one does not know CPython's other condition (the objects waiting to be examined
 must be a quarter of the old generation), so it runs one at a quiet moment at most every
 `FULL_INTERVAL_S`. Under sustained load, with no quiet moment, CPython collects by itself, with
-all its rules, each time `BUSY_THRESHOLD` objects have piled up: memory stays bounded (about 20
-MB of Python objects). On Python 3.14 and later (the incremental collector) the due collection is
+all its rules, each time `BUSY_THRESHOLD` objects have piled up, so memory stays bounded. On Python 3.14 and later (the incremental collector) the due collection is
 ``gc.collect(1)``, a young collection and one increment of the old generation. The server's
 runner (`multistream.server.serve`, so `multistream serve`) starts it once the models have loaded
 and start-up's objects are frozen, and stops it when it stops; the thresholds come back when the
@@ -60,7 +60,7 @@ FULL_INTERVAL_S = 10.0
 
 _lock = threading.Lock()
 _running = 0  # collectors started and not stopped, in this process
-_saved: tuple[int, ...] = ()  # the thresholds before the first of them started
+_saved: tuple[int, ...] = ()  # the thresholds before the first of them started (CPython's: what is due)
 
 
 class ServingCollector:
@@ -72,7 +72,6 @@ class ServingCollector:
         self.quiet = quiet
         self.busy_threshold = busy_threshold
         self.tick_s = tick_s
-        self._idle: tuple[int, ...] = gc.get_threshold()  # the thresholds CPython had (what is due)
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_full = time.monotonic()  # start-up's objects were collected and frozen just now
@@ -89,7 +88,6 @@ class ServingCollector:
                 if _saved[0] > 0:  # 0: the process switched automatic collection off; it stays off
                     gc.set_threshold(max(self.busy_threshold, _saved[0]), *_saved[1:])
             _running += 1
-            self._idle = _saved
         self._loop = loop
         self._tick()
 
@@ -112,7 +110,7 @@ class ServingCollector:
         if self._loop is None:
             return
         if gc.isenabled() and self.quiet():  # a model load's pause (`multistream._gc`) waits
-            generation = _due(gc.get_count(), self._idle)
+            generation = _due(gc.get_count(), _saved)  # what CPython's own thresholds make due
             if generation == 2 and time.monotonic() - self._last_full < FULL_INTERVAL_S:
                 generation = 1
             if generation is not None:

@@ -120,7 +120,7 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: Any = None) -> None:
         try:
             await super().serve(sockets)
-        finally:  # also when embedded (``await server.serve()``), not only through `run`
+        finally:  # `run` comes here too (asyncio.run(self.serve())), and so does ``await server.serve()``
             if self.collector is not None:
                 self.collector.stop()
 
@@ -129,8 +129,6 @@ class DrainingServer(uvicorn.Server):
             super().run(sockets)
         finally:  # after asyncio.run has cancelled what was left: its tracebacks are filtered till then
             _UVICORN_LOG.removeFilter(_drop_cancelled)
-            if self.collector is not None:
-                self.collector.stop()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it only sets flags and hands the work to the loop. Printing from here
