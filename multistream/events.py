@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from ._atomic import atomic_write
 from ._checks import is_int
+from ._event_wire import codec_of
 from .errors import EventFormatError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -52,9 +53,6 @@ IMAGE_FINISH_REASONS = ("stop", "cancelled", "content_filter", "finished_early")
 AUDIO_FINISH_REASONS = ("stop", "cancelled")
 VIDEO_FINISH_REASONS = IMAGE_FINISH_REASONS
 _BYTES_FIELDS = ("data", "audio")  # carried as base64 in the wire form
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # each event class's field names, in order (`to_dict`)
-# The compact wire encoder, made once (json.dumps with options builds a new encoder per call).
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,26 +70,11 @@ class _BaseEvent:
 
         Optional fields that are ``None`` are left out, so non-final events stay small.
         """
-        wire: dict[str, Any] = {"type": self.type}
-        names = _FIELD_NAMES.get(type(self))
-        if names is None:  # dataclasses.fields() on every event costs more than the rest of this loop
-            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in fields(self))
-        for name in names:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bytes):
-                value = base64.b64encode(value).decode("ascii")
-            elif isinstance(value, (list, tuple)):
-                value = list(value)
-            elif isinstance(value, dict):
-                value = dict(value)
-            wire[name] = value
-        return wire
+        return codec_of(type(self)).to_dict(self)
 
     def to_json(self) -> str:
         """The wire form as one line of compact JSON (no newline), e.g. for NDJSON or SSE."""
-        return _ENCODER.encode(self.to_dict())
+        return codec_of(type(self)).to_json(self)
 
 
 @dataclass(frozen=True, kw_only=True)

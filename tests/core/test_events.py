@@ -36,6 +36,58 @@ def test_round_trip_through_json_is_exact(event):
     assert ms.event_from_json(event.to_json()) == event
 
 
+def _reference_json(event) -> str:
+    """The wire form as it is defined: the fields in order, None left out, bytes as base64,
+    through the compact JSON encoder (what the compiled `_event_wire` codec must equal)."""
+    import base64
+    import dataclasses
+
+    wire = {"type": event.type}
+    for f in dataclasses.fields(event):
+        value = getattr(event, f.name)
+        if value is None:
+            continue
+        if isinstance(value, bytes):
+            value = base64.b64encode(value).decode("ascii")
+        elif isinstance(value, (list, tuple)):
+            value = list(value)
+        wire[f.name] = value
+    return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
+
+
+def _odd_events():
+    import enum
+
+    class Level(enum.IntEnum):
+        THREE = 3
+
+    return [
+        *_samples(),
+        # Escapes, a bool where an int goes, an int enum, a tuple, floats JSON spells its own way.
+        ms.TextEvent(stream_id='q"\\\n\x01', seq=Level.THREE, t=float("nan"), delta="é\u2028😀", token_ids=(1, 2),
+                     index=True, offset=-0.0, is_final=True, finish_reason="stop", text="x",
+                     usage={"a": [1.5, float("inf"), -float("inf")]}, metrics={"m": None},
+                     logprobs=[{"token": "é", "bytes": [195, 169], "logprob": -0.1}], tool_calls=[]),
+        ms.TextEvent(stream_id="s", seq=1, t=1e-7, delta="", committed=0),
+        ms.AudioEvent(stream_id="a", seq=0, t=0.5, data=b"\x00\x01" * 5, sample_rate=24000, sample_offset=0,
+                      num_samples=5, text_span=[0, 3], mime="audio/pcm"),
+        ms.VideoEvent(stream_id="v", seq=0, t=0.5, step=1, total_steps=4, num_frames=8, fps=8, width=16, height=16,
+                      mime="image/webp", data=b"RIFF"),
+    ]
+
+
+@pytest.mark.parametrize("event", _odd_events(), ids=lambda e: f"{e.type}-{e.seq}")
+def test_the_compiled_wire_form_is_the_reference_byte_for_byte(event):
+    assert event.to_json() == _reference_json(event)
+    assert json.dumps(event.to_dict(), ensure_ascii=False, separators=(",", ":")) == _reference_json(event)
+
+
+def test_a_value_json_cannot_hold_fails_as_the_encoder_does():
+    event = ms.TextEvent(stream_id="s", seq=0, t=0.0, delta="x", usage={"bad": object()})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        event.to_json()
+
+
 @pytest.mark.parametrize("event", _samples(), ids=lambda e: f"{e.type}-{e.seq}")
 def test_wire_form_validates_against_schema(event):
     jsonschema.validate(event.to_dict(), ms.event_json_schema())

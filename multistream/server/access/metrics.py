@@ -39,6 +39,11 @@ class _Labeled:
         # and some of these are counted per event sent.
         self._children: dict[tuple[tuple[str, str], ...], Any] = {}
 
+    def child(self, **labels: str) -> Any:
+        """The prometheus child of these labels, for a caller that counts it per event
+        (``child.observe(v)`` / ``child.inc()`` then skip the lookup)."""
+        return self._child(labels)
+
     def _child(self, labels: dict[str, str]) -> Any:
         key = tuple(labels.items())
         child = self._children.get(key)

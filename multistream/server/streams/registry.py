@@ -86,6 +86,9 @@ class StreamRecord(SharedAccess):
         self.finished_at: float | None = None  # time.monotonic()
         self._settings = settings
         self._metrics = metrics
+        # Counted per event: the labelled children looked up once.
+        self._inter_token = metrics.inter_token.child(kind=kind)
+        self._events_sent = metrics.events_sent.child(kind=kind)
         self._on_done = on_done
         self._filter = OutputFilter(content_filter, settings.filter_holdback_chars) if content_filter else None
         self._pending_ids: list[int] = []
@@ -97,7 +100,9 @@ class StreamRecord(SharedAccess):
         # a second time for every request.
         self._count_prompt_tokens = count_prompt_tokens
         self._json: list[str | None] = []
-        self._changed = asyncio.Event()
+        # Subscribers waiting for the next event: one future each, woken by `_wake` (cheaper per
+        # event than an `asyncio.Event` made anew after every set).
+        self._waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
         self._grace: asyncio.TimerHandle | None = None
         self._force: asyncio.TimerHandle | None = None
@@ -168,7 +173,9 @@ class StreamRecord(SharedAccess):
                         return
                 if (self.done and cursor >= len(self.events)) or self._drop_epoch != epoch:
                     return
-                await self._changed.wait()
+                waiter = self._loop.create_future()
+                self._waiters.append(waiter)
+                await waiter
         finally:
             self._detach(got_final or self.done and cursor >= len(self.events))
 
@@ -417,7 +424,7 @@ class StreamRecord(SharedAccess):
             self._metrics.ttft.observe(now - self._arrived, kind=self.kind)
         if isinstance(ev, TextEvent):
             if self._last_text_at is not None and ev.delta:
-                self._metrics.inter_token.observe(now - self._last_text_at, kind=self.kind)
+                self._inter_token.observe(now - self._last_text_at)
             self._last_text_at = now
             self.bytes += len(ev.delta) * 2 + 200
         elif isinstance(ev, ImageEvent):
@@ -441,7 +448,7 @@ class StreamRecord(SharedAccess):
         self._json.append(None)
         if self._log is not None:
             self._log.append(ev, self.json(ev.seq))
-        self._metrics.events_sent.inc(kind=self.kind)
+        self._events_sent.inc()
         if ev.is_final:
             self.done = True
             self.finish_reason = "error" if isinstance(ev, ErrorEvent) else (getattr(ev, "finish_reason", None) or "stop")
@@ -463,8 +470,11 @@ class StreamRecord(SharedAccess):
             self._metrics.dropped_frames.inc(kind=self.kind)
 
     def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():  # a subscriber cancelled while it waited
+                    waiter.set_result(None)
 
     def _finish(self) -> None:
         self.finished_at = time.monotonic()
