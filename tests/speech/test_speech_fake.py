@@ -33,6 +33,21 @@ def test_scripted_speech_model_streams_events(tts):
     assert tts.synth.calls[-3:] == ["One.", " Two, three.", " Four."]
 
 
+def test_a_new_speech_model_is_returned_after_its_first_run() -> None:
+    # The voice's first run (the warm-up sentence) is over before the constructor returns, so it
+    # never overlaps what the caller does next (a main-thread collection during a voice's first
+    # onnxruntime run crashed a test process twice).
+    import time
+
+    started = time.perf_counter()
+    model = ScriptedSpeechModel(delay_s=0.3)
+    try:
+        assert time.perf_counter() - started >= 0.3, "returned before the warm-up sentence was spoken"
+        assert model.synth.calls == ["Hello."]
+    finally:
+        model.close()
+
+
 def test_speech_routes_with_the_fake(tts):
     app = create_app(speech_model=tts, settings=ServerSettings())
     with live_server(app) as srv:
