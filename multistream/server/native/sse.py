@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from ...events import ErrorEvent
+from ..http.event_stream import EventStream
 from ..http.problems import Problem, problem_from_exception
 from ..http.sse import sse_options
 from ..settings import ServerSettings
@@ -56,11 +57,11 @@ async def _events(record: StreamView, after: int) -> AsyncIterator[bytes]:
         yield f"id: {ev.seq}\r\nevent: {ev.type}\r\ndata: {record.json(ev.seq)}\r\n\r\n".encode()
 
 
-def sse_response(record: StreamView, settings: ServerSettings, after: int = -1) -> EventSourceResponse:
-    """An SSE response that replays ``record`` after ``after`` and then follows it live."""
-    return EventSourceResponse(_events(record, after),
-                               headers={"X-Stream-Id": record.stream_id, "Cache-Control": "no-store"},
-                               **sse_options(settings))
+def sse_response(record: StreamView, settings: ServerSettings, after: int = -1) -> EventStream:
+    """An SSE response that replays ``record`` after ``after`` and then follows it live (the lean
+    `EventStream`: every new native stream and every resume takes this path)."""
+    return EventStream(_events(record, after), headers={"X-Stream-Id": record.stream_id},
+                       heartbeat_s=settings.heartbeat_s, send_timeout_s=settings.send_timeout_s)
 
 
 class QueuePosition:
@@ -159,7 +160,8 @@ def queued_sse_response(task: asyncio.Task[StreamRecord], where: QueuePosition, 
 
 
 async def new_stream_sse(state: ServerState, kind: str, kwargs: dict[str, Any], *, priority: int,
-                         request: Request, arrived_at: float, principal: Principal) -> EventSourceResponse:
+                         request: Request, arrived_at: float, principal: Principal,
+                         ) -> EventStream | EventSourceResponse:
     """A native route's new stream as SSE: admitted at once, its events (``X-Stream-Id``,
     ``X-Resume-Token``); queued, the queued events first (`queued_sse_response`); refused before
     the response starts (a full queue, a bad prompt), the `Problem` raised here.
@@ -191,7 +193,7 @@ async def new_stream_sse(state: ServerState, kind: str, kwargs: dict[str, Any], 
     return queued_sse_response(task, where, stream_id, token, state.settings, on_refused=refused, waiting=waiting)
 
 
-def _created(record: StreamRecord, settings: ServerSettings) -> EventSourceResponse:
+def _created(record: StreamRecord, settings: ServerSettings) -> EventStream:
     response = sse_response(record, settings)
     response.headers["X-Resume-Token"] = record.token
     return response

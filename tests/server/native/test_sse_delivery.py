@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import Request  # module level: the endpoints' string annotations resolve against it
-from server_fixtures import ScriptedTextModel, make_server
+from server_fixtures import ScriptedTextModel, iter_events, iter_sse, make_server
 from sse_starlette import ServerSentEvent
 from test_server import check_sequence, wait_until
 
@@ -150,3 +150,52 @@ def test_the_server_speaks_httptools_with_the_head_deadline() -> None:
         protocol = uvicorn_config(srv.app).http
     assert isinstance(protocol, type) and issubclass(protocol, HttpToolsProtocol)
     assert protocol.header_timeout_s == 3.0  # type: ignore[attr-defined]
+
+
+def _post_raw(url: str, body: dict[str, Any], receive_buffer: int) -> Any:
+    """A client socket with a small receive buffer that sends a POST and then reads nothing."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect((where.hostname, where.port))
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/text HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    return sock
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout() -> None:
+    # Tokens of 20 kB, 2 MB a second for 20 s: far more than the socket buffers hold, so the
+    # server's writes block while the model is still generating.
+    model = ScriptedTextModel(["x" * 20_000] * 2000, delay_s=0.01)
+    with make_server(model, send_timeout_s=0.5, grace_period_s=0.2, max_new_tokens=2000) as srv:
+        sock = _post_raw(srv.url, {"prompt": "hi", "max_new_tokens": 2000}, receive_buffer=4096)
+        try:
+            # The writes stall, the connection is dropped, the grace period passes: the model stops.
+            wait_until(lambda: model.finish_reasons, timeout=20, what="the stalled stream to end")
+            assert model.finish_reasons == ["cancelled"]
+            sock.settimeout(20)
+            while sock.recv(1 << 20):  # what was buffered, then the server's close
+                pass
+        finally:
+            sock.close()
+        assert 'multistream:streams_interrupted_total{kind="text"} 1.0' in httpx.get(srv.url + "/metrics").text
+        # The server goes on serving.
+        with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 2}, timeout=30) as r:
+            assert r.status_code == 200 and [e["is_final"] for e in iter_events(r)][-1]
+
+
+def test_an_idle_stream_is_neither_timed_out_nor_pinged_when_heartbeats_are_off() -> None:
+    # The send timeout watches writes in flight, not silence: a first token 1 s away on a 0.2 s
+    # send timeout still arrives, with no heartbeat comment before it (heartbeat_s=0).
+    model = ScriptedTextModel(TOKENS, first_delay_s=1.0)
+    with make_server(model, send_timeout_s=0.2, heartbeat_s=0) as srv:
+        with httpx.stream("POST", srv.url + "/v1/text", json={"prompt": "hi", "max_new_tokens": 3}, timeout=30) as r:
+            items = list(iter_sse(r))
+    assert all("comment" not in item for item in items)
+    check_sequence([json.loads(item["data"]) for item in items])
+    assert model.finish_reasons == ["length"]
+
