@@ -11,7 +11,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
+
+from .event_stream import EventStream
 
 if TYPE_CHECKING:
     from ..settings import ServerSettings
@@ -29,9 +31,11 @@ def sse_options(settings: ServerSettings) -> dict[str, Any]:
 
 
 def event_source(events: AsyncIterator[Any], settings: ServerSettings, stream_id: str,
-                 headers: dict[str, str] | None = None) -> EventSourceResponse:
-    """An SSE response of ``events`` that names its stream in ``X-Stream-Id``."""
-    return EventSourceResponse(events, headers={"X-Stream-Id": stream_id, **(headers or {})}, **sse_options(settings))
+                 headers: dict[str, str] | None = None) -> EventStream:
+    """An SSE response of ``events`` (frames as bytes, or `ServerSentEvent` objects) that names its
+    stream in ``X-Stream-Id``: the OpenAI streams (chat, completions, images, Responses)."""
+    return EventStream(events, headers={"X-Stream-Id": stream_id, **(headers or {})},
+                       heartbeat_s=settings.heartbeat_s, send_timeout_s=settings.send_timeout_s)
 
 
 def json_event(obj: Any, event: str | None = None, id: str | None = None) -> ServerSentEvent:  # noqa: A002

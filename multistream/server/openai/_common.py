@@ -13,13 +13,14 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from ...errors import InvalidArgumentError
 from ...events import ErrorEvent, Event
 from ..http.bodies import OpenAIErrorResponse, read_body
 from ..http.disconnect import until_done_or_gone
 from ..http.errors import error_responses
+from ..http.event_stream import EventStream
 from ..http.problems import Problem
 from ..http.sse import DONE, event_source, json_event
 from ..settings import ServerSettings
@@ -52,7 +53,7 @@ def error_body(ev: ErrorEvent) -> dict[str, Any]:
                       "param": None, "code": ev.error.get("type")}}
 
 
-def sse_of(records: Sequence[StreamView], settings: ServerSettings, events: AsyncIterator[Any]) -> EventSourceResponse:
+def sse_of(records: Sequence[StreamView], settings: ServerSettings, events: AsyncIterator[Any]) -> EventStream:
     """An SSE response of ``events``, naming every stream it reads in ``X-Stream-Id`` (comma-separated)."""
     return event_source(events, settings, ",".join(r.stream_id for r in records))
 

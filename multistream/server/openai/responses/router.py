@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -55,6 +55,7 @@ from ...durable.continuation import CONTINUED_HOOKS
 from ...http.bodies import read_body, require_object
 from ...http.disconnect import until_done_or_gone
 from ...http.errors import json_body
+from ...http.event_stream import EventStream
 from ...http.problems import Problem
 from ...http.sse import event_source, json_event
 from ...state import ServerState, get_principal, get_state
@@ -215,7 +216,7 @@ def _fold(entry: ResponseEntry, events: list[Event]) -> dict[str, Any]:
     return builder.response()
 
 
-def _stream_response(state: ServerState, entry: ResponseEntry, record: Any, after: int) -> EventSourceResponse:
+def _stream_response(state: ServerState, entry: ResponseEntry, record: Any, after: int) -> EventStream:
     async def events() -> AsyncIterator[ServerSentEvent]:
         builder = _builder(entry)
         for payload in builder.start():
