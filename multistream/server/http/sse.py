@@ -1,4 +1,4 @@
-"""Server-sent-event helpers shared by every streaming route: the response options and one JSON frame.
+"""Server-sent-event helpers shared by every streaming route: the response and one JSON frame.
 
 Example:
     >>> json_event({"a": 1}).data
@@ -18,22 +18,16 @@ from .event_stream import EventStream
 if TYPE_CHECKING:
     from ..settings import ServerSettings
 
-__all__ = ["DONE", "event_source", "json_event", "sse_options"]
+__all__ = ["DONE", "event_source", "json_event"]
 
 DONE = "[DONE]"  # the OpenAI streams' last data line
-
-
-def sse_options(settings: ServerSettings) -> dict[str, Any]:
-    """`EventSourceResponse` keywords from the settings: heartbeat, send timeout, shutdown grace."""
-    return {"ping": settings.heartbeat_s, "send_timeout": settings.send_timeout_s or None,
-            # Our own drain ends the streams on SIGTERM; sse-starlette must not cut them first.
-            "shutdown_grace_period": settings.shutdown_deadline_s + settings.cancel_timeout_s + 5}
 
 
 def event_source(events: AsyncIterator[Any], settings: ServerSettings, stream_id: str,
                  headers: dict[str, str] | None = None) -> EventStream:
     """An SSE response of ``events`` (frames as bytes, or `ServerSentEvent` objects) that names its
-    stream in ``X-Stream-Id``: the OpenAI streams (chat, completions, images, Responses)."""
+    stream(s) in ``X-Stream-Id``, with the settings' heartbeat and send timeout: every streaming
+    route's (`EventStream`)."""
     return EventStream(events, headers={"X-Stream-Id": stream_id, **(headers or {})},
                        heartbeat_s=settings.heartbeat_s, send_timeout_s=settings.send_timeout_s)
 

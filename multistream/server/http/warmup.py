@@ -2,7 +2,7 @@
 
 FastAPI builds the state of each included router's routes (a pydantic adapter for every
 parameter and body) the first time a request is matched against them, and anyio imports its
-asyncio backend the first time an `EventSourceResponse` is made. On a 2-core machine (scripted
+asyncio backend the first time one of its primitives is used (then: by sse-starlette). On a 2-core machine (scripted
 model, raw socket) the server's first ``POST /v1/text`` took 86-91 ms to its first event against
 4-5 ms for the next ones, and its first ``GET /healthz`` 96-100 ms. `warm_up` pays both on the event loop as
 soon as the server starts: one request for a path no route serves walks every router, so every

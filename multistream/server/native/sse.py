@@ -30,12 +30,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from ...events import ErrorEvent
 from ..http.event_stream import EventStream
 from ..http.problems import Problem, problem_from_exception
-from ..http.sse import sse_options
+from ..http.sse import event_source
 from ..settings import ServerSettings
 from ..streams.registry import StreamRecord, new_token
 from ..streams.view import StreamView
@@ -58,10 +58,8 @@ async def _events(record: StreamView, after: int) -> AsyncIterator[bytes]:
 
 
 def sse_response(record: StreamView, settings: ServerSettings, after: int = -1) -> EventStream:
-    """An SSE response that replays ``record`` after ``after`` and then follows it live (the lean
-    `EventStream`: every new native stream and every resume takes this path)."""
-    return EventStream(_events(record, after), headers={"X-Stream-Id": record.stream_id},
-                       heartbeat_s=settings.heartbeat_s, send_timeout_s=settings.send_timeout_s)
+    """An SSE response that replays ``record`` after ``after`` and then follows it live."""
+    return event_source(_events(record, after), settings, record.stream_id)
 
 
 class QueuePosition:
@@ -115,7 +113,7 @@ async def admit_or_queue(start: Callable[[QueuePosition], Awaitable[StreamRecord
 
 def queued_sse_response(task: asyncio.Task[StreamRecord], where: QueuePosition, stream_id: str, token: str,
                         settings: ServerSettings, on_refused: Callable[[Problem], None] | None = None,
-                        waiting: WaitingStream | None = None) -> EventSourceResponse:
+                        waiting: WaitingStream | None = None) -> EventStream:
     """The SSE response of a request waiting in the queue (see the module's docstring): queued
     events while ``task`` (the admission) waits, then the stream's events. The client going away
     cancels the wait (its place in the queue is given up); so does ``DELETE /v1/streams/{id}``
@@ -155,13 +153,12 @@ def queued_sse_response(task: asyncio.Task[StreamRecord], where: QueuePosition, 
             if not task.done():
                 task.cancel()
 
-    return EventSourceResponse(events(), headers={"X-Stream-Id": stream_id, "X-Resume-Token": token,
-                                                  "Cache-Control": "no-store"}, **sse_options(settings))
+    return event_source(events(), settings, stream_id, {"X-Resume-Token": token})
 
 
 async def new_stream_sse(state: ServerState, kind: str, kwargs: dict[str, Any], *, priority: int,
                          request: Request, arrived_at: float, principal: Principal,
-                         ) -> EventStream | EventSourceResponse:
+                         ) -> EventStream:
     """A native route's new stream as SSE: admitted at once, its events (``X-Stream-Id``,
     ``X-Resume-Token``); queued, the queued events first (`queued_sse_response`); refused before
     the response starts (a full queue, a bad prompt), the `Problem` raised here.

@@ -26,10 +26,7 @@ ANSWER = "Sure thing. The sea is wide and deep. It covers most of the planet. Wh
 
 @pytest.fixture(scope="module")
 def server():
-    tts = ms.load_speech_model()
-    # One synthesis first: the voice's first run (about a second under load) is not what the
-    # streaming tests measure (the first chunk had to come before 80% of the whole).
-    tts.stream("Warm up.").wait()
+    tts = ms.load_speech_model()  # returned warmed: the voice's first run is not what the streaming tests measure
     words = ANSWER.split(" ")
     llm = ScriptedTextModel([w if i == 0 else " " + w for i, w in enumerate(words)], delay_s=0.08)
     app = create_app(text_model=llm, speech_model=tts, settings=ServerSettings())

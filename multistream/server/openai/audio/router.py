@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -41,6 +41,7 @@ from ...bodies import check_speech_options, speech_voice
 from ...http.bodies import OpenAIErrorResponse, read_body, validate_body
 from ...http.errors import error_responses, json_body
 from ...http.problems import Problem
+from ...http.sse import event_source
 from ...state import ServerState, get_principal, get_state
 from .._protocol import given_options
 from .protocol import OPENAI_PCM_RATE, AudioSpeechRequest
@@ -109,4 +110,4 @@ async def audio_speech(request: Request, state: ServerState = Depends(get_state)
             for name, payload in sse.payloads(data, end):
                 yield ServerSentEvent(data=json.dumps(payload), event=name)
 
-    return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
+    return event_source(events(), state.settings, record.stream_id)

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -23,7 +23,7 @@ from ....events import AudioEvent, ErrorEvent
 from ...access.keys import Principal
 from ...bodies import speech_voice
 from ...http.problems import Problem
-from ...http.sse import DONE, json_event
+from ...http.sse import DONE, event_source, json_event
 from ...state import ServerState
 from ..audio.protocol import OPENAI_PCM_RATE
 
@@ -174,4 +174,4 @@ async def chat_with_audio(request: Request, state: ServerState, principal: Princ
             yield json_event({**chunk({}), "choices": [], "usage": usage(text_final)})
         yield ServerSentEvent(data=DONE)
 
-    return EventSourceResponse(events(), headers=headers, ping=state.settings.heartbeat_s)
+    return event_source(events(), state.settings, headers["X-Stream-Id"])
