@@ -78,6 +78,8 @@ def test_sse_resume_after_a_dropped_connection(srv: Any) -> None:
         stream_id, token = r.headers["x-stream-id"], r.headers["x-resume-token"]
         first = []
         for d in iter_events(r):
+            if "seq" not in d:
+                continue  # a queued notice ({"position", "queued"}) while an earlier test's clip finishes
             first.append(d)
             if len(first) == 2:
                 break  # the client goes away mid-stream
