@@ -30,9 +30,11 @@ from ..errors import InvalidArgumentError, ModelLoadError
 from ._accel.compiled_decode import CompileReport, compile_decode
 from ._accel.fast_decode import FastDecode
 from ._accel.kernels import native_kernels
+from ._accel.lean_llama import LeanLlamaForCausalLM, lean_llama_problem
 from ._accel.native_layers import NATIVE_MODEL_TYPES, native_layer
 from ._accel.quantize import (
     QuantizationReport,
+    block_kernels_serve,
     check_activations,
     check_quantize,
     exact_block_states,
@@ -290,6 +292,11 @@ def load_text_model(
         source = locate(name_or_path, family="text", revision=from_pretrained_kwargs.get("revision"))
         folder, name = source.path, os.fspath(name_or_path)
         hub = source.from_pretrained_kwargs()
+    if name_or_path is None and not from_pretrained_kwargs:
+        lean = _load_lean(Path(folder), tokenizer, target, dtype, requested, activations, compile, max_batch,
+                          prefill_budget)
+        if lean is not None:
+            return lean
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -315,6 +322,46 @@ def load_text_model(
                    quantization_config="quantization_config" in from_pretrained_kwargs)
 
 
+class _NotNative(Exception):
+    """The lean embedded model's layers did not all get the native path: load transformers' model."""
+
+
+def _load_lean(folder: Path, tokenizer: Any, device: torch.device, dtype: torch.dtype, requested: str | None,
+               activations: str, compile: bool, max_batch: int, prefill_budget: int) -> TextModel | None:
+    """The embedded model on `LeanLlamaForCausalLM` when the native layers will compute all of it
+    (fp32 on a CPU, a quantize mode, the kernels built): the same weights, layers and logits as
+    transformers' model, without importing transformers' modeling code (about 2 s of every start).
+    None where they would not: the caller loads transformers' model."""
+    mode = resolve_quantize(requested, embedded=True, device=device)
+    if device.type != "cpu" or dtype != torch.float32 or mode is None or not block_kernels_serve(mode, device) \
+            or lean_llama_problem(folder) is not None:
+        return None
+    try:
+        model = LeanLlamaForCausalLM.from_folder(folder)
+        if tokenizer is None:
+            tokenizer = _embedded_tokenizer(folder)
+        return _finish(model, tokenizer, EMBEDDED_TEXT_MODEL, requested, activations, compile, max_batch,
+                       prefill_budget, embedded=True, cache_folder=folder, quantization_config=False)
+    except (_NotNative, OSError, ValueError) as exc:  # e.g. a kernel that failed its check: transformers' model
+        logger.info("loading the embedded model with transformers' modeling code (%s)", exc)
+        return None
+
+
+def _embedded_tokenizer(folder: Path) -> Any:
+    """The embedded model's tokenizer, from the class its ``tokenizer_config.json`` names, which
+    ``AutoTokenizer`` would pick (its module costs 0.3 s of imports that this skips)."""
+    import json
+
+    named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if named == "TokenizersBackend":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def _finish(model: Any, tokenizer: Any, name: str, requested: str | None, activations: str, compile: bool,
             max_batch: int, prefill_budget: int, *, embedded: bool, cache_folder: Path | None,
             quantization_config: bool) -> TextModel:
@@ -336,6 +383,8 @@ def _finish(model: Any, tokenizer: Any, name: str, requested: str | None, activa
                 f"quantize={requested!r} and quantization_config= both quantize the model; pass one of them")
         mode = None
     report = _quantize(model, requested, mode, device, cache_folder, activations, exact)
+    if isinstance(model, LeanLlamaForCausalLM) and report.native_layers != len(model.model.layers):
+        raise _NotNative(f"{report.native_layers} of {len(model.model.layers)} layers on the native kernels")
     compiled = _compile(model, compile)
     llm = TextModel(model, tokenizer, name=name, max_batch=max_batch, prefill_budget=prefill_budget)
     llm.quantization = report

@@ -70,15 +70,17 @@ class FastDecode:
     """The decode step of one model (see the module docstring). Build it with `for_model`."""
 
     def __init__(self, model: Any) -> None:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         self.model = model
         self.inner = model.model
         self.layers = list(self.inner.layers)
-        self.apply_rotary = apply_rotary_pos_emb
         natives = [native_layer(layer) for layer in self.layers]
         # Every layer native (the block-quantized CPU models): runs of layers in one C call each.
         self.native_stack = NativeStack(natives) if natives and all(natives) else None  # type: ignore[arg-type]
+        self.apply_rotary: Callable[..., Any] | None = None
+        if self.native_stack is None:  # the eager step's rotary (imported only here: `lean_llama`)
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            self.apply_rotary = apply_rotary_pos_emb
         self._stops: StopPoints | None = None
 
     @classmethod
@@ -147,6 +149,7 @@ class FastDecode:
             else:
                 q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
             q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+            assert self.apply_rotary is not None
             q, k = self.apply_rotary(q, k, cos, sin)
             keys, values = _append(cached, k, v, length)
             out, _ = row_attention(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling, row_starts=row_starts)

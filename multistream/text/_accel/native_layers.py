@@ -196,7 +196,7 @@ class NativeLayer:
 
 def _plain_rms_norm(norm: Any) -> bool:
     """A Llama RMS norm (``w * x / rms(x)``, fp32 weight): Gemma's ``(1 + w)`` norms are not."""
-    return (norm is not None and type(norm).__name__ in ("LlamaRMSNorm", "MistralRMSNorm")
+    return (norm is not None and type(norm).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "LeanRMSNorm")
             and hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None
             and norm.weight.dtype == torch.float32)
 

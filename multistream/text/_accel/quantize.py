@@ -79,6 +79,7 @@ __all__ = [
     "check_activations",
     "check_quantize",
     "exact_block_states",
+    "block_kernels_serve",
     "fuse_projections",
     "kernel_problem",
     "mode_problem",
@@ -490,6 +491,19 @@ def kernel_problem(kind: str, device: torch.device, model_dtype: torch.dtype = t
     if not error <= 0.05 * float(reference.abs().max()) + 1e-3:
         return f"the kernel's result is off by {error:.3g} on a probe"
     return None
+
+
+def block_kernels_serve(mode: str, device: torch.device) -> bool:
+    """True if ``quantize=mode`` gets the native block kernels on ``device``: they built here and pass
+    their check for the mode and for the LM head's 8 bits (the native decoder layers need them).
+
+    Example:
+        >>> block_kernels_serve("int4", torch.device("meta"))
+        False
+    """
+    if device.type != "cpu" or native_kernels() is None:
+        return False
+    return all(kernel_problem(_BLOCK_KIND[m], device) is None for m in dict.fromkeys((mode, "int8")))
 
 
 def mode_problem(mode: str, device: torch.device, model_dtype: torch.dtype = torch.float32,

@@ -69,6 +69,8 @@ def row_attention(
 
 def use_row_attention(model: Any) -> bool:
     """Switch a transformers model to `row_attention` (it keeps SDPA's masks); False if it cannot."""
+    if uses_row_attention(model):
+        return True  # already (`lean_llama`'s model attends so from the start, without transformers' registries)
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

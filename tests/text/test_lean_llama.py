@@ -1,0 +1,138 @@
+"""The embedded model without transformers' modeling code (`multistream.text._accel.lean_llama`).
+
+``ms.load_text_model()`` holds the embedded SmolLM2 in `LeanLlamaForCausalLM`, which skips the
+2 s import of ``modeling_llama``; transformers' ``LlamaForCausalLM`` on the same folder, quantized
+the same way (``ms.load_text_model(folder)``) is the reference. Every path must give the same
+logits bit for bit, the same streams, and the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import multistream as ms
+from multistream.text._accel.lean_llama import LeanLlamaForCausalLM, lean_llama_problem
+from multistream.text._accel.native_layers import native_layer
+from multistream.text._loading import _embedded_model_folder
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["Write a short poem about the sea.", "What is the capital of France?", "Name three colours."]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' LlamaForCausalLM on the embedded model's folder, int4 on the native kernels."""
+    llm = ms.load_text_model(str(_embedded_model_folder()))
+    assert type(llm.model).__name__ == "LlamaForCausalLM" and llm.quantization.mode == "int4"
+    yield llm
+    llm.close()
+
+
+def _ids(llm, prompt: str) -> list[int]:
+    return llm.encode_prompt([{"role": "user", "content": prompt}])
+
+
+def test_the_default_model_is_the_lean_llama_on_native_layers(text_model) -> None:
+    model = text_model.model
+    assert isinstance(model, LeanLlamaForCausalLM)
+    assert all(native_layer(layer) is not None for layer in model.model.layers)
+    assert text_model.quantization.mode == "int4" and text_model.quantization.native_layers == 30
+
+
+def test_loading_the_default_imports_no_transformers_modeling_code() -> None:
+    """What the start-up saves: transformers' modeling utilities (and torch._dynamo, torch's
+    distributed tensors) are never imported by ``load_text_model()`` and a stream."""
+    code = ("import sys, multistream as ms; llm = ms.load_text_model(); "
+            "print(llm.generate('Hi', max_new_tokens=2).text is not None); "
+            "print(sorted(m for m in ('transformers.modeling_utils', 'transformers.models.llama.modeling_llama', "
+            "'torch._dynamo', 'torch.distributed.tensor', 'transformers.masking_utils') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.split() == ["True", "[]"], out
+
+
+def test_prefill_and_decode_logits_equal_transformers_model(text_model, reference) -> None:
+    from transformers import DynamicCache
+
+    ids = _ids(text_model, PROMPTS[0])
+    with torch.no_grad():
+        lean_cache, ref_cache = DynamicCache(), DynamicCache()
+        lean = text_model.model(input_ids=torch.tensor([ids]), cache=lean_cache, use_cache=True)
+        ref = reference.model(input_ids=torch.tensor([ids]), cache=ref_cache, use_cache=True)
+        assert torch.equal(lean.logits, ref.logits)
+        token = int(ref.logits[0, -1].argmax())
+        for _ in range(6):
+            lean = text_model.model(input_ids=torch.tensor([[token]]), cache=lean_cache, use_cache=True)
+            ref = reference.model(input_ids=torch.tensor([[token]]), cache=ref_cache, use_cache=True)
+            assert torch.equal(lean.logits, ref.logits)
+            token = int(ref.logits[0, -1].argmax())
+
+
+def test_padded_batches_equal_transformers_model_with_and_without_row_starts(text_model, reference) -> None:
+    """The engine's padded prefill (``row_starts``) runs natively; a padded batch without them (a user's
+    ``model(ids, attention_mask=...)``) goes to the transformers twin: both as transformers computes."""
+    rows = [_ids(text_model, p) for p in PROMPTS[:2]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[r[0]] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    positions = torch.tensor([[0] * (width - len(r)) + list(range(len(r))) for r in rows])
+    starts = [width - len(r) for r in rows]
+    with torch.no_grad():
+        lean = text_model.model(input_ids=ids, attention_mask=mask, position_ids=positions, row_starts=starts)
+        ref = reference.model(input_ids=ids, attention_mask=mask, position_ids=positions, row_starts=starts)
+        assert torch.equal(lean.logits[:, -1], ref.logits[:, -1])
+        lean = text_model.model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        ref = reference.model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        assert torch.equal(lean.logits[:, -1], ref.logits[:, -1])
+
+
+def test_generate_goes_to_a_transformers_twin_on_the_same_weights(text_model, reference) -> None:
+    ids = torch.tensor([_ids(text_model, PROMPTS[1])])
+    with torch.no_grad():
+        lean = text_model.model.generate(ids, max_new_tokens=12, do_sample=False)
+        ref = reference.model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert lean.tolist() == ref.tolist()
+    twin = text_model.model.as_transformers()
+    assert twin.lm_head is text_model.model.lm_head
+    assert twin.model.layers[3].self_attn.qkv_fused is text_model.model.model.layers[3].self_attn.qkv_fused
+    assert twin.model.norm.weight is text_model.model.model.norm.weight
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_streams_equal_transformers_model(text_model, reference, prompt: str) -> None:
+    messages = [{"role": "user", "content": prompt}]
+    lean = text_model.generate(messages, max_new_tokens=40, temperature=0.0, logprobs=True)
+    ref = reference.generate(messages, max_new_tokens=40, temperature=0.0, logprobs=True)
+    assert lean.text == ref.text and lean.token_ids == ref.token_ids
+
+
+def test_the_tokenizer_is_the_one_auto_tokenizer_gives(text_model) -> None:
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(_embedded_model_folder())
+    assert type(auto) is type(text_model.tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo 👋 <b>wörld</b>"}]
+    for mine, theirs in ((text_model.tokenizer, auto),):
+        assert mine.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+            theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert mine.encode("def f(x):\n    return x ** 2  # ünïcode") == theirs.encode("def f(x):\n    return x ** 2  # ünïcode")
+        assert (mine.eos_token_id, mine.bos_token_id, mine.pad_token_id) == \
+            (theirs.eos_token_id, theirs.bos_token_id, theirs.pad_token_id)
+
+
+def test_other_models_and_settings_keep_transformers_model(tmp_path) -> None:
+    """The lean model holds the embedded Llama only where the native layers compute all of it."""
+    assert lean_llama_problem(tmp_path) == "no config.json"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_act": "silu"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert lean_llama_problem(tmp_path) == "not a Llama"
+    assert lean_llama_problem(_embedded_model_folder()) is None
+    exact = ms.load_text_model(quantize=None)
+    try:
+        assert type(exact.model).__name__ == "LlamaForCausalLM"  # fp32 weights: transformers' own layers
+    finally:
+        exact.close()
