@@ -254,7 +254,10 @@ def load_text_model(
     kernel that cannot run here falls back with one log line; a mode asked for by name that cannot
     run raises `InvalidArgumentError`. ``llm.quantization`` says what was applied. The embedded
     model's quantized layers are kept in the cache folder, so later loads rebuild them instead of
-    quantizing again.
+    quantizing again. Where the native kernels compute all of it, the embedded model is held in
+    `LeanLlamaForCausalLM` (`multistream.text._accel.lean_llama`: transformers' Llama modules and
+    logits without importing its modeling code, half of a warm load); ``llm.model.generate`` and
+    ``llm.model.as_transformers()`` give transformers' model on the same weights.
 
     ``compile=True``: ``torch.compile`` of the decode step of a model on ATen's quantized kernels
     (`multistream.text._accel.compiled_decode`; Llama-family models on a CPU): about 1.2x their eager

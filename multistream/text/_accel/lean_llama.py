@@ -203,6 +203,27 @@ class LeanLlamaModel(nn.Module):
         self.rotary_emb = LeanRotaryEmbedding(config)
 
 
+_OUTPUT: type | None = None
+
+
+def _causal_lm_output() -> type:
+    """A ``ModelOutput`` with transformers' ``CausalLMOutputWithPast`` fields the engine reads (``logits``,
+    ``cache``): ``transformers.modeling_outputs`` costs 0.13 s of imports at the first request."""
+    global _OUTPUT
+    if _OUTPUT is None:
+        from dataclasses import dataclass
+
+        from transformers.utils.generic import ModelOutput
+
+        @dataclass
+        class LeanCausalLMOutput(ModelOutput):
+            logits: torch.Tensor | None = None
+            cache: Any = None
+
+        _OUTPUT = LeanCausalLMOutput
+    return _OUTPUT
+
+
 class LeanLlamaForCausalLM(nn.Module):
     """The embedded Llama without transformers' modeling modules (see the module docstring).
 
@@ -279,7 +300,6 @@ class LeanLlamaForCausalLM(nn.Module):
         """transformers' ``LlamaForCausalLM.forward`` on the native layers: ``.logits`` and ``.cache``
         (``out["cache"]``). ``row_starts``: the engine's padded batches (each row's first column)."""
         from transformers.cache_utils import DynamicCache
-        from transformers.modeling_outputs import CausalLMOutputWithPast
 
         if "past_key_values" in kwargs:  # its name before transformers 5.40, which callers still use
             cache = kwargs.pop("past_key_values")
@@ -304,7 +324,7 @@ class LeanLlamaForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
         else:
             hidden = hidden[:, logits_to_keep, :]
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden), cache=cache)
+        return _causal_lm_output()(logits=self.lm_head(hidden), cache=cache)
 
     def _native_takes(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                       attention_mask: torch.Tensor | None, row_starts: list[int] | None, extra: dict[str, Any]) -> bool:
