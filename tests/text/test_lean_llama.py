@@ -136,3 +136,29 @@ def test_other_models_and_settings_keep_transformers_model(tmp_path) -> None:
         assert type(exact.model).__name__ == "LlamaForCausalLM"  # fp32 weights: transformers' own layers
     finally:
         exact.close()
+
+
+def test_without_the_native_kernels_the_default_is_transformers_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C compiler (the kernels did not build): ATen's int4 layers on transformers' model, as before."""
+    monkeypatch.setattr("multistream.text._accel.quantize.native_kernels", lambda: None)
+    llm = ms.load_text_model()
+    try:
+        assert type(llm.model).__name__ == "LlamaForCausalLM" and llm.quantization.mode == "int4"
+        assert llm.generate("Say hi", max_new_tokens=4).usage["completion_tokens"] >= 1
+    finally:
+        llm.close()
+
+
+def test_a_lean_model_whose_layers_are_not_all_native_is_replaced_by_transformers_model(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    monkeypatch.setattr("multistream.text._accel.quantize.attach_native_layers", lambda model: 0)
+    with caplog.at_level(logging.INFO, logger="multistream"):
+        llm = ms.load_text_model()
+    try:
+        assert type(llm.model).__name__ == "LlamaForCausalLM"
+        assert any("0 of 30 layers on the native kernels" in r.getMessage() for r in caplog.records)
+        assert llm.generate("Say hi", max_new_tokens=4).usage["completion_tokens"] >= 1
+    finally:
+        llm.close()
