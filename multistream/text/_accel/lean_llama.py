@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
@@ -304,10 +305,11 @@ class LeanLlamaForCausalLM(nn.Module):
         if "past_key_values" in kwargs:  # its name before transformers 5.40, which callers still use
             cache = kwargs.pop("past_key_values")
         if not self._native_takes(input_ids, inputs_embeds, attention_mask, row_starts, kwargs):
-            return self.as_transformers()(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                inputs_embeds=inputs_embeds, use_cache=use_cache, logits_to_keep=logits_to_keep,
-                **({"row_starts": row_starts} if row_starts is not None else {}), **kwargs)
+            twin = self.as_transformers()
+            cache_arg = "cache" if "cache" in inspect.signature(twin.forward).parameters else "past_key_values"
+            return twin(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        inputs_embeds=inputs_embeds, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                        **{cache_arg: cache}, **({"row_starts": row_starts} if row_starts is not None else {}), **kwargs)
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache is None:
             use_cache = bool(getattr(self.config, "use_cache", True))
