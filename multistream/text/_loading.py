@@ -42,7 +42,7 @@ from ._accel.quantize import (
     quantize_model,
 )
 from ._batcher import DEFAULT_MAX_BATCH
-from ._model import TextModel
+from ._model import TextModel, check_engine_limits
 
 __all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
 
@@ -276,6 +276,7 @@ def load_text_model(
     """
     requested = check_quantize(quantize)
     activations = check_activations(activations)
+    check_engine_limits(max_batch, prefill_budget)
     if not isinstance(compile, bool):
         raise InvalidArgumentError(f"compile must be True or False, got {compile!r}")
     if hasattr(device, "apply_chat_template"):  # load_text_model(model, tok): the second argument is device
@@ -343,9 +344,13 @@ def _load_lean(folder: Path, tokenizer: Any, device: torch.device, dtype: torch.
         model = LeanLlamaForCausalLM.from_folder(folder)
         if tokenizer is None:
             tokenizer = _embedded_tokenizer(folder)
+    except (OSError, ValueError, ImportError) as exc:  # a folder it cannot read: transformers' model
+        logger.info("loading the embedded model with transformers' modeling code (%s)", exc)
+        return None
+    try:  # the caller's own errors (max_batch=0...) raise from here, as they do on transformers' model
         return _finish(model, tokenizer, EMBEDDED_TEXT_MODEL, requested, activations, compile, max_batch,
                        prefill_budget, embedded=True, cache_folder=folder, quantization_config=False)
-    except (_NotNative, OSError, ValueError) as exc:  # e.g. a kernel that failed its check: transformers' model
+    except _NotNative as exc:  # e.g. a kernel that failed its check on one layer
         logger.info("loading the embedded model with transformers' modeling code (%s)", exc)
         return None
 

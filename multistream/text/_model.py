@@ -44,7 +44,7 @@ from ._request_spec import History, RequestSpec
 from ._sampling import RowSampler, SamplingPlan, choice_seed
 from ._tools import render_tool_messages, tools_active
 
-__all__ = ["TextModel"]
+__all__ = ["TextModel", "check_engine_limits"]
 
 logger = logging.getLogger("multistream")
 
@@ -91,6 +91,21 @@ def _interleave(prompt_ids: list[int], answer: list[int],
     return context, positions
 
 
+def check_engine_limits(max_batch: Any, prefill_budget: Any) -> None:
+    """``max_batch`` and ``prefill_budget`` checked (integers >= 1), before a model loads.
+
+    Example:
+        >>> check_engine_limits(8, 512)
+        >>> check_engine_limits(0, 512)
+        Traceback (most recent call last):
+        ...
+        multistream.errors.InvalidArgumentError: max_batch must be an integer >= 1, got 0
+    """
+    for arg, value in (("max_batch", max_batch), ("prefill_budget", prefill_budget)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidArgumentError(f"{arg} must be an integer >= 1, got {value!r}")
+
+
 class TextModel(EngineModel):
     """A causal language model that streams. Build it with `load_text_model`.
 
@@ -116,9 +131,7 @@ class TextModel(EngineModel):
     def __init__(
         self, model: Any, tokenizer: Any, *, name: str = "model", max_batch: int = DEFAULT_MAX_BATCH, prefill_budget: int = 512
     ) -> None:
-        for arg, value in (("max_batch", max_batch), ("prefill_budget", prefill_budget)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgumentError(f"{arg} must be an integer >= 1, got {value!r}")
+        check_engine_limits(max_batch, prefill_budget)
         self.model = model
         self.tokenizer = tokenizer
         self.name = name

@@ -162,3 +162,47 @@ def test_a_lean_model_whose_layers_are_not_all_native_is_replaced_by_transformer
         assert llm.generate("Say hi", max_new_tokens=4).usage["completion_tokens"] >= 1
     finally:
         llm.close()
+
+
+def test_the_twin_is_not_a_submodule(text_model) -> None:
+    """After ``generate`` built the twin, ``state_dict()`` and ``modules()`` are still the model's own."""
+    keys = set(text_model.model.state_dict())
+    text_model.model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    assert set(text_model.model.state_dict()) == keys and not any(k.startswith("_twin") for k in keys)
+    assert sum(isinstance(m, torch.nn.ModuleList) for m in text_model.model.modules()) == 1
+
+
+def test_what_the_native_path_does_not_read_goes_to_transformers(text_model, reference) -> None:
+    """A mask that lacks the cached columns, positions to keep as a 2-d tensor, ``return_dict=False``:
+    transformers' answers, through the twin where the lean forward would read them otherwise."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([_ids(text_model, PROMPTS[2])])
+    with torch.no_grad():
+        caches = []
+        for llm in (text_model, reference):
+            cache = DynamicCache()
+            llm.model(input_ids=ids[:, :-3], cache=cache)
+            caches.append(llm.model(input_ids=ids[:, -3:], cache=cache, attention_mask=torch.ones(1, 3)).logits)
+        assert torch.equal(*caches)
+        keep = torch.tensor([[0, 5]])
+        lean, ref = (llm.model(input_ids=ids, logits_to_keep=keep).logits for llm in (text_model, reference))
+        assert lean.shape == ref.shape and torch.equal(lean, ref)
+        out = text_model.model(input_ids=ids, return_dict=False)
+        assert isinstance(out, tuple) and torch.equal(out[0], reference.model(input_ids=ids).logits)
+        full = text_model.model(input_ids=ids)
+    assert full.loss is None and full.hidden_states is None
+    import pickle
+
+    assert torch.equal(pickle.loads(pickle.dumps(full)).logits, full.logits)
+
+
+def test_bad_engine_limits_fail_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_load():
+        raise AssertionError("the model was read before its options were checked")
+
+    monkeypatch.setattr("multistream.text._loading._embedded_model_folder", no_load)
+    with pytest.raises(ms.InvalidArgumentError, match="max_batch must be an integer >= 1, got 0"):
+        ms.load_text_model(max_batch=0)
+    with pytest.raises(ms.InvalidArgumentError, match="prefill_budget must be an integer >= 1"):
+        ms.load_text_model(prefill_budget="big")

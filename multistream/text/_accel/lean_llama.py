@@ -208,8 +208,10 @@ _OUTPUT: type | None = None
 
 
 def _causal_lm_output() -> type:
-    """A ``ModelOutput`` with transformers' ``CausalLMOutputWithPast`` fields the engine reads (``logits``,
-    ``cache``): ``transformers.modeling_outputs`` costs 0.13 s of imports at the first request."""
+    """A ``ModelOutput`` with the fields of transformers' ``CausalLMOutputWithPast`` (``logits``,
+    ``cache``; ``loss``, ``hidden_states`` and ``attentions`` None): ``transformers.modeling_outputs``
+    costs 0.13 s of imports at the first request. Made at first use, as ``LeanCausalLMOutput`` of
+    this module (pickle finds it through `__getattr__`)."""
     global _OUTPUT
     if _OUTPUT is None:
         from dataclasses import dataclass
@@ -218,11 +220,21 @@ def _causal_lm_output() -> type:
 
         @dataclass
         class LeanCausalLMOutput(ModelOutput):
+            loss: torch.Tensor | None = None
             logits: torch.Tensor | None = None
             cache: Any = None
+            hidden_states: Any = None
+            attentions: Any = None
 
+        LeanCausalLMOutput.__qualname__ = "LeanCausalLMOutput"
         _OUTPUT = LeanCausalLMOutput
     return _OUTPUT
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LeanCausalLMOutput":
+        return _causal_lm_output()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LeanLlamaForCausalLM(nn.Module):
@@ -304,7 +316,8 @@ class LeanLlamaForCausalLM(nn.Module):
 
         if "past_key_values" in kwargs:  # its name before transformers 5.40, which callers still use
             cache = kwargs.pop("past_key_values")
-        if not self._native_takes(input_ids, inputs_embeds, attention_mask, row_starts, kwargs):
+        if not self._native_takes(input_ids, inputs_embeds, attention_mask, cache, logits_to_keep, row_starts,
+                                  kwargs):
             twin = self.as_transformers()
             cache_arg = "cache" if "cache" in inspect.signature(twin.forward).parameters else "past_key_values"
             return twin(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -324,17 +337,22 @@ class LeanLlamaForCausalLM(nn.Module):
         hidden = self.model.norm(hidden)
         if isinstance(logits_to_keep, int):
             hidden = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
-        else:
+        else:  # a 0-d or 1-d tensor of positions (`_native_takes`), as transformers' slice_logits_to_keep
             hidden = hidden[:, logits_to_keep, :]
-        return _causal_lm_output()(logits=self.lm_head(hidden), cache=cache)
+        out = _causal_lm_output()(logits=self.lm_head(hidden), cache=cache)
+        return out.to_tuple() if kwargs.get("return_dict") is False else out
 
     def _native_takes(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
-                      attention_mask: torch.Tensor | None, row_starts: list[int] | None, extra: dict[str, Any]) -> bool:
-        """True if every decoder layer computes these inputs on its native path."""
+                      attention_mask: torch.Tensor | None, cache: Any, logits_to_keep: int | torch.Tensor,
+                      row_starts: list[int] | None, extra: dict[str, Any]) -> bool:
+        """True if every decoder layer computes these inputs on its native path and this forward
+        reads the rest as transformers' does; else the twin takes them."""
         from .native_layers import native_layer
 
         if (input_ids is None) == (inputs_embeds is None) or extra.get("output_attentions") \
                 or extra.get("output_hidden_states") or extra.get("labels") is not None:
+            return False
+        if not isinstance(logits_to_keep, int) and (logits_to_keep.dim() > 1 or logits_to_keep.dtype == torch.bool):
             return False
         if not all(native_layer(layer) is not None for layer in self.model.layers):
             return False
@@ -344,9 +362,11 @@ class LeanLlamaForCausalLM(nn.Module):
             return False
         if attention_mask is None:
             return True
-        if attention_mask.dim() != 2:
+        rows, count = (input_ids if input_ids is not None else inputs_embeds).shape[:2]  # type: ignore[union-attr]
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        # A 2-d mask over every column (the cached ones and these): transformers masks any it lacks.
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] != past + count:
             return False
-        rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]  # type: ignore[union-attr]
         return bool(attention_mask.all()) or (row_starts is not None and len(row_starts) == rows)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -360,7 +380,9 @@ class LeanLlamaForCausalLM(nn.Module):
         modeling code, about 2 s)."""
         with self._twin_lock:
             if self._twin is None:
-                self._twin = self._build_twin()
+                # Not a submodule (nn.Module's setattr would register it): state_dict() and modules()
+                # stay this model's own.
+                object.__setattr__(self, "_twin", self._build_twin())
             return self._twin
 
     def _build_twin(self) -> Any:
