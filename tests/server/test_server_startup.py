@@ -4,6 +4,7 @@ within seconds, the log has the reason and the fix; `--allow-partial` serves the
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
 from repo_paths import ROOT, suite_path
 from server_fixtures import iter_events, make_server, missing_module_model, slow_failing_model, wait_until
 
@@ -406,3 +408,32 @@ def test_serve_logs_each_model_ready_with_its_load_time_in_uvicorns_format() -> 
     assert len(ready) == 1 and ready[0].startswith("INFO:") and ready[0].rstrip().endswith(" s)"), output
     quiet = _ready_then_stopped(_free_port(), *models, "--log-level", "warning")
     assert "is ready" not in quiet, quiet  # --log-level is the server's, for multistream's lines too
+
+
+@pytest.mark.model
+def test_a_loaded_text_model_is_warmed_up_so_the_first_chat_starts_from_a_cached_system_prompt() -> None:
+    """The server warms a text model up once it has loaded (`TextModel.warm_up`): the first user's chat
+    request then finds SmolLM2's 30-token system prompt in the prefix cache (0.19 -> 0.04 s to its
+    first event, `benchmarks/startup.py`)."""
+    import multistream as ms
+
+    with make_server(lambda: ms.load_text_model()) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, timeout=120)
+        with httpx.stream("POST", srv.url + "/v1/text", timeout=120,
+                          json={"prompt": [{"role": "user", "content": "Name a colour."}], "max_new_tokens": 2}) as r:
+            events = list(iter_events(r))
+    assert events[-1]["metrics"]["cached_prompt_tokens"] >= 20
+
+
+def test_a_warm_up_that_fails_is_logged_and_the_model_still_serves(caplog: pytest.LogCaptureFixture) -> None:
+    from multistream.testing import ScriptedTextModel
+
+    class ColdModel(ScriptedTextModel):
+        def warm_up(self) -> None:
+            raise RuntimeError("no warm-up here")
+
+    with caplog.at_level(logging.WARNING, logger="multistream"), make_server(lambda: ColdModel(["ok"])) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, timeout=30)
+        with httpx.stream("POST", srv.url + "/v1/text", timeout=30, json={"prompt": "hi"}) as r:
+            assert r.status_code == 200 and list(iter_events(r))[-1]["is_final"]
+    assert any("warming up the ColdModel model failed" in rec.getMessage() for rec in caplog.records)
