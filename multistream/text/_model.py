@@ -617,6 +617,7 @@ class TextModel(EngineModel):
         Example:
             >>> llm = load_text_model(); llm.warm_up()                         # doctest: +SKIP
         """
-        self.generate([{"role": "user", "content": "Hi"}], max_new_tokens=1, temperature=0.0)
+        # A string: a chat turn through the template where the model has one, a raw prompt otherwise.
+        self.generate("Hi", max_new_tokens=1, temperature=0.0)
 
 

@@ -206,3 +206,22 @@ def test_bad_engine_limits_fail_before_the_model_loads(monkeypatch: pytest.Monke
         ms.load_text_model(max_batch=0)
     with pytest.raises(ms.InvalidArgumentError, match="prefill_budget must be an integer >= 1"):
         ms.load_text_model(prefill_budget="big")
+
+
+def test_warm_up_caches_the_chat_templates_start_and_works_without_a_template(text_model) -> None:
+    """`TextModel.warm_up` (the server calls it): the next chat starts from the cached system prompt."""
+    text_model.prefix_cache.clear()
+    text_model.warm_up()
+    final = text_model.generate([{"role": "user", "content": "Name a fruit."}], max_new_tokens=2)
+    assert final.metrics["cached_prompt_tokens"] >= 20
+    import copy
+
+    from multistream.text._model import TextModel
+
+    raw = copy.copy(text_model.tokenizer)
+    raw.chat_template = None  # a base model's tokenizer: the warm-up is a raw prompt
+    base = TextModel(text_model.model, raw, name="no-template")
+    try:
+        base.warm_up()
+    finally:
+        base.close()
