@@ -47,6 +47,7 @@ def test_the_default_model_is_the_lean_llama_on_native_layers(text_model) -> Non
 def test_loading_the_default_imports_no_transformers_modeling_code() -> None:
     """What the start-up saves: transformers' modeling utilities (and torch._dynamo, torch's
     distributed tensors) are never imported by ``load_text_model()`` and a stream."""
+    _embedded_model_folder()  # converted from the GGUF file beforehand: a first conversion reads it with transformers
     code = ("import sys, multistream as ms; llm = ms.load_text_model(); "
             "print(llm.generate('Hi', max_new_tokens=2).text is not None); "
             "print(sorted(m for m in ('transformers.modeling_utils', 'transformers.models.llama.modeling_llama', "
