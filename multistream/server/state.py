@@ -90,7 +90,7 @@ class ModelSlot:
             with _LOAD_LOCK:
                 started = time.perf_counter()
                 self.model = load_model(self.kind, self.spec)
-            warm_up(self.model)  # outside the lock: it overlaps the next family's load
+            warm_up_model(self.model)  # outside the lock: it overlaps the next family's load
             self.state = "ready"
             logger.info("%s model %s is ready (loaded in %.1f s)", self.kind, self.name, time.perf_counter() - started)
         except BaseException as exc:  # noqa: BLE001 - report it on /healthz, keep serving the rest
@@ -153,7 +153,7 @@ def load_model(kind: str, spec: Any) -> Any:
     return loader(None if spec == "default" else spec)
 
 
-def warm_up(model: Any) -> None:
+def warm_up_model(model: Any) -> None:
     """The model's ``warm_up()``, if it has one (a text model: the first chat request then starts
     from a cached system prompt); a failure is logged, never a failed load."""
     run = getattr(model, "warm_up", None)

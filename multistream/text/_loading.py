@@ -30,7 +30,7 @@ from ..errors import InvalidArgumentError, ModelLoadError
 from ._accel.compiled_decode import CompileReport, compile_decode
 from ._accel.fast_decode import FastDecode
 from ._accel.kernels import native_kernels
-from ._accel.lean_llama import LeanLlamaForCausalLM, lean_llama_problem
+from ._accel.lean_llama import LeanLlamaForCausalLM
 from ._accel.native_layers import NATIVE_MODEL_TYPES, native_layer
 from ._accel.quantize import (
     QuantizationReport,
@@ -337,11 +337,10 @@ def _load_lean(folder: Path, tokenizer: Any, device: torch.device, dtype: torch.
     transformers' model, without importing transformers' modeling code (about 2 s of every start).
     None where they would not: the caller loads transformers' model."""
     mode = resolve_quantize(requested, embedded=True, device=device)
-    if device.type != "cpu" or dtype != torch.float32 or mode is None or not block_kernels_serve(mode, device) \
-            or lean_llama_problem(folder) is not None:
+    if device.type != "cpu" or dtype != torch.float32 or mode is None or not block_kernels_serve(mode, device):
         return None
     try:
-        model = LeanLlamaForCausalLM.from_folder(folder)
+        model = LeanLlamaForCausalLM.from_folder(folder)  # a model it cannot hold: ValueError (lean_llama_problem)
         if tokenizer is None:
             tokenizer = _embedded_tokenizer(folder)
     except (OSError, ValueError, ImportError) as exc:  # a folder it cannot read: transformers' model

@@ -30,7 +30,7 @@ class ModelReplica:
     """
 
     def __init__(self, kind: str, spec: Any, event_log: str | None = None, checkpoint_every: int = 1) -> None:
-        from ..state import load_model, warm_up
+        from ..state import load_model, warm_up_model
 
         self.kind = kind
         self.checkpoint_every = max(1, int(checkpoint_every))
@@ -39,7 +39,7 @@ class ModelReplica:
         self.streams: dict[str, Stream] = {}  # ingress stream id -> the generation running here (for edits)
         self._control: asyncio.Task[None] | None = None
         self.model = load_model(kind, "default" if spec is None else spec)
-        warm_up(self.model)
+        warm_up_model(self.model)
         self.name = str(getattr(self.model, "name", None) or kind)
         try:
             params = inspect.signature(self.model.stream).parameters
