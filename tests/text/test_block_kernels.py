@@ -33,13 +33,14 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layer_class", [Q4Linear, Q8Linear])
-def test_a_block_layer_computes_the_fp32_product_of_its_weights(layer_class) -> None:
+@pytest.mark.parametrize("k", [96, 16416])  # 16416: a row's scales are converted in two pieces
+def test_a_block_layer_computes_the_fp32_product_of_its_weights(layer_class, k: int) -> None:
     """fp32 activations (the default): the product of the dequantized weights to float rounding."""
-    linear = torch.nn.Linear(96, 40)
+    linear = torch.nn.Linear(k, 40)
     with torch.no_grad():
-        linear.weight.copy_(_weight(40, 96))
+        linear.weight.copy_(_weight(40, k))
     layer = layer_class.from_linear(linear)
-    x = torch.randn(5, 96)
+    x = torch.randn(5, k)
     reference = x.double() @ layer.dequantized().double().t() + linear.bias.detach().double()
     got = layer(x)
     assert got.shape == (5, 40) and got.dtype == torch.float32

@@ -377,7 +377,7 @@ static inline void q8_floats(const int8_t *w32, __m256 *f) {
 
 #ifdef MS_AVX512
 // A Q8_0 block's two halves, each widened to 16 int32 lanes and converted (Q4_1 blocks: a lookup
-// table, `block_weights`).
+// table, `q4_block`).
 static inline void q8_floats16(const int8_t *w32, __m512 *f) {
     f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w32)));
     f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w32 + 16))));
@@ -392,7 +392,6 @@ static inline float hsum512(__m512 v) {
 
 // A weight row's fp16 scales as floats (exact), 8 at a time where F16C is there: one conversion per
 // scale instead of one scalar conversion in the inner loop.
-#define MAX_ROW_SCALES 1024  // longer rows (k > 16384) convert per block instead: the same values
 static inline void row_scales(const uint16_t *s, int64_t count, float *out) {
     int64_t i = 0;
 #if defined(__F16C__) && defined(MS_AVX2)
@@ -401,46 +400,29 @@ static inline void row_scales(const uint16_t *s, int64_t count, float *out) {
     for (; i < count; i++) out[i] = half_to_float(s[i]);
 }
 
-// The scales of weight row j (Q4_1: d, m per block; Q8_0: d per block), as floats.
-static inline const float *scales_of(const ms_qmat *m, int64_t j, float *buffer) {
-    const int64_t per_row = (m->k / BLOCK) * (m->kind == 4 ? 2 : 1);
-    const uint16_t *s = m->s + j * per_row;
-    if (per_row <= MAX_ROW_SCALES) {
-        row_scales(s, per_row, buffer);
-        return buffer;
-    }
-    return NULL;
-}
-
-static inline float scale_at(const ms_qmat *m, int64_t j, const float *scales, int64_t i) {
-    const int64_t per_row = (m->k / BLOCK) * (m->kind == 4 ? 2 : 1);
-    return scales ? scales[i] : half_to_float(m->s[j * per_row + i]);
-}
-
-// Weight block b of row j dequantized in registers, w = q * d + m (Q4_1: one FMA per lane) or
-// q * d (Q8_0), once for every activation row that meets it; then each row adds its products
-// with the block to its accumulator: acc + (w[0:] x[0:] + w[16:] x[16:]) per lane (AVX-512), or
+// Weight block b dequantized in registers, w = q * d + m (Q4_1: one FMA per lane) or q * d (Q8_0),
+// once for every activation row that meets it; then each row adds its products with the block to
+// its accumulator: acc + (w[0:] x[0:] + w[16:] x[16:]) per lane (AVX-512), or
 // acc + ((w0 x0 + w2 x2) + (w1 x1 + w3 x3)) over 8-lane quarters (AVX2). Folding the minimum into
 // the weights is the fp32 product of the dequantized weights, with no per-block sums of x.
 #if defined(MS_AVX512)
-static inline void block_weights(const ms_qmat *m, int64_t j, const float *sc, int64_t b, __m512 *w) {
-    if (m->kind == 4) {
-        // The block's 16 possible values fma(q, d, min), q = 0..15, in one register, then each
-        // weight looked up by its nibble (vpermps reads an index's low 4 bits): the same fma per
-        // value as converting each nibble and scaling it, with one fma and two lookups a block
-        // instead of two conversions and two fmas.
-        const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_ps(scale_at(m, j, sc, 2 * b)),
-                                             _mm512_set1_ps(scale_at(m, j, sc, 2 * b + 1)));
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)m->w + j * (m->k / 2) + b * 16)));
-        w[0] = _mm512_permutexvar_ps(bytes, table);
-        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
-    } else {
-        q8_floats16((const int8_t *)m->w + j * m->k + b * BLOCK, w);
-        const __m512 d = _mm512_set1_ps(scale_at(m, j, sc, b));
-        w[0] = _mm512_mul_ps(w[0], d);
-        w[1] = _mm512_mul_ps(w[1], d);
-    }
+static inline void q4_block(const uint8_t *packed16, float d, float mn, __m512 *w) {
+    // The block's 16 possible values fma(q, d, min), q = 0..15, in one register, then each
+    // weight looked up by its nibble (vpermps reads an index's low 4 bits): the same fma per
+    // value as converting each nibble and scaling it, with one fma and two lookups a block
+    // instead of two conversions and two fmas.
+    const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_ps(d), _mm512_set1_ps(mn));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed16));
+    w[0] = _mm512_permutexvar_ps(bytes, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
+static inline void q8_block(const int8_t *w32, float d, __m512 *w) {
+    q8_floats16(w32, w);
+    const __m512 scale = _mm512_set1_ps(d);
+    w[0] = _mm512_mul_ps(w[0], scale);
+    w[1] = _mm512_mul_ps(w[1], scale);
 }
 
 static inline __m512 block_acc(__m512 acc, const __m512 *w, const float *xb) {
@@ -451,16 +433,16 @@ static inline __m512 block_acc(__m512 acc, const __m512 *w, const float *xb) {
 #define VEC_ZERO _mm512_setzero_ps
 #define VEC_SUM hsum512
 #elif defined(MS_AVX2)
-static inline void block_weights(const ms_qmat *m, int64_t j, const float *sc, int64_t b, __m256 *w) {
-    if (m->kind == 4) {
-        q4_floats((const uint8_t *)m->w + j * (m->k / 2) + b * 16, w);
-        const __m256 d = _mm256_set1_ps(scale_at(m, j, sc, 2 * b)), mn = _mm256_set1_ps(scale_at(m, j, sc, 2 * b + 1));
-        for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(w[i], d, mn);
-    } else {
-        q8_floats((const int8_t *)m->w + j * m->k + b * BLOCK, w);
-        const __m256 d = _mm256_set1_ps(scale_at(m, j, sc, b));
-        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], d);
-    }
+static inline void q4_block(const uint8_t *packed16, float d, float mn, __m256 *w) {
+    q4_floats(packed16, w);
+    const __m256 scale = _mm256_set1_ps(d), low = _mm256_set1_ps(mn);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(w[i], scale, low);
+}
+
+static inline void q8_block(const int8_t *w32, float d, __m256 *w) {
+    q8_floats(w32, w);
+    const __m256 scale = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], scale);
 }
 
 static inline __m256 block_acc(__m256 acc, const __m256 *w, const float *xb) {
@@ -472,41 +454,65 @@ static inline __m256 block_acc(__m256 acc, const __m256 *w, const float *xb) {
 #define VEC_PARTS 4
 #define VEC_ZERO _mm256_setzero_ps
 #define VEC_SUM hsum256
-#else
-// Portable C: value i of block b, dequantized (the same value in every caller).
-static inline float block_weight(const ms_qmat *m, int64_t j, const float *sc, int64_t b, int i) {
-    if (m->kind == 4) {
-        const uint8_t byte = ((const uint8_t *)m->w)[j * (m->k / 2) + b * 16 + (i & 15)];
-        const float q = (float)(i < 16 ? byte & 0x0F : byte >> 4);
-        return q * scale_at(m, j, sc, 2 * b) + scale_at(m, j, sc, 2 * b + 1);
-    }
-    return (float)((const int8_t *)m->w)[j * m->k + b * BLOCK + i] * scale_at(m, j, sc, b);
-}
 #endif
 
 // `rows` activation rows (row r at x + r * k) against weight row j, each weight block dequantized
 // once for all of them. Every caller inlines it with a constant `rows` (1, GROUP or WIDE_GROUP):
-// one function, so a row's arithmetic is the same alone or in a group.
+// one function, so a row's arithmetic is the same alone or in a group. The block loops are one
+// per format, with the scales converted to floats beforehand (SCALE_CHUNK blocks at a time), so
+// the loop that does the work has no branch in it: with the format and the scales' source tested
+// in every block, one row cost as much as three (the loop's jumps, not its arithmetic, set the
+// pace).
+#define SCALE_CHUNK 512  // blocks whose scales are converted at a time (a row of 16384 inputs)
 static inline __attribute__((always_inline)) void dot_f32_rows(const ms_qmat *m, int64_t j, const float *x,
                                                                float *out, const int rows) {
     const int64_t k = m->k, blocks = k / BLOCK;
-    float buffer[MAX_ROW_SCALES];
-    const float *sc = scales_of(m, j, buffer);
+    float sc[2 * SCALE_CHUNK];
 #ifdef VEC
     VEC acc[WIDE_GROUP], w[VEC_PARTS];
     for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
-    for (int64_t b = 0; b < blocks; b++) {
-        block_weights(m, j, sc, b, w);
-        for (int r = 0; r < rows; r++) acc[r] = block_acc(acc[r], w, x + r * k + b * BLOCK);
+    for (int64_t b0 = 0; b0 < blocks; b0 += SCALE_CHUNK) {
+        const int64_t count = blocks - b0 < SCALE_CHUNK ? blocks - b0 : SCALE_CHUNK;
+        const float *xb = x + b0 * BLOCK;
+        if (m->kind == 4) {
+            const uint8_t *q = (const uint8_t *)m->w + j * (k / 2) + b0 * 16;
+            row_scales(m->s + (j * blocks + b0) * 2, 2 * count, sc);
+            for (int64_t b = 0; b < count; b++, q += 16, xb += BLOCK) {
+                q4_block(q, sc[2 * b], sc[2 * b + 1], w);
+                for (int r = 0; r < rows; r++) acc[r] = block_acc(acc[r], w, xb + r * k);
+            }
+        } else {
+            const int8_t *q = (const int8_t *)m->w + j * k + b0 * BLOCK;
+            row_scales(m->s + j * blocks + b0, count, sc);
+            for (int64_t b = 0; b < count; b++, q += BLOCK, xb += BLOCK) {
+                q8_block(q, sc[b], w);
+                for (int r = 0; r < rows; r++) acc[r] = block_acc(acc[r], w, xb + r * k);
+            }
+        }
     }
     for (int r = 0; r < rows; r++) out[r] = VEC_SUM(acc[r]);
 #else
+    // Portable C: each value dequantized as q * d + m (or q * d), products summed per block.
     for (int r = 0; r < rows; r++) {
         float total = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) {
-            float t = 0.0f;
-            for (int i = 0; i < BLOCK; i++) t += block_weight(m, j, sc, b, i) * x[r * k + b * BLOCK + i];
-            total += t;
+        for (int64_t b0 = 0; b0 < blocks; b0 += SCALE_CHUNK) {
+            const int64_t count = blocks - b0 < SCALE_CHUNK ? blocks - b0 : SCALE_CHUNK;
+            row_scales(m->s + (j * blocks + b0) * (m->kind == 4 ? 2 : 1), (m->kind == 4 ? 2 : 1) * count, sc);
+            for (int64_t b = 0; b < count; b++) {
+                const int64_t at = b0 + b;
+                float t = 0.0f;
+                for (int i = 0; i < BLOCK; i++) {
+                    float wv;
+                    if (m->kind == 4) {
+                        const uint8_t byte = ((const uint8_t *)m->w)[j * (k / 2) + at * 16 + (i & 15)];
+                        wv = (float)(i < 16 ? byte & 0x0F : byte >> 4) * sc[2 * b] + sc[2 * b + 1];
+                    } else {
+                        wv = (float)((const int8_t *)m->w)[j * k + at * BLOCK + i] * sc[b];
+                    }
+                    t += wv * x[r * k + at * BLOCK + i];
+                }
+                total += t;
+            }
         }
         out[r] = total;
     }
