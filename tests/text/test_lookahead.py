@@ -270,6 +270,9 @@ def test_ragged_rows_keep_their_own_columns_and_are_aligned_for_transformers() -
     assert aligned.kv()[0][1][1].flatten().tolist() == [-6, -7, -8, -9, -10, -11]
     cache.keep([(0, 3), (0, 2)])  # narrowed to the longest row
     assert cache.length == 3 and cache.spans() == [(0, 3), (0, 2)]
+    keys = cache.kv()[0][0]
+    cache.keep([(0, 3), (0, 3)])  # as wide as the layers already are: the same views, not new ones
+    assert cache.kv()[0][0] is keys and cache.spans() == [(0, 3), (0, 3)]
     assert RowCache(None, torch.tensor([[1, 0, 1]])).spans() is None  # a hole is not a span
 
 
