@@ -158,22 +158,40 @@ typedef struct {
 static ms_team team = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
                        .wake = PTHREAD_COND_INITIALIZER};
 
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+// A wait at a barrier counts as a stall (a teammate preempted, see "Contention" below) when it
+// outlasted the spin and this thread's own work since the last barrier: a preempted
+// teammate's wait is a time slice (milliseconds) or, on a shared CPU, the teammate's whole share,
+// while teammates that share a long stage evenly (a prefill's matmul, tens of milliseconds) still
+// finish a few hundred microseconds apart. Counting spins alone (20,000, about 0.3 ms) read that
+// spread as preemption, and a prefill's later calls ran on one thread: a 355-token prompt's first
+// token came 30-40 % later.
+static _Thread_local int64_t stage_began = 0;  // when this thread's work since its last barrier began
+
 static void team_barrier(void) {
     if (team_size <= 1) return;
+    const int64_t began = stage_began, arrived = now_ns();
     const unsigned passed = atomic_load(&team.passed);
     if (atomic_fetch_add(&team.arrived, 1) == team_size - 1) {
         atomic_store(&team.arrived, 0);
         atomic_fetch_add(&team.passed, 1);
+        stage_began = arrived;
         return;
     }
-    for (unsigned spins = 0; atomic_load(&team.passed) == passed; spins++) {
-        if (spins < 20000) {
+    unsigned spins = 0;
+    for (; atomic_load(&team.passed) == passed; spins++) {
+        if (spins < 20000)
             cpu_relax();
-        } else {
-            if (spins == 20000) atomic_fetch_add(&team.stalls, 1);
-            sched_yield();  // a teammate was preempted: let it run
-        }
+        else
+            sched_yield();  // a teammate may have been preempted: let it run
     }
+    stage_began = now_ns();
+    if (spins >= 20000 && stage_began - arrived > arrived - began) atomic_fetch_add(&team.stalls, 1);
 }
 
 // Contention. Another busy process on the same cores preempts a teammate for a scheduler time
@@ -189,12 +207,6 @@ static void team_barrier(void) {
 static atomic_int solo_left = 0;
 static atomic_int solo_spell = SOLO_FIRST;
 static atomic_llong solo_calls_total = 0, stalled_calls_total = 0;
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
 
 static void *team_worker(void *arg) {
     const int id = (int)(intptr_t)arg;
@@ -220,6 +232,7 @@ static void *team_worker(void *arg) {
         if (id < team.size) {
             team_id = id;
             team_size = team.size;
+            stage_began = now_ns();
             team.job(team.arg);
         }
         atomic_fetch_add(&team.finished, 1);
@@ -280,6 +293,7 @@ static void team_run(void (*job)(void *), void *arg, int threads) {
     pthread_mutex_unlock(&team.lock);
     team_id = 0;
     team_size = threads;
+    stage_began = now_ns();
     job(arg);
     for (unsigned spins = 0; atomic_load(&team.finished) < workers; spins++) {
         if (spins < 20000)
@@ -898,12 +912,48 @@ static int64_t max_span(const ms_tokens *t) {
     return span;
 }
 
+// This thread's contiguous share [*lo, *hi) of the (token, head) tasks, balanced by their work (a
+// token's columns, plus one): in a prefill each token attends to one more column than the one
+// before, and shares of equal count gave the last thread most of the work (its teammate waited at
+// the barrier long enough to look preempted). Tokens of equal spans (decode) split as by count.
+static void attention_share(const ms_tokens *t, int64_t heads, int64_t *lo, int64_t *hi) {
+    const int64_t tasks = t->count * heads;
+    *lo = 0;
+    *hi = tasks;
+    if (team_size <= 1) return;
+    int64_t total = 0;
+    for (int64_t i = 0; i < t->count; i++) {
+        const int64_t span = t->column[i] - t->first[i] + 1;
+        total += (span > 0 ? span + 1 : 1) * heads;
+    }
+    // Task j starts thread k's share if the work before it, times team_size, first reaches k * total.
+    const int64_t start = total * team_id, stop = total * (team_id + 1);
+    int64_t before = 0;
+    int found = team_id == 0;
+    for (int64_t i = 0; i < t->count; i++) {
+        const int64_t span = t->column[i] - t->first[i] + 1, work = span > 0 ? span + 1 : 1;
+        for (int64_t h = 0; h < heads; h++, before += work) {
+            if (!found && before * team_size >= start) {
+                *lo = i * heads + h;
+                found = 1;
+            }
+            if (team_id < team_size - 1 && before * team_size >= stop) {
+                *hi = i * heads + h;
+                return;
+            }
+        }
+    }
+    if (!found) *lo = tasks;
+}
+
 // Every token's heads against its columns; `scores`: a row of `span` floats per thread.
 static void attend_tokens(const ms_shape *s, const ms_tokens *t, const float *q, const ms_kv *kv, float *out,
                           float *scores, int64_t span) {
     const int64_t heads = s->heads, group = s->heads / s->kv_heads, dim = s->dim;
     float *mine = scores + (int64_t)team_id * span;
-    for (int64_t task = share_lo(t->count * heads), hi = share_hi(t->count * heads); task < hi; task++) {
+    int64_t lo, hi;
+    attention_share(t, heads, &lo, &hi);
+    for (int64_t task = lo; task < hi; task++) {
         int64_t i = task / heads, h = task % heads, g = h / group, row = t->kv_row[i];
         attend_one(q + (i * heads + h) * dim, kv->k + row * kv->ks[0] + g * kv->ks[1],
                    kv->v + row * kv->vs[0] + g * kv->vs[1], kv->ks[2], kv->vs[2], t->first[i], t->column[i],
