@@ -647,6 +647,7 @@ class TextBatcher:
         drafts: list[list[int]] = [[] for _ in batch]
         forced = [False] * len(batch)  # a row's drafts are the tokens its grammar forces (not n-gram guesses)
         if spans is not None:
+            positions = size  # the step's positions so far: every row's pending token, then drafts
             for i, req in enumerate(batch):
                 look = req.row.lookahead
                 if look is None:
@@ -658,9 +659,11 @@ class TextBatcher:
                     drafts[i] = req.constraint.forced(min(room, look.cap))
                     forced[i] = bool(drafts[i])
                 if not drafts[i]:
-                    drafts[i] = look.drafts(req.row.context, rows=size, room=room, version=req.row.rewinds)
+                    drafts[i] = look.drafts(req.row.context, rows=size, room=room, version=req.row.rewinds,
+                                            positions=positions, group=fast.row_group if fast is not None else 0)
                     if req.constraint is not None:
                         drafts[i] = req.constraint.admitted(drafts[i])
+                positions += len(drafts[i])
         ids: list[int] = []
         places: list[int] = []
         counts: list[int] = []  # positions per row of the cache

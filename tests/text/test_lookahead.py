@@ -276,6 +276,24 @@ def test_ragged_rows_keep_their_own_columns_and_are_aligned_for_transformers() -
     assert RowCache(None, torch.tensor([[1, 0, 1]])).spans() is None  # a hole is not a span
 
 
+def test_a_draft_that_starts_another_pass_of_the_kernels_must_pay_for_it() -> None:
+    """The kernels read each weight block once for a group of positions (8 with AVX-512): in a full
+    batch of 8 a single likely draft would cost a whole pass for a fraction of a row's step."""
+    context = list(range(1, 13)) * 3 + list(range(1, 4))  # a long copy, continued after [1, 2, 3]
+    look = Lookahead(cap=10)
+    for _ in range(6):  # drafts kept every time: a high acceptance rate
+        drafted = look.drafts(context, rows=1, room=10)
+        look.verified(drafted=len(drafted), kept=len(drafted))
+    alone = look.drafts(context, rows=1, room=10, positions=1, group=8)
+    assert alone == look.drafts(context, rows=1, room=10) and len(alone) >= 7  # within one pass: as before
+    some_room = look.drafts(context, rows=5, room=10, positions=5, group=8)
+    assert 1 <= len(some_room)  # three free positions in the pass: drafts fit
+    full = look.drafts(context, rows=8, room=10, positions=8, group=8)
+    assert look.drafts(context, rows=8, room=10) != [] and full == []  # one more position would start a pass
+    explicit = Lookahead(cap=3, batch_aware=False)  # speculate=3 asked for drafts whatever the batch
+    assert explicit.drafts(context, rows=8, room=10, positions=8, group=8) == [4]
+
+
 def test_drafts_follow_the_latest_match_and_stop_when_they_keep_failing() -> None:
     look = Lookahead(cap=8)
     context = [1, 2, 3, 4, 5, 6, 1, 2, 3]

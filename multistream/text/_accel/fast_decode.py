@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .._kv_rows import RowCache
-from .kernels import StopPoints, Tokens
+from .kernels import StopPoints, Tokens, native_kernels
 from .native_layers import NativeStack, native_layer
 from .row_attention import row_attention, uses_row_attention
 
@@ -82,6 +82,10 @@ class FastDecode:
 
             self.apply_rotary = apply_rotary_pos_emb
         self._stops: StopPoints | None = None
+        # Positions the kernels compute in one pass over the weights (exact lookahead weighs drafts
+        # that start another pass); 0 where the native stack does not run.
+        kernels = native_kernels() if self.native_stack is not None else None
+        self.row_group = kernels.row_group() if kernels is not None else 0
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:

@@ -1192,6 +1192,16 @@ int ms_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float
     return 0;
 }
 
+// How many activation rows share one pass over the weights (one dequantization of each block): a
+// step's positions past a multiple of it start another pass (exact lookahead weighs its drafts by it).
+int ms_row_group(void) {
+#ifdef VEC
+    return WIDE_GROUP;
+#else
+    return 1;
+#endif
+}
+
 // How the team met contention so far: out[0] calls whose barriers stalled, out[1] calls run on
 // the caller alone because of it (both 0 without threads).
 void ms_team_contention(int64_t *out) {

@@ -138,6 +138,11 @@ class NativeKernels:
     path: Path
     isa: str
 
+    def row_group(self) -> int:
+        """How many activation rows share one pass over a weight matrix (8 with AVX-512, 4 with AVX2,
+        1 in portable C): a step's positions past a multiple of it cost another pass."""
+        return int(self.cdll.ms_row_group())
+
     def contention(self) -> tuple[int, int]:
         """(calls whose barriers stalled on a preempted teammate, calls run on the caller alone
         because of it) so far in this process: see "Threads" in the module docstring."""
@@ -233,6 +238,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.ms_kernel_isa.restype = ctypes.c_char_p
     cdll.ms_team_contention.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     cdll.ms_team_contention.restype = None
+    cdll.ms_row_group.restype = ctypes.c_int
 
 
 def _load() -> tuple[NativeKernels | None, str | None]:
