@@ -648,6 +648,7 @@ class TextBatcher:
         forced = [False] * len(batch)  # a row's drafts are the tokens its grammar forces (not n-gram guesses)
         if spans is not None:
             positions = size  # the step's positions so far: every row's pending token, then drafts
+            assert fast is not None  # spans come only from a native ragged step
             for i, req in enumerate(batch):
                 look = req.row.lookahead
                 if look is None:
@@ -660,7 +661,7 @@ class TextBatcher:
                     forced[i] = bool(drafts[i])
                 if not drafts[i]:
                     drafts[i] = look.drafts(req.row.context, rows=size, room=room, version=req.row.rewinds,
-                                            positions=positions, group=fast.row_group if fast is not None else 0)
+                                            positions=positions, group=fast.row_group)
                     if req.constraint is not None:
                         drafts[i] = req.constraint.admitted(drafts[i])
                 positions += len(drafts[i])
