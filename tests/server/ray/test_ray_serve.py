@@ -21,9 +21,15 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from lookahead_prompts import COPY  # the answer copies it: the default speculate drafts
 from redis_fixtures import needs_redis
 from server_fixtures import iter_events
+
+# A long answer that copies its prompt: many tokens are left, and drafted, after the kill.
+LONG_QUOTE = [{"role": "user", "content": "Repeat this paragraph exactly, and nothing else: The old lighthouse keeper "
+               "climbed the stairs every evening to light the lamp for the fishing boats. He wiped the salt from "
+               "the glass, wound the clockwork that turned the lens, and wrote the weather in a small blue book. "
+               "When the fog came in from the sea he rang the bell every minute until morning, and the boats "
+               "found their way home to the harbour one by one."}]
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -147,13 +153,14 @@ def test_replica_killed_mid_copying_stream_with_drafts_is_exact(cluster: str) ->
     """Lookahead across a failover: a copying answer (drafts taken before and after the kill, on the
     default ``speculate``) resumed through the ingress has the text and token ids of an
     uninterrupted ``speculate=0`` run."""
-    body = {"prompt": COPY, "max_new_tokens": 40, "temperature": 0.0}
+    body = {"prompt": LONG_QUOTE, "max_new_tokens": 120, "temperature": 0.0}
     _, _, reference, _ = _stream(cluster, {**body, "speculate": 0})
     _check(reference)
     assert not reference[-1]["metrics"].get("accepted_tokens")
-    # The kill comes after the first event: the answer is 24 tokens, made about two a step, and with
-    # the kill after the third event the first replica had now and then (one full run of the suite)
-    # made them all before the kill landed, leaving the continuing replica nothing to draft.
+    # The kill comes after the first event, and the answer is a long quote: with a 24-token answer
+    # the first replica had now and then (two full runs of the suite, the second after the kernels
+    # decoded 1.45x faster) made all or most of it before the kill landed, leaving the continuing
+    # replica nothing, or nothing copyable, to draft.
     _, _, events, _ = _stream(cluster, body, kill_after=1)
     _check(events)
     assert events[-1]["text"] == reference[-1]["text"]
