@@ -126,10 +126,10 @@ def create_app(
         app.state.multistream = state
         loading = [slot for slot in state.models.values() if slot.state == "pending"]
         if loading:  # their loads share one pause of the collector: one walk after the last (`multistream._gc`)
-            # Under `serve()` the runner collects and freezes start-up's objects once the pause is
-            # over (`runner._freeze_startup_objects`): the pause's end need not walk them first.
-            runner_collects = getattr(app.state, "runner_collects_startup", False)
-            paused_until((slot.settled for slot in loading), finish=(lambda: None) if runner_collects else gc.collect)
+            # Under `serve()` the runner freezes start-up's objects once the pause is over
+            # (`runner._freeze_startup_objects`), without a walk: the pause's end need not walk them.
+            runner_freezes = getattr(app.state, "runner_freezes_startup", False)
+            paused_until((slot.settled for slot in loading), finish=(lambda: None) if runner_freezes else gc.collect)
         for slot in loading:
             slot.start_loading()
         stop_waiting = threading.Event()

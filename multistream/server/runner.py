@@ -295,8 +295,8 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = 
     128 + the signal's number (130 for Ctrl-C) when a second signal stopped it at once. ``say``
     prints what a signal does, one line (default: the log, at warning level)."""
     state = getattr(app, "state", None)
-    if state is not None:  # the models' load pause ends without a walk; `_freeze_startup_objects` freezes start-up
-        state.runner_collects_startup = True
+    if state is not None:  # the models' load pause ends without a walk: `_freeze_startup_objects` freezes start-up
+        state.runner_freezes_startup = True
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
     server = DrainingServer(config, say=say)
     with _multistream_log_like_uvicorns(log_level):
