@@ -220,6 +220,12 @@ class TextBatcher:
     # -- Backend --------------------------------------------------------------------------------
 
     def admit(self, request: TextRequest) -> None:
+        if request.at_length_limit():
+            # A continued answer (a failover, a restart) that already has all its tokens: the
+            # replica died after the last token and before the final event. It ends as it would
+            # have, with no token more.
+            request.finish("length")
+            return
         request.row.order = next(self._arrivals)
         self._start_from_cached_prefix(request)
         self.waiting.append(request)

@@ -203,10 +203,15 @@ class TextRequest:
         if self.constraint is not None and self.constraint.done:
             self.finish("stop")  # the grammar is complete: only EOS could follow, so end now
             return True
-        if len(row.answer_ids) >= spec.max_new_tokens or len(row.context) >= spec.context_length:
+        if self.at_length_limit():
             self.finish("length")
             return True
         return False
+
+    def at_length_limit(self) -> bool:
+        """The answer has its ``max_new_tokens``, or the context is full: no token may follow."""
+        row, spec = self.row, self.spec
+        return len(row.answer_ids) >= spec.max_new_tokens or len(row.context) >= spec.context_length
 
     def release(self) -> None:
         """Emit what is ready after tokens taken with ``accept(hold=True)``: several tokens of one

@@ -172,3 +172,23 @@ def test_resume_after_a_steer_with_the_instruction_tokens(default_model) -> None
         llm.stream(prompt, resume_inserted=[(0, [1])])
     with pytest.raises(ms.InvalidArgumentError, match="on_edit must be callable"):
         llm.stream(prompt, on_edit=3)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_resume_with_every_token_already_sent_adds_none(default_model, sampling) -> None:
+    """A replica can die after the answer's last token and before its final event (the replica
+    runs ahead of the client). The replica that takes over gets every token as ``resume_tokens``:
+    it ends the stream at ``max_new_tokens`` with no token more (it used to decode one: the Ray
+    failover test's text ended "... expanse of blue" instead of "... expanse of")."""
+    llm = default_model
+    prompt = "Write one sentence about the sea."
+    events = list(llm.replica_stream(prompt, max_new_tokens=14, **sampling))
+    ids = [t for ev in events for t in ev.token_ids]
+    assert len(ids) == 14 and events[-1].finish_reason == "length"
+    for sent in (13, 14):
+        resumed = list(llm.replica_stream(prompt, max_new_tokens=14, resume_tokens=ids[:sent], **sampling))
+        assert [t for ev in resumed for t in ev.token_ids] == ids[sent:]
+        final = resumed[-1]
+        assert final.is_final and final.finish_reason == "length" and final.text == events[-1].text
+        assert final.usage["completion_tokens"] == 14
