@@ -37,7 +37,7 @@ import logging
 import threading
 import weakref
 from itertools import count
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -113,9 +113,15 @@ def _unstarted(req: TextRequest) -> bool:
         row.cached_prompt_tokens > 0 and row.prefilled == row.cached_prompt_tokens and row.needs_prefill)
 
 
-def _returned_cache(out: Any, name: str, given: Any) -> Any:
-    returned = out[name]
-    return given if returned is None else returned
+class Forward(NamedTuple):
+    """What the engine reads of a forward: the logits and the cache it grew."""
+
+    logits: torch.Tensor
+    cache: Any
+
+
+def _returned_cache(out: Forward, given: Any) -> Any:
+    return given if out.cache is None else out.cache
 
 
 def _left_padding(mask: torch.Tensor) -> list[int] | None:
@@ -194,6 +200,8 @@ class TextBatcher:
         params = inspect.signature(model.forward).parameters
         # transformers 5.2x renamed `past_key_values` to `cache`; speak whichever this model knows.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # The embedded model's engine cache and plain tuple output, which need no transformers import.
+        self._model_cache = getattr(model, "new_cache", None)
         self._mergeable: bool | None = None  # known after the first prefill
         self.waiting: list[TextRequest] = []
         self.batch: list[TextRequest] = []
@@ -513,28 +521,34 @@ class TextBatcher:
             for req in reqs:
                 req.fail(exc)
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Forward:
         extra: dict[str, Any] = {self._cache_arg: cache}
         if mask.shape[0] > 1 and uses_row_attention(self.model):
             starts = _left_padding(mask)
             if starts is not None:
                 extra["row_starts"] = starts  # each row attends to its own columns only (_row_attention)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **extra,
-        )
-        returned = out[self._cache_arg]
+        out = self._call(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **extra)
         if self._mergeable is None:
-            self._mergeable = supports_row_cache(returned if returned is not None else cache)
+            self._mergeable = supports_row_cache(_returned_cache(out, cache))
         return out
 
-    def _prefill_group(self, group: list[TextRequest]) -> None:
+    def _call(self, **kwargs: Any) -> Forward:
+        """The model's forward, as `Forward` (the embedded model answers a plain tuple)."""
+        if self._model_cache is not None:
+            logits, *rest = self.model(**kwargs, return_dict=False)
+            return Forward(logits, rest[0] if rest else None)
+        out = self.model(**kwargs)
+        return Forward(out.logits, out[self._cache_arg])
+
+    def _empty_cache(self) -> Any:
+        if self._model_cache is not None:
+            return self._model_cache()
         from transformers import DynamicCache
 
+        return DynamicCache()
+
+    def _prefill_group(self, group: list[TextRequest]) -> None:
         if len(group) > 1 and self._mergeable is False:
             group = group[:1]
         width = max(len(r.row.context) for r in group)
@@ -544,7 +558,7 @@ class TextBatcher:
             ids.append([req.row.context[0]] * pad + req.row.context)
             mask.append([0] * pad + [1] * len(req.row.context))
             positions.append([0] * pad + list(range(len(req.row.context))))
-        cache = DynamicCache()
+        cache = self._empty_cache()
         mask_t = torch.tensor(mask, device=self.device)
         # Only a higher priority may be prefilled part-way through this one.
         self._open_for = _rank(group[0]) if self._poll_arrivals is not None else None
@@ -556,7 +570,7 @@ class TextBatcher:
             )
         finally:
             self._open_for, self._prefilling = None, []
-        rows = RowCache(_returned_cache(out, self._cache_arg, cache), mask_t)
+        rows = RowCache(_returned_cache(out, cache), mask_t)
         for i, req in enumerate(group):
             req.row.prefilled = len(req.row.context)
             req.row.own_cache = (rows, i)
@@ -566,18 +580,16 @@ class TextBatcher:
             self._first_token(req, out.logits[i, -1])
 
     def _prefill_chunk(self, reqs: list[TextRequest], n: int) -> None:
-        from transformers import DynamicCache
-
         (req,) = reqs
         start = req.row.prefilled
         ids = req.row.context[start : start + n]
-        cache = req.row.own_cache[0].cache if req.row.own_cache is not None else DynamicCache()
+        cache = req.row.own_cache[0].cache if req.row.own_cache is not None else self._empty_cache()
         mask = torch.ones(1, start + n, dtype=torch.long, device=self.device)
         out = self._forward(
             torch.tensor([ids], device=self.device), mask,
             torch.arange(start, start + n, device=self.device).unsqueeze(0), cache,
         )
-        req.row.own_cache = (RowCache(_returned_cache(out, self._cache_arg, cache), mask), 0)
+        req.row.own_cache = (RowCache(_returned_cache(out, cache), mask), 0)
         req.row.prefilled += n
         if req.row.prefilled >= len(req.row.context):
             self._remember_prompt(req, req.row.own_cache[0], 0)
@@ -893,14 +905,11 @@ class TextBatcher:
     def score(self, ids: list[int], table: TokenTable, top_logprobs: int) -> list[dict[str, Any] | None]:
         """Logprob entries of a prompt's own tokens (the first is None: nothing predicts it), from
         one forward of the whole prompt. Call on the engine thread (`Engine.run_on_engine`)."""
-        from transformers import DynamicCache
-
         out: list[dict[str, Any] | None] = [None]
         if len(ids) < 2:
             return out
-        cache = DynamicCache()
-        result = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
-                            **{self._cache_arg: cache})
+        result = self._call(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
+                            **{self._cache_arg: self._empty_cache()})
         logits = result.logits[0, :-1]
         # Bounded memory: log-softmax a few hundred positions at a time.
         for start in range(0, logits.shape[0], 256):

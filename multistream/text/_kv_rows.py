@@ -1,6 +1,6 @@
 """A KV cache whose rows are separate requests, left-padded to one length: join, leave, split.
 
-transformers' `DynamicCache` holds, per layer, keys and values shaped ``[rows, heads, length,
+transformers' `DynamicCache` (or the embedded model's `KVCache`, the same layout) holds, per layer, keys and values shaped ``[rows, heads, length,
 dim]``. Requests of different lengths share it by left padding: row ``i`` has
 ``mask[i, j] == 0`` for its padding columns, and its own position ids (tokens before it in *its*
 sequence, not the column). These functions reshape such a cache between two decoding steps, so
@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["RowCache", "supports_row_cache"]
+from ._kv_cache import KVCache, KVLayer
+
+__all__ = ["RowCache", "cache_of", "supports_row_cache"]
 
 
 def _layers(cache: Any) -> list[Any]:
@@ -34,24 +36,37 @@ def _layers(cache: Any) -> list[Any]:
 
 def supports_row_cache(cache: Any) -> bool:
     """True if every layer is a plain growing key/value layer (no sliding window, no state)."""
+    layers = _layers(cache)
+    if layers and all(type(layer) is KVLayer for layer in layers):
+        return True
     from transformers.cache_utils import DynamicLayer
 
-    layers = _layers(cache)
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]], like: Any = None) -> Any:
+    """A cache holding ``layers`` (copied), of the kind of ``like``: a `KVCache` where ``like`` is
+    one (the embedded model's), else transformers' ``DynamicCache``."""
+    if isinstance(like, KVCache):
+        return KVCache(layers)
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=layers)
 
 
 @dataclass
 class RowCache:
-    """A `DynamicCache` plus the attention mask (rows x columns) that says which columns are real."""
+    """A `DynamicCache` or `KVCache` plus the attention mask (rows x columns) that says which
+    columns are real."""
 
     cache: Any
     mask: torch.Tensor
 
     @classmethod
-    def from_layers(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> RowCache:
-        from transformers import DynamicCache
-
-        return cls(DynamicCache(ddp_cache_data=layers), mask)
+    def from_layers(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+                    like: Any = None) -> RowCache:
+        """``layers`` in a cache of the kind of ``like`` (`cache_of`), with ``mask``."""
+        return cls(cache_of(layers, like), mask)
 
     @property
     def rows(self) -> int:
@@ -77,7 +92,7 @@ class RowCache:
              v.index_select(0, index.to(v.device))[:, :, start:stop])
             for k, v in self.kv()
         ]
-        return RowCache.from_layers(layers, mask[:, start:stop])
+        return RowCache.from_layers(layers, mask[:, start:stop], self.cache)
 
     def spans(self) -> list[tuple[int, int]] | None:
         """Each row's columns ``(start, end)`` if every row is padding, tokens, padding (None otherwise).
@@ -129,7 +144,7 @@ class RowCache:
         columns = torch.arange(width, device=self.mask.device)
         sizes = torch.tensor([end - start for start, end in spans], device=self.mask.device)
         mask = (columns[None, :] >= width - sizes[:, None]).to(self.mask.dtype)
-        return RowCache.from_layers(layers, mask)
+        return RowCache.from_layers(layers, mask, self.cache)
 
     def reorder(self, rows: list[int], sources: list[int]) -> None:
         """In place: row ``rows[j]`` becomes a copy of row ``sources[j]`` (as it was before), in
@@ -150,7 +165,7 @@ class RowCache:
     def crop(self, length: int) -> RowCache:
         """The first ``length`` columns (a single unpadded row: its first ``length`` tokens)."""
         layers = [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv()]
-        return RowCache.from_layers(layers, self.mask[:, :length])
+        return RowCache.from_layers(layers, self.mask[:, :length], self.cache)
 
     def left_pad(self, columns: int) -> RowCache:
         if columns <= 0:
@@ -160,7 +175,7 @@ class RowCache:
             pad = (0, 0, columns, 0)
             layers.append((torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)))
         mask = torch.nn.functional.pad(self.mask, (columns, 0))
-        return RowCache.from_layers(layers, mask)
+        return RowCache.from_layers(layers, mask, self.cache)
 
     @staticmethod
     def concat(first: RowCache, second: RowCache) -> RowCache:
@@ -171,4 +186,4 @@ class RowCache:
             (torch.cat([ka, kb.to(ka.device)], 0), torch.cat([va, vb.to(va.device)], 0))
             for (ka, va), (kb, vb) in zip(a.kv(), b.kv())
         ]
-        return RowCache.from_layers(layers, torch.cat([a.mask, b.mask], 0))
+        return RowCache.from_layers(layers, torch.cat([a.mask, b.mask], 0), first.cache)

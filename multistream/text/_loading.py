@@ -42,6 +42,7 @@ from ._accel.quantize import (
     quantize_model,
 )
 from ._batcher import DEFAULT_MAX_BATCH
+from ._embedded_tokenizer import EmbeddedTokenizer
 from ._model import TextModel, check_engine_limits
 
 __all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_path", "load_text_model", "resolve_quantize"]
@@ -342,7 +343,7 @@ def _load_lean(folder: Path, tokenizer: Any, device: torch.device, dtype: torch.
     try:
         model = LeanLlamaForCausalLM.from_folder(folder)  # a model it cannot hold: ValueError (lean_llama_problem)
         if tokenizer is None:
-            tokenizer = _embedded_tokenizer(folder)
+            tokenizer = EmbeddedTokenizer.from_folder(folder)
     except (OSError, ValueError, ImportError) as exc:  # a folder it cannot read: transformers' model
         logger.info("loading the embedded model with transformers' modeling code (%s)", exc)
         return None
@@ -352,21 +353,6 @@ def _load_lean(folder: Path, tokenizer: Any, device: torch.device, dtype: torch.
     except _NotNative as exc:  # e.g. a kernel that failed its check on one layer
         logger.info("loading the embedded model with transformers' modeling code (%s)", exc)
         return None
-
-
-def _embedded_tokenizer(folder: Path) -> Any:
-    """The embedded model's tokenizer, from the class its ``tokenizer_config.json`` names, which
-    ``AutoTokenizer`` would pick (its module costs 0.3 s of imports that this skips)."""
-    import json
-
-    named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    if named == "TokenizersBackend":
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(folder)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def _finish(model: Any, tokenizer: Any, name: str, requested: str | None, activations: str, compile: bool,

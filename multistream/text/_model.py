@@ -37,11 +37,12 @@ from ._batcher import DEFAULT_MAX_BATCH, SharedPrompt, TextBatcher
 from ._beams import new_beam_search
 from ._constraints import TokenConstraint, constraint_for, grammar_of
 from ._edits import Edit
+from ._embedded_tokenizer import EmbeddedTokenizer
 from ._logprobs import TokenTable
 from ._options import REWIND_OPTIONS, TextOptions, check_prompt, parse_text_options
 from ._request import TextRequest
 from ._request_spec import History, RequestSpec
-from ._sampling import RowSampler, SamplingPlan, choice_seed
+from ._sampling import RowSampler, SamplingPlan, choice_seed, generation_settings, logits_processors
 from ._tools import render_tool_messages, tools_active
 
 __all__ = ["TextModel", "check_engine_limits"]
@@ -109,7 +110,9 @@ def check_engine_limits(max_batch: Any, prefill_budget: Any) -> None:
 class TextModel(EngineModel):
     """A causal language model that streams. Build it with `load_text_model`.
 
-    ``.model`` and ``.tokenizer`` are the underlying transformers objects.
+    ``.model`` and ``.tokenizer`` are the underlying transformers objects (the embedded model's
+    tokenizer is built at the first read of ``.tokenizer``: the engine encodes and decodes with
+    `EmbeddedTokenizer`, which spares every start the import of transformers).
 
     Example:
         >>> llm = load_text_model()                                               # doctest: +SKIP
@@ -141,7 +144,7 @@ class TextModel(EngineModel):
             getattr(config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
         )
         eos: set[int] = set()
-        for source in (getattr(model, "generation_config", None), config, tokenizer):
+        for source in (generation_settings(model), config, tokenizer):
             value = getattr(source, "eos_token_id", None)
             if isinstance(value, int):
                 eos.add(value)
@@ -156,6 +159,17 @@ class TextModel(EngineModel):
         self._batcher = TextBatcher(model, max_batch=max_batch, prefill_budget=prefill_budget)
         engine = self.start_engine(self._batcher, name=f"text-{name}", setup=engine_thread_setup)
         self._batcher.enable_prefill_points(engine.poll_arrivals, engine.arrivals)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The transformers tokenizer (for the embedded model, built at the first read)."""
+        codec = self._codec
+        return codec.transformers_tokenizer() if isinstance(codec, EmbeddedTokenizer) else codec
+
+    @tokenizer.setter
+    def tokenizer(self, value: Any) -> None:
+        # What the engine encodes prompts and decodes answers with: the same ids and text.
+        self._codec = value
 
     @property
     def capacity(self) -> int:
@@ -190,7 +204,7 @@ class TextModel(EngineModel):
         "none") are rendered by the chat template where it takes them, else by a system prompt
         (`multistream.text._tools.render_tool_messages`); so are earlier turns' tool calls and results.
         """
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = getattr(self._codec, "chat_template", None)
         has_template = bool(template)
         prompt = check_prompt(prompt)
         if isinstance(prompt, str):
@@ -199,7 +213,7 @@ class TextModel(EngineModel):
             if not chat:
                 if not prompt:
                     raise InvalidArgumentError("prompt is empty; a raw completion needs some text to continue")
-                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+                return list(self._codec(prompt, add_special_tokens=True)["input_ids"])
             messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
         else:
             if chat is False:
@@ -217,7 +231,7 @@ class TextModel(EngineModel):
             messages = render_tool_messages(messages, tools, template_has_tools, offered)
             if offered and template_has_tools:
                 extra["tools"] = json.loads(tools or "[]")
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+        encoded = self._codec.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(encoded, dict) or hasattr(encoded, "keys"):
             encoded = encoded["input_ids"]
         return [int(i) for i in encoded]
@@ -302,7 +316,7 @@ class TextModel(EngineModel):
                 f"the prompt is {len(prompt_ids)} tokens but {self.name} has a context of "
                 f"{self.context_length} tokens; shorten the prompt (or drop early chat turns)"
             )
-        plan = SamplingPlan.resolve(checked, getattr(self.model, "generation_config", None))
+        plan = SamplingPlan.resolve(checked, generation_settings(self.model))
         max_new = min(checked.max_new_tokens, self.context_length - len(prompt_ids))
         if checked.num_beams > self.max_batch:
             raise InvalidArgumentError(
@@ -310,7 +324,7 @@ class TextModel(EngineModel):
                 f"max_batch={self.max_batch}; use num_beams <= {self.max_batch} or load_text_model(max_batch=...)")
 
         is_chat = not isinstance(prompt, str) or (
-            checked.chat if checked.chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
+            checked.chat if checked.chat is not None else bool(getattr(self._codec, "chat_template", None))
         )
         history: History | None = None
         if on_edit is not None and not callable(on_edit):
@@ -412,7 +426,7 @@ class TextModel(EngineModel):
 
         def submit(writer: StreamWriter) -> None:
             request = TextRequest(
-                spec, writer, tokenizer=self.tokenizer, sampler=self._sampler(spec.plan, options),
+                spec, writer, tokenizer=self._codec, sampler=self._sampler(spec.plan, options),
                 constraint=constraint, token_table=table, share=share,
                 beams=new_beam_search(options, spec.max_new_tokens, self.eos_token_ids),
                 on_finish=lambda req: (model := model_ref()) is not None and model._remember(req),
@@ -460,8 +474,8 @@ class TextModel(EngineModel):
         if is_chat:
             try:
                 base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-                closed = self.tokenizer.apply_chat_template(base, tokenize=False)
-                more = self.tokenizer.apply_chat_template(
+                closed = self._codec.apply_chat_template(base, tokenize=False)
+                more = self._codec.apply_chat_template(
                     base + [{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True
                 )
                 if more.startswith(closed):
@@ -469,7 +483,7 @@ class TextModel(EngineModel):
             except Exception as exc:  # noqa: BLE001 - a template that cannot render turns is a clear error
                 raise InvalidArgumentError(f"the chat template cannot add a user turn ({exc}); steer a chat=False stream") from exc
         try:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return list(self._codec(text, add_special_tokens=False)["input_ids"])
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"the instruction cannot be tokenized: {exc}") from exc
 
@@ -513,7 +527,7 @@ class TextModel(EngineModel):
                 current = dataclasses.asdict(request.spec.options)
                 current.update(kwargs)
                 options = parse_text_options(**current)
-                sampler = self._sampler(SamplingPlan.resolve(options, getattr(self.model, "generation_config", None)), options)
+                sampler = self._sampler(SamplingPlan.resolve(options, generation_settings(self.model)), options)
             request.edits.put(Edit("rewind", inserted, instruction=instruction, offset=offset, sampler=sampler,
                                     token_id=token_id))
         else:
@@ -582,7 +596,7 @@ class TextModel(EngineModel):
         merged["num_beams"] = 1  # a revision continues the kept text token by token
         merged.update(options)
         new_options = parse_text_options(**merged)
-        plan = SamplingPlan.resolve(new_options, getattr(self.model, "generation_config", None))
+        plan = SamplingPlan.resolve(new_options, generation_settings(self.model))
         if cut + len(inserted) + 1 >= self.context_length:
             raise PromptTooLongError("the kept text and the instruction fill the context; revise from an earlier offset")
         max_new = min(new_options.max_new_tokens, self.context_length - cut - len(inserted))
@@ -619,5 +633,6 @@ class TextModel(EngineModel):
         """
         # A string: a chat turn through the template where the model has one, a raw prompt otherwise.
         self.generate("Hi", max_new_tokens=1, temperature=0.0)
+        logits_processors()  # a sampled stream's processors: imported now, not on its caller's thread
 
 

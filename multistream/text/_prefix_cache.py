@@ -126,7 +126,7 @@ class PrefixCache:
         layers = [(k[:, :, :covered].clone(), v[:, :, :covered].clone()) for k, v in rows.kv()]
         self.hits += 1
         self.reused_tokens += covered
-        return covered, RowCache.from_layers(layers, rows.mask[:, :covered].clone())
+        return covered, RowCache.from_layers(layers, rows.mask[:, :covered].clone(), rows.cache)
 
     def clear(self) -> None:
         with self._lock:

@@ -27,7 +27,22 @@ import torch
 from ._options import TextOptions
 from ._seeds import choice_seed, position_seed
 
-__all__ = ["Penalties", "RowSampler", "SamplingPlan", "adjust_rows", "choice_seed", "position_seed"]
+__all__ = ["Penalties", "RowSampler", "SamplingPlan", "adjust_rows", "choice_seed", "generation_settings", "logits_processors",
+           "position_seed"]
+
+
+def generation_settings(model: Any) -> Any:
+    """The model's ``generation_config`` values, read with ``getattr``: a model may offer them as
+    ``generation_settings`` without building transformers' ``GenerationConfig`` (the embedded
+    model does: `LeanLlamaForCausalLM.generation_settings`, which spares a start that import).
+
+    Example:
+        >>> generation_settings(llm.model).eos_token_id                       # doctest: +SKIP
+        2
+    """
+    settings = getattr(model, "generation_settings", None)
+    return settings if settings is not None else getattr(model, "generation_config", None)
+
 
 @dataclass(frozen=True)
 class SamplingPlan:
@@ -143,33 +158,41 @@ def adjust_rows(logits: torch.Tensor, penalties: list[Penalties]) -> torch.Tenso
     return out
 
 
+def logits_processors() -> Any:
+    """transformers' ``logits_process`` module (its import takes about 0.7 s the first time: a
+    server's `TextModel.warm_up` pays it, not its first sampled stream's caller).
+
+    Example:
+        >>> logits_processors().TopKLogitsWarper(5)                          # doctest: +SKIP
+    """
+    from transformers.generation import logits_process
+
+    return logits_process
+
+
 class RowSampler:
     """Picks the tokens of one request from its row of the batch's logits (already masked by the
     request's grammar, if it has one: `multistream.text._constraints.apply_masks`)."""
 
     def __init__(self, plan: SamplingPlan) -> None:
-        from transformers.generation.logits_process import (
-            LogitsProcessorList,
-            MinPLogitsWarper,
-            RepetitionPenaltyLogitsProcessor,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
         self.plan = plan
-        processors = LogitsProcessorList()
-        if plan.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltyLogitsProcessor(plan.repetition_penalty))
-        if not plan.greedy:
-            if plan.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(plan.temperature))
-            if plan.top_k:
-                processors.append(TopKLogitsWarper(plan.top_k))
-            if plan.top_p < 1.0:
-                processors.append(TopPLogitsWarper(plan.top_p))
-            if plan.min_p > 0:
-                processors.append(MinPLogitsWarper(plan.min_p))
+        processors: list[Any] = []
+        if plan.repetition_penalty != 1.0 or not plan.greedy:
+            # transformers' processors, imported only where one applies: greedy decoding, the
+            # default, starts without importing transformers.
+            lp = logits_processors()
+            processors = lp.LogitsProcessorList()
+            if plan.repetition_penalty != 1.0:
+                processors.append(lp.RepetitionPenaltyLogitsProcessor(plan.repetition_penalty))
+            if not plan.greedy:
+                if plan.temperature != 1.0:
+                    processors.append(lp.TemperatureLogitsWarper(plan.temperature))
+                if plan.top_k:
+                    processors.append(lp.TopKLogitsWarper(plan.top_k))
+                if plan.top_p < 1.0:
+                    processors.append(lp.TopPLogitsWarper(plan.top_p))
+                if plan.min_p > 0:
+                    processors.append(lp.MinPLogitsWarper(plan.min_p))
         self._processors = processors
         self._generator: torch.Generator | None = None
         self.penalties: Penalties | None = None  # made by the batcher on the logits' device (see `adjust_rows`)

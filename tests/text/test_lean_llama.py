@@ -56,6 +56,86 @@ def test_loading_the_default_imports_no_transformers_modeling_code() -> None:
     assert out.split() == ["True", "[]"], out
 
 
+def test_a_greedy_stream_of_the_default_imports_no_transformers_at_all() -> None:
+    """``load_text_model()`` and a greedy stream (the CLI's default) never import transformers
+    (0.6-0.7 s of every start): the engine encodes with `EmbeddedTokenizer`, keeps its keys and
+    values in a `KVCache` and reads ``generation_config.json`` itself. ``llm.tokenizer`` is still
+    transformers' tokenizer, built at its first read, and a sampled stream gets transformers'
+    logits processors."""
+    _embedded_model_folder()
+    code = ("import sys, multistream as ms; llm = ms.load_text_model(); "
+            "print(llm.generate('Hi', max_new_tokens=4).text); print('transformers' in sys.modules); "
+            "print(type(llm.tokenizer).__name__, 'transformers' in sys.modules); "
+            "print(llm.generate('Hi', max_new_tokens=4, temperature=0.8, seed=1).finish_reason)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    lines = out.splitlines()
+    assert lines[0] == "Hello! How can", out
+    assert lines[1:] == ["False", "TokenizersBackend True", "length"], out
+
+
+MESSAGES = [
+    "Hi",
+    [{"role": "user", "content": "Héllo 漢字 🙂\n\ttabs  and  spaces"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "<|im_end|> another?"}],
+    [{"role": "user", "content": "What is the weather in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+         "name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "18 C and sunny"}],
+]
+TOOLS = '[{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]'
+
+
+def test_the_engine_tokenizer_encodes_and_decodes_as_transformers(text_model, reference) -> None:
+    """`EmbeddedTokenizer` (the engine's, without transformers) gives the ids, text and limits
+    that transformers' tokenizer of the same folder gives: chat turns, tool turns and offered
+    tools, raw completions, steering instructions, decoding."""
+    from multistream.text._embedded_tokenizer import EmbeddedTokenizer
+
+    assert isinstance(text_model._codec, EmbeddedTokenizer)
+    assert type(text_model.tokenizer).__name__ == type(reference.tokenizer).__name__ == "TokenizersBackend"
+    for prompt in MESSAGES:
+        assert text_model.encode_prompt(prompt) == reference.encode_prompt(prompt)
+        assert text_model.encode_prompt(prompt, tools=TOOLS) == reference.encode_prompt(prompt, tools=TOOLS)
+    for raw in ("Once upon a time", " leading space", "<|im_start|>user", "漢字🙂"):
+        assert text_model.encode_prompt(raw, chat=False) == reference.encode_prompt(raw, chat=False)
+    for chat in (True, False):
+        assert text_model._instruction_tokens("Make it shorter.", chat) == \
+            reference._instruction_tokens("Make it shorter.", chat)
+    ids = reference.encode_prompt(MESSAGES[2])
+    assert text_model._codec.decode(ids) == reference.tokenizer.decode(ids)
+    assert text_model._codec.decode(ids, skip_special_tokens=True) == reference.tokenizer.decode(
+        ids, skip_special_tokens=True)
+    assert (text_model.eos_token_ids, text_model.context_length, text_model.vocab_size) == \
+        (reference.eos_token_ids, reference.context_length, reference.vocab_size)
+    for name in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "min_p", "eos_token_id"):
+        assert getattr(text_model.model.generation_settings, name) == getattr(reference.model.generation_config, name)
+
+
+def test_a_kv_cache_given_to_the_twin_grows_in_place(text_model, reference) -> None:
+    """A forward the native layers do not take (a padded batch without ``row_starts``) on the
+    engine's `KVCache`: transformers' twin computes it on a ``DynamicCache`` of the same columns,
+    and the `KVCache` holds the new columns after it, as the engine expects of a cache."""
+    from transformers import DynamicCache
+
+    rows = [_ids(text_model, p) for p in PROMPTS[:2]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[r[0]] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    positions = torch.tensor([[0] * (width - len(r)) + list(range(len(r))) for r in rows])
+    with torch.no_grad():
+        cache = text_model.model.new_cache()
+        logits, returned = text_model.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                            cache=cache, use_cache=True, return_dict=False)
+        ref_cache = DynamicCache()
+        ref = reference.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=ref_cache,
+                              use_cache=True)
+    assert returned is cache and cache.get_seq_length(0) == width
+    assert torch.equal(logits, ref.logits)
+    for mine, theirs in zip(cache.layers, ref_cache.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
 def test_prefill_and_decode_logits_equal_transformers_model(text_model, reference) -> None:
     from transformers import DynamicCache
 

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._kv_cache import KVCache
+
 __all__ = ["LeanLlamaConfig", "LeanLlamaForCausalLM", "LeanRMSNorm", "lean_llama_problem"]
 
 _WEIGHTS = "model.safetensors"
@@ -237,6 +239,25 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class GenerationValues:
+    """``generation_config.json``'s values as attributes, None where unset (transformers' 5.x
+    ``GenerationConfig`` leaves the sampling fields None too): what `SamplingPlan.resolve` and the
+    end-of-sequence ids read.
+
+    Example:
+        >>> GenerationValues({"eos_token_id": 2}).eos_token_id, GenerationValues({}).top_k
+        (2, None)
+    """
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = dict(values)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "values":  # copy and pickle probe before values is set
+            raise AttributeError(name)
+        return self.values.get(name)
+
+
 class LeanLlamaForCausalLM(nn.Module):
     """The embedded Llama without transformers' modeling modules (see the module docstring).
 
@@ -250,7 +271,7 @@ class LeanLlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LeanLlamaModel(config)
         self.lm_head = _empty_linear(config.hidden_size, config.vocab_size)
-        self.generation_config: Any = None
+        self._generation: Any = None
         self.name_or_path = config._name_or_path
         self._twin: Any = None
         self._twin_lock = threading.Lock()
@@ -260,7 +281,6 @@ class LeanLlamaForCausalLM(nn.Module):
         """The model in ``folder`` (``config.json``, ``model.safetensors``, ``generation_config.json``),
         fp32 on the CPU; `lean_llama_problem` says whether it can hold it."""
         from safetensors.torch import load_file
-        from transformers.generation.configuration_utils import GenerationConfig
 
         folder = Path(folder)
         problem = lean_llama_problem(folder)
@@ -277,12 +297,32 @@ class LeanLlamaForCausalLM(nn.Module):
             raise ValueError(f"{folder / _WEIGHTS} does not fit the config: missing {missing}, unexpected {unexpected}")
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        if (folder / "generation_config.json").is_file():
-            model.generation_config = GenerationConfig.from_pretrained(folder)
-        else:
-            model.generation_config = GenerationConfig.from_dict(
-                {k: v for k, v in config.to_dict().items() if k.endswith("token_id")})
+        generation = folder / "generation_config.json"
+        values = json.loads(generation.read_text()) if generation.is_file() else \
+            {k: v for k, v in config.to_dict().items() if k.endswith("token_id")}
+        model._generation = GenerationValues(values)
         return model.eval()
+
+    @property
+    def generation_config(self) -> Any:
+        """transformers' ``GenerationConfig`` of the model, built at the first read (it imports
+        transformers); the engine reads `generation_settings` instead."""
+        if isinstance(self._generation, GenerationValues):
+            from transformers.generation.configuration_utils import GenerationConfig
+
+            self._generation = GenerationConfig.from_dict(dict(self._generation.values))
+        return self._generation
+
+    @generation_config.setter
+    def generation_config(self, value: Any) -> None:
+        self._generation = value
+
+    @property
+    def generation_settings(self) -> Any:
+        """``generation_config``'s values as attributes (None where unset), without transformers
+        (`multistream.text._sampling.generation_settings`): the ``GenerationConfig`` itself once
+        built or set, so its changes count."""
+        return self._generation
 
     @property
     def device(self) -> torch.device:
@@ -311,22 +351,23 @@ class LeanLlamaForCausalLM(nn.Module):
         **kwargs: Any,
     ) -> Any:
         """transformers' ``LlamaForCausalLM.forward`` on the native layers: ``.logits`` and ``.cache``
-        (``out["cache"]``). ``row_starts``: the engine's padded batches (each row's first column)."""
-        from transformers.cache_utils import DynamicCache
-
+        (``out["cache"]``). ``row_starts``: the engine's padded batches (each row's first column).
+        ``return_dict=False``: the tuple ``(logits, cache)``, made without importing transformers
+        when ``cache`` is a `KVCache` (`new_cache`), as the engine calls it."""
         if "past_key_values" in kwargs:  # its name before transformers 5.40, which callers still use
             cache = kwargs.pop("past_key_values")
         if not self._native_takes(input_ids, inputs_embeds, attention_mask, cache, logits_to_keep, row_starts,
                                   kwargs):
-            twin = self.as_transformers()
-            cache_arg = "cache" if "cache" in inspect.signature(twin.forward).parameters else "past_key_values"
-            return twin(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        inputs_embeds=inputs_embeds, use_cache=use_cache, logits_to_keep=logits_to_keep,
-                        **{cache_arg: cache}, **({"row_starts": row_starts} if row_starts is not None else {}), **kwargs)
+            return self._twin_forward(cache, input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                      logits_to_keep=logits_to_keep,
+                                      **({"row_starts": row_starts} if row_starts is not None else {}), **kwargs)
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache is None:
             use_cache = bool(getattr(self.config, "use_cache", True))
         if use_cache and cache is None:
+            from transformers.cache_utils import DynamicCache
+
             cache = DynamicCache()
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
@@ -339,8 +380,32 @@ class LeanLlamaForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
         else:  # a 0-d or 1-d tensor of positions (`_native_takes`), as transformers' slice_logits_to_keep
             hidden = hidden[:, logits_to_keep, :]
-        out = _causal_lm_output()(logits=self.lm_head(hidden), cache=cache)
-        return out.to_tuple() if kwargs.get("return_dict") is False else out
+        logits = self.lm_head(hidden)
+        if kwargs.get("return_dict") is False:  # ModelOutput.to_tuple: the fields that are not None
+            return (logits,) if cache is None else (logits, cache)
+        return _causal_lm_output()(logits=logits, cache=cache)
+
+    def new_cache(self) -> KVCache:
+        """An empty cache for the engine: transformers' ``DynamicCache`` layout without its import
+        (`multistream.text._kv_cache`)."""
+        return KVCache()
+
+    def _twin_forward(self, cache: Any, **kwargs: Any) -> Any:
+        """The inputs the native layers do not take, on `as_transformers`. A `KVCache` goes in as a
+        ``DynamicCache`` and takes its new columns back (the engine grows a cache in place)."""
+        twin = self.as_transformers()
+        cache_arg = "cache" if "cache" in inspect.signature(twin.forward).parameters else "past_key_values"
+        given = cache
+        if isinstance(given, KVCache):
+            cache = given.as_dynamic()
+        out = twin(**kwargs, **{cache_arg: cache})
+        if isinstance(given, KVCache):
+            given.take(cache)
+            if isinstance(out, tuple):
+                out = tuple(given if item is cache else item for item in out)
+            elif out.get(cache_arg) is cache:
+                out[cache_arg] = given
+        return out
 
     def _native_takes(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                       attention_mask: torch.Tensor | None, cache: Any, logits_to_keep: int | torch.Tensor,
