@@ -278,7 +278,12 @@ def test_image_replica_killed_mid_denoise_continues_from_its_checkpoint(cluster:
         assert 1 <= final["metrics"]["resumed_from_step"] < IMAGE["steps"]
     else:
         assert "resumed_from_step" not in final["metrics"]  # from step 0
-    assert store.get(checkpoint_key(sid)) is None  # the stream ended: its checkpoint is gone
+    # The stream ended: its checkpoint is deleted. The replica deletes it after it sent the final
+    # event (a pending write first), so the client can read the final a moment before: wait for it.
+    deadline = time.monotonic() + 10
+    while store.get(checkpoint_key(sid)) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.get(checkpoint_key(sid)) is None
 
 
 def test_steer_then_failover_keeps_the_instruction(cluster: str, text_model: Any) -> None:
