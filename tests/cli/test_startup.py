@@ -58,3 +58,16 @@ def test_the_text_command_does_not_import_diffusers() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr[-2000:])
+
+
+@pytest.mark.model
+def test_the_text_command_on_the_embedded_model_imports_no_transformers(text_model) -> None:
+    """A warm ``multistream text`` (the embedded model converted already) imports no transformers:
+    neither the load (`EmbeddedTokenizer`, `KVCache`) nor the command's progress-bar set-up, which
+    imported it to switch bars that a warm load never shows (0.6 s of a 2.2 s command)."""
+    code = ("import sys; from multistream.cli import main; "
+            "rc = main(['text', 'Hi', '--max-new-tokens', '2'], own_process=True); "
+            "print(rc, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["0", "False"], proc.stdout + proc.stderr[-2000:]
