@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from .._spec import cli_values
-from ..errors import MultistreamError
+from ..errors import ModelLoadError, MultistreamError
 from ..text import TextOptions, parse_text_options
 from ._checks import declare_options, device
 from ._console import model_loading
@@ -122,11 +122,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _embedded_model_converted() -> bool:
     """True when the embedded model's converted folder is there (no conversion, no transformers)."""
-    from ..errors import ModelLoadError
     from ..text._embedded_files import converted_folder, embedded_gguf_path
 
     try:
         return converted_folder(embedded_gguf_path())[1]
     except (ModelLoadError, OSError):  # not installed: load_text_model says so, with the fix
         return False
-

@@ -200,8 +200,9 @@ class TextBatcher:
         params = inspect.signature(model.forward).parameters
         # transformers 5.2x renamed `past_key_values` to `cache`; speak whichever this model knows.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        # The embedded model's engine cache and plain tuple output, which need no transformers import.
-        self._model_cache = getattr(model, "new_cache", None)
+        # A model with its own engine cache (the embedded one: `KVCache`) also answers return_dict=False
+        # with a plain tuple: neither imports transformers. Others get DynamicCache and ModelOutput.
+        self._own_cache = getattr(model, "new_cache", None)
         self._mergeable: bool | None = None  # known after the first prefill
         self.waiting: list[TextRequest] = []
         self.batch: list[TextRequest] = []
@@ -535,15 +536,15 @@ class TextBatcher:
 
     def _call(self, **kwargs: Any) -> Forward:
         """The model's forward, as `Forward` (the embedded model answers a plain tuple)."""
-        if self._model_cache is not None:
+        if self._own_cache is not None:
             logits, *rest = self.model(**kwargs, return_dict=False)
             return Forward(logits, rest[0] if rest else None)
         out = self.model(**kwargs)
         return Forward(out.logits, out[self._cache_arg])
 
     def _empty_cache(self) -> Any:
-        if self._model_cache is not None:
-            return self._model_cache()
+        if self._own_cache is not None:
+            return self._own_cache()
         from transformers import DynamicCache
 
         return DynamicCache()

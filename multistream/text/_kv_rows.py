@@ -1,7 +1,7 @@
 """A KV cache whose rows are separate requests, left-padded to one length: join, leave, split.
 
-transformers' `DynamicCache` (or the embedded model's `KVCache`, the same layout) holds, per layer, keys and values shaped ``[rows, heads, length,
-dim]``. Requests of different lengths share it by left padding: row ``i`` has
+transformers' `DynamicCache` (or the embedded model's `KVCache`, the same layout) holds, per
+layer, keys and values shaped ``[rows, heads, length, dim]``. Requests of different lengths share it by left padding: row ``i`` has
 ``mask[i, j] == 0`` for its padding columns, and its own position ids (tokens before it in *its*
 sequence, not the column). These functions reshape such a cache between two decoding steps, so
 requests can join (after their own prefill), leave (finished, cancelled) or pause (a higher

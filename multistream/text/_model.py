@@ -624,8 +624,9 @@ class TextModel(EngineModel):
     def warm_up(self) -> None:
         """Run one short chat request now, so that the first real one does not pay for it: its
         prompt's start (SmolLM2's chat template adds a 30-token system prompt to every
-        conversation) lands in the prefix cache, and the engine thread's first step runs (a GPU's
-        kernels load then). ``multistream serve`` calls it once a text model has loaded; on the
+        conversation) lands in the prefix cache, the engine thread's first step runs (a GPU's
+        kernels load then), and transformers' logits processors are imported (a sampled stream's:
+        greedy streams of the embedded model never import transformers). ``multistream serve`` calls it once a text model has loaded; on the
         embedded model its first chat stream then starts in about 0.03 s instead of 0.15 s.
 
         Example:

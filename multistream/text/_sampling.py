@@ -27,8 +27,8 @@ import torch
 from ._options import TextOptions
 from ._seeds import choice_seed, position_seed
 
-__all__ = ["Penalties", "RowSampler", "SamplingPlan", "adjust_rows", "choice_seed", "generation_settings", "logits_processors",
-           "position_seed"]
+__all__ = ["Penalties", "RowSampler", "SamplingPlan", "adjust_rows", "choice_seed", "generation_settings",
+           "logits_processors", "position_seed"]
 
 
 def generation_settings(model: Any) -> Any:

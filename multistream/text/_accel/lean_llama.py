@@ -353,7 +353,7 @@ class LeanLlamaForCausalLM(nn.Module):
         """transformers' ``LlamaForCausalLM.forward`` on the native layers: ``.logits`` and ``.cache``
         (``out["cache"]``). ``row_starts``: the engine's padded batches (each row's first column).
         ``return_dict=False``: the tuple ``(logits, cache)``, made without importing transformers
-        when ``cache`` is a `KVCache` (`new_cache`), as the engine calls it."""
+        when a cache is given (the engine gives a `KVCache` from `new_cache`)."""
         if "past_key_values" in kwargs:  # its name before transformers 5.40, which callers still use
             cache = kwargs.pop("past_key_values")
         if not self._native_takes(input_ids, inputs_embeds, attention_mask, cache, logits_to_keep, row_starts,
