@@ -22,6 +22,7 @@ from .._notices import quiet_library_notices, quiet_loading_bars
 from ..diffusion._pipeline_args import dtype_kwarg
 from ..diffusion._sizes import EMBEDDED_VIDEO_SIZES
 from ..errors import ModelLoadError
+from ._motion_prior import MotionPrior
 
 if TYPE_CHECKING:
     from ._model import VideoModel
@@ -118,7 +119,7 @@ def load_video_model(name_or_path: Any = None, *, device: str | torch.device = "
     defaults = read_video_defaults(source) if is_dir else {}
     defaults.update(model_kw.pop("defaults", None) or {})
     return VideoModel(pipe, model_dir=source if is_dir else None, name=model_kw.pop("name", None) or name,
-                      defaults=defaults, **model_kw)
+                      defaults=defaults, motion_prior=MotionPrior.from_folder(source) if is_dir else None, **model_kw)
 
 
 def _saved_as_none(folder: Path) -> dict[str, None]:

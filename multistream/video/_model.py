@@ -39,6 +39,7 @@ from ..errors import InvalidArgumentError
 from ..events import Event
 from ..stream import Stream, StreamWriter
 from ._layout import VideoLatents
+from ._motion_prior import MotionPrior
 from ._options import parse_video_options, refuse_pipeline_argument
 from ._previews import PerFrameNet, VideoDecoderParts, fit_video_latent_rgb
 from ._run import RunContext, VideoJob, VideoRun, VideoSteering
@@ -66,7 +67,8 @@ class VideoModel(EngineModel):
     shipped in ``model_dir`` (``preview_decoder.safetensors``: a video decoder for a 3D VAE, the
     image decoder for a 2D one); likewise ``latent_rgb.json`` for the ``"latent"`` map.
     ``sizes``: the heights and widths it accepts (`ImageSizes`); by default multiples of the
-    latent grid up to twice the native side.
+    latent grid up to twice the native side. ``motion_prior``: initial latents that lean toward the
+    motion the prompt names (`MotionPrior`; a folder's ``motion_prior.json``: the embedded model's).
 
     Example:
         >>> from diffusers import WanPipeline                       # doctest: +SKIP
@@ -88,6 +90,7 @@ class VideoModel(EngineModel):
         defaults: dict[str, Any] | None = None,
         preview_decoder: Any = None,
         sizes: ImageSizes | None = None,
+        motion_prior: MotionPrior | None = None,
     ) -> None:
         if isinstance(pipeline, (str, os.PathLike)):
             raise InvalidArgumentError(
@@ -127,6 +130,7 @@ class VideoModel(EngineModel):
         if sizes is not None and not isinstance(sizes, ImageSizes):
             raise InvalidArgumentError(f"sizes must be an ImageSizes, got {type(sizes).__name__}")
         self._sizes = sizes
+        self._motion_prior = motion_prior if "latents" in params else None
         self._lock = threading.Lock()
         if preview_decoder is not None and self.layout.per_frame and not isinstance(preview_decoder, PerFrameNet):
             preview_decoder = PerFrameNet(preview_decoder)  # an image decoder, run on every frame
@@ -342,6 +346,11 @@ class VideoModel(EngineModel):
             if seed is None:
                 seed = random.randrange(2**31)
             kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
+        if self._motion_prior is not None and "latents" not in kwargs and isinstance(kwargs["generator"], torch.Generator):
+            latents = self._motion_prior.initial_latents(self._pipe, options.prompt, num_frames=num_frames,
+                                                         height=height, width=width, generator=kwargs["generator"])
+            if latents is not None:
+                kwargs["latents"] = latents
         if options.preview == "tiny":
             self._tiny_net()  # fitted (once per VAE) here, on the caller's thread, not between two steps
         elif options.preview in ("latent", "x0"):

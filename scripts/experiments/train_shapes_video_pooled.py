@@ -1,5 +1,13 @@
 """EXPERIMENT, not the shipped weights: a second stage meant to give the motion modules the prompt.
 
+Superseded (2026-12-05): the shipped model follows the prompt's direction through its motion prior
+(``multistream/video/_motion_prior.py``: 23 of 24). Why training never got there: the schedule's last
+step leaks 7% of the clip, so the direction can always be read from x_t and the prompt's motion word
+lowers the loss by almost nothing. Retrained here with zero terminal SNR (``rescale_betas_zero_snr``,
+trailing spacing, plain v loss, half the steps at t >= 950), this stage and the first stage with its
+whole UNet trainable still ranked the four directions by the diffusion loss at chance after
+1000-1300 steps, and the prediction at t = 999 still moved the same way for all four.
+
 Status (2026-12-04, measured here; negative): the shipped embedded model is still the first stage's
 AnimateDiffPipeline. Runs of this procedure from the shipped folder (distillation 1500 steps to a
 mean relative error of 4.0%; then batch 2, 2 threads, 0.55 s a step), judged on the first 8 of the

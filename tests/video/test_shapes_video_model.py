@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from repo_paths import ROOT
 
 from multistream._shapes import (
     COLORS,
@@ -25,7 +26,6 @@ from multistream._shapes import (
     sample_clip,
 )
 from multistream._shapes._judge import classify_shape, judge_clip, to_frames
-from repo_paths import ROOT
 
 MODELS = ROOT / "multistream" / "_models"
 MODEL_DIR = MODELS / "shapes_video"
@@ -212,10 +212,19 @@ def pipe():
     return p
 
 
-def _clip(pipe, prompt: str, seed: int = 0, steps: int = 20, **kw) -> np.ndarray:
+def _clip(pipe, prompt: str, seed: int = 0, steps: int = 20, prior: bool = True, **kw) -> np.ndarray:
+    """The clip the shipped folder makes, with its motion prior as `VideoModel` applies it."""
     import torch
 
+    from multistream.video._motion_prior import MotionPrior
+
     video = json.loads((MODEL_DIR / "video.json").read_text())
+    generator = torch.Generator().manual_seed(seed)
+    motion_prior = MotionPrior.from_folder(MODEL_DIR) if prior else None
+    latents = motion_prior and motion_prior.initial_latents(
+        pipe, prompt, num_frames=video["num_frames"], height=video["height"], width=video["width"], generator=generator)
+    if latents is not None:
+        kw["latents"] = latents
     out = pipe(
         prompt,
         num_frames=video["num_frames"],
@@ -223,7 +232,7 @@ def _clip(pipe, prompt: str, seed: int = 0, steps: int = 20, **kw) -> np.ndarray
         guidance_scale=video["guidance_scale"],
         height=video["height"],
         width=video["width"],
-        generator=torch.Generator().manual_seed(seed),
+        generator=generator,
         output_type="np",
         **kw,
     )
@@ -266,10 +275,23 @@ def test_model_clips_follow_colour_shape_and_background(verdicts) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.xfail(reason="direction of motion not learned yet: 8/24 on the shipped weights (chance 6/24)")
 def test_model_clips_move_as_the_prompt_says(verdicts) -> None:
     report = "\n".join(f"{p}: {v}" for p, v in verdicts if not v.motion_ok)
     assert sum(bool(v.motion_ok) for _, v in verdicts) >= 22, report
+
+
+@pytest.mark.model
+def test_without_the_motion_prior_the_direction_comes_from_the_noise(pipe) -> None:
+    # Why the shipped folder has a motion_prior.json (multistream/video/_motion_prior.py): from
+    # plain noise, one seed moves the shape the same way whatever direction the prompt names.
+    from multistream._shapes import MOTIONS
+
+    plain = [judge_clip(_clip(pipe, f"a red circle {m} on a blue background", seed=3, prior=False),
+                        f"a red circle {m} on a blue background") for m in MOTIONS]
+    led = [judge_clip(_clip(pipe, f"a red circle {m} on a blue background", seed=3),
+                      f"a red circle {m} on a blue background") for m in MOTIONS]
+    assert sum(bool(v.motion_ok) for v in plain) <= 2, [v.motion for v in plain]
+    assert sum(bool(v.motion_ok) for v in led) >= 3, [v.motion for v in led]
 
 
 # --- the mid-run preview, in each preview mode ------------------------------------------------
