@@ -347,8 +347,9 @@ class VideoModel(EngineModel):
                 seed = random.randrange(2**31)
             kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
         if self._motion_prior is not None and "latents" not in kwargs and isinstance(kwargs["generator"], torch.Generator):
-            latents = self._motion_prior.initial_latents(self._pipe, options.prompt, num_frames=num_frames,
-                                                         height=height, width=width, generator=kwargs["generator"])
+            latents = self._motion_prior.initial_latents(
+                self.layout, self._pipe.scheduler, options.prompt, num_frames=num_frames, height=height, width=width,
+                generator=kwargs["generator"])
             if latents is not None:
                 kwargs["latents"] = latents
         if options.preview == "tiny":

@@ -10,12 +10,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from multistream.errors import ModelLoadError  # noqa: E402
+from multistream.video._layout import VideoLatents  # noqa: E402
 from multistream.video._motion_prior import MOTION_PRIOR_FILE, MotionPrior  # noqa: E402
 
 
 class _Latents:
     def __init__(self, mean: torch.Tensor) -> None:
-        self.mean = mean
+        self._mean = mean
+
+    def mode(self) -> torch.Tensor:
+        return self._mean
 
 
 class _Encoded:
@@ -32,23 +36,27 @@ class _AveragingVAE(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.anchor = torch.nn.Parameter(torch.zeros(()))
+        self.encoder = torch.nn.Identity()  # VideoLatents.encode asks for one
+        self.calls = 0
 
     def encode(self, pixels: torch.Tensor) -> _Encoded:
         pooled = torch.nn.functional.avg_pool2d(pixels, 8)
+        self.calls += 1
         return _Encoded(torch.cat([pooled, torch.ones_like(pooled[:, :1])], dim=1))
 
 
-class _Pipe:
-    def __init__(self) -> None:
-        self.vae = _AveragingVAE()
-        self.scheduler = type("S", (), {"alphas_cumprod": torch.tensor([0.99, 0.5, 0.0047])})()
+_VAE = _AveragingVAE()
 
 
-def _latents(prompt: str, seed: int = 0, **kw):
+_SCHEDULER = type("Scheduler", (), {"alphas_cumprod": torch.tensor([0.99, 0.5, 0.0047])})()
+_PRIOR = MotionPrior(gain=4.0, clips=8)
+
+
+def _latents(prompt: str, seed: int = 0, prior: MotionPrior = _PRIOR, **kw):
+    layout = VideoLatents(_VAE, "ncthw", 1, 8, True, "animatediff")  # per-frame 2D VAE, as AnimateDiff's
     size = kw.pop("size", 64)
-    return MotionPrior(gain=4.0, clips=8).initial_latents(
-        _Pipe(), prompt, num_frames=kw.pop("num_frames", 8), height=size, width=kw.pop("width", size),
-        generator=torch.Generator().manual_seed(seed))
+    return prior.initial_latents(layout, _SCHEDULER, prompt, num_frames=kw.pop("num_frames", 8), height=size,
+                                 width=kw.pop("width", size), generator=torch.Generator().manual_seed(seed))
 
 
 def test_the_prior_leans_the_noise_the_way_the_prompt_moves() -> None:
@@ -62,6 +70,16 @@ def test_the_prior_leans_the_noise_the_way_the_prompt_moves() -> None:
     # The seed still chooses the clip, and a seed gives the same latents every time.
     assert not torch.equal(right, _latents("a red circle moving right on a blue background", seed=1))
     assert torch.equal(right, _latents("a red circle moving right on a blue background"))
+
+
+def test_a_prior_encodes_each_description_once() -> None:
+    prior = MotionPrior(gain=4.0, clips=8)
+    before = _VAE.calls
+    first = _latents("a green star moving up on a black background", prior=prior)
+    after_first = _VAE.calls
+    again = _latents("a green star moving up on a black background", seed=5, prior=prior)
+    assert after_first > before and _VAE.calls == after_first  # the second request encodes nothing
+    assert not torch.equal(first, again)  # but draws its own seed's noise
 
 
 @pytest.mark.parametrize("prompt, kw", [

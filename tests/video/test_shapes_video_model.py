@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -212,17 +213,26 @@ def pipe():
     return p
 
 
+@functools.cache
+def _shipped_prior():
+    """The shipped folder's prior, one for the module as VideoModel keeps one per model (its mean clips cached)."""
+    from multistream.video._motion_prior import MotionPrior
+
+    return MotionPrior.from_folder(MODEL_DIR)
+
+
 def _clip(pipe, prompt: str, seed: int = 0, steps: int = 20, prior: bool = True, **kw) -> np.ndarray:
     """The clip the shipped folder makes, with its motion prior as `VideoModel` applies it."""
     import torch
 
-    from multistream.video._motion_prior import MotionPrior
+    from multistream.video._layout import VideoLatents
 
     video = json.loads((MODEL_DIR / "video.json").read_text())
     generator = torch.Generator().manual_seed(seed)
-    motion_prior = MotionPrior.from_folder(MODEL_DIR) if prior else None
+    motion_prior = _shipped_prior() if prior else None
     latents = motion_prior and motion_prior.initial_latents(
-        pipe, prompt, num_frames=video["num_frames"], height=video["height"], width=video["width"], generator=generator)
+        VideoLatents.of(pipe), pipe.scheduler, prompt, num_frames=video["num_frames"], height=video["height"],
+        width=video["width"], generator=generator)
     if latents is not None:
         kw["latents"] = latents
     out = pipe(
