@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 MODES = ("latent", "x0", "tiny", "vae")
 STEPS, MID = 20, 10
+TEST_PROMPTS = 8  # tests/video/test_shapes_video_model.py judges the mid-run preview of the first 8
 
 
 def preview_at(vm: Any, prompt: str, seed: int, mode: str, step: int = MID) -> Any:
@@ -57,7 +58,7 @@ def main() -> None:
 
     vm = ms.load_video_model()
     prompts = judged_video_prompts()[: args.prompts]
-    rows = []
+    rows, first = [], {}
     for mode in args.modes:
         started = time.perf_counter()
         verdicts, sizes = [], set()
@@ -66,6 +67,7 @@ def main() -> None:
             sizes.add(f"{ev.width}x{ev.height}")
             verdicts.append(judge_clip(ev.frames, prompt))
         rows.append((f"{mode} @ step {MID}", "/".join(sorted(sizes)), tally(verdicts), time.perf_counter() - started))
+        first[mode] = tally(verdicts[:TEST_PROMPTS])
     if args.final:
         started = time.perf_counter()
         verdicts = [judge_clip(vm.generate(p, seed=i, steps=STEPS).frames, p) for i, p in enumerate(prompts)]
@@ -75,6 +77,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, size, t, secs in rows:
         print(f"| {name} | {size} | {t['color']} | {t['shape']} | {t['background']} | {t['motion']} | {secs:.0f} s |")
+    if first and len(prompts) >= TEST_PROMPTS:
+        print(f"\nthe first {TEST_PROMPTS} prompts (the test's MID_RUN_MEASURED: colour, shape, background, motion):")
+        for mode, t in first.items():
+            print(f"    {mode!r}: ({t['color']}, {t['shape']}, {t['background']}, {t['motion']}),")
 
 
 if __name__ == "__main__":
