@@ -335,7 +335,7 @@ class RedisEventLog:
 
     def __init__(self, url: str, settings: ServerSettings | None = None, *, prefix: str = PREFIX,
                  stale_after_s: float = _STALE_AFTER_S, heartbeat_s: float = _HEARTBEAT_S, block_ms: int = 1000,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, connect_timeout_s: float = 5.0) -> None:
         try:
             import redis.asyncio as aioredis
             from redis.backoff import NoBackoff
@@ -351,8 +351,11 @@ class RedisEventLog:
         self.heartbeat_s = heartbeat_s
         self.block_ms = block_ms
         # Short timeouts and no retries: when Redis is down a request gets a 503 in about a second,
-        # never a hang; the client reconnects by itself once Redis is back.
-        self.redis = aioredis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s + block_ms / 1000,
+        # never a hang; the client reconnects by itself once Redis is back. A connect to a Redis
+        # that is down is refused at once; its timeout only fires when this process's event loop
+        # was held up (a server just restarted, resuming a run while it loads), where 2 s once
+        # turned a resume into a 503 on a busy 2-core machine: so it is longer.
+        self.redis = aioredis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s + block_ms / 1000,
                                        retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.live_writers: dict[str, _Writer] = {}
         self.write_latency: list[float] = []
