@@ -308,7 +308,8 @@ def test_without_the_motion_prior_the_direction_comes_from_the_noise(pipe) -> No
 
 # What the preview at step 10 of 20 shows of the first 8 judged prompts, measured on the shipped
 # weights with the motion prior (`benchmarks/video_preview_judge.py` gives all 24 and prints
-# these): (colour, shape, background, direction of motion) right, the lower of two CPUs' counts.
+# these): (colour, shape, background, direction of motion) right. Colour, shape and background are
+# the lower of two CPUs' counts; motion was measured on one (a 2-core AMD EPYC with AVX2).
 # Halfway, the model has settled the colours and the motion but often not yet the shape (the full
 # VAE's own preview gets 5 shapes of 8); the noisy latent (`"latent"`) shows little of either. The
 # bars are each mode's measured counts less one.
