@@ -55,7 +55,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ...events import ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent, event_from_dict
 from ...stream import Stream, StreamWriter
@@ -63,6 +63,8 @@ from ..families import FAMILIES, family
 from .checkpoints import CheckpointWriter, already_sent
 from .event_log import entry_id
 from .resume import start_from_checkpoint, trim_text
+
+T = TypeVar("T")
 
 __all__ = ["CONTINUED_HOOKS", "KINDS", "LIVENESS_TTL_S", "MAX_RESTARTS", "SCAN_EVERY_S", "Continuer", "DurablePlan",
            "checkpoint_continuation_stream", "continuation_stream", "durable_plan", "hand_off", "remember_request"]
@@ -183,6 +185,15 @@ def _answer(events: list[Event]) -> tuple[list[int], str]:
     return ids, text
 
 
+async def _started_off_loop(start: Callable[[], T]) -> T:
+    """``start()`` (a model's ``.stream(...)``) on a worker thread, as a new request's start is
+    (`multistream.server.state`): the embedded video model's motion prior encodes 32 clips there
+    (seconds on 2 busy cores). On the event loop that held every other request up, and a resume
+    reading Redis meanwhile timed out connecting and answered 503
+    (tests/server/durable/test_video_restart.py)."""
+    return await asyncio.to_thread(start)
+
+
 def _relay(kind: str, inner: Stream, stream_id: str, events: list[Event],
            keep: Callable[[Event], Event | None], start: Callable[[StreamWriter], None] | None = None) -> Stream:
     """A stream with id ``stream_id`` that forwards what ``keep`` keeps of ``inner``'s events; its
@@ -218,16 +229,17 @@ def _relay(kind: str, inner: Stream, stream_id: str, events: list[Event],
     return stream
 
 
-def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event], stream_id: str) -> Stream:
+async def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event], stream_id: str) -> Stream:
     """A stream with id ``stream_id`` that continues the answer ``events`` began: the prompt and
     the logged tokens prefilled (``replica_stream(resume_tokens=)``), only what follows sent;
-    its first event follows the last logged one (``offset``, ``index``)."""
+    its first event follows the last logged one (``offset``, ``index``). The model's stream
+    starts on a worker thread (see `_started_off_loop`)."""
     ids, text = _answer(events)
     native = callable(getattr(model, "replica_stream", None))
     if native and ids:
-        inner = model.replica_stream(**kwargs, resume_tokens=ids)
+        inner = await _started_off_loop(lambda: model.replica_stream(**kwargs, resume_tokens=ids))
     else:
-        inner = model.stream(**kwargs)
+        inner = await _started_off_loop(lambda: model.stream(**kwargs))
 
     def keep(ev: Event) -> Event | None:
         if isinstance(ev, TextEvent) and not (native and ids):
@@ -237,15 +249,17 @@ def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event],
     return _relay("text", inner, stream_id, events, keep, start=lambda w: w.continue_text(len(text)))
 
 
-def checkpoint_continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event], stream_id: str,
-                                   checkpoint: bytes | None = None, extra: dict[str, Any] | None = None, *,
-                                   kind: str) -> Stream:
+async def checkpoint_continuation_stream(model: Any, kwargs: dict[str, Any], events: list[Event], stream_id: str,
+                                         checkpoint: bytes | None = None, extra: dict[str, Any] | None = None, *,
+                                         kind: str) -> Stream:
     """A stream with id ``stream_id`` that continues the denoising run (an image or a clip:
     ``kind``) ``events`` began: from ``checkpoint`` (``stream(resume_from=)``; None, or one the model refuses: from
-    step 0 with the same seed), skipping previews of the steps the log already has."""
+    step 0 with the same seed), skipping previews of the steps the log already has. The model's
+    stream starts on a worker thread (see `_started_off_loop`)."""
     extra = dict(extra or {})
     sent = max((ev.step for ev in events if isinstance(ev, (ImageEvent, VideoEvent)) and not ev.is_final), default=0)
-    inner, _ = start_from_checkpoint(model.stream, {**kwargs, **extra}, checkpoint, stream_id)
+    inner, _ = await _started_off_loop(
+        lambda: start_from_checkpoint(model.stream, {**kwargs, **extra}, checkpoint, stream_id))
     return _relay(kind, inner, stream_id, events, lambda ev: None if already_sent(ev, sent) else ev)
 
 
@@ -382,7 +396,7 @@ class Continuer:
         model = state.models[fam.name].get()
         plan = DurablePlan(kwargs)
         if not fam.checkpoints:  # continued from its tokens: re-prefilled
-            stream = continuation_stream(model, kwargs, events, sid)
+            stream = await continuation_stream(model, kwargs, events, sid)
         else:
             try:
                 raw = await log.redis.get(log.key("ckpt", sid))
@@ -390,8 +404,8 @@ class Continuer:
                 logger.warning("stream %s: reading its image checkpoint failed (%s); denoising from step 0", sid, exc)
                 raw = None
             plan = durable_plan(log, kind, model, kwargs, state.settings.image_checkpoint_every)
-            stream = checkpoint_continuation_stream(model, plan.kwargs, events, sid, bytes(raw) if raw else None,
-                                                    plan.extra, kind=fam.name)
+            stream = await checkpoint_continuation_stream(model, plan.kwargs, events, sid, bytes(raw) if raw else None,
+                                                          plan.extra, kind=fam.name)
         registry = state.registry
         # The content filter goes on reading the output (primed below with what was sent before).
         record = registry.start(stream, kind=fam.name, resumable=True, model_name=state.models[fam.name].name,

@@ -155,7 +155,7 @@ def test_continuing_logged_tokens_equals_an_uninterrupted_run(text_model) -> Non
                 break
 
     async def rest() -> list[Any]:
-        return [ev async for ev in continuation_stream(llm, kwargs, logged, cut.stream_id)]
+        return [ev async for ev in await continuation_stream(llm, kwargs, logged, cut.stream_id)]
 
     continued = asyncio.run(rest())
     final, ref = continued[-1], reference[-1]
