@@ -7,7 +7,6 @@ the routes that start streams (`http.routes.RequestOnlyRoute`) call `state_of` a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -31,6 +30,7 @@ from .settings import ServerSettings
 from .streams.admission import Admission
 from .streams.filtering import STOP, ContentFilter
 from .streams.registry import Registry, StreamRecord
+from .streams.starting import start_off_loop
 from .streams.waiting import WaitingStreams
 
 __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state", "principal_of", "state_of"]
@@ -322,7 +322,7 @@ class ServerState:
             on_loop = getattr(model, "stream_needs_loop", False) or (
                 not extra and getattr(model, "quick_stream_start", False) and fam.quick_start is not None
                 and fam.quick_start(kwargs))
-            stream = start() if on_loop else await _off_loop(start)
+            stream = start() if on_loop else await start_off_loop(start)
         except BaseException as exc:
             gate.release()
             release_quota()
@@ -554,30 +554,6 @@ def _filtered_stream(kind: str) -> Stream:
         w.finish_text("", [], 0, finish_reason="content_filter", text="",
                       usage={"prompt_tokens": 0, "completion_tokens": 0}, metrics={})
     return Stream(producer, kind=kind)
-
-
-# Threads of their own: the default executor also runs long model calls (`run_admitted`), and a
-# stream's start must not queue behind them.
-_STARTERS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="multistream-start")
-
-
-async def _off_loop(start: Callable[[], Stream]) -> Stream:
-    """``start()`` (a model's ``.stream(...)``) on a worker thread, not on the event loop: it
-    tokenizes the prompt (a real model) or starts a thread and waits until it runs (the scripted
-    fakes: about 2 ms of a busy loop per request at 200 SSE clients), and every other stream's
-    events wait meanwhile. A caller cancelled meanwhile has the stream closed once it exists."""
-    task = asyncio.get_running_loop().run_in_executor(_STARTERS, start)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        def close(done: asyncio.Future[Stream]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                done.result().close()
-
-        task.add_done_callback(close)
-        raise
-
-
 
 
 def state_of(conn: HTTPConnection) -> ServerState:

@@ -55,16 +55,15 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from ...events import ErrorEvent, Event, ImageEvent, TextEvent, VideoEvent, event_from_dict
 from ...stream import Stream, StreamWriter
 from ..families import FAMILIES, family
+from ..streams.starting import start_stream
 from .checkpoints import CheckpointWriter, already_sent
 from .event_log import entry_id
 from .resume import start_from_checkpoint, trim_text
-
-T = TypeVar("T")
 
 __all__ = ["CONTINUED_HOOKS", "KINDS", "LIVENESS_TTL_S", "MAX_RESTARTS", "SCAN_EVERY_S", "Continuer", "DurablePlan",
            "checkpoint_continuation_stream", "continuation_stream", "durable_plan", "hand_off", "remember_request"]
@@ -185,15 +184,6 @@ def _answer(events: list[Event]) -> tuple[list[int], str]:
     return ids, text
 
 
-async def _started_off_loop(start: Callable[[], T]) -> T:
-    """``start()`` (a model's ``.stream(...)``) on a worker thread, as a new request's start is
-    (`multistream.server.state`): the embedded video model's motion prior encodes 32 clips there
-    (seconds on 2 busy cores). On the event loop that held every other request up, and a resume
-    reading Redis meanwhile timed out connecting and answered 503
-    (tests/server/durable/test_video_restart.py)."""
-    return await asyncio.to_thread(start)
-
-
 def _relay(kind: str, inner: Stream, stream_id: str, events: list[Event],
            keep: Callable[[Event], Event | None], start: Callable[[StreamWriter], None] | None = None) -> Stream:
     """A stream with id ``stream_id`` that forwards what ``keep`` keeps of ``inner``'s events; its
@@ -233,13 +223,14 @@ async def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[E
     """A stream with id ``stream_id`` that continues the answer ``events`` began: the prompt and
     the logged tokens prefilled (``replica_stream(resume_tokens=)``), only what follows sent;
     its first event follows the last logged one (``offset``, ``index``). The model's stream
-    starts on a worker thread (see `_started_off_loop`)."""
+    starts on a worker thread (`start_stream`): the embedded video model's motion prior
+    encodes 32 clips there, seconds on 2 busy cores, which on the event loop held every request up."""
     ids, text = _answer(events)
     native = callable(getattr(model, "replica_stream", None))
     if native and ids:
-        inner = await _started_off_loop(lambda: model.replica_stream(**kwargs, resume_tokens=ids))
+        inner = await start_stream(model, lambda m: m.replica_stream(**kwargs, resume_tokens=ids))
     else:
-        inner = await _started_off_loop(lambda: model.stream(**kwargs))
+        inner = await start_stream(model, lambda m: m.stream(**kwargs))
 
     def keep(ev: Event) -> Event | None:
         if isinstance(ev, TextEvent) and not (native and ids):
@@ -255,11 +246,11 @@ async def checkpoint_continuation_stream(model: Any, kwargs: dict[str, Any], eve
     """A stream with id ``stream_id`` that continues the denoising run (an image or a clip:
     ``kind``) ``events`` began: from ``checkpoint`` (``stream(resume_from=)``; None, or one the model refuses: from
     step 0 with the same seed), skipping previews of the steps the log already has. The model's
-    stream starts on a worker thread (see `_started_off_loop`)."""
+    stream starts on a worker thread, as `continuation_stream`'s does."""
     extra = dict(extra or {})
     sent = max((ev.step for ev in events if isinstance(ev, (ImageEvent, VideoEvent)) and not ev.is_final), default=0)
-    inner, _ = await _started_off_loop(
-        lambda: start_from_checkpoint(model.stream, {**kwargs, **extra}, checkpoint, stream_id))
+    inner = await start_stream(model, lambda m: start_from_checkpoint(m.stream, {**kwargs, **extra}, checkpoint,
+                                                                      stream_id)[0])
     return _relay(kind, inner, stream_id, events, lambda ev: None if already_sent(ev, sent) else ev)
 
 

@@ -37,7 +37,7 @@ class RemoteModel:
     failing over to another replica when one dies."""
 
     # `.stream()` creates its pump task on the running loop: the server calls it there, not on a
-    # worker thread as it does a local model's (`state._off_loop`).
+    # worker thread as it does a local model's (`streams.starting.start_stream`).
     stream_needs_loop = True
 
     def __init__(self, kind: str, handle: Any, name: str = "", event_log: str | None = None) -> None:
