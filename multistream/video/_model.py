@@ -284,7 +284,7 @@ class VideoModel(EngineModel):
             >>> for ev in s:                                                                    # doctest: +SKIP
             ...     if ev.step == 10: s.finish_early()
         """
-        job = self._prepare(prompt, options)
+        job = self._prepare(prompt, options, resuming=resume_from is not None)
         checkpoints = checkpoint_plan(self._run_context(), job, resume_from, on_checkpoint, checkpoint_every)
 
         def submit(writer: StreamWriter) -> None:
@@ -302,7 +302,7 @@ class VideoModel(EngineModel):
         """
         return self.stream(prompt, **options).wait(on_event)
 
-    def _prepare(self, prompt: Any, given: dict[str, Any]) -> VideoJob:
+    def _prepare(self, prompt: Any, given: dict[str, Any], resuming: bool = False) -> VideoJob:
         options = parse_video_options(prompt, **given)
         height, width = self.sizes.native_or(options.height, options.width)
         if height is None or width is None:
@@ -346,7 +346,11 @@ class VideoModel(EngineModel):
             if seed is None:
                 seed = random.randrange(2**31)
             kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
-        if self._motion_prior is not None and "latents" not in kwargs and isinstance(kwargs["generator"], torch.Generator):
+        # A resumed run's latents come from its checkpoint, so the prior (an encode of 32 clips, seconds on
+        # a busy CPU, the first time a restarted server meets a description) is skipped: the pipeline's own
+        # noise draw has the prior's shape, so the generator ends where the original run's did.
+        if (self._motion_prior is not None and not resuming and "latents" not in kwargs
+                and isinstance(kwargs["generator"], torch.Generator)):
             latents = self._motion_prior.initial_latents(
                 self.layout, self._pipe.scheduler, options.prompt, num_frames=num_frames, height=height, width=width,
                 generator=kwargs["generator"])

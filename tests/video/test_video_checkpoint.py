@@ -28,6 +28,11 @@ def test_a_resumed_clip_is_the_uninterrupted_one_with_its_own_step_numbers(video
     full = video_model.generate(PROMPT, seed=3, steps=12, preview="none", on_checkpoint=saved.append, checkpoint_every=4)
     assert [c.step for c in saved] == [4, 8, 12] and full.metrics["checkpoints"] == 3
     assert saved[0].request["num_frames"] == full.num_frames == 16
+    # A resume takes its latents from the checkpoint: the motion prior's mean clip (32 clips encoded)
+    # is not made again, as a restarted server meeting the description for the first time would.
+    means = video_model._motion_prior._means
+    kept = dict(means)
+    means.clear()
     for checkpoint in saved[:2]:
         events: list[ms.Event] = []
         again = video_model.stream(PROMPT, seed=3, steps=12, preview="x0", resume_from=checkpoint.to_bytes())
@@ -36,6 +41,8 @@ def test_a_resumed_clip_is_the_uninterrupted_one_with_its_own_step_numbers(video
         assert final.metrics["resumed_from_step"] == checkpoint.step and final.step == 12
         previews = [ev.step for ev in events if not ev.is_final]
         assert previews == list(range(checkpoint.step + 1, 13))  # the steps it made, numbered as the original's
+    assert not means, "a resumed run computed the motion prior"
+    means.update(kept)
 
 
 def test_a_steered_clip_resumes_under_its_new_prompt(video_model) -> None:
