@@ -197,7 +197,9 @@ def test_fit_preview_command_writes_a_decoder(tmp_path, capsys) -> None:
     from multistream import cli
 
     out = tmp_path / "dec.safetensors"
-    assert cli.main(["fit-preview", "--steps", "20", "--x0-prompts", "2", "--x0-steps", "2", "--out", str(out)]) == 0
+    assert cli.main(["fit-preview", "--steps", "20", "--x0-prompts", "2", "--x0-steps", "2", "--width", "16",
+                     "--out", str(out)]) == 0
     net = pd.load_preview_decoder(out)
     assert net.latent_channels == 4 and net.fit_info["x0_runs"] == "2x2"
+    assert net.width == 16 and "--width 16" in net.fit_info["command"]  # the video folder's is fitted 32 wide
     assert "parameters" in capsys.readouterr().err
