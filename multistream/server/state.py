@@ -30,7 +30,7 @@ from .settings import ServerSettings
 from .streams.admission import Admission
 from .streams.filtering import STOP, ContentFilter
 from .streams.registry import Registry, StreamRecord
-from .streams.starting import start_off_loop
+from .streams.starting import start_stream
 from .streams.waiting import WaitingStreams
 
 __all__ = ["ModelSlot", "ServerState", "get_principal", "get_state", "principal_of", "state_of"]
@@ -316,13 +316,12 @@ class ServerState:
                 with reserved_stream_id(reserved[0]) if reserved else contextlib.nullcontext():
                     return model.stream(**kwargs, **extra)  # type: ignore[no-any-return]
 
-            # A model whose .stream() needs the event loop (the Ray handle schedules its pump on it) says
-            # so; one whose start is quick (``quick_stream_start``, TextModel's) skips the hand-off for
-            # the requests its family says start at once (`Family.quick_start`: no grammar, a short prompt).
-            on_loop = getattr(model, "stream_needs_loop", False) or (
-                not extra and getattr(model, "quick_stream_start", False) and fam.quick_start is not None
-                and fam.quick_start(kwargs))
-            stream = start() if on_loop else await start_off_loop(start)
+            # A model whose start is quick (``quick_stream_start``, TextModel's) skips the hand-off for the
+            # requests its family says start at once (`Family.quick_start`: no grammar, a short prompt);
+            # `start_stream` keeps on the loop a model whose .stream() needs it (the Ray handle).
+            quick = (not extra and getattr(model, "quick_stream_start", False) and fam.quick_start is not None
+                     and fam.quick_start(kwargs))
+            stream = start() if quick else await start_stream(model, lambda _model: start())
         except BaseException as exc:
             gate.release()
             release_quota()

@@ -223,8 +223,7 @@ async def continuation_stream(model: Any, kwargs: dict[str, Any], events: list[E
     """A stream with id ``stream_id`` that continues the answer ``events`` began: the prompt and
     the logged tokens prefilled (``replica_stream(resume_tokens=)``), only what follows sent;
     its first event follows the last logged one (``offset``, ``index``). The model's stream
-    starts on a worker thread (`start_stream`): the embedded video model's motion prior
-    encodes 32 clips there, seconds on 2 busy cores, which on the event loop held every request up."""
+    starts off the event loop where the model allows (`start_stream`)."""
     ids, text = _answer(events)
     native = callable(getattr(model, "replica_stream", None))
     if native and ids:
@@ -246,7 +245,7 @@ async def checkpoint_continuation_stream(model: Any, kwargs: dict[str, Any], eve
     """A stream with id ``stream_id`` that continues the denoising run (an image or a clip:
     ``kind``) ``events`` began: from ``checkpoint`` (``stream(resume_from=)``; None, or one the model refuses: from
     step 0 with the same seed), skipping previews of the steps the log already has. The model's
-    stream starts on a worker thread, as `continuation_stream`'s does."""
+    stream starts off the event loop where the model allows (`start_stream`)."""
     extra = dict(extra or {})
     sent = max((ev.step for ev in events if isinstance(ev, (ImageEvent, VideoEvent)) and not ev.is_final), default=0)
     inner = await start_stream(model, lambda m: start_from_checkpoint(m.stream, {**kwargs, **extra}, checkpoint,
