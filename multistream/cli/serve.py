@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     except InvalidArgumentError as exc:
         print(f"multistream serve: {exc}", file=sys.stderr)
         return 2
-    code = serve(app, host=args.host, port=args.port, log_level=args.log_level, say=_say) or 0
+    code = serve(app, host=args.host, port=args.port, log_level=args.log_level, say=_say, exit_if_stalled=True) or 0
     if code != 0:
         # A model failed to load, or a second Ctrl-C stopped the server: exit now. A model may still
         # be loading or generating in its thread, and torch's threads torn down under it at

@@ -13,6 +13,13 @@ deadline, no hand-off), the connections get about a second to send it, and `serv
 one line says so, and the CancelledError tracebacks of what it cancelled are not logged. A third
 signal stops waiting even for that (uvicorn's force exit: no app shutdown), as quietly.
 
+Once the streams are drained, `multistream serve` gives the rest of the shutdown (closing the
+connections, the event log's Redis client, the interpreter's wait for its threads)
+``shutdown_stall_s``; a shutdown still under way then prints which threads still run and where
+each one is, and the process exits anyway with the status it would have had
+(`exit_if_stalled`). A library's teardown that never returns would otherwise hold a redeploy
+until the orchestrator's SIGKILL, with nothing in the log to say why.
+
 A model that fails to load stops the server at once (`serve` returns 1, as vLLM exits at start-up),
 with the reason and its fix in the log; with ``ServerSettings.allow_partial`` the server keeps
 serving the models that loaded (and exits only when none did).
@@ -26,10 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import logging
+import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -44,7 +55,7 @@ try:  # uvicorn's C parser (httptools): several times cheaper per request and pe
 except ImportError:  # pragma: no cover - httptools not installed: the pure-Python h11
     from uvicorn.protocols.http.h11_impl import H11Protocol as _HttpProtocol  # type: ignore[assignment]
 
-__all__ = ["DrainingServer", "serve", "uvicorn_config"]
+__all__ = ["DrainingServer", "exit_if_stalled", "serve", "uvicorn_config"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -61,9 +72,11 @@ class DrainingServer(uvicorn.Server):
         130
     """
 
-    def __init__(self, config: uvicorn.Config, say: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, say: Callable[[str], Any] | None = None,
+                 exit_if_stalled_s: float | None = None) -> None:
         super().__init__(config)
         self.say = say or logger.warning
+        self.exit_if_stalled_s = exit_if_stalled_s  # `exit_if_stalled` once shutting down (the CLI's server)
         self.exit_status = 0
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,6 +129,16 @@ class DrainingServer(uvicorn.Server):
             self.collector = ServingCollector(lambda: registry.idle_for(0.02))
             self.collector.start(self._loop)
         return True
+
+    @property
+    def exit_code(self) -> int:
+        """What `serve` returns: 1 when a model failed to load, else ``exit_status``."""
+        return 1 if self.failed_models else self.exit_status
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self.exit_if_stalled_s:
+            exit_if_stalled(self.exit_if_stalled_s, lambda: self.exit_code)
+        await super().shutdown(sockets)
 
     async def serve(self, sockets: Any = None) -> None:
         try:
@@ -170,6 +193,35 @@ class DrainingServer(uvicorn.Server):
         self.config.timeout_graceful_shutdown = 1 if timeout is None else min(timeout, 1)
         cancelled = state.stop_now()
         self.say(f"stopping now; {_streams(cancelled)} cancelled" if cancelled else "stopping now")
+
+
+def exit_if_stalled(after_s: float, exit_code: Callable[[], int]) -> threading.Thread:
+    """Exit the process ``after_s`` seconds from now unless it has ended by then, first printing to
+    stderr the threads still running and every thread's stack (`faulthandler`). A daemon thread:
+    a process that ends in time ends with it. Only for a process that is the server (the CLI's):
+    it exits with ``os._exit(exit_code())``.
+
+    Example:
+        >>> exit_if_stalled(15.0, lambda: 0)   # doctest: +SKIP
+    """
+
+    def watch() -> None:
+        time.sleep(after_s)
+        # No logging: a stuck thread may hold the logging lock. The stderr descriptor itself.
+        running = ", ".join(t.name for t in threading.enumerate()
+                            if not t.daemon and t is not threading.main_thread()) or "none"
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.write(2, (f"multistream serve: the shutdown is still under way {after_s:g} s after the streams were "
+                     f"drained (threads still running besides the main one: {running}); exiting anyway. "
+                     "Where each thread is:\n").encode())
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(2, all_threads=True)
+        os._exit(exit_code())
+
+    watcher = threading.Thread(target=watch, name="multistream-shutdown-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def _streams(n: int) -> str:
@@ -288,20 +340,23 @@ def _find_settings(app: Any) -> Any:
 
 
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          say: Callable[[str], Any] | None = None, **uvicorn_kwargs: Any) -> int:
+          say: Callable[[str], Any] | None = None, exit_if_stalled: bool = False, **uvicorn_kwargs: Any) -> int:
     """Run ``app`` until SIGTERM/SIGINT, draining streams first (see the module docstring).
 
     Returns the process's exit status: 0; 1 when a model failed to load (see ``allow_partial``);
     128 + the signal's number (130 for Ctrl-C) when a second signal stopped it at once. ``say``
-    prints what a signal does, one line (default: the log, at warning level)."""
+    prints what a signal does, one line (default: the log, at warning level). With
+    ``exit_if_stalled`` (the CLI's: the process is the server), a shutdown that takes longer than
+    the settings' ``shutdown_stall_s`` after the drain ends the process (`exit_if_stalled`)."""
     state = getattr(app, "state", None)
     if state is not None:  # the models' load pause ends without a walk: `_freeze_startup_objects` freezes start-up
         state.runner_freezes_startup = True
     config = uvicorn_config(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
-    server = DrainingServer(config, say=say)
+    stall_s = _find_settings(app).shutdown_stall_s if exit_if_stalled else 0
+    server = DrainingServer(config, say=say, exit_if_stalled_s=stall_s or None)
     with _multistream_log_like_uvicorns(log_level):
         server.run()
-    return 1 if server.failed_models else server.exit_status
+    return server.exit_code
 
 
 _LOG_LOCK = threading.Lock()

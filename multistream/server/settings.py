@@ -131,6 +131,10 @@ class ServerSettings:
     shutdown_deadline_s: float = option(
         20.0, "on SIGTERM, running streams get this long to finish; the rest are cancelled (seconds)",
         _seconds("shutdown_deadline_s"), wire=float, body=False, ge=0)
+    shutdown_stall_s: float = option(
+        15.0, "`multistream serve`: once the streams are drained, the rest of the shutdown (connections, the "
+        "event log's client, the process's threads) gets this long; then it prints where it is stuck and exits "
+        "anyway (seconds; 0 waits forever)", _seconds("shutdown_stall_s"), wire=float, body=False, ge=0)
     # Admission: one concurrency setting per family (`Family.concurrency_setting`).
     text_concurrency: Optional[int] = option(
         None, "text generations running at once (unset: the model's engine capacity, its max_batch rows)",

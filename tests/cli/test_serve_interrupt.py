@@ -31,7 +31,7 @@ NOTICE = ("multistream serve: stopping; waiting up to 20 s for 1 running stream 
 class _Server:
     """A ``multistream serve`` process whose output lines are collected as they come."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "server_fixtures:slow_text_model", *flags: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.url = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -39,8 +39,8 @@ class _Server:
         # started so keeps ignoring it (see tests/cli/test_cli_checks.py).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "multistream", "serve", "--port", self.url.rsplit(":", 1)[1], "--no-demo",
-             "--text-model", "server_fixtures:slow_text_model", "--image-model", "none", *SPEECH_AND_VIDEO_OFF,
-             "--shutdown-deadline", "20", "--log-level", "warning"],
+             "--text-model", model, "--image-model", "none", *SPEECH_AND_VIDEO_OFF,
+             "--shutdown-deadline", "20", "--log-level", "warning", *flags],
             env={**os.environ, "PYTHONPATH": suite_path()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.stderr: list[str] = []
@@ -140,3 +140,27 @@ def test_ctrl_c_with_no_stream_running_stops_at_once_with_nothing_to_say(server:
     server.interrupt()
     assert server.exit_status(within_s=10) == 0, server.output
     assert server.stderr == [], server.output
+
+
+def model_with_a_thread_that_never_ends() -> Any:
+    """Factory for the server below: the scripted text model, and a thread (not a daemon) that never
+    ends, as a library's teardown that hangs would: the interpreter's exit waits for it forever."""
+    from multistream.testing import ScriptedTextModel
+
+    threading.Thread(target=threading.Event().wait, name="never-ending", daemon=False).start()
+    return ScriptedTextModel()
+
+
+def test_a_shutdown_that_never_ends_exits_anyway_and_says_where_it_is_stuck() -> None:
+    srv = _Server("test_serve_interrupt:model_with_a_thread_that_never_ends", "--shutdown-stall-s", "1")
+    try:
+        srv.proc.send_signal(signal.SIGTERM)
+        # Without the watch the process waits for its thread forever (measured: still running after 60 s).
+        assert srv.exit_status(within_s=30) == 0, srv.output
+        assert "the shutdown is still under way 1 s after the streams were drained (threads still running " \
+               "besides the main one: never-ending); exiting anyway" in srv.output, srv.output
+        assert "most recent call first" in srv.output  # every thread's stack follows
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()

@@ -338,8 +338,8 @@ class RedisEventLog:
                  timeout_s: float = 2.0, connect_timeout_s: float = 5.0) -> None:
         try:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
         except ImportError:  # pragma: no cover - depends on the install
             raise InvalidArgumentError("the Redis event log needs the redis client: pip install 'multistream[scale]'") from None
         if not url.startswith(("redis://", "rediss://", "unix://")):
