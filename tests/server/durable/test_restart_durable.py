@@ -146,8 +146,10 @@ def test_killed_image_generation_continues_from_its_checkpoint() -> None:
 
 @needs_redis
 def test_sigterm_hands_running_generations_off_to_the_next_server() -> None:
+    # At info level (the later flag wins): a failure's captured stderr shows how far the shutdown got
+    # (CI once saw this server not exit within 30 s after "handing 1 running streams off", and no more).
     args = ("--text-model", "test_restart_durable:handoff_text_model", "--image-model", "none",
-            "--shutdown-deadline", "0.3", *SPEECH_AND_VIDEO_OFF)
+            "--shutdown-deadline", "0.3", *SPEECH_AND_VIDEO_OFF, "--log-level", "info")
     with redis_server() as redis:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
