@@ -17,7 +17,7 @@ Once the streams are drained, `multistream serve` gives the rest of the shutdown
 connections, the event log's Redis client, the interpreter's wait for its threads)
 ``shutdown_stall_s``; a shutdown still under way then prints which threads still run and where
 each one is, and the process exits anyway with the status it would have had
-(`exit_if_stalled`). A library's teardown that never returns would otherwise hold a redeploy
+(`_exit_if_stalled`). A library's teardown that never returns would otherwise hold a redeploy
 until the orchestrator's SIGKILL, with nothing in the log to say why.
 
 A model that fails to load stops the server at once (`serve` returns 1, as vLLM exits at start-up),
@@ -55,7 +55,7 @@ try:  # uvicorn's C parser (httptools): several times cheaper per request and pe
 except ImportError:  # pragma: no cover - httptools not installed: the pure-Python h11
     from uvicorn.protocols.http.h11_impl import H11Protocol as _HttpProtocol  # type: ignore[assignment]
 
-__all__ = ["DrainingServer", "exit_if_stalled", "serve", "uvicorn_config"]
+__all__ = ["DrainingServer", "serve", "uvicorn_config"]
 
 logger = logging.getLogger("multistream.server")
 
@@ -76,7 +76,7 @@ class DrainingServer(uvicorn.Server):
                  exit_if_stalled_s: float | None = None) -> None:
         super().__init__(config)
         self.say = say or logger.warning
-        self.exit_if_stalled_s = exit_if_stalled_s  # `exit_if_stalled` once shutting down (the CLI's server)
+        self.exit_if_stalled_s = exit_if_stalled_s  # `_exit_if_stalled` once shutting down (the CLI's server)
         self.exit_status = 0
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,7 +137,7 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: Any = None) -> None:
         if self.exit_if_stalled_s:
-            exit_if_stalled(self.exit_if_stalled_s, lambda: self.exit_code)
+            _exit_if_stalled(self.exit_if_stalled_s, lambda: self.exit_code)
         await super().shutdown(sockets)
 
     async def serve(self, sockets: Any = None) -> None:
@@ -195,14 +195,14 @@ class DrainingServer(uvicorn.Server):
         self.say(f"stopping now; {_streams(cancelled)} cancelled" if cancelled else "stopping now")
 
 
-def exit_if_stalled(after_s: float, exit_code: Callable[[], int]) -> threading.Thread:
+def _exit_if_stalled(after_s: float, exit_code: Callable[[], int]) -> threading.Thread:
     """Exit the process ``after_s`` seconds from now unless it has ended by then, first printing to
     stderr the threads still running and every thread's stack (`faulthandler`). A daemon thread:
     a process that ends in time ends with it. Only for a process that is the server (the CLI's):
     it exits with ``os._exit(exit_code())``.
 
     Example:
-        >>> exit_if_stalled(15.0, lambda: 0)   # doctest: +SKIP
+        >>> _exit_if_stalled(15.0, lambda: 0)   # doctest: +SKIP
     """
 
     def watch() -> None:
@@ -347,7 +347,7 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = 
     128 + the signal's number (130 for Ctrl-C) when a second signal stopped it at once. ``say``
     prints what a signal does, one line (default: the log, at warning level). With
     ``exit_if_stalled`` (the CLI's: the process is the server), a shutdown that takes longer than
-    the settings' ``shutdown_stall_s`` after the drain ends the process (`exit_if_stalled`)."""
+    the settings' ``shutdown_stall_s`` after the drain ends the process (`_exit_if_stalled`)."""
     state = getattr(app, "state", None)
     if state is not None:  # the models' load pause ends without a walk: `_freeze_startup_objects` freezes start-up
         state.runner_freezes_startup = True
