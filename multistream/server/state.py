@@ -185,6 +185,7 @@ class ServerState:
         self.draining = False
         self.continuer: Any = None  # with a Redis log: `continuation.Continuer`
         self.drained = asyncio.Event() if _has_loop() else None
+        self._drain_task: asyncio.Task[None] | None = None  # begin_drain's (held: a task nobody holds may be collected)
         self.started_at = time.time()
         self.loop = asyncio.get_running_loop() if _has_loop() else None
         self.in_use: dict[str, int] = {}  # principal id -> streams queued or running
@@ -467,7 +468,7 @@ class ServerState:
         for gate in self.gates.values():
             gate.close(problem)
         logger.info("draining: %d running streams get %.1f s to finish", self.registry.active(), deadline)
-        asyncio.get_running_loop().create_task(self._drain(deadline, on_drained))
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(deadline, on_drained))
 
     def stop_now(self) -> int:
         """Stop admitting, and end every running stream at once with a final ``cancelled`` event:
@@ -482,6 +483,20 @@ class ServerState:
         return self.registry.end_all_now("cancelled")
 
     async def _drain(self, deadline: float, on_drained: Callable[[], None] | None) -> None:
+        # ``on_drained`` stops the server (`runner.DrainingServer`): it runs whatever ending the streams
+        # raised: before, a drain that raised never called it, and a SIGTERM'd server stayed up.
+        try:
+            await self._end_streams(deadline)
+        except Exception:  # noqa: BLE001 - said with its traceback; the server stops all the same
+            logger.exception("draining: ending the streams failed; stopping anyway")
+        finally:
+            if self.drained is not None:
+                self.drained.set()
+            if on_drained is not None:
+                on_drained()
+
+    async def _end_streams(self, deadline: float) -> None:
+        """The drain's work (`begin_drain`): the deadline, the hand-off, the cancel, the readers' moment."""
         end = time.monotonic() + deadline
         while self.registry.live and time.monotonic() < end:
             await asyncio.sleep(0.05)
@@ -503,10 +518,6 @@ class ServerState:
         end = time.monotonic() + 2.0
         while time.monotonic() < end and any(r.subscribers for r in self.registry.finished.values()):
             await asyncio.sleep(0.05)
-        if self.drained is not None:
-            self.drained.set()
-        if on_drained is not None:
-            on_drained()
 
     # -- health --------------------------------------------------------------------------------
 

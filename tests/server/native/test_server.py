@@ -368,6 +368,21 @@ def test_sigterm_drains_then_cancels_running_streams() -> None:
     assert "Traceback" not in output, output
 
 
+def test_a_drain_that_fails_still_stops_the_server(caplog: pytest.LogCaptureFixture) -> None:
+    # The drain task calls the runner's stop at its end; a drain that raised never did, and a
+    # SIGTERM'd server stayed up with nothing in its log at warning level.
+    with make_server(text=ScriptedTextModel(TOKENS, delay_s=0.1)) as srv:
+        def broken(reason: str = "cancelled") -> None:
+            raise RuntimeError("ending the streams broke")
+
+        srv.state.registry.cancel_all = broken
+        stopped = threading.Event()
+        srv.state.loop.call_soon_threadsafe(lambda: srv.state.begin_drain(0.0, on_drained=stopped.set))
+        assert stopped.wait(10), "the drain never told the server to stop"
+        assert srv.state.drained.is_set()
+    assert "draining: ending the streams failed; stopping anyway" in caplog.text
+
+
 def _ready(url: str) -> bool:
     try:
         return bool(httpx.get(url + "/healthz", timeout=2).json()["ready"])
