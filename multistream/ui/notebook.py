@@ -30,7 +30,7 @@ from typing import Any, TextIO
 from ..errors import InvalidArgumentError
 from ..events import Event, ImageEvent, TextEvent, VideoEvent
 from ..stream import Stream
-from .view import CONFIDENCE_CSS, LiveView, Throttle, confidence_html, eta_words
+from .view import CONFIDENCE_CSS, LiveView, Throttle, confidence_html, ending_words, eta_words
 
 __all__ = ["show"]
 
@@ -38,7 +38,7 @@ __all__ = ["show"]
 def _text_summary(ev: TextEvent) -> str:
     m = ev.metrics or {}
     u = ev.usage or {}
-    bits = [f"{ev.finish_reason}"]
+    bits = [ending_words(ev.finish_reason)]
     if ev.revision:
         bits.append(f"revision {ev.revision}")
     if "completion_tokens" in u:
@@ -52,7 +52,7 @@ def _text_summary(ev: TextEvent) -> str:
 
 def _image_summary(ev: ImageEvent) -> str:
     m = ev.metrics or {}
-    bits = [f"{ev.finish_reason}", f"{ev.width}x{ev.height}", f"{ev.step}/{ev.total_steps} steps"]
+    bits = [ending_words(ev.finish_reason), f"{ev.width}x{ev.height}", f"{ev.step}/{ev.total_steps} steps"]
     if m.get("duration_ms") is not None:
         bits.append(f"{m['duration_ms'] / 1000:.2f} s")
     return " · ".join(bits)
@@ -60,7 +60,7 @@ def _image_summary(ev: ImageEvent) -> str:
 
 def _video_summary(ev: VideoEvent) -> str:
     m = ev.metrics or {}
-    bits = [f"{ev.finish_reason}", f"{ev.num_frames} frames {ev.width}x{ev.height} at {ev.fps:g} fps",
+    bits = [ending_words(ev.finish_reason), f"{ev.num_frames} frames {ev.width}x{ev.height} at {ev.fps:g} fps",
             f"{ev.step}/{ev.total_steps} steps", ev.mime]
     if m.get("duration_ms") is not None:
         bits.append(f"{m['duration_ms'] / 1000:.2f} s")
@@ -154,7 +154,7 @@ def _audio_html(view: LiveView) -> str:
 
 def _audio_summary(ev: Any) -> str:
     m = ev.metrics or {}
-    return (f"{ev.finish_reason} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
+    return (f"{ending_words(ev.finish_reason)} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
             f"real-time factor {m.get('rtf')}")
 
 

@@ -29,7 +29,7 @@ from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, Video
 from ..stream import Stream
 
 __all__ = ["CONFIDENCE_CSS", "Frame", "LiveView", "Throttle", "TokenSpan", "confidence_color", "confidence_html",
-           "markdown_safe_escape", "split_delta", "throttled_views"]
+           "ending_words", "eta_words", "markdown_safe_escape", "split_delta", "throttled_views"]
 
 
 class Throttle:
@@ -177,6 +177,23 @@ def confidence_html(view: LiveView, *, markdown_safe: bool = False) -> str:
                    f'data-offset="{span.start}" data-p="{span.probability:.4f}">{esc(span.text)}{tip}</span>')
     out.append("</div>")
     return "".join(out)
+
+
+# How a stream ended, in the words the web client uses too (multistream/static/app.js, ENDINGS):
+# a bare "stop" in a status line reads as "stopped" to people, for a run that finished.
+_ENDINGS = {"stop": "done", "length": "done (reached the token limit)", "stop_sequence": "done (stop sequence)",
+            "cancelled": "cancelled", "finished_early": "stopped early",
+            "repetition": "stopped: it was repeating itself", "content_filter": "stopped by the content filter"}
+
+
+def ending_words(finish_reason: str | None) -> str:
+    """A final event's ``finish_reason`` for people, as the demo, the notebook and the web client say it.
+
+    Example:
+        >>> ending_words("stop"), ending_words("length"), ending_words("cancelled")
+        ('done', 'done (reached the token limit)', 'cancelled')
+    """
+    return _ENDINGS.get(finish_reason or "stop", str(finish_reason))
 
 
 def eta_words(eta_s: float | None) -> str:

@@ -116,7 +116,7 @@ def test_chat_shows_a_beam_answer_committed_plain_and_provisional_faded(text_mod
         pg.click("#ms-chat-send")
 
         def finished() -> bool:
-            return str(pg.inner_text("#ms-chat-stats")).startswith(("stop", "length"))
+            return str(pg.inner_text("#ms-chat-stats")).startswith("done")
 
         seen = _wait_mid_stream(pg, "#ms-chatbot .ms-provisional", finished, ARTIFACTS / "beams_chat_streaming.png")
         pg.screenshot(path=str(ARTIFACTS / "beams_chat_done.png"))

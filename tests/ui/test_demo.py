@@ -90,7 +90,7 @@ def test_image_streams_previews_then_final(served: tuple) -> None:
     # Counting down: the steps left fall from about 10 to 1 while a step stays about 30 ms.
     assert len(left) >= 2 and left[-1] < left[0], left
     last = outputs[-1]
-    assert "data:image/png;base64," in last[0] and "stop · 12/12 steps" in last[0]
+    assert "data:image/png;base64," in last[0] and "done · 12/12 steps" in last[0]
     assert last[1] and os.path.exists(last[1])  # the final full-quality image
     assert last[2].count("<img") >= 3  # the strip of frames
 

@@ -95,7 +95,7 @@ def test_chat_answer_grows_live(page: Any) -> None:
         if not shot["done"] and "streaming" in s:
             pg.screenshot(path=str(ARTIFACTS / "demo_chat_streaming.png"))
             shot["done"] = True
-        return s.startswith(("stop", "length"))
+        return s.startswith("done")  # "done", or "done (reached the token limit)"
 
     states = _poll_states(pg, BOT_TEXT, finished)
     pg.screenshot(path=str(ARTIFACTS / "demo_chat_done.png"))
@@ -140,7 +140,7 @@ def test_image_previews_change_then_final(page: Any) -> None:
         if not mid and step.startswith("step ") and "step 1/" not in step:
             pg.screenshot(path=str(ARTIFACTS / "demo_image_preview.png"))
             mid = True
-        if step.startswith("stop"):
+        if step.startswith("done"):
             break
         time.sleep(0.03)
     pg.wait_for_timeout(300)
@@ -183,7 +183,7 @@ def test_prompt_to_picture(page: Any) -> None:
         w = pg.input_value("#ms-picture-written textarea")
         if w and (not written or w != written[-1]):
             written.append(w)
-        if pg.inner_text("#ms-picture-preview .ms-step").startswith("stop"):
+        if pg.inner_text("#ms-picture-preview .ms-step").startswith("done"):
             break
         time.sleep(0.03)
     pg.wait_for_timeout(300)

@@ -124,7 +124,7 @@ def test_image_apply_now_and_use_this(served: tuple) -> None:
     _wait(lambda: len(job.outputs()) >= 3)
     client.predict(api_name="/finish_image")
     _wait(job.done)
-    assert "finished_early" in job.outputs()[-1][0]
+    assert "stopped early" in job.outputs()[-1][0]
 
 
 @pytest.mark.browser
@@ -177,6 +177,6 @@ def test_screenshots_after_apply_now_and_steer(served: tuple) -> None:
             pg.screenshot(path=str(ARTIFACTS / "demo_image_applied.png"))
             step = pg.inner_text("#ms-image-preview .ms-step")
             assert step.startswith("step "), step  # still drawing: a mid-generation picture
-            _wait(lambda: pg.inner_text("#ms-image-preview .ms-step").startswith("stop"), 90)
+            _wait(lambda: pg.inner_text("#ms-image-preview .ms-step").startswith("done"), 90)
         finally:
             browser.close()

@@ -78,7 +78,7 @@ def test_json_option_streams_then_shows_formatted_json() -> None:
                 if not shot and "streaming" in stats and len(text) > 10:
                     pg.screenshot(path=str(ARTIFACTS / "demo_chat_json_streaming.png"))
                     shot = True
-                if stats.startswith(("stop", "length")):
+                if stats.startswith("done"):  # "done", or "done (reached the token limit)"
                     # The page renders the final answer a moment after the stats line on a busy
                     # machine: wait (up to 10 s) until the text stops changing.
                     settle = time.monotonic() + 10

@@ -88,7 +88,7 @@ def test_video_streams_every_frame_per_step_then_the_clip(served: tuple) -> None
         assert len(ev.frames) == 8  # the box shows every frame (an animated WebP)
         assert re.search(r">step \d/8 · (estimating time left|about [\d.]+ s left) · ", box), box
     last_box, clip = outputs[-1]
-    assert "stop · 8/8 steps" in last_box and "8 frames 32x32 at 8 fps · WEBM" in last_box
+    assert "done · 8/8 steps" in last_box and "8 frames 32x32 at 8 fps · WEBM" in last_box
     path = clip["video"] if isinstance(clip, dict) else clip
     assert path.endswith(".webm") and os.path.getsize(path) > 0
     import av
@@ -107,14 +107,14 @@ def test_contact_sheet_preview(served: tuple) -> None:
 def test_use_this_finishes_early_and_stop_cancels(served: tuple) -> None:
     _, vm = served
     client = gradio_client.Client(served[0], verbose=False)
-    for button, reason in (("/finish_video", "finished_early"), ("/stop_video", "cancelled")):
+    for button, reason, words in (("/finish_video", "finished_early", "stopped early"), ("/stop_video", "cancelled", "cancelled")):
         before = len(vm.finish_reasons)
         job = client.submit("a red circle", 100, 4, 0, "tiny", "webp", api_name="/video")
         _until(lambda: _reached(job, 100, 2), what="step 2")  # noqa: B023
         client.predict(api_name=button)
         _until(job.done, what="the end of the run")
         last_box, clip = job.outputs()[-1]
-        assert last_box.split('class="ms-step"')[1].split(">", 1)[1].startswith(reason), last_box
+        assert last_box.split('class="ms-step"')[1].split(">", 1)[1].startswith(words), last_box
         _until(lambda: len(vm.finish_reasons) > before, what="the model thread to end")  # noqa: B023
         assert vm.finish_reasons[before:] == [reason]  # the model stopped, not just the page
         if reason == "finished_early":
@@ -143,7 +143,7 @@ def test_apply_now_steers_the_running_clip(served: tuple) -> None:
     client.predict("a red circle moving left", api_name="/steer_video")
     _until(job.done, what="the end of the run")
     last_box, clip = job.outputs()[-1]
-    assert "stop · 40/40 steps" in last_box
+    assert "done · 40/40 steps" in last_box
     xs = _red_centres_x(clip["video"] if isinstance(clip, dict) else clip)
     assert xs == sorted(xs, reverse=True) and xs[0] - xs[-1] > 4  # it moves left now, as steered
     with pytest.raises(Exception, match="nothing is being filmed"):
@@ -159,7 +159,7 @@ def test_write_and_film_is_one_composed_stream(served: tuple) -> None:
     assert len(set(written)) >= 2  # the prompt grew live in the prompt box
     assert written[-1] == "a green star moving up on a black background"
     assert any("the LLM is writing" in o[1] for o in outputs)
-    assert outputs[-1][2] and "stop · 4/4 steps" in outputs[-1][1]
+    assert outputs[-1][2] and "done · 4/4 steps" in outputs[-1][1]
 
 
 def test_the_llm_is_held_to_what_the_video_model_can_film() -> None:
@@ -217,7 +217,7 @@ def test_video_says_where_a_queued_request_stands() -> None:
             _until(lambda: any(note in o[0] for o in job.outputs()), what=note)  # noqa: B023
             seen.set()
         _until(job.done, what="the clip")
-        assert "stop · 3/3 steps" in job.outputs()[-1][0]
+        assert "done · 3/3 steps" in job.outputs()[-1][0]
     finally:
         demo.close()
 
@@ -249,7 +249,7 @@ def test_video_tab_on_a_real_video_model() -> None:
         outputs = job.outputs()
         assert any("data:image/jpeg;base64," in o[0] for o in outputs)  # contact sheets of every frame
         last_box, clip = outputs[-1]
-        assert "stop · 3/3 steps" in last_box and "9 frames 16x16" in last_box
+        assert "done · 3/3 steps" in last_box and "9 frames 16x16" in last_box
         path = clip["video"] if isinstance(clip, dict) else clip
         assert path.endswith(".webm") and os.path.getsize(path) > 0
     finally:

@@ -83,7 +83,7 @@ def test_video_previews_play_per_step_then_the_clip(page: Any) -> None:
         if not shot and line.startswith("step ") and "about" in line and "step 1/" not in line:
             pg.screenshot(path=str(ARTIFACTS / "demo_video_preview.png"))
             shot = True
-        return line.startswith("stop")
+        return line.startswith("done")
 
     _until(done, what="the clip")
     clip = _until(lambda: pg.evaluate(CLIP_STATE), what="the clip to load in the <video>")
@@ -92,7 +92,7 @@ def test_video_previews_play_per_step_then_the_clip(page: Any) -> None:
     assert len(previews) >= 3 and all(p["webp"] for p in previews), previews  # it changed step by step
     assert any("s left" in p["line"] for p in previews)  # the ETA line
     assert clip["w"] == 64 and clip["h"] == 64 and clip["d"] > 1.5, clip  # 16 frames at 8 fps, decoded by Chromium
-    assert "stop · 20/20 steps" in _line(pg) and "16 frames 64x64 at 8 fps · WEBM" in _line(pg)
+    assert "done · 20/20 steps" in _line(pg) and "16 frames 64x64 at 8 fps · WEBM" in _line(pg)
 
 
 def test_use_this_keeps_the_clip_as_it_is(page: Any) -> None:
@@ -101,7 +101,7 @@ def test_use_this_keeps_the_clip_as_it_is(page: Any) -> None:
     pg.click("#ms-video-go")
     _until(lambda: _line(pg).startswith("step ") and "step 1/" not in _line(pg), what="step 2")
     pg.click("#ms-video-finish")
-    _until(lambda: _line(pg).startswith("finished_early"), what="finished_early")
+    _until(lambda: _line(pg).startswith("stopped early"), what="stopped early")
     _until(lambda: pg.evaluate(CLIP_STATE), what="the early clip")
     pg.screenshot(path=str(ARTIFACTS / "demo_video_finished_early.png"))
     steps = int(_line(pg).split("·")[1].split("/")[0])
@@ -115,5 +115,5 @@ def test_write_and_film_fills_the_prompt_then_films_it(page: Any) -> None:
     pg.click("#ms-video-write")
     _until(lambda: pg.input_value("#ms-video-prompt textarea") == "a green star moving up on a black background",
            what="the written prompt")
-    _until(lambda: _line(pg).startswith("stop"), what="the clip of the written prompt")
+    _until(lambda: _line(pg).startswith("done"), what="the clip of the written prompt")
     pg.screenshot(path=str(ARTIFACTS / "demo_video_written.png"))

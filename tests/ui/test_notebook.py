@@ -52,7 +52,7 @@ def test_show_prints_outside_jupyter() -> None:
     llm, sd = ScriptedTextModel(["a", "b", "c"]), ScriptedImageModel(steps=3, size=16)
     final = ms.show(ms.chain(llm.stream("x"), lambda f: sd.stream("p", steps=3)), file=out)
     text = out.getvalue()
-    assert text.startswith("abc\n[stop") and "[image 0: stop · 16x16 · 3/3 steps" in text
+    assert text.startswith("abc\n[done") and "[image 0: done · 16x16 · 3/3 steps" in text
     assert final.is_final
 
 

@@ -56,7 +56,7 @@ def test_show_video_updates_the_animated_preview_then_plays_the_clip(fake_jupyte
     assert "<video" in last and "loop" in last and "<img" not in last and "streaming" not in last
     (clip,) = _data_urls(last, "video/webm")
     assert clip == final.data
-    assert "stop · 6 frames 16x16 at 8 fps · 5/5 steps · video/webm" in last
+    assert "done · 6 frames 16x16 at 8 fps · 5/5 steps · video/webm" in last
 
 
 def test_show_video_contact_sheet_preview(fake_jupyter: list[str]) -> None:
@@ -80,14 +80,14 @@ def test_show_video_prints_progress_then_a_summary_on_a_terminal() -> None:
     text = out.getvalue()
     # The first preview it reads is always drawn (a slow reader may read step 3 first).
     assert re.search(r"\r\x1b\[K\[video 0: step [123]/3, (estimating time left|about [\d.]+ s left)\]", text), text
-    assert text.endswith("[video 0: stop · 4 frames 16x16 at 8 fps · 3/3 steps · video/webm · "
+    assert text.endswith("[video 0: done · 4 frames 16x16 at 8 fps · 3/3 steps · video/webm · "
                          f"{final.metrics['duration_ms'] / 1000:.2f} s]\n")
 
 
 def test_show_video_in_a_log_prints_only_the_summary() -> None:
     out = io.StringIO()
     ms.show(ScriptedVideoModel(steps=3, num_frames=4, size=16).stream("a red circle"), file=out)
-    assert out.getvalue().startswith("[video 0: stop · 4 frames") and "step 1/3" not in out.getvalue()
+    assert out.getvalue().startswith("[video 0: done · 4 frames") and "step 1/3" not in out.getvalue()
 
 
 def test_notebook_kernel_runs_show_on_a_video_stream(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import gradio as gr
 from ...errors import MultistreamError
 from ...events import TextEvent
 from ...stream import Stream
-from ..view import LiveView, confidence_html, markdown_safe_escape, throttled_views
+from ..view import LiveView, confidence_html, ending_words, markdown_safe_escape, throttled_views
 from ._shared import ActiveRuns, ModelSlot, run_key, ui_error
 
 __all__ = ["SELECTION_JS", "ChatTab", "answer_markup", "chat_stats", "clear_chat", "content_text", "formatted_json",
@@ -128,10 +128,10 @@ def _chat_line(view: LiveView) -> str:
         ttft = m.get("ttft_ms")
         tps = m.get("tokens_per_s")
         return (
-            f"**{final.finish_reason}** · TTFT {ttft:.0f} ms · {tps:.1f} tokens/s · "
+            f"**{ending_words(final.finish_reason)}** · TTFT {ttft:.0f} ms · {tps:.1f} tokens/s · "
             f"{u.get('completion_tokens', view.text_tokens)} tokens in {(m.get('duration_ms') or 0) / 1000:.2f} s"
             if ttft is not None and tps is not None
-            else f"**{final.finish_reason}** · {u.get('completion_tokens', view.text_tokens)} tokens"
+            else f"**{ending_words(final.finish_reason)}** · {u.get('completion_tokens', view.text_tokens)} tokens"
         )
     if view.error is not None:
         return f"**error** · {view.error.get('type')}: {view.error.get('message')}"

@@ -20,7 +20,7 @@ import gradio as gr
 from ...errors import MultistreamError
 from ...events import ImageEvent, VideoEvent
 from ...stream import Stream
-from ..view import LiveView
+from ..view import LiveView, ending_words
 
 __all__ = [
     "PREVIEW_MODES",
@@ -235,7 +235,7 @@ def preview_html(view: LiveView | None, elem: str, note: str = "") -> str:
     kb = len(ev.data) / 1024
     if frame.final:
         secs = ((ev.metrics or {}).get("duration_ms") or ev.t * 1000) / 1000
-        line = (f"{ev.finish_reason} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · final "
+        line = (f"{ending_words(ev.finish_reason)} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · final "
                 f"{ev.width}x{ev.height} {ev.mime.split('/')[-1].upper()} ({kb:.1f} KB)")
     else:
         # The time left, when the event says (eta_s: image events of models that estimate it).

@@ -26,6 +26,7 @@ import numpy as np
 
 from ...errors import MultistreamError
 from ...events import AudioEvent, ErrorEvent
+from ..view import ending_words
 from ._shared import ActiveRuns, ModelSlot, run_key, ui_error
 
 __all__ = ["SpeechTab", "spoken_html", "speak_while_written"]
@@ -53,7 +54,7 @@ def _chunk(ev: AudioEvent) -> tuple[int, np.ndarray]:
 
 def _summary(ev: AudioEvent) -> str:
     m = ev.metrics or {}
-    return (f"{ev.finish_reason} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
+    return (f"{ending_words(ev.finish_reason)} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
             f"real-time factor {m.get('rtf')}")
 
 

@@ -26,7 +26,7 @@ import gradio as gr
 from ...compose import chain
 from ...errors import MultistreamError
 from ...events import VideoEvent
-from ..view import LiveView, eta_words, throttled_views
+from ..view import LiveView, ending_words, eta_words, throttled_views
 from ._picture import DrawWritten
 from ._prompts import DEFAULT_VIDEO_IDEA, shapes_video_pattern, video_prompt_messages
 from ._shared import PREVIEW_MODES, PREVIEW_SIDE_PX, ActiveRuns, ModelSlot, check_view, progress_box, run_key, ui_error
@@ -75,7 +75,7 @@ def clip_box(view: LiveView | None, last_preview: VideoEvent | None, note: str =
     pct = 100.0 * ev.step / ev.total_steps if ev.total_steps else 100.0
     if frame.final:
         secs = ((ev.metrics or {}).get("duration_ms") or ev.t * 1000) / 1000
-        line = (f"{ev.finish_reason} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · {ev.num_frames} frames "  # type: ignore[union-attr]
+        line = (f"{ending_words(ev.finish_reason)} · {ev.step}/{ev.total_steps} steps in {secs:.2f} s · {ev.num_frames} frames "  # type: ignore[union-attr]
                 f"{ev.width}x{ev.height} at {ev.fps:g} fps · {ev.mime.split('/')[-1].upper()} "  # type: ignore[union-attr]
                 f"({len(ev.data) / 1024:.1f} KB)")
     else:
