@@ -310,7 +310,7 @@ def test_show_plays_the_final_audio(tts):
 
     out = io.StringIO()
     final = ms.show(tts.stream("Hi there."), file=out)
-    assert final.type == "audio" and "[audio: stop" in out.getvalue()
+    assert final.type == "audio" and "[audio: done" in out.getvalue()
     view = LiveView()
     view.apply(final)
     page = _render_html(view, 256)

@@ -105,7 +105,7 @@ def test_demo_chat_shows_confidence_and_branches_from_an_alternative() -> None:
             page.wait_for_selector(f"{BUBBLE} .ms-tok:nth-of-type(2) .ms-tip", state="visible")
             page.screenshot(path=str(ARTIFACTS / "confidence_demo_streaming.png"))
             # Let it end, then branch the finished answer (llm.revise(final, offset, token_id=...)).
-            page.wait_for_function("() => document.querySelector('#ms-chat-stats').innerText.includes('TTFT') && /^(stop|length)/.test(document.querySelector('#ms-chat-stats').innerText.trim())",
+            page.wait_for_function("() => document.querySelector('#ms-chat-stats').innerText.includes('TTFT') && /^done/.test(document.querySelector('#ms-chat-stats').innerText.trim())",
                                    timeout=60_000)
             page.mouse.move(0, 0)
             second = page.locator(BUBBLE_TOKENS).nth(1)
@@ -114,7 +114,7 @@ def test_demo_chat_shows_confidence_and_branches_from_an_alternative() -> None:
             assert "ms-t4" in (alt.get_attribute("class") or "").split()  # the alternative's token id
             alt.click(force=True)
             page.wait_for_function("() => document.querySelector('#ms-chatbot').innerText.includes('word0 word4 word5')")
-            page.wait_for_function("() => document.querySelector('#ms-chat-stats').innerText.includes('TTFT') && /^(stop|length)/.test(document.querySelector('#ms-chat-stats').innerText.trim())")
+            page.wait_for_function("() => document.querySelector('#ms-chat-stats').innerText.includes('TTFT') && /^done/.test(document.querySelector('#ms-chat-stats').innerText.trim())")
             assert text.calls[-1].get("revise") is True
             page.locator(BUBBLE_TOKENS).nth(1).hover(force=True)
             page.screenshot(path=str(ARTIFACTS / "confidence_demo_branched.png"))

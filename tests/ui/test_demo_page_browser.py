@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.browser,
 ANSWER = "Sure. The sea is large. Its tides follow the moon, and its currents carry heat around the world."
 BOT_TEXT = """() => { const m = document.querySelectorAll('#ms-chatbot .bot, #ms-chatbot [data-testid="bot"]');
   return m.length ? m[m.length - 1].innerText : ''; }"""
-STATS_ENDED = "() => /^(stop|length)/.test(document.querySelector('#ms-chat-stats').innerText.trim())"
+STATS_ENDED = "() => /^done/.test(document.querySelector('#ms-chat-stats').innerText.trim())"
 
 
 def _shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
