@@ -30,7 +30,7 @@ from typing import Any, TextIO
 from ..errors import InvalidArgumentError
 from ..events import Event, ImageEvent, TextEvent, VideoEvent
 from ..stream import Stream
-from .view import CONFIDENCE_CSS, LiveView, Throttle, confidence_html, ending_words, eta_words
+from .view import CONFIDENCE_CSS, LiveView, Throttle, audio_summary, confidence_html, ending_words, eta_words
 
 __all__ = ["show"]
 
@@ -149,13 +149,7 @@ def _audio_html(view: LiveView) -> str:
                 f"{view.audio_seconds:.1f} s of audio</div>")
     src = f"data:audio/wav;base64,{base64.b64encode(final.audio or b'').decode('ascii')}"
     return (f'<div class="ms-audio" style="flex-basis:100%"><audio controls autoplay src="{src}"></audio>'
-            f'<div style="font-size:12px;opacity:.7">{html.escape(_audio_summary(final))}</div></div>')
-
-
-def _audio_summary(ev: Any) -> str:
-    m = ev.metrics or {}
-    return (f"{ending_words(ev.finish_reason)} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
-            f"real-time factor {m.get('rtf')}")
+            f'<div style="font-size:12px;opacity:.7">{html.escape(audio_summary(final))}</div></div>')
 
 
 def _in_notebook() -> bool:
@@ -287,7 +281,7 @@ class _PlainRenderer:
                           f"{eta_words(frame.ev.eta_s)}]")
                 self.progress_shown = True
         if view.audio_final is not None and final:
-            out.write(f"\n[audio: {_audio_summary(view.audio_final)}]\n")
+            out.write(f"\n[audio: {audio_summary(view.audio_final)}]\n")
         if view.error is not None and final:
             self._clear_progress()
             out.write(f"\n[error {view.error.get('type')}: {view.error.get('message')}]\n")

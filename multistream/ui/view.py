@@ -29,7 +29,7 @@ from ..events import AudioEvent, ErrorEvent, Event, ImageEvent, TextEvent, Video
 from ..stream import Stream
 
 __all__ = ["CONFIDENCE_CSS", "Frame", "LiveView", "Throttle", "TokenSpan", "confidence_color", "confidence_html",
-           "ending_words", "eta_words", "markdown_safe_escape", "split_delta", "throttled_views"]
+           "audio_summary", "ending_words", "eta_words", "markdown_safe_escape", "split_delta", "throttled_views"]
 
 
 class Throttle:
@@ -194,6 +194,20 @@ def ending_words(finish_reason: str | None) -> str:
         ('done', 'done (reached the token limit)', 'cancelled')
     """
     return _ENDINGS.get(finish_reason or "stop", str(finish_reason))
+
+
+def audio_summary(ev: AudioEvent) -> str:
+    """A final audio event in one line, as the demo's Speech tab and ``ms.show()`` print it.
+
+    Example:
+        >>> audio_summary(AudioEvent(stream_id="s", seq=3, t=0.9, is_final=True, data=b"", sample_rate=22050,
+        ...                          sample_offset=0, num_samples=0, text_span=(0, 3),
+        ...                          finish_reason="stop", duration_s=0.71, metrics={"ttfa_ms": 159, "rtf": 0.22}))
+        'done · 0.71 s of audio · first audio 159 ms · real-time factor 0.22'
+    """
+    m = ev.metrics or {}
+    return (f"{ending_words(ev.finish_reason)} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
+            f"real-time factor {m.get('rtf')}")
 
 
 def eta_words(eta_s: float | None) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import MultistreamError
 from ...events import AudioEvent, ErrorEvent
-from ..view import ending_words
+from ..view import audio_summary
 from ._shared import ActiveRuns, ModelSlot, run_key, ui_error
 
 __all__ = ["SpeechTab", "spoken_html", "speak_while_written"]
@@ -50,12 +50,6 @@ def spoken_html(text: str, spoken_to: int, note: str = "") -> str:
 
 def _chunk(ev: AudioEvent) -> tuple[int, np.ndarray]:
     return ev.sample_rate, np.frombuffer(ev.data, dtype="<i2")
-
-
-def _summary(ev: AudioEvent) -> str:
-    m = ev.metrics or {}
-    return (f"{ending_words(ev.finish_reason)} · {ev.duration_s or 0:.2f} s of audio · first audio {m.get('ttfa_ms')} ms · "
-            f"real-time factor {m.get('rtf')}")
 
 
 class SpeechTab:
@@ -84,7 +78,7 @@ class SpeechTab:
                     raise gr.Error(f"{ev.error.get('type')}: {ev.error.get('message')}")
                 assert isinstance(ev, AudioEvent)
                 if ev.is_final:
-                    yield None, spoken_html(text, ev.text_span[1], _summary(ev))
+                    yield None, spoken_html(text, ev.text_span[1], audio_summary(ev))
                 else:
                     made += ev.num_samples / ev.sample_rate
                     yield _chunk(ev), spoken_html(text, ev.text_span[1], f"{made:.1f} s of audio made…")
