@@ -20,6 +20,7 @@ import uvicorn
 
 from multistream.server import ServerSettings, create_app, uvicorn_config
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
+
 from repo_paths import suite_path
 
 

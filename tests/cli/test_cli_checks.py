@@ -25,6 +25,7 @@ from PIL import Image
 import multistream as ms
 from multistream.cli import main
 from multistream.cli._files import WriteError, atomic_write
+
 from repo_paths import ROOT
 
 HEAVY = ("torch", "transformers", "diffusers", "onnxruntime", "piper")

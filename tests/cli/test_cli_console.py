@@ -21,9 +21,9 @@ from multistream.cli._console import (
     show_progress,
 )
 from multistream.cli.image import out_target
+
 from repo_paths import ROOT
 from terminal import on_a_terminal
-
 
 
 class _Tty(io.StringIO):

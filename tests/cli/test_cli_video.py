@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from repo_paths import ROOT
 
+from repo_paths import ROOT
 
 # Runs the real command line with a scripted video model in place of the embedded one.
 _RUNNER = """

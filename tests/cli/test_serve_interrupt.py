@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from repo_paths import suite_path
 from server_fixtures import SPEECH_AND_VIDEO_OFF, iter_events, wait_until
 

@@ -7,12 +7,13 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import iter_events, make_server
 
 import multistream as ms
 from multistream.cli import build_parser
 from multistream.server import ServerSettings
 from multistream.testing import ScriptedTextModel
+
+from server_fixtures import iter_events, make_server
 
 ROUTES: dict[str, dict[str, Any]] = {
     "/v1/text": {"prompt": "hi", "max_new_tokens": 2},

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from repo_paths import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import gc
 import threading
-import tomllib
 from typing import Any
 
 import pytest
+import tomllib
 
 import multistream.cli as cli
 from multistream._gc import paused_collector, pauses_collector
+
 from repo_paths import ROOT
 
 
@@ -108,6 +109,7 @@ def test_the_command_freezes_the_collector_before_the_process_exits_and_main_doe
 
 def test_the_servers_model_loads_share_one_pause_and_the_collector_is_back_once_they_settled() -> None:
     from multistream.testing import ScriptedImageModel, ScriptedTextModel
+
     from server_fixtures import make_server, wait_until
 
     seen: dict[str, bool] = {}
@@ -129,9 +131,8 @@ def test_the_servers_model_loads_share_one_pause_and_the_collector_is_back_once_
 
 
 def test_a_commands_model_load_ends_its_pause_with_a_freeze_only_when_the_command_is_the_process() -> None:
-    from multistream.cli import _console
-
     from multistream._gc import BACKLOG
+    from multistream.cli import _console
 
     frozen = gc.get_freeze_count()
     built: list[Any] = []
@@ -170,6 +171,7 @@ def test_a_pause_that_built_little_ends_without_a_collection_and_a_big_one_with_
 
 def test_the_servers_shared_pause_ends_at_its_limit_when_a_load_never_settles() -> None:
     from multistream._gc import paused, paused_until
+
     from server_fixtures import wait_until
 
     never = threading.Event()

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from repo_paths import ROOT
 
+from repo_paths import ROOT
 
 pytest.importorskip("deptry")
 

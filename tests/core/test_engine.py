@@ -13,13 +13,18 @@ import sys
 import textwrap
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 import multistream as ms
 from multistream.errors import EngineClosedError
+
 from repo_paths import ROOT
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @pytest.fixture(scope="module")

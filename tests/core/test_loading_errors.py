@@ -18,8 +18,8 @@ import torch
 
 import multistream as ms
 from multistream import _hub
-from repo_paths import ROOT
 
+from repo_paths import ROOT
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from multistream.engine import DEFAULT_CAPACITY, capacity_of
 from multistream.errors import InvalidArgumentError
 from multistream.server.state import _capacity
 from multistream.testing import ScriptedImageModel
-from repo_paths import ROOT
 
+from repo_paths import ROOT
 
 
 class _Sized:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from multistream.events import TextEvent
-from multistream.ui import LiveView, Throttle, show, throttled_views
-from multistream.ui import demo, notebook
+from multistream.ui import LiveView, Throttle, demo, notebook, show, throttled_views
 
 
 def _text(seq: int, delta: str, offset: int, **kw: object) -> TextEvent:

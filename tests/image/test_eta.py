@@ -15,9 +15,6 @@ import sys
 
 import jsonschema
 import pytest
-
-# tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
-from terminal import on_a_terminal
 from test_image import Lockstep, one_thread  # noqa: F401
 
 import multistream as ms
@@ -25,7 +22,11 @@ from multistream._eta import PerPixelTime, StepEta
 from multistream.errors import EventFormatError
 from multistream.image import EMBEDDED_MODEL_DIR
 from multistream.testing import ScriptedImageModel
+
 from repo_paths import ROOT
+
+# tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
+from terminal import on_a_terminal
 
 PROMPT = "a red circle on a blue background"
 

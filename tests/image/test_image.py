@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 import multistream as ms
-from multistream.testing import _random_pipelines as rp
 from multistream.image import ImageModel
+from multistream.testing import _random_pipelines as rp
 
 
 @pytest.fixture(autouse=True, scope="module")

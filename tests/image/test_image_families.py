@@ -9,8 +9,8 @@ import pytest
 from test_image import Lockstep, cancel_at, one_thread  # noqa: F401
 
 import multistream as ms
-from multistream.testing import _random_pipelines as rp
 from multistream.image import ImageModel
+from multistream.testing import _random_pipelines as rp
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,17 @@ callback keeps its tensor inputs, and a Flux hub model is loaded in bfloat16 fro
 from __future__ import annotations
 
 import types
+
 import pytest
 import torch
 
-import multistream as ms
-
 # tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
 from test_image import one_thread  # noqa: F401
-from multistream.testing import _random_pipelines as rp
-from multistream.image import _loading as image_module
+
+import multistream as ms
 from multistream.image import ImageModel
-
-
+from multistream.image import _loading as image_module
+from multistream.testing import _random_pipelines as rp
 
 
 @pytest.fixture(scope="module")

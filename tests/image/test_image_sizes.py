@@ -18,15 +18,16 @@ import httpx
 import openai
 import pytest
 from PIL import Image
-
-# tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
-from server_fixtures import make_server
 from test_image import one_thread  # noqa: F401
 
 import multistream as ms
 from multistream.image import EMBEDDED_IMAGE_SIZES, EMBEDDED_MODEL_DIR, ImageSizes
 from multistream.testing import _random_pipelines as rp
+
 from repo_paths import ROOT
+
+# tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
+from server_fixtures import make_server
 
 ACCEPTED = "multiples of 16 from 32 to 128 pixels, native 64x64"
 

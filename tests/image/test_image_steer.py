@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import multistream as ms
-from multistream.testing._random_pipelines import tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
 from multistream.errors import InvalidArgumentError, StreamFinishedError
+from multistream.testing._random_pipelines import tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
+
 from repo_paths import ROOT
 
 BLUE = "a red circle on a blue background"

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import multistream as ms
-
 # tests/ is on sys.path (pytest's default "prepend" import mode); one_thread is an autouse fixture.
 from test_image import one_thread  # noqa: F401
+
+import multistream as ms
 from multistream.diffusion import _preview_decoder as pd
+from multistream.diffusion._latent_rgb import fit_latent_rgb, latents_to_rgb
 from multistream.errors import InvalidArgumentError, ModelLoadError
 from multistream.image import EMBEDDED_MODEL_DIR
-from multistream.diffusion._latent_rgb import fit_latent_rgb, latents_to_rgb
 
 TINY_FIT = dict(num_images=12, latent_size=8, steps=250, width=16, blocks=1)
 
@@ -41,7 +41,7 @@ def _vae(latent_channels: int = 4, seed: int = 0, **kw):
 
 def _errors(vae, net, channels: int, seed: int = 7) -> tuple[float, float]:
     """Mean absolute error on held-out latents: (fitted decoder, linear map), both vs the VAE."""
-    from multistream.diffusion._latent_rgb import synthetic_images, latents_from_vae_space, latents_to_vae_space
+    from multistream.diffusion._latent_rgb import latents_from_vae_space, latents_to_vae_space, synthetic_images
 
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():

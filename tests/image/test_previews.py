@@ -436,8 +436,8 @@ def test_unknown_or_unbuildable_decoders_are_refused_clearly() -> None:
 
 
 def test_x0_prefers_the_fitted_decoder_only_where_one_is_at_hand() -> None:
-    from multistream.image._options import PreviewPlan
     from multistream.diffusion._previews import DecoderParts, build_decoder, settle_plan
+    from multistream.image._options import PreviewPlan
 
     def no_fit():
         raise AssertionError("settling a plan must not build (or fit) a decoder")

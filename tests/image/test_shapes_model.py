@@ -17,6 +17,7 @@ from multistream._shapes import (
     parse_prompt,
     sample_scene,
 )
+
 from repo_paths import ROOT
 
 MODEL_DIR = ROOT / "multistream" / "_models" / "shapes"

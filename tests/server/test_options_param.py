@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import ScriptedTextModel, live_server
 from test_options_surfaces import IMAGE_VALUES, TEXT_VALUES
 
 import multistream as ms
@@ -18,6 +17,8 @@ from multistream.server import create_app
 from multistream.speech import parse_speech_options
 from multistream.testing import ScriptedSpeechModel
 from multistream.text import parse_text_options
+
+from server_fixtures import ScriptedTextModel, live_server
 
 
 @pytest.mark.parametrize("name", sorted(TEXT_VALUES))

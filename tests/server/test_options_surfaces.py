@@ -13,13 +13,14 @@ from typing import Any
 import httpx
 import pytest
 import websockets
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 import multistream as ms
 from multistream.image import IMAGE_STREAM_ARGS, ImageOptions, parse_image_options
 from multistream.server.http.problems import json_spelling
 from multistream.server.ray import RemoteModel
 from multistream.text import TEXT_STREAM_ARGS, TextOptions, parse_text_options
+
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 # One good and one bad value per option (JSON values, as a client sends them).
 TEXT_VALUES: dict[str, tuple[Any, Any]] = {

@@ -15,13 +15,14 @@ import threading
 import httpx
 import jsonschema
 import pytest
-from server_fixtures import iter_events, live_server, serve_subprocess
 
 import multistream as ms
 from multistream.errors import InvalidArgumentError
 from multistream.server import STOP, ServerSettings, create_app
 from multistream.server.families import FAMILIES, family, find_family
 from multistream.testing import ScriptedImageModel, ScriptedSpeechModel, ScriptedTextModel
+
+from server_fixtures import iter_events, live_server, serve_subprocess
 
 openai = pytest.importorskip("openai")
 
@@ -355,10 +356,10 @@ def test_a_text_stream_continued_after_a_restart_is_still_filtered(tmp_path):
     import asyncio
     import time
 
+    from multistream.server.durable.event_log import RedisEventLog, entry_id
+
     from redis_fixtures import REDIS, redis_server
     from server_fixtures import make_server
-
-    from multistream.server.durable.event_log import RedisEventLog, entry_id
 
     if REDIS is None:
         pytest.skip("redis-server is not installed (scripts/setup.sh --test)")

@@ -15,11 +15,12 @@ import httpx
 import openai
 import pytest
 import websockets
-from repo_paths import ROOT
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, wait_until
 
 from multistream.server import Blocklist, decode_message
 from multistream.server.streams.filtering import OutputFilter
+
+from repo_paths import ROOT
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server, wait_until
 
 JSON = {"content-type": "application/json"}
 STATIC = ROOT / "multistream" / "static"
@@ -415,9 +416,10 @@ def test_blocklist_catches_split_words_on_every_route(tmp_path: Path) -> None:
 def test_demo_goes_through_the_gates_and_never_blocks_the_loop(tmp_path: Path) -> None:
     import gradio_client
     from gradio_client.utils import Status
-    from server_fixtures import live_server
 
     from multistream.server import ServerSettings, create_app
+
+    from server_fixtures import live_server
 
     loaded = threading.Event()
 
@@ -452,9 +454,9 @@ def test_demo_goes_through_the_gates_and_never_blocks_the_loop(tmp_path: Path) -
 
 
 def test_demo_works_with_keys_behind_a_login(tmp_path: Path) -> None:
-    from server_fixtures import live_server
-
     from multistream.server import ServerSettings, create_app
+
+    from server_fixtures import live_server
 
     app = create_app(text_model=ScriptedTextModel(), image_model=ScriptedImageModel(),
                      settings=ServerSettings(api_key="k3y"), demo_path="/demo")

@@ -11,10 +11,11 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, live_server  # noqa: E402
 
 from multistream.server import ServerSettings, create_app  # noqa: E402
 from multistream.testing import ScriptedVideoModel  # noqa: E402
+
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, live_server  # noqa: E402
 
 FUZZ_SETTINGS = dict(max_new_tokens=32, default_max_new_tokens=8, max_steps=4, max_image_side=64, max_images=2,
                      max_prompt_chars=2000, queue_timeout_s=5.0, grace_period_s=1.0)

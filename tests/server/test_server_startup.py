@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from repo_paths import ROOT, suite_path
 from server_fixtures import iter_events, make_server, missing_module_model, slow_failing_model, wait_until
 
@@ -235,9 +236,10 @@ def test_a_deferred_app_that_fails_to_build_answers_503_with_the_cause_and_the_a
     import contextlib
 
     from fastapi import FastAPI
-    from server_fixtures import live_server
 
     from multistream.server.http.deferred import DeferredApp
+
+    from server_fixtures import live_server
 
     def build() -> Any:
         raise RuntimeError("no gradio today")
@@ -266,10 +268,11 @@ def test_requests_that_arrive_while_a_deferred_app_builds_wait_for_it() -> None:
     import threading
 
     from fastapi import FastAPI
-    from server_fixtures import live_server, wait_until
     from starlette.responses import PlainTextResponse
 
     from multistream.server.http.deferred import DeferredApp
+
+    from server_fixtures import live_server, wait_until
 
     release = threading.Event()
     builds = []

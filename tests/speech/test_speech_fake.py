@@ -8,11 +8,12 @@ import wave
 
 import httpx
 import pytest
-from server_fixtures import live_server
 
 import multistream as ms
 from multistream.server import ServerSettings, create_app
 from multistream.testing import ScriptedSpeechModel, ScriptedTextModel
+
+from server_fixtures import live_server
 
 pytest.importorskip("pysbd")
 

@@ -14,11 +14,12 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from server_fixtures import ScriptedTextModel, make_server
 
 import multistream as ms
 from multistream.stream import Stream
 from multistream.ui.view import LiveView, split_delta
+
+from server_fixtures import ScriptedTextModel, make_server
 
 MSGS = [{"role": "user", "content": "Name three colours."}]
 
@@ -96,7 +97,9 @@ def test_openai_bodies_refuse_what_is_not_built_in_openai_shape(fake_srv: Any) -
                             ({**base, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools")):
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 400, (body, r.text)
-            assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+            error = r.json()["error"]
+            assert set(error) >= {"message", "type", "param", "code"}
+            assert error["param"] == param, (body, error)  # the field to fix, as OpenAI names it
         for body in ({"prompt": "x", "suffix": "y"}, {"prompt": "x", "max_tokens": 0}, {"prompt": [1, 2, 3]},
                      {"prompt": "x", "best_of": 3}, {"prompt": "x", "logprobs": 30}):
             r = c.post("/v1/completions", json=body)

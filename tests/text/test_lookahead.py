@@ -14,11 +14,12 @@ import threading
 
 import pytest
 import torch
-from lookahead_prompts import COPY, OPEN, QUOTE
 
 from multistream.errors import InvalidArgumentError
 from multistream.text._kv_rows import RowCache
 from multistream.text._lookahead import Lookahead
+
+from lookahead_prompts import COPY, OPEN, QUOTE
 
 SAMPLED = {"temperature": 0.8, "seed": 11}
 
@@ -322,6 +323,7 @@ def test_the_server_takes_speculate_and_counts_drafted_and_accepted_tokens(llm) 
 
     import httpx
     import openai
+
     from server_fixtures import make_server
 
     with make_server(llm) as srv:

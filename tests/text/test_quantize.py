@@ -17,6 +17,7 @@ import torch
 
 import multistream as ms
 from multistream.errors import InvalidArgumentError
+from multistream.testing._quality import agreement, greedy_tokens, perplexity
 from multistream.text._accel.block_layers import Q4Linear, Q8Linear
 from multistream.text._accel.kernels import native_kernels
 from multistream.text._accel.quantize import (
@@ -29,7 +30,7 @@ from multistream.text._accel.quantize import (
     quantize_model,
 )
 from multistream.text._loading import AUTO_QUANTIZE_EMBEDDED_CPU, resolve_quantize
-from multistream.testing._quality import agreement, greedy_tokens, perplexity
+
 from repo_paths import ROOT
 
 DATA = ROOT / "tests" / "data"

@@ -8,10 +8,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_fixtures import make_server
 
 from multistream.text import parse_text_options
 from multistream.text._repetition import RepetitionDetector
+
+from server_fixtures import make_server
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
                                          "population": {"type": "integer"},

@@ -14,10 +14,9 @@ from pydantic import BaseModel
 
 import multistream as ms
 from multistream.server import ServerSettings
-from multistream.server.openai.chat.protocol import chat_kwargs
 from multistream.server.http.problems import Problem
-from multistream.text import ToolCallParser, parse_text_options, parse_tool_calls
-from multistream.text import _schemas
+from multistream.server.openai.chat.protocol import chat_kwargs
+from multistream.text import ToolCallParser, _schemas, parse_text_options, parse_tool_calls
 
 PERSON = {
     "type": "object",

@@ -15,12 +15,13 @@ import openai
 import pytest
 import torch
 import websockets
-from server_fixtures import iter_sse, make_server
 
 import multistream as ms
 from multistream.server import decode_message
 from multistream.stream import Stream, StreamWriter
 from multistream.text._beams import BeamSearch
+
+from server_fixtures import iter_sse, make_server
 
 PROMPTS = ["Write a haiku about rivers", "What is the capital of France?", "List three fruits."]
 MAX_NEW = 32

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import regex
 import pytest
+import regex
 
 import multistream as ms
 from multistream.text._constraints import compile_allowed, constraint_for, grammar_of

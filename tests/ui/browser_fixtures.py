@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from repo_paths import ARTIFACTS
 
 CHROMIUM = "/usr/bin/chromium"

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 from browser_fixtures import CHROME_ARGS, CHROMIUM
+
 from gradio_fixtures import set_number
-from server_fixtures import make_server
 from repo_paths import ARTIFACTS
+from server_fixtures import make_server
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 

@@ -10,9 +10,10 @@ import os
 import socket
 
 import pytest
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 from browser_fixtures import CHROME_ARGS, CHROMIUM
+
 from repo_paths import ARTIFACTS
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from repo_paths import ROOT
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from browser_fixtures import demo_in_chromium
+
 from gradio_fixtures import set_number
 from repo_paths import ARTIFACTS
 
@@ -20,8 +21,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import multistream as ms
 from multistream._shapes import COLORS, SHAPES, parse_prompt
-from multistream.ui.demo import DEFAULT_IDEA, create_demo
 from multistream.testing import ScriptedImageModel
+from multistream.ui.demo import DEFAULT_IDEA, create_demo
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 from browser_fixtures import CHROME_ARGS, CHROMIUM
+
 from gradio_fixtures import set_number
 from repo_paths import ARTIFACTS
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from multistream.ui.demo import create_demo
 from multistream.testing import ScriptedImageModel, ScriptedTextModel
+from multistream.ui.demo import create_demo
 
 gradio_client = pytest.importorskip("gradio_client")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from browser_fixtures import CHROME_ARGS, CHROMIUM
+
 from repo_paths import ARTIFACTS
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")

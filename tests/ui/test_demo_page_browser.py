@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 
 import pytest
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, live_server
+from browser_fixtures import BROWSER_FLAGS, CHROMIUM
 
 from multistream.server import ServerSettings, create_app
 from multistream.testing import ScriptedSpeechModel
-from browser_fixtures import BROWSER_FLAGS, CHROMIUM
+
 from repo_paths import ARTIFACTS
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, live_server
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from browser_fixtures import demo_in_chromium
+
 from gradio_fixtures import set_number
 from repo_paths import ARTIFACTS
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-from repo_paths import ROOT
-
 from multistream.events import AUDIO_FINISH_REASONS, IMAGE_FINISH_REASONS, TEXT_FINISH_REASONS, VIDEO_FINISH_REASONS
 from multistream.ui.view import ending_words
+
+from repo_paths import ROOT
 
 REASONS = set(TEXT_FINISH_REASONS) | set(IMAGE_FINISH_REASONS) | set(AUDIO_FINISH_REASONS) | set(VIDEO_FINISH_REASONS)
 

@@ -15,6 +15,7 @@ import multistream.ui.notebook as nb
 from multistream.events import VideoEvent
 from multistream.testing import ScriptedTextModel, ScriptedVideoModel
 from multistream.ui.view import LiveView
+
 from repo_paths import ROOT
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from browser_fixtures import BROWSER_FLAGS, demo_in_chromium
+
 from repo_paths import ARTIFACTS
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 from browser_fixtures import CHROMIUM
+
 from repo_paths import ARTIFACTS
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 pytestmark = [
     pytest.mark.browser,
@@ -203,10 +204,10 @@ def test_web_client_keeps_text_image_and_speech_apart_and_says_what_happens() ->
 def test_web_client_speaks_and_plays_the_audio() -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
     pytest.importorskip("piper")
-    from server_fixtures import live_server
-
     import multistream as ms
     from multistream.server import ServerSettings, create_app
+
+    from server_fixtures import live_server
 
     tts = ms.load_speech_model()  # the embedded Piper voice, as `multistream serve` speaks by default
     app = create_app(ScriptedTextModel(TOKENS), None, ServerSettings(), speech_model=tts)

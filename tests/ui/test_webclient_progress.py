@@ -8,9 +8,10 @@ import threading
 
 import httpx
 import pytest
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 from browser_fixtures import CHROME_ARGS, CHROMIUM
+
 from repo_paths import ARTIFACTS
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"Chromium is not installed at {CHROMIUM}")]

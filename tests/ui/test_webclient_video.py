@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 
 import pytest
-from server_fixtures import live_server
+from browser_fixtures import BROWSER_FLAGS, CHROMIUM
 
 from multistream.server import create_app
 from multistream.testing import ScriptedTextModel, ScriptedVideoModel
-from browser_fixtures import BROWSER_FLAGS, CHROMIUM
+
 from repo_paths import ARTIFACTS
+from server_fixtures import live_server
 
 CHROME_ARGS = [*BROWSER_FLAGS,
                "--autoplay-policy=no-user-gesture-required"]

@@ -8,7 +8,6 @@ import threading
 
 import numpy as np
 import pytest
-from repo_paths import ROOT
 
 from multistream._shapes import (
     COLORS,
@@ -27,6 +26,8 @@ from multistream._shapes import (
     sample_clip,
 )
 from multistream._shapes._judge import classify_shape, judge_clip, to_frames
+
+from repo_paths import ROOT
 
 MODELS = ROOT / "multistream" / "_models"
 MODEL_DIR = MODELS / "shapes_video"

@@ -16,6 +16,7 @@ import websockets
 
 from multistream.server import ServerSettings
 from multistream.server.durable.event_log import RedisEventLog, RemoteRecord
+
 from redis_fixtures import needs_redis, redis_server
 from server_fixtures import LiveServer, ScriptedTextModel, iter_events, make_server
 

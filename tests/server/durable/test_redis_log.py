@@ -16,6 +16,7 @@ import pytest
 
 from multistream.server import ServerSettings
 from multistream.server.durable.event_log import RedisEventLog, entry_id
+
 from redis_fixtures import free_port, needs_redis, redis_server
 from server_fixtures import (
     SPEECH_AND_VIDEO_OFF,

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from redis_fixtures import free_port, needs_redis, redis_server
 from server_fixtures import SPEECH_AND_VIDEO_OFF, ScriptedTextModel, iter_events, serve_subprocess, wait_until
 
@@ -102,11 +103,11 @@ def test_a_generation_that_keeps_killing_its_server_ends_with_an_error() -> None
     the next server ends it in the log with an error event, which resuming readers get."""
     import asyncio
 
-    from server_fixtures import make_server
-
     from multistream.server import ServerSettings
     from multistream.server.durable.continuation import MAX_RESTARTS
     from multistream.server.durable.event_log import RedisEventLog, entry_id
+
+    from server_fixtures import make_server
 
     sid, token = "f" * 32, "tok"
     first = {"type": "text", "stream_id": sid, "seq": 0, "t": 0.0, "is_final": False, "delta": " w0",

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from redis_fixtures import free_port, needs_redis, redis_server
 from server_fixtures import (
     SPEECH_AND_VIDEO_OFF,

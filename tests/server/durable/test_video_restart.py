@@ -12,11 +12,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from redis_fixtures import free_port, needs_redis, redis_server
-from server_fixtures import iter_events, serve_subprocess, wait_until
 
 import multistream as ms
 from multistream.server.families import family
+
+from redis_fixtures import free_port, needs_redis, redis_server
+from server_fixtures import iter_events, serve_subprocess, wait_until
 
 pytestmark = needs_redis
 

@@ -13,11 +13,12 @@ import httpx
 import openai
 import pytest
 import websockets
-from server_fixtures import ScriptedTextModel, iter_sse, make_server
 from test_server import check_sequence, wait_until
 
 from multistream.server.http.problems import Problem
 from multistream.server.streams.admission import Admission
+
+from server_fixtures import ScriptedTextModel, iter_sse, make_server
 
 SLOW = [f" s{i}" for i in range(400)]
 

@@ -14,6 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+
+from multistream import event_from_dict
+from multistream.server import STOP
+
+from repo_paths import ROOT, suite_path
 from server_fixtures import (
     SPEECH_AND_VIDEO_OFF,
     ScriptedImageModel,
@@ -23,10 +28,6 @@ from server_fixtures import (
     make_server,
     wait_until,
 )
-
-from multistream import event_from_dict
-from multistream.server import STOP
-from repo_paths import ROOT, suite_path
 
 TOKENS = [f" w{i}" for i in range(12)]
 
@@ -418,6 +419,7 @@ def test_server_also_serves_the_demo_page_on_its_models():
     import gradio_client
 
     from multistream.server import ServerSettings, create_app
+
     from server_fixtures import live_server
 
     app = create_app(text_model=ScriptedTextModel(), image_model=ScriptedImageModel(), settings=ServerSettings(),

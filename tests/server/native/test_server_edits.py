@@ -9,10 +9,11 @@ from typing import Any
 import httpx
 import pytest
 import websockets
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server
 
 from multistream import ImageEvent, TextEvent, event_from_dict
 from multistream.server import decode_message
+
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, iter_events, make_server
 
 TOKENS = [f" w{i}" for i in range(60)]
 

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import httpx
-from server_fixtures import iter_events, make_server
 
 from multistream.testing import ScriptedTextModel
+
+from server_fixtures import iter_events, make_server
 
 CONVERSATION = [
     {"role": "user", "content": "What is the weather in Paris?"},

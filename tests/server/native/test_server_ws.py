@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 import websockets
-from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 from multistream import ImageEvent, TextEvent
 from multistream.server import decode_message
+
+from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,12 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import Request  # module level: the endpoints' string annotations resolve against it
-from server_fixtures import ScriptedTextModel, iter_events, iter_sse, make_server
 from sse_starlette import ServerSentEvent
 from test_server import check_sequence, wait_until
 
 from multistream.server.runner import uvicorn_config
+
+from server_fixtures import ScriptedTextModel, iter_events, iter_sse, make_server
 
 TOKENS = [f" w{i}" for i in range(12)]
 

@@ -17,13 +17,14 @@ import openai
 import pytest
 import websockets
 from PIL import Image
-from server_fixtures import iter_events, iter_sse, live_server, wait_until
 
 from multistream import VideoEvent, event_from_dict
 from multistream.errors import InvalidArgumentError
 from multistream.server import ServerSettings, create_app, decode_message
 from multistream.server.families import family
 from multistream.testing import ScriptedTextModel, ScriptedVideoModel
+
+from server_fixtures import iter_events, iter_sse, live_server, wait_until
 
 
 def _server(video: Any, **settings: Any) -> Any:

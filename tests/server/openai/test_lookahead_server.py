@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from lookahead_prompts import COPY
 from redis_fixtures import free_port, needs_redis, redis_server
 from server_fixtures import iter_events, make_server, serve_subprocess

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import pytest
+
 from repo_paths import ROOT
 from server_fixtures import make_server
 

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel
+
 from server_fixtures import ScriptedTextModel, make_server, wait_until
 
 CALL = ['<tool_call>', '{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}', '</tool_call>']

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+
 from server_fixtures import ScriptedImageModel, ScriptedTextModel, make_server
 
 TOKENS = ["Hello", ",", " world", "!", " More", " text"]

@@ -11,11 +11,12 @@ import wave
 
 import httpx
 import pytest
-from server_fixtures import iter_sse, live_server
 
 import multistream as ms
 from multistream.server import ServerSettings, create_app
 from multistream.testing import ScriptedTextModel
+
+from server_fixtures import iter_sse, live_server
 
 pytest.importorskip("piper")
 openai = pytest.importorskip("openai")

@@ -10,6 +10,7 @@ import json
 import openai
 import pytest
 from pydantic import BaseModel
+
 from server_fixtures import make_server
 
 pytestmark = pytest.mark.model

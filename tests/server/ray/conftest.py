@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from redis_fixtures import free_port, redis_server
 from repo_paths import suite_path
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+
 from redis_fixtures import needs_redis
 from server_fixtures import iter_events
 
