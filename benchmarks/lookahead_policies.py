@@ -19,6 +19,12 @@ Policies:
 - ``suffix a,b,m``: vLLM suffix decoding's rule on the prompt and answer: the longest suffix of the
   context (at least ``m`` tokens) found earlier, the latest such occurrence, ``a * match + b``
   drafts (at most 10);
+- ``classed``: the engine's rule (3/2/1-gram match, draft length from decayed acceptance against
+  the step's cost), with its acceptance rates kept apart by how the n-gram's earlier occurrences
+  went on (one occurrence, several that agree, several that do not), since a rare token's one
+  occurrence is a likelier copy than a common word's latest; ``classed + cursor`` also takes, for
+  an n-gram seen several times, its first occurrence after where the last kept drafts were copied
+  from (a summary copies its article in order);
 - ``oracle``: the longest correct continuation from any earlier occurrence of the last token (what
   prompt lookup could give if it always chose the right place): an upper bound, not a policy.
 
@@ -64,6 +70,64 @@ class SuffixRule:
 
     def verified(self, drafted: int, kept: int) -> None:
         pass
+
+
+class Classed:
+    """The engine's drafting rule with acceptance rates per kind of match (and an optional copy cursor)."""
+
+    PRIORS = {"one": 0.55, "agree": 0.6, "disagree": 0.15, "cursor": 0.55}  # cursor: high enough to be tried
+    NGRAMS = (3, 2, 1)
+
+    def __init__(self, cursor: bool = False, cap: int = AUTO_CAP, decay: float = 0.9, weight: float = 2.0) -> None:
+        self.use_cursor, self.cap, self.decay = cursor, cap, decay
+        self.tried = {(n, kind): weight for n in self.NGRAMS for kind in self.PRIORS}
+        self.kept = {(n, kind): weight * self.PRIORS[kind] for n in self.NGRAMS for kind in self.PRIORS}
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where each continuation starts
+        self.indexed = 1
+        self.cursor: int | None = None
+        self.last: tuple[tuple[int, str], int] | None = None  # the drafts' class and where they were copied from
+
+    def drafts(self, context: list[int], *, rows: int, room: int) -> list[int]:
+        for end in range(self.indexed, len(context)):
+            for n in self.NGRAMS:
+                if end >= n:
+                    self.starts.setdefault(tuple(context[end - n:end]), []).append(end)
+        self.indexed = max(self.indexed, len(context))
+        self.last = None
+        for n in self.NGRAMS:
+            starts = self.starts.get(tuple(context[-n:]))
+            if not starts:
+                continue
+            start = starts[-1]
+            if len(starts) == 1:
+                kind = "one"
+            elif len({context[s] for s in starts}) == 1:
+                kind = "agree"
+            else:
+                kind = "disagree"
+                after = [s for s in starts if self.cursor is not None and s >= self.cursor]
+                if self.use_cursor and after:
+                    start, kind = after[0], "cursor"
+            p = self.kept[n, kind] / self.tried[n, kind]
+            share = 1.0 / max(rows, 1) + 1.0  # the engine's cost model: a step's fixed part equals a position
+            k, best, net, prob = 0, 0.0, 0.0, 1.0
+            for i in range(1, min(self.cap, room) + 1):
+                prob *= p
+                net += prob * share - 1.0
+                if net > best:
+                    k, best = i, net
+            self.last = ((n, kind), start)
+            return context[start:start + k]
+        return []
+
+    def verified(self, drafted: int, kept: int) -> None:
+        if drafted <= 0 or self.last is None:
+            return
+        key, start = self.last
+        self.tried[key] = self.tried[key] * self.decay + kept + (1 if kept < drafted else 0)
+        self.kept[key] = self.kept[key] * self.decay + kept
+        if kept:
+            self.cursor = start + kept + 1
 
 
 def replay(prompt: list[int], answer: list[int], policy: Policy) -> tuple[int, int]:
@@ -120,7 +184,8 @@ def main() -> None:
     llm = ms.load_text_model()
     answers = record(llm, args.tokens)
     llm.close()
-    policies: dict[str, Any] = {"engine": lambda: Lookahead(AUTO_CAP)}
+    policies: dict[str, Any] = {"engine": lambda: Lookahead(AUTO_CAP), "classed": Classed,
+                                "classed + cursor": lambda: Classed(cursor=True)}
     for alpha, beta, min_match in ((0.5, 0, 1), (0.5, 1, 2), (1.0, 0, 2), (1.0, 1, 2), (1.0, 1, 3), (2.0, 0, 2)):
         policies[f"suffix {alpha},{beta},{min_match}"] = lambda a=alpha, b=beta, m=min_match: SuffixRule(a, b, m)
     print("tokens per step / modelled speed against one token per step at c = " + ", ".join(map(str, costs)))
