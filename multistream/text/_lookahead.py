@@ -18,7 +18,7 @@ only if the ``i - 1`` before it were, probability ``p ** i``) is worth running w
 ``p ** i > B / (A / rows + B)``. ``p`` is the request's own recent acceptance rate (decayed
 counts), so a request whose drafts keep failing (open-ended text) stops drafting, and a busy
 batch drafts only where acceptance is very likely. The kernels share one pass over the weights
-among a group of positions (8 with AVX-512, 4 with AVX2): a draft that starts another group also
+among a group of positions (12 with AVX2, 8 with AVX-512): a draft that starts another group also
 costs that pass, so the row drafts the block whose expected saving minus its cost is largest
 (in a full batch of 8 one draft costs a pass; a long likely copy still fills the next group).
 

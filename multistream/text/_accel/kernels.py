@@ -139,8 +139,8 @@ class NativeKernels:
     isa: str
 
     def row_group(self) -> int:
-        """How many activation rows share one pass over a weight matrix (8 with AVX-512, 4 with AVX2,
-        1 in portable C): a step's positions past a multiple of it cost another pass."""
+        """How many activation rows share one pass over a weight matrix (12 with AVX2, 8 with
+        AVX-512, 1 in portable C): a step's positions past a multiple of it cost another pass."""
         return int(self.cdll.ms_row_group())
 
     def contention(self) -> tuple[int, int]:
