@@ -35,12 +35,13 @@ Tasks and prompts are `lookahead.py`'s. The JSON task's grammar-forced drafts ar
 from __future__ import annotations
 
 import argparse
+import bisect
 from typing import Any, Protocol
 
 from lookahead import TASKS  # the same five tasks and prompts
 
 import multistream as ms
-from multistream.text._lookahead import AUTO_CAP, Lookahead
+from multistream.text._lookahead import AUTO_CAP, Lookahead, draft_length
 
 
 class Policy(Protocol):
@@ -105,17 +106,9 @@ class Classed:
                 kind = "agree"
             else:
                 kind = "disagree"
-                after = [s for s in starts if self.cursor is not None and s >= self.cursor]
-                if self.use_cursor and after:
-                    start, kind = after[0], "cursor"
-            p = self.kept[n, kind] / self.tried[n, kind]
-            share = 1.0 / max(rows, 1) + 1.0  # the engine's cost model: a step's fixed part equals a position
-            k, best, net, prob = 0, 0.0, 0.0, 1.0
-            for i in range(1, min(self.cap, room) + 1):
-                prob *= p
-                net += prob * share - 1.0
-                if net > best:
-                    k, best = i, net
+                if self.use_cursor and self.cursor is not None and starts[-1] >= self.cursor:
+                    start, kind = starts[bisect.bisect_left(starts, self.cursor)], "cursor"
+            k = draft_length(self.kept[n, kind] / self.tried[n, kind], rows=rows, limit=min(self.cap, room))
             self.last = ((n, kind), start)
             return context[start:start + k]
         return []

@@ -20,7 +20,7 @@ counts), so a request whose drafts keep failing (open-ended text) stops drafting
 batch drafts only where acceptance is very likely. The kernels share one pass over the weights
 among a group of positions (12 with AVX2, 8 with AVX-512): a draft that starts another group also
 costs that pass, so the row drafts the block whose expected saving minus its cost is largest
-(in a full batch of 8 one draft costs a pass; a long likely copy still fills the next group).
+(in a batch that fills a group one draft costs a pass; a long likely copy still fills the next group).
 
 Example:
     >>> look = Lookahead(cap=8)
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AUTO_CAP", "Lookahead", "lookahead_for"]
+__all__ = ["AUTO_CAP", "Lookahead", "draft_length", "lookahead_for"]
 
 AUTO_CAP = 10  # drafts per step at most under speculate="auto"
 _NGRAMS = (3, 2, 1)  # n-gram sizes matched, longest first
@@ -60,6 +60,27 @@ _RECOVER = 0.98  # per step, the counts drift back towards the prior
 # position within a group (1.1 positions more); the output layer alone: 8 rows 3.4 ms, 9 rows
 # 4.4 ms, 0.36 ms a row (1.8 more). 1.5 lies between the two.
 _GROUP_OPEN = 1.5
+
+
+def draft_length(p: float, *, rows: int, limit: int, positions: int = 1, group: int = 0) -> int:
+    """How many drafts (at most ``limit``) a row whose drafts are kept with probability ``p`` runs
+    in a step of ``rows`` rows: the block of k whose expected saving (draft i kept with probability
+    ``p ** i``, saving the row's share of a step) minus its cost (a position each, and a pass for
+    each group of ``group`` positions it starts after the step's first ``positions``) is largest.
+    Without a group to start it is the longest block whose every draft pays, ``p ** i * share > 1``.
+
+    Example:
+        >>> draft_length(0.9, rows=1, limit=10), draft_length(0.9, rows=8, limit=10), draft_length(0.3, rows=1, limit=10)
+        (6, 1, 0)
+    """
+    share = _FIXED_OVER_POSITION / max(rows, 1) + 1.0  # a row's share of the step, in positions
+    k, best, net, prob = 0, 0.0, 0.0, 1.0
+    for i in range(1, limit + 1):
+        prob *= p
+        net += prob * share - 1.0 - (_GROUP_OPEN if group and (positions + i - 1) % group == 0 else 0.0)
+        if net > best:
+            k, best = i, net
+    return k
 
 
 class Lookahead:
@@ -112,7 +133,6 @@ class Lookahead:
         rows = max(rows, 1) if self.batch_aware else 1
         if not self.batch_aware:
             group = 0  # speculate=k asked for drafts whatever the batch
-        share = _FIXED_OVER_POSITION / rows + 1.0  # a row's share of the step, in positions
         limit = min(self.cap, room)
         self._sync(context, version)
         for n in _NGRAMS:
@@ -121,16 +141,7 @@ class Lookahead:
             start = self._index.get(tuple(context[-n:]))
             if start is None:
                 continue
-            p = self.rate(n)
-            # The block of k drafts whose expected saving (draft i kept with probability p ** i)
-            # minus its cost (a position each, and a pass for each group it starts) is largest.
-            # Without a group to start it is the longest block whose every draft pays, p ** i * share > 1.
-            k, best, net, prob = 0, 0.0, 0.0, 1.0
-            for i in range(1, limit + 1):
-                prob *= p
-                net += prob * share - 1.0 - (_GROUP_OPEN if group and (positions + i - 1) % group == 0 else 0.0)
-                if net > best:
-                    k, best = i, net
+            k = draft_length(self.rate(n), rows=rows, limit=limit, positions=positions, group=group)
             self._last_n = n
             return context[start:start + k]
         return []

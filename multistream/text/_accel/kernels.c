@@ -53,7 +53,7 @@
 // the weights once per WIDE_GROUP rows. Measured on a 2-core AMD EPYC with AVX2: a step of a
 // token and 4 drafts took 61 ms with groups of 4, 51 with 8; with up to 9 drafts (7 on average)
 // 97, 84 and 72 ms with 12 (README, "Speed on a CPU": prefill and batches gain too); groups of 16
-// were no faster than 12. AVX-512 keeps 8, as measured there.
+// were no faster than 12. AVX-512 keeps 8 (measured against 4 there; wider groups were not).
 #if defined(MS_AVX512)
 #define WIDE_GROUP 8
 #elif defined(MS_AVX2)
