@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from typing import Any
@@ -27,9 +26,10 @@ from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ..image import EMBEDDED_IMAGE_SIZES, ImageOptions, parse_image_options
 from ._checks import declare_options, device, finish_checking_sizes, integer
-from ._console import model_loading, show_progress, status_line
+from ._console import model_loading, status_line
 from ._files import atomic_write, check_input_folder, check_output_file, check_output_folder, looks_like_a_file
 from ._interrupt import CtrlC
+from ._step_progress import StepProgress
 
 _EXTENSIONS = {"image/jpeg": "jpg", "image/png": "png", "image/webp": "webp"}
 # A --out ending in one of these is the final image's file (its format from the suffix); else a folder.
@@ -132,31 +132,6 @@ def write_strip(frames: list[Any], final: Any, path: str, count: int, tile: int 
     atomic_write(path, data.getvalue())
 
 
-class _StepBar:
-    """A tqdm bar of the denoising steps on a terminal, showing the model's own estimate of the
-    time left (``eta_s``: measured step times plus the final decode) rather than tqdm's."""
-
-    def __init__(self) -> None:
-        from tqdm import tqdm
-
-        # mininterval=0: a preview comes at most once a step, and each one's step and ETA is shown.
-        self._bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr, leave=False, mininterval=0,
-                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-
-    def show(self, step: int, total: int, eta_s: float | None, ms_per_step: float) -> None:
-        if self._bar.total != total:
-            self._bar.total = total
-        eta = "ETA --" if eta_s is None else f"ETA {eta_s:.1f} s"
-        self._bar.set_postfix_str(f"{eta}, {ms_per_step:.0f} ms/step", refresh=False)
-        self._bar.update(step - self._bar.n)
-
-    def __enter__(self) -> _StepBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.close()
-
-
 def run(args: argparse.Namespace) -> int:
     out, out_file, final_format = out_target(default_out(args), args.final_format)  # checked (check_paths)
     try:
@@ -170,11 +145,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if out is not None:
         os.makedirs(out, exist_ok=True)
-    last_t, last_step = 0.0, 0
     previews: list[Any] = []
-    bar = _StepBar() if show_progress() else None
     ctrl_c = CtrlC(lambda line: status_line(line, final=True))
-    with stream, bar if bar is not None else contextlib.nullcontext():
+    with stream, StepProgress() as progress:
         for ev in ctrl_c.events(stream):
             if args.json:
                 print(ev.to_json(), flush=True)
@@ -191,14 +164,7 @@ def run(args: argparse.Namespace) -> int:
             if not ev.is_final and ev.index == 0:
                 if args.strip:
                     previews.append(ev)
-                # Steps between two previews may be several (preview_every, or skipped frames).
-                ms_per_step = (ev.t - last_t) * 1e3 / max(1, ev.step - last_step)
-                last_t, last_step = ev.t, ev.step
-                if bar is not None:
-                    bar.show(ev.step, ev.total_steps, ev.eta_s, ms_per_step)
-                else:
-                    eta = f"  eta {ev.eta_s:.1f} s" if ev.eta_s is not None else ""
-                    status_line(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
+                progress.preview(ev)
     final = stream.final
     if final is None or final.type == "error":
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]

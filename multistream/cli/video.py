@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from typing import Any
@@ -27,9 +26,10 @@ from typing import Any
 from .._spec import cli_values
 from ..errors import InvalidArgumentError, MultistreamError
 from ._checks import declare_options, device, finish_checking_sizes, flag_problem
-from ._console import model_loading, show_progress, status_line
+from ._console import model_loading, status_line
 from ._files import atomic_write, check_output_file, check_output_folder
 from ._interrupt import CtrlC
+from ._step_progress import StepProgress
 
 __all__ = ["CLIP_SUFFIXES", "SHEET_SUFFIXES", "add_parser", "run"]
 
@@ -97,29 +97,6 @@ def check_paths(args: argparse.Namespace) -> None:
         check_output_folder(args.previews, "--previews")
 
 
-class _StepBar:
-    """A tqdm bar of the denoising steps on a terminal, showing the model's own ``eta_s``."""
-
-    def __init__(self) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr, leave=False, mininterval=0,
-                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-
-    def show(self, step: int, total: int, eta_s: float | None, ms_per_step: float) -> None:
-        if self._bar.total != total:
-            self._bar.total = total
-        eta = "ETA --" if eta_s is None else f"ETA {eta_s:.1f} s"
-        self._bar.set_postfix_str(f"{eta}, {ms_per_step:.0f} ms/step", refresh=False)
-        self._bar.update(step - self._bar.n)
-
-    def __enter__(self) -> _StepBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.close()
-
-
 def load_model(name: str | None, device: str) -> Any:
     """The video model the command runs (a seam the tests replace with a scripted model)."""
     from ..video import load_video_model
@@ -138,10 +115,8 @@ def run(args: argparse.Namespace) -> int:
     except MultistreamError as exc:
         print(f"multistream: {exc}", file=sys.stderr)
         return 2
-    last_t, last_step = 0.0, 0
-    bar = _StepBar() if show_progress() else None
     ctrl_c = CtrlC(lambda line: status_line(line, final=True))
-    with stream, bar if bar is not None else contextlib.nullcontext():
+    with stream, StepProgress() as progress:
         for ev in ctrl_c.events(stream):
             if args.json:
                 print(ev.to_json(), flush=True)
@@ -150,14 +125,7 @@ def run(args: argparse.Namespace) -> int:
             if args.previews is not None:
                 name = f"step_{ev.step:03d}.{_PREVIEW_EXTENSIONS.get(ev.mime, 'bin')}"
                 atomic_write(os.path.join(args.previews, name), ev.data)
-            # Steps between two previews may be several (preview_every, or a slow reader's skipped ones).
-            ms_per_step = (ev.t - last_t) * 1e3 / max(1, ev.step - last_step)
-            last_t, last_step = ev.t, ev.step
-            if bar is not None:
-                bar.show(ev.step, ev.total_steps, ev.eta_s, ms_per_step)
-            else:
-                eta = f"  eta {ev.eta_s:.1f} s" if ev.eta_s is not None else ""
-                status_line(f"step {ev.step}/{ev.total_steps}  {ms_per_step:.0f} ms/step  {len(ev.data)} bytes{eta}")
+            progress.preview(ev)
     final = stream.final
     if final is None or final.type == "error":
         message = final.error["message"] if final is not None else "stream ended early"  # type: ignore[union-attr]
