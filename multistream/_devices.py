@@ -9,12 +9,14 @@ Example:
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
 from .errors import InvalidArgumentError, ModelLoadError
 
-__all__ = ["MODULE_BUILD_LOCK", "check_device", "cuda_problem", "default_dtype", "resolve_device", "resolve_dtype"]
+__all__ = ["MODULE_BUILD_LOCK", "check_device", "cuda_problem", "default_dtype", "moved_pipeline", "resolve_device",
+           "resolve_dtype"]
 
 #: Held while diffusers builds a model and while multistream builds its own small modules (preview
 #: decoders). diffusers' low-memory loading (accelerate's ``init_empty_weights``) patches
@@ -89,6 +91,24 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.lower().removeprefix("torch.")]
     raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or a torch.dtype")
+
+
+def moved_pipeline(pipeline: Any, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
+    """A diffusers pipeline object on ``device`` and in ``dtype`` where given (``pipeline.to``), else
+    as it was: what `ImageModel` and `VideoModel` do with the pipeline they wrap.
+
+    Example:
+        >>> moved_pipeline(pipe, "cpu", "fp32")   # doctest: +SKIP
+    """
+    torch_dtype = resolve_dtype(dtype)
+    if device is None and torch_dtype is None:
+        return pipeline
+    moves: dict[str, Any] = {}
+    if device is not None:
+        moves["device"] = resolve_device(device)
+    if torch_dtype is not None:
+        moves["dtype"] = torch_dtype
+    return pipeline.to(**moves)
 
 
 def default_dtype(device: torch.device, *, prefer_bf16: bool) -> torch.dtype:

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import torch
 
 from .._checks import is_int
-from .._devices import resolve_device, resolve_dtype
+from .._devices import moved_pipeline
 from .._eta import PerPixelTime
 from ..diffusion._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from ..diffusion._job import ImageJob, RunContext
@@ -130,14 +130,7 @@ class ImageModel(EngineModel):
             raise InvalidArgumentError(
                 f"ImageModel needs a diffusers pipeline (with a scheduler), got {type(pipeline).__name__}"
             )
-        torch_dtype = resolve_dtype(dtype)
-        if device is not None or torch_dtype is not None:
-            moves: dict[str, Any] = {}
-            if device is not None:
-                moves["device"] = resolve_device(device)
-            if torch_dtype is not None:
-                moves["dtype"] = torch_dtype
-            pipeline = pipeline.to(**moves)
+        pipeline = moved_pipeline(pipeline, device, dtype)
         self._pipe = pipeline
         if hasattr(pipeline, "set_progress_bar_config"):
             # Progress goes out as events; a tqdm bar on stderr per stream is noise.

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._devices import resolve_device, resolve_dtype
+from .._devices import moved_pipeline
 from ..diffusion._checkpoint import ImageCheckpoint, RunCheckpoints, checkpoint_plan
 from ..diffusion._prompt_length import PromptLimit
 from ..diffusion._sizes import ImageSizes, check_max_frames, sizes_for
@@ -107,14 +107,7 @@ class VideoModel(EngineModel):
                 f"{type(pipeline).__name__} takes no callback_on_step_end, so multistream cannot stream its steps; "
                 "use a diffusers video pipeline that has one (Wan, CogVideoX, LTX-Video, AnimateDiff, HunyuanVideo, Mochi, ...)"
             )
-        torch_dtype = resolve_dtype(dtype)
-        if device is not None or torch_dtype is not None:
-            moves: dict[str, Any] = {}
-            if device is not None:
-                moves["device"] = resolve_device(device)
-            if torch_dtype is not None:
-                moves["dtype"] = torch_dtype
-            pipeline = pipeline.to(**moves)
+        pipeline = moved_pipeline(pipeline, device, dtype)
         if hasattr(pipeline, "set_progress_bar_config"):
             pipeline.set_progress_bar_config(disable=True)  # progress goes out as events
         self._pipe = pipeline
