@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from .._checks import check_seed, is_int
 from .._spec import option, option_names, parse_options, refuse_unknown_keyword
+from ..diffusion._pipeline_kwargs import check_pipeline_kwargs
 from ..diffusion._preview_options import PREVIEW_MODES, PreviewPlan, PreviewThrottle, parse_preview
 from ..diffusion._sizes import EMBEDDED_IMAGE_SIZES
 from ..diffusion._steps import MAX_STEPS, check_steps
@@ -76,22 +77,6 @@ def _check_guidance(value: Any) -> float | None:
         # NaN passes every comparison, so it is named apart; the pipeline would draw noise with it.
         raise InvalidArgumentError(f"guidance_scale must be a finite number >= 0, got {value!r}")
     return float(value)
-
-
-def _check_pipeline_kwargs(pipeline_kwargs: dict[str, Any], seed: Any) -> None:
-    for key, value in pipeline_kwargs.items():
-        if key in _RESERVED:
-            instead = _RESERVED[key]
-            hint = f"; use {instead}" if instead else ""
-            raise InvalidArgumentError(f"{key!r} is set by stream() itself{hint}", param=key)
-        if key == "callback_on_step_end" and value is not None and not callable(value):
-            raise InvalidArgumentError("callback_on_step_end must be callable", param=key)
-        if key == "output_type" and value not in ("pil", "np", "pt"):
-            raise InvalidArgumentError(
-                f"output_type={value!r} is not supported: the stream encodes images; use 'pil' (default), 'np' or 'pt'",
-                param=key)
-        if key == "generator" and seed is not None:
-            raise InvalidArgumentError("pass either seed= or generator=, not both", param="generator")
 
 
 def _prompt(v: Any) -> str:
@@ -203,7 +188,8 @@ def parse_image_options(prompt: Any, **options: Any) -> ImageOptions:
         multistream.errors.InvalidArgumentError: guidance_scale must be a finite number >= 0, got nan
     """
     parsed = parse_options(ImageOptions, "ImageModel.stream()", options, extra="pipeline_kwargs", prompt=_prompt(prompt))
-    _check_pipeline_kwargs(dict(parsed.pipeline_kwargs), parsed.seed)
+    check_pipeline_kwargs(parsed.pipeline_kwargs, seed=parsed.seed, owner="ImageModel.stream()", reserved=_RESERVED,
+                          output_types=("pil", "np", "pt"))
     return parsed
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from .._checks import check_seed, is_int
 from .._spec import option, option_names, parse_options, refuse_unknown_keyword
+from ..diffusion._pipeline_kwargs import check_pipeline_kwargs
 from ..diffusion._preview_options import PreviewThrottle
 from ..diffusion._steps import MAX_STEPS, check_steps
 from ..errors import InvalidArgumentError
@@ -180,14 +181,7 @@ def parse_video_options(prompt: Any, **options: Any) -> VideoOptions:
         multistream.errors.InvalidArgumentError: fps must be a number from 1 to 120 (frames per second), got 0
     """
     parsed = parse_options(VideoOptions, "VideoModel.stream()", options, extra="pipeline_kwargs", prompt=_prompt(prompt))
-    for key, value in parsed.pipeline_kwargs.items():
-        if key in _RESERVED:
-            instead = _RESERVED[key]
-            raise InvalidArgumentError(f"{key!r} is set by VideoModel.stream() itself" + (f"; use {instead}" if instead else ""))
-        if key == "callback_on_step_end" and not callable(value):
-            raise InvalidArgumentError("callback_on_step_end must be callable (it runs after multistream's own)")
-        if key == "generator" and parsed.seed is not None:
-            raise InvalidArgumentError("pass either seed= or generator=, not both")
+    check_pipeline_kwargs(parsed.pipeline_kwargs, seed=parsed.seed, owner="VideoModel.stream()", reserved=_RESERVED)
     return parsed
 
 

@@ -63,7 +63,7 @@ BAD = [
     ({"final_format": "bmp"}, "unknown final_format 'bmp'"),
     ({"final_quality": 0}, "final_quality must be an integer from 1 to 100, got 0"),
     ({"priority": "high"}, "priority must be an integer (higher runs first), got 'high'"),
-    ({"num_inference_steps": 5}, "'num_inference_steps' is set by stream() itself; use steps="),
+    ({"num_inference_steps": 5}, "'num_inference_steps' is set by ImageModel.stream() itself; use steps="),
     ({"output_type": "latent"}, "output_type='latent' is not supported"),
     ({"callback_on_step_end": 3}, "callback_on_step_end must be callable"),
 ]

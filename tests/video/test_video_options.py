@@ -90,3 +90,17 @@ def test_a_mistyped_keyword_names_the_closest_option():
             assert info.value.param == "stepz"
         with pytest.raises(InvalidArgumentError, match="Did you mean 'resume_from'?"):
             vm.stream("x", resume_frm=None)
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"output_type": "np"}, "output_type"),
+    ({"num_inference_steps": 4}, "num_inference_steps"),
+    ({"callback_on_step_end": 3}, "callback_on_step_end"),
+    ({"seed": 1, "generator": object()}, "generator"),
+])  # fmt: skip
+def test_a_refused_pipeline_argument_is_named_as_the_param_at_fault(kwargs, param):
+    """As for images (one check, `multistream.diffusion._pipeline_kwargs`): a server's 400 says which
+    field to fix. The video copy of the check raised without it."""
+    with pytest.raises(InvalidArgumentError) as info:
+        parse_video_options("x", **kwargs)
+    assert info.value.param == param
