@@ -127,6 +127,12 @@ COPYING = ("summary", "code", "quote")
 
 def one(llm: Any, task: str, tokens: int, speculate: Any) -> dict[str, Any]:
     prompt, extra = TASKS[task]
+    return stream_once(llm, prompt, extra, tokens, speculate)
+
+
+def stream_once(llm: Any, prompt: Any, extra: dict[str, Any], tokens: int, speculate: Any) -> dict[str, Any]:
+    """One greedy stream: its text, tokens, decode tokens/s (after the first token), wall time and
+    decode steps."""
     start = time.perf_counter()
     first = None
     final = None
