@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import math
 import random
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from .._checks import is_int, is_number
 from .._eta import StepEta
-from ..errors import InvalidArgumentError, StreamFinishedError
-from ..events import Event, ImageEvent
+from ..errors import InvalidArgumentError
+from ..events import ImageEvent
 from ..image import (
     PreviewThrottle,
     check_size_multiple,
@@ -27,12 +25,12 @@ from ..image import (
     refuse_pipeline_argument,
 )
 from ..stream import Stream, StreamWriter
-from ._scripted import CountedModel, Counters, pause, require, start_stream
+from ._scripted import Counters, ScriptedDenoiser, SteerQueue, pause, require, start_stream
 
 __all__ = ["ScriptedImageModel"]
 
 
-class ScriptedImageModel(CountedModel):
+class ScriptedImageModel(ScriptedDenoiser):
     """A fake image model: a noisy frame that turns into a red circle on blue, step by step.
 
     Each step (``delay_s`` apart) emits a real JPEG preview (unless ``preview="none"``), then the
@@ -97,18 +95,6 @@ class ScriptedImageModel(CountedModel):
         self._counters.enter()
         steering = _ImageSteers(options.guidance_scale)
         return start_stream("image", lambda w: self._produce(w, args, steering), steering.handle)
-
-    def generate(self, prompt: str, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
-        """Stream to the end, calling ``on_event`` for each event; return the final event."""
-        return self.stream(prompt, **kwargs).wait(on_event)
-
-    def _produce(self, w: StreamWriter, a: dict[str, Any], steering: _ImageSteers) -> None:
-        reason = "error"
-        try:
-            reason = self._run(w, a, steering)
-        finally:
-            steering.close()
-            self._counters.leave(reason)
 
     def _run(self, w: StreamWriter, a: dict[str, Any], steering: _ImageSteers) -> str:
         from PIL import Image
@@ -191,17 +177,16 @@ def _scene(width: int, height: int, colors: tuple[tuple[int, int, int], tuple[in
     return img
 
 
-class _ImageSteers:
+class _ImageSteers(SteerQueue):
     """Steer commands of one scripted image stream: the same checks as the real model's."""
 
+    finished_message = "the image has finished denoising, so it cannot be steered; start a new stream"
+
     def __init__(self, guidance_scale: float | None) -> None:
-        self._lock = threading.Lock()
-        self._queue: list[str] = []
-        self.applied = 0
-        self.closed = False
+        super().__init__()
         self.guidance_scale = guidance_scale
 
-    def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def check(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         if name == "rewind":
             raise InvalidArgumentError(
                 "image streams cannot rewind (there is no text to cut); use steer(prompt=...) to change "
@@ -227,20 +212,7 @@ class _ImageSteers:
             g = changes["guidance_scale"]
             require(is_number(g) and math.isfinite(g) and g >= 0,
                      f"guidance_scale must be a finite number >= 0, got {g!r}")
-        with self._lock:
-            if self.closed:
-                raise StreamFinishedError("the image has finished denoising, so it cannot be steered; start a new stream")
-            self._queue.append(changes.get("prompt", ""))
-
-    def take(self) -> list[str]:
-        with self._lock:
-            taken, self._queue = self._queue, []
-        self.applied += len(taken)
-        return [p for p in taken if p]
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
+        return str(changes.get("prompt", ""))
 
 
 def _encode(img: Any, fmt: str, quality: int, max_side: int | None) -> tuple[bytes, str, int, int]:

@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, StreamFinishedError
+from ..events import Event
 from ..stream import Stream, StreamWriter, producer_ended, run_producer
 
-__all__ = ["Counters", "pause", "prompt_text", "require", "scheduled_stream", "start_stream"]
+__all__ = ["CountedModel", "Counters", "ScriptedDenoiser", "SteerQueue", "pause", "prompt_text", "require",
+           "scheduled_stream", "start_stream"]
 
 #: A scripted producer run by `scheduled_stream`: it yields the seconds to wait before its next step.
 Steps = Generator[float, None, Any]
@@ -183,3 +185,56 @@ class CountedModel:
     def finish_reasons(self) -> list[str]:
         """How each generation that ended so far ended, in order."""
         return list(self._counters.finish_reasons)
+
+
+class ScriptedDenoiser(CountedModel):
+    """What the scripted image and video models share: ``generate`` and the producer's bookkeeping
+    around their own ``_run(writer, args, steering)``, which returns the finish reason."""
+
+    def generate(self, prompt: str, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
+        """Stream to the end, calling ``on_event`` for each event; return the final event."""
+        return self.stream(prompt, **kwargs).wait(on_event)  # type: ignore[attr-defined,no-any-return]
+
+    def _produce(self, w: StreamWriter, a: dict[str, Any], steering: SteerQueue) -> None:
+        reason = "error"
+        try:
+            reason = self._run(w, a, steering)  # type: ignore[attr-defined]
+        finally:
+            steering.close()
+            self._counters.leave(reason)
+
+
+class SteerQueue:
+    """Steer commands of one scripted denoising stream: each is checked when made (`check`, the
+    real model's rules) and its prompt applied from the next step (`take`); once the stream
+    finished denoising (`close`), a steer raises ``finished_message``."""
+
+    finished_message = "the stream has finished denoising; it can no longer be steered"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: list[str] = []
+        self.applied = 0
+        self.closed = False
+
+    def check(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The new prompt ("" when the steer keeps it); raise on a command the model refuses."""
+        raise NotImplementedError
+
+    def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        prompt = self.check(name, args, kwargs)
+        with self._lock:
+            if self.closed:
+                raise StreamFinishedError(self.finished_message)
+            self._queue.append(prompt)
+
+    def take(self) -> list[str]:
+        """The prompts steered since the last call, in order."""
+        with self._lock:
+            taken, self._queue = self._queue, []
+        self.applied += len(taken)
+        return [p for p in taken if p]
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True

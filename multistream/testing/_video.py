@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import random
 import statistics
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from .._checks import is_int, is_number
 from .._eta import StepEta
-from ..errors import StreamFinishedError
-from ..events import Event, VideoEvent
+from ..events import VideoEvent
 from ..image import ImageSizes
 from ..stream import Stream, StreamWriter
 from ..video import parse_video_options, refuse_pipeline_argument
-from ._scripted import CountedModel, Counters, pause, require, start_stream
+from ._scripted import Counters, ScriptedDenoiser, SteerQueue, pause, require, start_stream
 
 __all__ = ["ScriptedVideoModel"]
 
 
-class ScriptedVideoModel(CountedModel):
+class ScriptedVideoModel(ScriptedDenoiser):
     """A fake video model: noisy frames that turn into the shape, colours and motion the prompt says.
 
     ``stream()`` checks its arguments with `parse_video_options`, as `VideoModel` does, so it
@@ -93,18 +90,6 @@ class ScriptedVideoModel(CountedModel):
         self._counters.enter()
         steering = _VideoSteers()
         return start_stream("video", lambda w: self._produce(w, args, steering), steering.handle)
-
-    def generate(self, prompt: str, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
-        """Stream to the end, calling ``on_event`` for each event; return the final event."""
-        return self.stream(prompt, **kwargs).wait(on_event)
-
-    def _produce(self, w: StreamWriter, a: dict[str, Any], steering: _VideoSteers) -> None:
-        reason = "error"
-        try:
-            reason = self._run(w, a, steering)
-        finally:
-            steering.close()
-            self._counters.leave(reason)
 
     def _run(self, w: StreamWriter, a: dict[str, Any], steering: _VideoSteers) -> str:
         from PIL import Image
@@ -238,16 +223,12 @@ class _Scene:
         return frames
 
 
-class _VideoSteers:
+class _VideoSteers(SteerQueue):
     """Steer commands of one scripted video stream: ``steer(prompt=...)`` from the next step."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: list[str] = []
-        self.applied = 0
-        self.closed = False
+    finished_message = "the clip has finished denoising; it can no longer be steered"
 
-    def handle(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def check(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         require(name == "steer", f"a video stream does not support {name}(); it takes steer(prompt=...)")
         require(not args, "a video stream's steer() takes keywords: steer(prompt='...', negative_prompt=..., "
                           "guidance_scale=...)")
@@ -258,18 +239,4 @@ class _VideoSteers:
         require(prompt is None or (isinstance(prompt, str) and prompt.strip() != ""),
                 "prompt must be a non-empty string, e.g. steer(prompt='a red circle moving left')")
         require(g is None or (is_number(g) and g >= 0), f"steer(guidance_scale=...) must be a number >= 0, got {g!r}")
-        with self._lock:
-            if self.closed:
-                raise StreamFinishedError("the clip has finished denoising; it can no longer be steered")
-            self._queue.append(prompt or "")
-
-    def take(self) -> list[str]:
-        with self._lock:
-            taken, self._queue = self._queue, []
-        self.applied += len(taken)
-        return [p for p in taken if p]
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-
+        return prompt or ""
