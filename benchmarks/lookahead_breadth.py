@@ -36,22 +36,27 @@ STORIES = ("Write a story about a fox who learns to sail.", "Write a poem about 
            "Describe a busy market in a small town.")
 
 
-def _stdlib_modules() -> list[str]:
+def _stdlib_modules() -> list[tuple[str, ast.Module]]:
+    """(source, syntax tree) of the standard library's public top-level modules, by name, each read
+    and parsed once (with ``ast``, not imported: no module runs)."""
     folder = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_") and p.stem != "antigravity")
-
-
-def _paragraphs(modules: list[str]) -> list[str]:
-    """Prose paragraphs of 400-1200 characters from the modules' docstrings (read with ``ast``, not
-    imported: no module runs), without code, tables or lists."""
     out = []
-    folder = Path(sysconfig.get_paths()["stdlib"])
-    for name in modules:
+    for path in sorted(folder.glob("*.py"), key=lambda p: p.stem):
+        if path.stem.startswith("_") or path.stem == "antigravity":
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
         try:
-            doc = ast.get_docstring(ast.parse((folder / f"{name}.py").read_text(encoding="utf-8", errors="replace")))
+            out.append((source, ast.parse(source)))
         except SyntaxError:
             continue
-        for para in re.split(r"\n\s*\n", doc or ""):
+    return out
+
+
+def _paragraphs(modules: list[tuple[str, ast.Module]]) -> list[str]:
+    """Prose paragraphs of 400-1200 characters from the modules' docstrings, without code, tables or lists."""
+    out = []
+    for _, tree in modules:
+        for para in re.split(r"\n\s*\n", ast.get_docstring(tree) or ""):
             flat = " ".join(para.split())
             letters = sum(c.isalpha() or c.isspace() for c in flat) / max(len(flat), 1)
             if 400 <= len(flat) <= 1200 and letters > 0.9 and not re.search(r">>>|\||==|^\s*[-*]", para, re.M):
@@ -59,16 +64,10 @@ def _paragraphs(modules: list[str]) -> list[str]:
     return out
 
 
-def _functions(modules: list[str]) -> list[tuple[str, str]]:
+def _functions(modules: list[tuple[str, ast.Module]]) -> list[tuple[str, str]]:
     """(source, a variable it assigns) of the modules' functions of 12-30 lines."""
     out = []
-    folder = Path(sysconfig.get_paths()["stdlib"])
-    for name in modules:
-        source = (folder / f"{name}.py").read_text(encoding="utf-8", errors="replace")
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
+    for source, tree in modules:
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and 12 <= node.end_lineno - node.lineno + 1 <= 30:  # type: ignore[operator]
                 names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)
@@ -94,8 +93,10 @@ def tasks(per_kind: int, seed: int = 0) -> dict[str, tuple[str, list[dict[str, s
     quotes = 0
     for text in paragraphs[per_kind:]:
         sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if 60 < len(s) < 250]
+        if quotes == per_kind:
+            break
         words = [w for s in sentences[:1] for w in re.findall(r"[A-Za-z]{7,}", s) if text.count(w) == 1]
-        if quotes == per_kind or not words:
+        if not words:
             continue
         out[f"quote{quotes}"] = ("quote", [{"role": "user", "content": "Answer by quoting the context word for "
                                             f"word.\n\nContext: {text}\n\nQuestion: Which sentence mentions "

@@ -35,8 +35,7 @@ def check_pipeline_kwargs(kwargs: Mapping[str, Any], *, seed: Any, owner: str, r
             raise InvalidArgumentError("callback_on_step_end must be callable (it runs after multistream's own)",
                                        param=key)
         if key == "output_type" and value not in output_types:
-            takes = ", ".join(repr(t) for t in output_types[:-1]) + f" or {output_types[-1]!r}" if output_types else ""
-            raise InvalidArgumentError(f"output_type={value!r} is not supported: the stream encodes its frames; use {takes}",
-                                       param=key)
+            raise InvalidArgumentError(f"output_type={value!r} is not supported: the stream encodes its frames; use "
+                                       f"one of {list(output_types)}", param=key)
         if key == "generator" and seed is not None:
             raise InvalidArgumentError("pass either seed= or generator=, not both", param="generator")

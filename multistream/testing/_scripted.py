@@ -191,14 +191,21 @@ class ScriptedDenoiser(CountedModel):
     """What the scripted image and video models share: ``generate`` and the producer's bookkeeping
     around their own ``_run(writer, args, steering)``, which returns the finish reason."""
 
+    def stream(self, prompt: str, **options: Any) -> Stream:
+        raise NotImplementedError
+
+    def _run(self, w: StreamWriter, a: dict[str, Any], steering: Any) -> str:
+        """Write one generation's events; return its finish reason."""
+        raise NotImplementedError
+
     def generate(self, prompt: str, on_event: Callable[[Event], Any] | None = None, **kwargs: Any) -> Event:
         """Stream to the end, calling ``on_event`` for each event; return the final event."""
-        return self.stream(prompt, **kwargs).wait(on_event)  # type: ignore[attr-defined,no-any-return]
+        return self.stream(prompt, **kwargs).wait(on_event)
 
     def _produce(self, w: StreamWriter, a: dict[str, Any], steering: SteerQueue) -> None:
         reason = "error"
         try:
-            reason = self._run(w, a, steering)  # type: ignore[attr-defined]
+            reason = self._run(w, a, steering)
         finally:
             steering.close()
             self._counters.leave(reason)

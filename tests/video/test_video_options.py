@@ -104,3 +104,8 @@ def test_a_refused_pipeline_argument_is_named_as_the_param_at_fault(kwargs, para
     with pytest.raises(InvalidArgumentError) as info:
         parse_video_options("x", **kwargs)
     assert info.value.param == param
+
+
+def test_callback_on_step_end_none_passes_as_for_images():
+    """The video copy of the check refused None (the pipeline's own default); it stays unset."""
+    assert parse_video_options("x", callback_on_step_end=None).pipeline_kwargs == {"callback_on_step_end": None}
