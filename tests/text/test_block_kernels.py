@@ -62,20 +62,24 @@ def test_int8_activations_are_an_opt_in_with_llama_cpps_rounding(layer_class) ->
 
 @pytest.mark.parametrize("kind", [4, 8])
 @pytest.mark.parametrize("activations", list(Activations))
-def test_each_row_is_computed_as_alone_whatever_the_batch_and_threads(kind: int, activations: Activations) -> None:
+@pytest.mark.parametrize("width", [128, 1536])
+def test_each_row_is_computed_as_alone_whatever_the_batch_and_threads(kind: int, activations: Activations,
+                                                                        width: int) -> None:
     """What makes a stream in a batch equal to it alone, and a prefill equal to a decode: rows never
     mix, every group of rows (12 with AVX2, 8 with AVX-512, and the rows left over: a token and its
-    drafts) repeats the single row's arithmetic, and threads split outputs only."""
+    drafts) repeats the single row's arithmetic, and threads split outputs only. At 1536 inputs (the
+    embedded model's down projection) a group of 5 or more rows goes through the blocks in ranges
+    (its activations would not stay in L1), its partial sums kept in memory between them."""
     layer_class = Q4Linear if kind == 4 else Q8Linear
-    weight_q, scales = layer_class.quantize_weight(_weight(72, 128))
+    weight_q, scales = layer_class.quantize_weight(_weight(72, width))
     matrix = QuantizedMatrix(kind, weight_q, scales, torch.randn(72), activations)
     group = max(native_kernels().row_group(), 4)
     for rows in range(2, 2 * group + 2):  # every group size and remainder, once with a whole group before it
-        x = torch.randn(rows, 128)
+        x = torch.randn(rows, width)
         together = matmul(x, matrix)
         for i in range(rows):
             assert torch.equal(together[i : i + 1], matmul(x[i : i + 1], matrix)), (rows, i)
-    x = torch.randn(9, 128)
+    x = torch.randn(9, width)
     batch = matmul(x, matrix)
     assert torch.equal(matmul(x, matrix, threads=1), batch)
     assert torch.equal(matmul(x, matrix, threads=3), batch)

@@ -487,35 +487,89 @@ static inline __m256 block_acc(__m256 acc, const __m256 *w, const float *xb) {
 // tested in every block, one row cost about as much as three (measured: a one-row product was
 // 1.6-1.9x slower than now, with the same values).
 #define SCALE_CHUNK 512  // blocks whose scales are converted at a time (a row of 16384 inputs)
-static inline __attribute__((always_inline)) void dot_f32_rows(const ms_qmat *m, int64_t j, const float *x,
-                                                               float *out, const int rows) {
+#ifdef VEC
+// Blocks [b_lo, b_hi) of weight row j against `rows` activation rows, added to their accumulators
+// `acc` (kept in registers for the range, in memory between ranges: storing a vector and loading it
+// back changes no value, so each row's sums are those of one pass over every block in order).
+static inline __attribute__((always_inline)) void dot_f32_part(const ms_qmat *m, int64_t j, const float *x,
+                                                               VEC *acc, const int rows, int64_t b_lo, int64_t b_hi) {
     const int64_t k = m->k, blocks = k / BLOCK;
     float sc[2 * SCALE_CHUNK];
-#ifdef VEC
-    VEC acc[WIDE_GROUP], w[VEC_PARTS];
-    for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
-    for (int64_t b0 = 0; b0 < blocks; b0 += SCALE_CHUNK) {
-        const int64_t count = blocks - b0 < SCALE_CHUNK ? blocks - b0 : SCALE_CHUNK;
+    VEC a[WIDE_GROUP], w[VEC_PARTS];
+    for (int r = 0; r < rows; r++) a[r] = acc[r];
+    for (int64_t b0 = b_lo; b0 < b_hi; b0 += SCALE_CHUNK) {
+        const int64_t count = b_hi - b0 < SCALE_CHUNK ? b_hi - b0 : SCALE_CHUNK;
         const float *xb = x + b0 * BLOCK;
         if (m->kind == 4) {
             const uint8_t *q = (const uint8_t *)m->w + j * (k / 2) + b0 * 16;
             row_scales(m->s + (j * blocks + b0) * 2, 2 * count, sc);
             for (int64_t b = 0; b < count; b++, q += 16, xb += BLOCK) {
                 q4_block(q, sc[2 * b], sc[2 * b + 1], w);
-                for (int r = 0; r < rows; r++) acc[r] = block_acc(acc[r], w, xb + r * k);
+                for (int r = 0; r < rows; r++) a[r] = block_acc(a[r], w, xb + r * k);
             }
         } else {
             const int8_t *q = (const int8_t *)m->w + j * k + b0 * BLOCK;
             row_scales(m->s + j * blocks + b0, count, sc);
             for (int64_t b = 0; b < count; b++, q += BLOCK, xb += BLOCK) {
                 q8_block(q, sc[b], w);
-                for (int r = 0; r < rows; r++) acc[r] = block_acc(acc[r], w, xb + r * k);
+                for (int r = 0; r < rows; r++) a[r] = block_acc(a[r], w, xb + r * k);
             }
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = VEC_SUM(acc[r]);
+    for (int r = 0; r < rows; r++) acc[r] = a[r];
+}
+
+// The activations a group reads while it meets a tile's weight rows should stay in L1: a group of
+// 12 rows of 1536 inputs is 72 KB, so each weight row read it from L2 again (on a 2-core AMD EPYC
+// with AVX2, each row past the 4th of a 1536-input product cost half as much again as the first
+// few). So a group whose rows exceed ACT_L1_BYTES goes through the blocks in ranges of
+// ACT_CHUNK_BYTES, every weight row of the tile taking a range before the next begins; the partial
+// sums wait in memory between ranges. Smaller groups take one pass, as before.
+#define ACT_L1_BYTES 28672
+#define ACT_CHUNK_BYTES 16384
+static inline int64_t chunk_blocks(const int rows, const int64_t blocks) {
+    const int64_t row_block = (int64_t)rows * BLOCK * (int64_t)sizeof(float);
+#if defined(MS_AVX512)
+    return blocks;  // measured only with AVX2 (groups of 12): AVX-512 keeps one pass until measured there
+#endif
+    if (blocks * row_block <= ACT_L1_BYTES) return blocks;
+    return ACT_CHUNK_BYTES / row_block > 0 ? ACT_CHUNK_BYTES / row_block : 1;
+}
+
+// Weight rows [first, end) of one tile (at most TILE) against `rows` activation rows: y[r * n + j].
+static inline __attribute__((always_inline)) void dot_f32_tile(const ms_qmat *m, const float *x, float *y,
+                                                               int64_t first, int64_t end, const int rows) {
+    const int64_t n = m->n, blocks = m->k / BLOCK, chunk = chunk_blocks(rows, blocks);
+    if (chunk >= blocks) {  // the group's activations fit: one pass, the partial sums never leave registers
+        for (int64_t j = first; j < end; j++) {
+            VEC one[WIDE_GROUP];
+            for (int r = 0; r < rows; r++) one[r] = VEC_ZERO();
+            dot_f32_part(m, j, x, one, rows, 0, blocks);
+            for (int r = 0; r < rows; r++) {
+                const float v = VEC_SUM(one[r]);
+                y[r * n + j] = m->bias ? v + m->bias[j] : v;
+            }
+        }
+        return;
+    }
+    VEC acc[TILE][WIDE_GROUP];
+    for (int64_t j = first; j < end; j++)
+        for (int r = 0; r < rows; r++) acc[j - first][r] = VEC_ZERO();
+    for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
+        const int64_t c1 = blocks - c0 < chunk ? blocks : c0 + chunk;
+        for (int64_t j = first; j < end; j++) dot_f32_part(m, j, x, acc[j - first], rows, c0, c1);
+    }
+    for (int64_t j = first; j < end; j++)
+        for (int r = 0; r < rows; r++) {
+            const float v = VEC_SUM(acc[j - first][r]);
+            y[r * n + j] = m->bias ? v + m->bias[j] : v;
+        }
+}
 #else
-    // Portable C: each value dequantized as q * d + m (or q * d), products summed per block.
+// Portable C: each value dequantized as q * d + m (or q * d), products summed per block.
+static void dot_f32_rows(const ms_qmat *m, int64_t j, const float *x, float *out, const int rows) {
+    const int64_t k = m->k, blocks = k / BLOCK;
+    float sc[2 * SCALE_CHUNK];
     for (int r = 0; r < rows; r++) {
         float total = 0.0f;
         for (int64_t b0 = 0; b0 < blocks; b0 += SCALE_CHUNK) {
@@ -540,8 +594,8 @@ static inline __attribute__((always_inline)) void dot_f32_rows(const ms_qmat *m,
         }
         out[r] = total;
     }
-#endif
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // int8 activations (acts 1): llama.cpp's arithmetic, kept as an opt-in.
@@ -636,7 +690,13 @@ static void prepare_rows(const ms_qmat *m, const float *x, int64_t rows, acts8 *
 }
 
 // Weight rows [first, end) against `g` activation rows (1 <= g <= WIDE_GROUP), each weight block
-// dequantized once for all of them. dot_f32_rows is inlined with a constant count in each case.
+// dequantized once for all of them. The row loops are inlined with a constant count in each case.
+#ifdef VEC
+#define GROUP_CASE(G)                                                                                 \
+    case G:                                                                                           \
+        dot_f32_tile(m, x, y, first, end, G);                                                         \
+        break;
+#else
 #define GROUP_CASE(G)                                                                                 \
     case G:                                                                                           \
         for (int64_t j = first; j < end; j++) {                                                       \
@@ -644,10 +704,12 @@ static void prepare_rows(const ms_qmat *m, const float *x, int64_t rows, acts8 *
             for (int i = 0; i < G; i++) y[i * n + j] = m->bias ? v[i] + m->bias[j] : v[i];            \
         }                                                                                             \
         break;
+#endif
 
 static void group_rows(const ms_qmat *m, const float *x, float *y, int64_t first, int64_t end, int g) {
     const int64_t n = m->n;
     float v[WIDE_GROUP];
+    (void)n, (void)v;  // the portable cases' (the vector cases write y themselves)
     switch (g) {
 #if WIDE_GROUP > 8
         GROUP_CASE(12)
