@@ -428,6 +428,33 @@ def test_prefill_decode_and_chunks_compute_the_same_logits_bit_for_bit() -> None
     assert torch.equal(batch[0], whole)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 1)])
+def test_query_heads_that_share_a_kv_head_attend_together_as_each_would_alone(heads: int, kv_heads: int) -> None:
+    """Heads of 64 values that share a KV head (the embedded model's grouped-query attention) read its
+    columns once for up to three of them: a prefill, a short decode (a task per head when the
+    threads need the split), a decode past a long context (a task per KV head) all give the same
+    logits bit for bit, and those of fp32 with the same weights. Groups of 3 and of 4 (3 + 1)."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=192, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
+                         max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).eval()
+    report = quantize_model(model, "int4")
+    assert report.native_layers == 2
+    reference = _dequantized_copy(model)
+    ids = torch.randint(0, 300, (1, 1060), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = model(ids).logits[0]
+        assert float((whole - reference(ids).logits[0]).abs().max()) < 1e-4
+        cache, pieces, start = DynamicCache(), [], 0
+        for size in [1] * 12 + [1038] + [1] * 10:  # short decode, a long prefill, decode past 1024 columns
+            pieces.append(model(ids[:, start : start + size], cache=cache, use_cache=True).logits[0])
+            start += size
+    assert torch.equal(torch.cat(pieces), whole)
+
+
 def test_generate_and_a_padded_batch() -> None:
     """model.generate decodes natively; a mask that hides columns (left padding in generate) is not
     the native path's to read: that batch takes transformers' path."""
