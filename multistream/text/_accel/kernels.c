@@ -1045,29 +1045,30 @@ static int64_t max_span(const ms_tokens *t) {
     return span;
 }
 
-// One (token, head) task's work: the columns the token attends to, plus one (a padding token, with
-// none, still costs its call).
+// The work of each of token i's attention tasks (a head, or the heads that share a KV head:
+// attend_tokens): the columns the token attends to, plus one (a padding token, with none, still
+// costs its call).
 static inline int64_t attention_work(const ms_tokens *t, int64_t i) {
     const int64_t span = t->column[i] - t->first[i] + 1;
     return span > 0 ? span + 1 : 1;
 }
 
-// This thread's contiguous share [*lo, *hi) of the (token, head) tasks, balanced by their work: in
-// a prefill each token attends to one more column than the one before, and shares of equal count
-// gave the last thread most of the work (its teammate waited at the barrier long enough to look
-// preempted). Tokens of equal spans (decode) split as by count. Task j starts thread k's share
+// This thread's contiguous share [*lo, *hi) of the attention tasks (`per_token` a token, token by
+// token), balanced by their work: in a prefill each token attends to one more column than the one
+// before, and shares of equal count gave the last thread most of the work (its teammate waited at
+// the barrier long enough to look preempted). Tokens of equal spans (decode) split as by count. Task j starts thread k's share
 // when the work before it, times team_size, first reaches k * total.
-static void attention_share(const ms_tokens *t, int64_t heads, int64_t *lo, int64_t *hi) {
+static void attention_share(const ms_tokens *t, int64_t per_token, int64_t *lo, int64_t *hi) {
     *lo = 0;
-    *hi = t->count * heads;
+    *hi = t->count * per_token;
     if (team_size <= 1) return;
     int64_t total = 0;
-    for (int64_t i = 0; i < t->count; i++) total += attention_work(t, i) * heads;
+    for (int64_t i = 0; i < t->count; i++) total += attention_work(t, i) * per_token;
     const int64_t start = total * team_id, stop = total * (team_id + 1), last = team_id == team_size - 1;
     int64_t before = 0;
     *lo = team_id == 0 ? 0 : *hi;  // a share that starts past the last task is empty
-    for (int64_t j = 0; j < t->count * heads; before += attention_work(t, j / heads), j++) {
-        if (*lo == t->count * heads && before * team_size >= start) *lo = j;
+    for (int64_t j = 0; j < t->count * per_token; before += attention_work(t, j / per_token), j++) {
+        if (*lo == t->count * per_token && before * team_size >= start) *lo = j;
         if (!last && before * team_size >= stop) {
             *hi = j;
             return;
