@@ -700,16 +700,14 @@ static void prepare_rows(const ms_qmat *m, const float *x, int64_t rows, acts8 *
 #define GROUP_CASE(G)                                                                                 \
     case G:                                                                                           \
         for (int64_t j = first; j < end; j++) {                                                       \
+            float v[G];                                                                               \
             dot_f32_rows(m, j, x, v, G);                                                              \
-            for (int i = 0; i < G; i++) y[i * n + j] = m->bias ? v[i] + m->bias[j] : v[i];            \
+            for (int i = 0; i < G; i++) y[i * m->n + j] = m->bias ? v[i] + m->bias[j] : v[i];         \
         }                                                                                             \
         break;
 #endif
 
 static void group_rows(const ms_qmat *m, const float *x, float *y, int64_t first, int64_t end, int g) {
-    const int64_t n = m->n;
-    float v[WIDE_GROUP];
-    (void)n, (void)v;  // the portable cases' (the vector cases write y themselves)
     switch (g) {
 #if WIDE_GROUP > 8
         GROUP_CASE(12)
@@ -1056,8 +1054,8 @@ static inline int64_t attention_work(const ms_tokens *t, int64_t i) {
 // This thread's contiguous share [*lo, *hi) of the attention tasks (`per_token` a token, token by
 // token), balanced by their work: in a prefill each token attends to one more column than the one
 // before, and shares of equal count gave the last thread most of the work (its teammate waited at
-// the barrier long enough to look preempted). Tokens of equal spans (decode) split as by count. Task j starts thread k's share
-// when the work before it, times team_size, first reaches k * total.
+// the barrier long enough to look preempted). Tokens of equal spans (decode) split as by count.
+// Task j starts thread k's share when the work before it, times team_size, first reaches k * total.
 static void attention_share(const ms_tokens *t, int64_t per_token, int64_t *lo, int64_t *hi) {
     *lo = 0;
     *hi = t->count * per_token;
@@ -1079,7 +1077,7 @@ static void attention_share(const ms_tokens *t, int64_t per_token, int64_t *lo, 
 // Every token's heads against its columns. Where there are enough tasks for the threads, or the
 // context is long, one task per (token, KV head): the query heads that share a KV head go together
 // and attend_heads64 reads its columns once for them (at a context of about 2500 the layers of a
-// decode step took 12.8 ms instead of 14.3, two threads). A single token with a short context keeps
+// decode step took 11.9 ms instead of 14.2, two threads). A single token with a short context keeps
 // one task per (token, head): its KV heads alone would split unevenly between the threads. Both
 // compute every value alike. `scores`: `group` rows of `span` floats per thread.
 #define GROUPED_SPAN 1024
@@ -1092,12 +1090,12 @@ static void attend_tokens(const ms_shape *s, const ms_tokens *t, const float *q,
     int64_t lo, hi;
     attention_share(t, tasks, &lo, &hi);
     for (int64_t task = lo; task < hi; task++) {
-        const int64_t i = task / tasks, row = t->kv_row[i], first = t->first[i], n = t->column[i] - first + 1;
+        const int64_t i = task / tasks, row = t->kv_row[i], first = t->first[i];
         int64_t h = (task % tasks) * per;
         const int64_t end = h + per, g = h / group;
         const float *keys = kv->k + row * kv->ks[0] + g * kv->ks[1], *values = kv->v + row * kv->vs[0] + g * kv->vs[1];
-        (void)n;  // the vector path's (portable C attends head by head)
 #ifdef MS_AVX2
+        const int64_t n = t->column[i] - first + 1;
         if (dim == 64 && n > 0) {
             for (; h + 3 <= end; h += 3)
                 attend_heads64(q + (i * heads + h) * dim, 3, keys, values, kv->ks[2], kv->vs[2], first, n, s->scaling,
@@ -1127,8 +1125,10 @@ static void *scratch_alloc(const ms_shape *s, const ms_tokens *t, int threads, l
     int64_t widest = hidden > s->intermediate ? hidden : s->intermediate;
     widest = widest > s->heads * s->dim ? widest : s->heads * s->dim;
     w->span = max_span(t);
+    // attend_tokens' scores: a row of span floats per query head of a KV head's group, per thread
+    const size_t scores = (size_t)(threads > 0 ? threads : 1) * (size_t)(s->heads / s->kv_heads) * (size_t)w->span;
     size_t floats = (size_t)(n * (hidden + width + width + s->heads * s->dim + 2 * hidden + 3 * s->intermediate)) +
-                    (size_t)(threads > 0 ? threads : 1) * (size_t)(s->heads / s->kv_heads) * (size_t)w->span;
+                    scores;
     size_t mm = scratch_bytes(n, widest);
     float *base = (float *)malloc(sizeof(float) * floats + mm + 64);
     if (!base) return NULL;
@@ -1143,7 +1143,7 @@ static void *scratch_alloc(const ms_shape *s, const ms_tokens *t, int threads, l
     w->gu = w->normed2 + n * hidden;
     w->act = w->gu + n * 2 * s->intermediate;
     w->scores = w->act + n * s->intermediate;
-    w->mm = (void *)(w->scores + (size_t)(threads > 0 ? threads : 1) * (size_t)(s->heads / s->kv_heads) * (size_t)w->span);
+    w->mm = (void *)(w->scores + scores);
     return base;
 }
 
