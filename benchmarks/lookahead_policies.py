@@ -147,6 +147,15 @@ def match_class(length: int, kind: str) -> tuple[int, str]:
     return min(length, 4), kind
 
 
+def copied(context: list[int], start: int, answer: list[int], pos: int, cap: int) -> int:
+    """How many of the answer's tokens from ``pos`` on equal the context's from ``start`` on (at most
+    ``cap``): the drafts copied from ``start`` that would be kept."""
+    run = 0
+    while run < cap and start + run < len(context) and pos + run < len(answer) and context[start + run] == answer[pos + run]:
+        run += 1
+    return run
+
+
 def class_table(prompt: list[int], answer: list[int], cap: int = AUTO_CAP) -> dict[tuple[int, str], list[float]]:
     """For each class of match, the share of the answer's positions where drafts 1..cap from the
     longest match's latest occurrence would all be kept (index i - 1: drafts 1..i)."""
@@ -157,9 +166,7 @@ def class_table(prompt: list[int], answer: list[int], cap: int = AUTO_CAP) -> di
         if match is None:
             continue
         length, start, kind = match
-        run = 0
-        while run < cap and pos + run < len(answer) and start + run < len(context) and context[start + run] == answer[pos + run]:
-            run += 1
+        run = copied(context, start, answer, pos, cap)
         row = counts.setdefault(match_class(length, kind), [0] * (cap + 1))
         row[0] += 1
         for i in range(1, run + 1):
@@ -213,10 +220,7 @@ def oracle(prompt: list[int], answer: list[int], cap: int = AUTO_CAP) -> tuple[i
         best = 0
         for s in range(1, len(context)):
             if context[s - 1] == context[-1]:
-                k = 0
-                while k < cap and s + k < len(context) and pos + k < len(answer) and context[s + k] == answer[pos + k]:
-                    k += 1
-                best = max(best, k)
+                best = max(best, copied(context, s, answer, pos, cap))
         pos += best + 1
         steps += 1
         drafted += best
