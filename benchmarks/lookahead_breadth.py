@@ -1,6 +1,6 @@
 """Exact lookahead on more prompts than `lookahead.py`'s one per task: texts nobody here chose.
 
-    python benchmarks/lookahead_breadth.py [--rounds 3] [--tokens 128] [--per-kind 6]
+    python benchmarks/lookahead_breadth.py [--rounds 3] [--tokens 128] [--per-kind 6] [--min-decode 0.5]
 
 `lookahead.py` measures one prompt per task (the issue's five). This builds more of each copying
 kind from the Python standard library the benchmark runs on (fixed for a Python version, and
@@ -11,7 +11,8 @@ are picked in a fixed order by a seeded generator, so every run asks the same qu
 prompt runs greedily with the default (``speculate="auto"``) and with ``speculate=0``, the two
 interleaved in alternating order, rounds repeated; it prints each prompt's tokens/s ratio (median
 of the rounds) and tokens per step, the median ratio of each kind, and checks the texts are
-identical.
+identical. As in `lookahead.py`, each reading decodes for at least ``--min-decode`` seconds: a short
+answer (a quote of 14 tokens) is streamed again until its decodes add up to that.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import re
 import statistics
 import sysconfig
 import textwrap
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from lookahead import in_order, stream_once
+from lookahead import in_order, repeated, stream_once
 
 import multistream as ms
 
@@ -116,6 +118,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--per-kind", type=int, default=6)
+    parser.add_argument("--min-decode", type=float, default=0.5,
+                        help="seconds of decoding each reading sums at least (a short answer is streamed again)")
     args = parser.parse_args()
     chosen = tasks(args.per_kind)
     llm = ms.load_text_model()
@@ -123,7 +127,8 @@ def main() -> None:
     runs: dict[str, list[dict[Any, dict[str, Any]]]] = {name: [] for name in chosen}
     for round_ in range(args.rounds):
         for name, (_, messages) in chosen.items():
-            got = {spec: stream_once(llm, messages, {}, args.tokens, spec) for spec in in_order(round_)}
+            got = {spec: repeated(partial(stream_once, llm, messages, {}, args.tokens, spec), args.min_decode)
+                   for spec in in_order(round_)}
             assert got["auto"]["text"] == got[0]["text"], f"{name}: the default's text differs from speculate=0's"
             runs[name].append(got)
     llm.close()
