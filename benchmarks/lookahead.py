@@ -10,7 +10,10 @@ Rounds are interleaved, the order alternating (default then speculate=0, then sp
 default, ...), and medians reported, so a noisy machine affects both alike; the load average is
 printed with the figures. Each reading is a setting's decode rate over at least ``--min-decode``
 seconds (0.5): a task whose answer decodes faster (the quote's 25 tokens: about 0.15 s) is streamed
-again until its decodes add up to that, ours and llama.cpp's alike.
+again until its decodes add up to that, ours and llama.cpp's alike, each after a short pause
+(`SETTLE_S`). The last lines count the kernel calls that ran on one thread because another process
+had taken a core mid-call (`NativeKernels.contention`), by task and setting: many of them mean the
+host was busy and the figures are not to be trusted.
 
 llama.cpp (llama-cpp-python, when it is installed) runs the same GGUF file on the same prompts
 (our chat template's text; the JSON task with the schema as its grammar), greedy, with as many
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import multistream as ms
+from multistream.text._accel.kernels import native_kernels
 
 ARTICLE = """The city council of Riverton voted on Tuesday to turn the old freight rail line that crosses the
 east side of town into a public park and cycling path. The line, built in 1911 to carry grain from the
@@ -151,18 +155,37 @@ def stream_once(llm: Any, prompt: Any, extra: dict[str, Any], tokens: int, specu
             "wall": end - start, "steps": final.metrics["decode_steps"]}
 
 
+# A pause before each reading. llama.cpp's threads go on running for about 20 ms after it has
+# answered (6-11 ms of CPU, measured from its process's schedstat): a reading of ours begun at once
+# had its kernels' team preempted at its first barriers, and the team then ran on one thread for a
+# spell (the story's first reading after llama.cpp's, in 2 rounds of 6: 2 stalled calls, 192 run
+# alone, 65-70 tok/s against 84-105 for the others). That fell on whichever setting a round runs
+# first, the default in 3 rounds of 5: the story read 0.92x and 0.93x `speculate=0`'s in two full
+# runs and 1.01x in an A/B without llama.cpp. With the pause no reading stalled.
+SETTLE_S = 0.05
+
+
 def repeated(run: Callable[[], dict[str, Any]], min_decode: float) -> dict[str, Any]:
     """``run()`` (one stream's figures: ``tokens`` and ``tok_s``) called until its decodes add up to
     ``min_decode`` seconds: the first call's figures, with ``tok_s`` over all of them (tokens after
     each first token over the decode time). A 25-token answer decodes in about 0.15 s, where one
     burst of the host's noise moves a single reading by half (the quote at ``speculate=0``: 54 to 93
     tok/s over 8 runs of one process); summed over several it moves far less. Every setting, ours
-    and llama.cpp's, is measured so, each until it has decoded that long."""
+    and llama.cpp's, is measured so, each until it has decoded that long, and each after `SETTLE_S`
+    of quiet."""
+    time.sleep(SETTLE_S)
     runs = [run()]
     while sum(decode_seconds(r) for r in runs) < min_decode:
         runs.append(run())
     return {**runs[0], "tok_s": sum(r["tokens"] - 1 for r in runs) / sum(decode_seconds(r) for r in runs),
             "repeats": len(runs)}
+
+
+def solo_calls() -> int:
+    """Kernel calls this process ran on one thread because a teammate thread had been preempted
+    (`NativeKernels.contention`): a sign that something else took the cores during a reading."""
+    kernels = native_kernels()
+    return kernels.contention()[1] if kernels is not None else 0
 
 
 def decode_seconds(figures: dict[str, Any]) -> float:
@@ -272,17 +295,21 @@ def main() -> None:
     for task in args.only.split(","):
         on, off = [], []
         theirs: dict[int, list[float]] = {k: [] for k in cpp}
+        alone = {"auto": 0, 0: 0}  # kernel calls each setting ran on one thread after a stall (host contention)
         for round_ in range(args.rounds):  # interleaved rounds, the order alternating
             for speculate in in_order(round_):
+                before = solo_calls()
                 (on if speculate == "auto" else off).append(
                     repeated(partial(one, llm, task, args.tokens, speculate), args.min_decode))
+                alone[speculate] += solo_calls() - before
             for k, proc in cpp.items():
                 theirs[k].append(repeated(partial(proc.run, llm, task, args.tokens), args.min_decode)["tok_s"])
         a, b = statistics.median(r["tok_s"] for r in on), statistics.median(r["tok_s"] for r in off)
         per_step = statistics.median(r["tokens"] / (r["steps"] + 1) for r in on)
         same = all(x["text"] == off[0]["text"] for x in on + off)
         results[task] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "tokens_per_step": per_step,
-                         "identical": same, "tokens": on[0]["tokens"]}
+                         "identical": same, "tokens": on[0]["tokens"],
+                         "solo_calls": {"default": alone["auto"], "off": alone[0]}}
         cells = "| - | - | -"
         if cpp:
             medians = {k: statistics.median(v) for k, v in theirs.items()}
@@ -306,6 +333,14 @@ def main() -> None:
         results["8 streams"] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "identical": same}
         print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {a / b:.2f}x | - | {'yes' if same else 'NO'} | - | - | - |")
     print(f"load average after: {os.getloadavg()}")
+    kernels = native_kernels()
+    if kernels is not None:
+        stalled, solo = kernels.contention()
+        by_task = ", ".join(f"{task} {r['solo_calls']['default']}/{r['solo_calls']['off']}"
+                            for task, r in results.items() if "solo_calls" in r)
+        print(f"kernel calls that stalled on a preempted thread: {stalled}; run on one thread after a stall: {solo} "
+              f"(default/speculate=0 by task: {by_task}). Many means the host took the cores: rerun.")
+        results["contention"] = {"stalled_calls": stalled, "solo_calls": solo}
     print(json.dumps(results))
     llm.close()
 
