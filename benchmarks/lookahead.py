@@ -8,7 +8,8 @@ lookahead is exact). Then 8 concurrent streams (the five tasks, cycled), aggrega
 
 Rounds are interleaved, the order alternating (default then speculate=0, then speculate=0 then
 default, ...), and medians reported, so a noisy machine affects both alike; the load average is
-printed with the figures. Each reading is a setting's decode rate over at least ``--min-decode``
+printed with the figures. Tokens/s are the medians of the rounds; a ratio is the median of the
+rounds' own ratios (`paired`: both readings of a round share the host's speed of the moment). Each reading is a setting's decode rate over at least ``--min-decode``
 seconds (0.5): a task whose answer decodes faster (the quote's 25 tokens: about 0.15 s) is streamed
 again until its decodes add up to that, ours and llama.cpp's alike, each after a short pause
 (`SETTLE_S`). The last lines count the kernel calls that ran on one thread because another process
@@ -23,7 +24,7 @@ K in 2, 4, 10 (``--lookups``), whose best is reported. Its rounds are interleave
 llama-cpp-python 0.3.16 runs prompt lookup (with ``logits_all=True``, see `llama_cpp_stream.py`);
 0.3.36 crashes (SIGSEGV) as soon as a draft model is given, so with it pass ``--lookups ''``.
 
-    python benchmarks/lookahead.py [--rounds 3] [--tokens 128] [--only summary,code] [--no-batch]
+    python benchmarks/lookahead.py [--rounds 4] [--tokens 128] [--only summary,code] [--no-batch]
                                    [--no-llama-cpp] [--lookups 2,4,10] [--min-decode 0.5]
 """
 
@@ -260,6 +261,15 @@ def batch(llm: Any, tokens: int, speculate: Any, streams: int = 8) -> dict[str, 
     return {"tok_s": sum(r["tokens"] for r in done) / wall, "texts": [r["text"] for r in done]}
 
 
+def paired(ours: list[float], theirs: list[float]) -> float:
+    """The median over rounds of our reading over theirs in the same round. The host's speed drifts
+    within a run (the story at ``speculate=0`` read 92 tok/s in one round and 59 four rounds later,
+    plain llama.cpp 80 and 67 in the same rounds), and two readings of one round share its speed, so their ratio does
+    not drift; a ratio of the two medians can take them from different rounds. Example:
+    ``paired([100, 60], [95, 55])`` is the median of 1.05 and 1.09."""
+    return statistics.median(x / y for x, y in zip(ours, theirs, strict=True))
+
+
 def in_order(round_: int) -> tuple[Any, ...]:
     """The two settings of a round, in the order that round runs them: the default first in even
     rounds, ``speculate=0`` first in odd ones, so whatever favours the first (or the second) run of a
@@ -270,7 +280,8 @@ def in_order(round_: int) -> tuple[Any, ...]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="interleaved rounds; an even number runs each setting first equally often")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--only", default=",".join(TASKS))
     parser.add_argument("--min-decode", type=float, default=0.5,
@@ -304,11 +315,13 @@ def main() -> None:
                 alone[speculate] += solo_calls() - before
             for k, proc in cpp.items():
                 theirs[k].append(repeated(partial(proc.run, llm, task, args.tokens), args.min_decode)["tok_s"])
-        a, b = statistics.median(r["tok_s"] for r in on), statistics.median(r["tok_s"] for r in off)
+        ours = [r["tok_s"] for r in on]
+        a, b = statistics.median(ours), statistics.median(r["tok_s"] for r in off)
+        ratio = paired(ours, [r["tok_s"] for r in off])
         per_step = statistics.median(r["tokens"] / (r["steps"] + 1) for r in on)
         same = all(x["text"] == off[0]["text"] for x in on + off)
-        results[task] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "tokens_per_step": per_step,
-                         "identical": same, "tokens": on[0]["tokens"],
+        results[task] = {"default_tok_s": a, "off_tok_s": b, "ratio": ratio, "ratio_of_medians": a / b,
+                         "tokens_per_step": per_step, "identical": same, "tokens": on[0]["tokens"],
                          "solo_calls": {"default": alone["auto"], "off": alone[0]}}
         cells = "| - | - | -"
         if cpp:
@@ -317,9 +330,11 @@ def main() -> None:
             cells = f"| {medians[0]:.1f} | - | -"
             if lookups:
                 best = max(lookups, key=lambda k: medians[k])
-                results[task].update({"best_lookup": best, "vs_best_lookup": a / medians[best]})
-                cells = f"| {medians[0]:.1f} | {medians[best]:.1f} (K={best}) | {a / medians[best]:.2f}x"
-        print(f"| {task} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {per_step:.2f} | {'yes' if same else 'NO'} {cells} |",
+                versus = paired(ours, theirs[best])
+                results[task].update({"best_lookup": best, "vs_best_lookup": versus,
+                                      "vs_best_lookup_of_medians": a / medians[best]})
+                cells = f"| {medians[0]:.1f} | {medians[best]:.1f} (K={best}) | {versus:.2f}x"
+        print(f"| {task} | {a:.1f} | {b:.1f} | {ratio:.2f}x | {per_step:.2f} | {'yes' if same else 'NO'} {cells} |",
               flush=True)
     for proc in cpp.values():
         proc.close()
@@ -329,9 +344,11 @@ def main() -> None:
             for speculate in in_order(round_):
                 (on_b if speculate == "auto" else off_b).append(batch(llm, args.tokens, speculate))
         a, b = statistics.median(r["tok_s"] for r in on_b), statistics.median(r["tok_s"] for r in off_b)
+        ratio = paired([r["tok_s"] for r in on_b], [r["tok_s"] for r in off_b])
         same = all(r["texts"] == off_b[0]["texts"] for r in on_b + off_b)
-        results["8 streams"] = {"default_tok_s": a, "off_tok_s": b, "ratio": a / b, "identical": same}
-        print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {a / b:.2f}x | - | {'yes' if same else 'NO'} | - | - | - |")
+        results["8 streams"] = {"default_tok_s": a, "off_tok_s": b, "ratio": ratio, "ratio_of_medians": a / b,
+                                "identical": same}
+        print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {ratio:.2f}x | - | {'yes' if same else 'NO'} | - | - | - |")
     print(f"load average after: {os.getloadavg()}")
     kernels = native_kernels()
     if kernels is not None:
