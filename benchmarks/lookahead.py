@@ -160,9 +160,8 @@ def stream_once(llm: Any, prompt: Any, extra: dict[str, Any], tokens: int, specu
 # answered (6-11 ms of CPU, measured from its process's schedstat): a reading of ours begun at once
 # had its kernels' team preempted at its first barriers, and the team then ran on one thread for a
 # spell (the story's first reading after llama.cpp's, in 2 rounds of 6: 2 stalled calls, 192 run
-# alone, 65-70 tok/s against 84-105 for the others). That fell on whichever setting a round runs
-# first, the default in 3 rounds of 5: the story read 0.92x and 0.93x `speculate=0`'s in two full
-# runs and 1.01x in an A/B without llama.cpp. With the pause no reading stalled.
+# alone, 65-70 tok/s against 84-105 for the others). That falls on whichever setting a round runs
+# first. With the pause no reading of those 6 rounds stalled (docs/lookahead.md).
 SETTLE_S = 0.05
 
 
