@@ -9,12 +9,13 @@ lookahead is exact). Then 8 concurrent streams (the five tasks, cycled), aggrega
 Rounds are interleaved, the order alternating (default then speculate=0, then speculate=0 then
 default, ...), and medians reported, so a noisy machine affects both alike; the load average is
 printed with the figures. Tokens/s are the medians of the rounds; a ratio is the median of the
-rounds' own ratios (`paired`: both readings of a round share the host's speed of the moment). Each reading is a setting's decode rate over at least ``--min-decode``
-seconds (0.5): a task whose answer decodes faster (the quote's 25 tokens: about 0.15 s) is streamed
-again until its decodes add up to that, ours and llama.cpp's alike, each after a short pause
-(`SETTLE_S`). The last lines count the kernel calls that ran on one thread because another process
-had taken a core mid-call (`NativeKernels.contention`), by task and setting: many of them mean the
-host was busy and the figures are not to be trusted.
+rounds' own ratios (`paired`: both readings of a round share the host's speed of the moment). Each
+reading is a setting's decode rate over at least ``--min-decode`` seconds (0.5): a task whose answer
+decodes faster (the quote's 25 tokens: about 0.15 s) is streamed again until its decodes add up to
+that, ours and llama.cpp's alike, each after a short pause (`SETTLE_S`). The last lines count the
+kernel calls that ran on one thread because another process had taken a core mid-call
+(`NativeKernels.contention`), by task and setting: many of them mean the host was busy and the
+figures are not to be trusted.
 
 llama.cpp (llama-cpp-python, when it is installed) runs the same GGUF file on the same prompts
 (our chat template's text; the JSON task with the schema as its grammar), greedy, with as many
@@ -174,18 +175,20 @@ def repeated(run: Callable[[], dict[str, Any]], min_decode: float) -> dict[str, 
     and llama.cpp's, is measured so, each until it has decoded that long, and each after `SETTLE_S`
     of quiet."""
     time.sleep(SETTLE_S)
-    runs = [run()]
-    while sum(decode_seconds(r) for r in runs) < min_decode:
-        runs.append(run())
-    return {**runs[0], "tok_s": sum(r["tokens"] - 1 for r in runs) / sum(decode_seconds(r) for r in runs),
-            "repeats": len(runs)}
+    first = run()
+    tokens, seconds, repeats = first["tokens"] - 1, decode_seconds(first), 1
+    while seconds < min_decode:
+        more = run()
+        tokens, seconds, repeats = tokens + more["tokens"] - 1, seconds + decode_seconds(more), repeats + 1
+    return {**first, "tok_s": tokens / seconds if seconds > 0 else 0.0, "repeats": repeats}
 
 
-def solo_calls() -> int:
-    """Kernel calls this process ran on one thread because a teammate thread had been preempted
-    (`NativeKernels.contention`): a sign that something else took the cores during a reading."""
+def contention() -> tuple[int, int]:
+    """(kernel calls that stalled on a preempted teammate thread, calls then run on one thread) so far
+    in this process (`NativeKernels.contention`; (0, 0) without the kernels): a sign that something
+    else took the cores."""
     kernels = native_kernels()
-    return kernels.contention()[1] if kernels is not None else 0
+    return kernels.contention() if kernels is not None else (0, 0)
 
 
 def decode_seconds(figures: dict[str, Any]) -> float:
@@ -263,8 +266,9 @@ def batch(llm: Any, tokens: int, speculate: Any, streams: int = 8) -> dict[str, 
 def paired(ours: list[float], theirs: list[float]) -> float:
     """The median over rounds of our reading over theirs in the same round. The host's speed drifts
     within a run (the story at ``speculate=0`` read 92 tok/s in one round and 59 four rounds later,
-    plain llama.cpp 80 and 67 in the same rounds), and two readings of one round share its speed, so their ratio does
-    not drift; a ratio of the two medians can take them from different rounds. Example:
+    plain llama.cpp 80 and 67 in the same rounds), and two readings of one round share its speed,
+    so their ratio does not drift; a ratio of the two medians can take them from different rounds.
+    Example:
     ``paired([100, 60], [95, 55])`` is the median of 1.05 and 1.09."""
     return statistics.median(x / y for x, y in zip(ours, theirs, strict=True))
 
@@ -308,10 +312,10 @@ def main() -> None:
         alone = {"auto": 0, 0: 0}  # kernel calls each setting ran on one thread after a stall (host contention)
         for round_ in range(args.rounds):  # interleaved rounds, the order alternating
             for speculate in in_order(round_):
-                before = solo_calls()
+                before = contention()[1]
                 (on if speculate == "auto" else off).append(
                     repeated(partial(one, llm, task, args.tokens, speculate), args.min_decode))
-                alone[speculate] += solo_calls() - before
+                alone[speculate] += contention()[1] - before
             for k, proc in cpp.items():
                 theirs[k].append(repeated(partial(proc.run, llm, task, args.tokens), args.min_decode)["tok_s"])
         ours = [r["tok_s"] for r in on]
@@ -347,11 +351,11 @@ def main() -> None:
         same = all(r["texts"] == off_b[0]["texts"] for r in on_b + off_b)
         results["8 streams"] = {"default_tok_s": a, "off_tok_s": b, "ratio": ratio, "ratio_of_medians": a / b,
                                 "identical": same}
-        print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {ratio:.2f}x | - | {'yes' if same else 'NO'} | - | - | - |")
+        print(f"| 8 streams (aggregate) | {a:.1f} | {b:.1f} | {ratio:.2f}x | - | {'yes' if same else 'NO'} "
+              "| - | - | - |")
     print(f"load average after: {os.getloadavg()}")
-    kernels = native_kernels()
-    if kernels is not None:
-        stalled, solo = kernels.contention()
+    if native_kernels() is not None:
+        stalled, solo = contention()
         by_task = ", ".join(f"{task} {r['solo_calls']['default']}/{r['solo_calls']['off']}"
                             for task, r in results.items() if "solo_calls" in r)
         print(f"kernel calls that stalled on a preempted thread: {stalled}; run on one thread after a stall: {solo} "
