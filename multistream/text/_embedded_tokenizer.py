@@ -6,11 +6,14 @@ needs only what a fast tokenizer does: its ``tokenizer.json`` run by the ``token
 (the Rust code transformers' fast tokenizers call) and its chat template rendered by jinja2 as
 transformers renders it (a sandbox, ``trim_blocks``, ``lstrip_blocks``, the same ``tojson`` and
 ``raise_exception``). `EmbeddedTokenizer` is that, and it answers the calls the engine makes
-(``__call__``, ``apply_chat_template``, ``decode``, ``backend_tokenizer``) with the ids and text
-transformers' tokenizer gives (``tests/text/test_embedded_tokenizer.py`` compares them).
+(``__call__``, ``apply_chat_template``, ``decode``, ``backend_tokenizer``, and for logprob tables
+``convert_ids_to_tokens`` and ``all_special_ids``) with the ids and text transformers' tokenizer
+gives (``tests/text/test_embedded_tokenizer.py`` compares them).
 
 The transformers tokenizer is still what users get as ``llm.tokenizer``, built on first use
-(`transformers_tokenizer`), and what grammars and logprob tables use.
+(`transformers_tokenizer`). Grammars (llguidance reads ``backend_tokenizer``'s JSON) and logprob
+tables use this one, so a first ``json_schema=`` or ``logprobs=`` request does not import
+transformers.
 
 Example:
     >>> tok = EmbeddedTokenizer.from_folder(folder)                                    # doctest: +SKIP
@@ -48,6 +51,10 @@ class EmbeddedTokenizer:
         self.special_tokens = {name: config[name] for name in _SPECIAL_NAMES if isinstance(config.get(name), str)}
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = backend.token_to_id(eos) if eos is not None else None
+        # transformers' all_special_ids: the named special tokens' ids and any additional ones.
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        named = [*self.special_tokens.values(), *(t for t in extra if isinstance(t, str))]
+        self.all_special_ids = sorted({i for i in map(backend.token_to_id, named) if i is not None})
         self.model_max_length = int(config.get("model_max_length") or 2048)
         self._template: Any = None
         self._transformers: Any = None
@@ -73,6 +80,10 @@ class EmbeddedTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: Any) -> str:
         return str(self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, token_id: int) -> str | None:
+        """The vocabulary's piece for one id (e.g. ``"Ġthe"``), as transformers' method gives it."""
+        return self.backend_tokenizer.id_to_token(int(token_id))  # type: ignore[no-any-return]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False,
                             tokenize: bool = True, **extra: Any) -> Any:

@@ -28,11 +28,16 @@ logger = logging.getLogger("multistream")
 
 
 def _byte_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (transformers' ``bytes_to_unicode``),
-    inverted: char -> byte."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    """Byte-level BPE's printable stand-in for each byte, inverted: char -> byte.
 
-    return {c: b for b, c in bytes_to_unicode().items()}
+    GPT-2's ``bytes_to_unicode`` (transformers has it in ``convert_slow_tokenizer``, whose import
+    costs 1.4 s): the printable Latin-1 bytes stand for themselves, the other 68 bytes take the
+    characters from U+0100 on, in byte order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = (b for b in range(256) if b not in printable)
+    stand_ins = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in stand_ins.items()}
 
 
 def _decoder_kind(tokenizer: Any) -> str:

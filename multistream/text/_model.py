@@ -402,7 +402,7 @@ class TextModel(EngineModel):
     def token_table(self) -> TokenTable:
         """Each token's text and UTF-8 bytes (what logprob entries carry), cached per token."""
         if self._token_table is None:
-            self._token_table = TokenTable(self.tokenizer)
+            self._token_table = TokenTable(self._codec)  # the codec: no transformers import
         return self._token_table
 
     def _check_token_ids(self, options: TextOptions) -> None:
@@ -455,8 +455,9 @@ class TextModel(EngineModel):
             return None
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         weight = getattr(head, "weight", None)
-        vocab = int(weight.shape[0]) if weight is not None else len(self.tokenizer)
-        return constraint_for(grammar, self.tokenizer, self.eos_token_ids, vocab_size=vocab)
+        vocab = int(weight.shape[0]) if weight is not None else len(self._codec)
+        # The codec, not `tokenizer`: the embedded model's needs no transformers import (1.4 s).
+        return constraint_for(grammar, self._codec, self.eos_token_ids, vocab_size=vocab)
 
     # -- edits ----------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ logits bit for bit, the same streams, and the same tokenizer.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -71,6 +72,53 @@ def test_a_greedy_stream_of_the_default_imports_no_transformers_at_all(text_mode
     lines = out.splitlines()
     assert lines[0] == expected, out
     assert lines[1:] == ["False", "TokenizersBackend True", "length"], out
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def test_a_first_json_schema_or_logprobs_stream_imports_no_transformers(text_model) -> None:
+    """A first ``json_schema=`` stream and a first ``logprobs=`` stream (1.4 s of import each, before
+    their first token, until 2026-12-07) build llguidance's tokenizer and the logprob table from
+    `EmbeddedTokenizer`, and give what the session's model gives."""
+    schema_kw = {"json_schema": SCHEMA, "max_new_tokens": 24}
+    logprob_kw = {"logprobs": True, "top_logprobs": 2, "max_new_tokens": 6}
+    expected_json = text_model.generate("Invent a person.", **schema_kw).text
+    expected_logprobs = text_model.generate("Name a colour.", **logprob_kw).logprobs
+    code = ("import json, sys, multistream as ms; llm = ms.load_text_model(); "
+            f"print(json.dumps(llm.generate('Invent a person.', **{schema_kw!r}).text)); "
+            f"print(json.dumps(llm.generate('Name a colour.', **{logprob_kw!r}).logprobs)); "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    lines = out.splitlines()
+    assert json.loads(lines[0]) == expected_json and json.loads(lines[1]) == expected_logprobs, out
+    assert lines[2] == "False", out
+
+
+def test_grammars_and_logprob_tables_read_the_engine_tokenizer_as_transformers(text_model) -> None:
+    """llguidance's tokenizer and the logprob table built from `EmbeddedTokenizer` equal those
+    built from transformers' tokenizer: every token's text and bytes, and a JSON grammar's masks
+    along an answer."""
+    import llguidance
+    import llguidance.hf
+
+    from multistream.text._constraints import _ll_tokenizer, grammar_of
+    from multistream.text._logprobs import TokenTable
+
+    codec, reference = text_model._codec, text_model.tokenizer
+    assert codec.all_special_ids == sorted(reference.all_special_ids)
+    ours, theirs = TokenTable(codec), TokenTable(reference)
+    assert [ours.info(i) for i in range(len(reference))] == [theirs.info(i) for i in range(len(reference))]
+    grammar = grammar_of(None, SCHEMA, None, None, None)
+    answer = codec('{"name": "Ada Lovelace", "age": 36}', add_special_tokens=False)["input_ids"]
+    matchers = [llguidance.LLMatcher(ll, grammar) for ll in (
+        _ll_tokenizer(codec, text_model.vocab_size),
+        llguidance.hf.from_tokenizer(reference, n_vocab=text_model.vocab_size))]
+    for token in answer:
+        masks = [bytes(m.compute_logit_bias()) for m in matchers]
+        assert masks[0] == masks[1] and masks[0][token]
+        assert all(m.consume_token(token) for m in matchers)
 
 
 MESSAGES = [
