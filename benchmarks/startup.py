@@ -10,7 +10,10 @@ quantized-weights cache exist, which the first run of each tree writes; that run
 - ``cli``: ``multistream text "Hi" --max-new-tokens 8``: time to the first byte on stdout (the
   first token) and to the exit, from the parent's clock,
 - ``serve``: ``multistream serve`` until ``/healthz`` answers and until ``/readyz`` says ready;
-  then its first and second ``POST /v1/text`` (one token), each to its first SSE event.
+  then its first and second ``POST /v1/text`` (one token), each to its first SSE event,
+- ``first``: a process's first request of each kind after ``ms.load_text_model()``, a process each:
+  plain, ``json_schema=`` and ``logprobs=True`` (8 tokens, greedy), to its first token: what a
+  grammar or a logprob table adds to the first request (not in the default set).
 
 Each tree is a ``PYTHONPATH`` (``--before``: e.g. a checkout of main; ``--after``: this one). Rounds
 interleave the trees (their order alternating), so machine noise hits both alike; the report gives
@@ -51,6 +54,23 @@ def measure_load(tree: Path) -> dict[str, float]:
     figures = json.loads(out.strip().splitlines()[-1])
     figures["process_s"] = time.perf_counter() - start
     return figures
+
+
+FIRST = ("import json, sys, time; import multistream as ms; llm = ms.load_text_model(); "
+         "extra = {'plain': {}, 'json_schema': {'json_schema': {'type': 'object', 'properties': {'name': "
+         "{'type': 'string'}, 'age': {'type': 'integer'}}, 'required': ['name', 'age']}}, "
+         "'logprobs': {'logprobs': True, 'top_logprobs': 3}}[sys.argv[1]]; t = time.perf_counter(); "
+         "first = next(time.perf_counter() - t for ev in llm.stream('Invent a person.', max_new_tokens=8, "
+         "temperature=0.0, **extra) if ev.token_ids); print(json.dumps({'s': first})); llm.close()")
+
+
+def measure_first(tree: Path) -> dict[str, float]:
+    out = {}
+    for kind in ("plain", "json_schema", "logprobs"):
+        run = subprocess.run([sys.executable, "-c", FIRST, kind], env=_env(tree), cwd=tree, capture_output=True,
+                             text=True, check=True).stdout
+        out[f"{kind}_s"] = json.loads(run.strip().splitlines()[-1])["s"]
+    return out
 
 
 def measure_cli(tree: Path) -> dict[str, float]:
@@ -145,13 +165,13 @@ def main() -> None:
                         help="PYTHONPATH of the baseline tree (e.g. `git worktree add ../base <commit>`)")
     parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="PYTHONPATH of the tree under test (default: this checkout)")
-    parser.add_argument("--only", choices=("load", "cli", "serve"), action="append",
-                        help="measure only these (repeatable; default: all three)")
+    parser.add_argument("--only", choices=("load", "cli", "serve", "first"), action="append",
+                        help="measure only these (repeatable; default: load, cli and serve)")
     parser.add_argument("--importtime", type=int, default=0, metavar="N", help="print the N largest imports")
     args = parser.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    kinds = {"load": measure_load, "cli": measure_cli, "serve": measure_serve}
-    chosen = args.only or list(kinds)
+    kinds = {"load": measure_load, "cli": measure_cli, "serve": measure_serve, "first": measure_first}
+    chosen = args.only or ["load", "cli", "serve"]
 
     load_before = os.getloadavg()
     for tree in trees.values():  # warm-up: writes each tree's caches, not counted
