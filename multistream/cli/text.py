@@ -112,9 +112,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         sys.stdout.write("\n")
         m, usage = final.metrics or {}, final.usage or {}  # type: ignore[union-attr]
+        # Where lookahead drafted, how: a copied answer's tokens/s is read against its steps.
+        drafted = int(m.get("drafted_tokens") or 0)
+        drafts = (f"{int(m.get('decode_steps') or 0)} decode steps ({int(m.get('accepted_tokens') or 0)} of {drafted} "
+                  "drafts kept), ") if drafted else ""
         print(
             f"[{usage.get('completion_tokens', 0)} tokens, TTFT {m.get('ttft_ms', 0):.0f} ms, "
-            f"{m.get('tokens_per_s', 0):.1f} tokens/s, finish: {final.finish_reason}]",  # type: ignore[union-attr]
+            f"{m.get('tokens_per_s', 0):.1f} tokens/s, {drafts}finish: {final.finish_reason}]",  # type: ignore[union-attr]
             file=sys.stderr,
         )
     return ctrl_c.status() if ctrl_c is not None else 0

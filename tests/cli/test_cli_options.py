@@ -81,6 +81,24 @@ def test_text_command_passes_only_given_options(monkeypatch: pytest.MonkeyPatch)
                         "max_new_tokens": 9}
 
 
+@pytest.mark.model
+def test_the_text_summary_line_says_how_lookahead_drafted(text_model, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A copied answer (the default model, the default speculate="auto") reports its decode steps
+    and drafts kept beside its tokens/s; without drafts the line is as it was."""
+    monkeypatch.setattr(text_pkg, "load_text_model", lambda *a, **k: text_model)
+    copy = "Copy this line exactly: def add(a, b): return a + b  # adds two numbers"
+    expected = text_model.generate(copy, max_new_tokens=40).metrics
+    assert expected["drafted_tokens"] > 0
+    assert main(["text", copy, "--max-new-tokens", "40"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    steps, kept, drafted = (int(expected[k]) for k in ("decode_steps", "accepted_tokens", "drafted_tokens"))
+    assert f"tokens/s, {steps} decode steps ({kept} of {drafted} drafts kept), finish: stop]" in line, line
+    assert main(["text", copy, "--max-new-tokens", "40", "--speculate", "0"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "drafts" not in line and line.endswith("tokens/s, finish: stop]"), line
+
+
 def test_image_command_passes_only_given_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     calls: list[dict[str, Any]] = []
 
