@@ -8,7 +8,7 @@ transformers renders it (a sandbox, ``trim_blocks``, ``lstrip_blocks``, the same
 ``raise_exception``). `EmbeddedTokenizer` is that, and it answers the calls the engine makes
 (``__call__``, ``apply_chat_template``, ``decode``, ``backend_tokenizer``, and for logprob tables
 ``convert_ids_to_tokens`` and ``all_special_ids``) with the ids and text transformers' tokenizer
-gives (``tests/text/test_embedded_tokenizer.py`` compares them).
+gives (``tests/text/test_lean_llama.py`` compares them).
 
 The transformers tokenizer is still what users get as ``llm.tokenizer``, built on first use
 (`transformers_tokenizer`). Grammars (llguidance reads ``backend_tokenizer``'s JSON) and logprob
