@@ -120,17 +120,17 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
         ll = per_size.get(vocab_size)
         if ll is None:
             backend = getattr(tokenizer, "backend_tokenizer", None)
-            if backend is None:  # a slow tokenizer: llguidance.hf says it supports only fast ones
-                import llguidance.hf
-
-                ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-            else:
-                if backend.padding is not None or backend.truncation is not None:
-                    backend = copy.copy(backend)  # as from_tokenizer: none in the JSON (a copy costs 0.3 s)
-                    backend.no_padding()
-                    backend.no_truncation()
-                ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
-            per_size[vocab_size] = ll
+            if backend is None:  # a slow tokenizer (llguidance.hf refuses those too)
+                raise InvalidArgumentError(
+                    f"allowed=, json_schema= and tools= need a fast tokenizer (one on the tokenizers library); "
+                    f"this model's {type(tokenizer).__name__} is not one: load it with use_fast=True or leave "
+                    "the constraint out")
+            if backend.padding is not None or backend.truncation is not None:
+                backend = copy.copy(backend)  # as from_tokenizer: none in the JSON (a copy costs 0.3 s)
+                backend.no_padding()
+                backend.no_truncation()
+            ll = per_size[vocab_size] = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                                               eos_token=tokenizer.eos_token_id)
         return ll
 
 

@@ -51,10 +51,9 @@ class EmbeddedTokenizer:
         self.special_tokens = {name: config[name] for name in _SPECIAL_NAMES if isinstance(config.get(name), str)}
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = backend.token_to_id(eos) if eos is not None else None
-        # transformers' all_special_ids: the named special tokens' ids and any additional ones.
-        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
-        named = [*self.special_tokens.values(), *(t for t in extra if isinstance(t, str))]
-        self.all_special_ids = sorted({i for i in map(backend.token_to_id, named) if i is not None})
+        # transformers' all_special_ids: the named special tokens' ids (the embedded model's config
+        # lists no additional ones; tests/text/test_lean_llama.py compares the two).
+        self.all_special_ids = sorted({i for i in map(backend.token_to_id, self.special_tokens.values()) if i is not None})
         self.model_max_length = int(config.get("model_max_length") or 2048)
         self._template: Any = None
         self._transformers: Any = None

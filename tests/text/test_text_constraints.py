@@ -17,6 +17,14 @@ def test_bad_allowed_values_are_clear_errors() -> None:
     assert compile_allowed(["a.b", "c"]) == r"a\.b|c"
 
 
+def test_a_tokenizer_without_a_tokenizers_backend_is_a_clear_error() -> None:
+    class SlowTokenizer:  # what a transformers tokenizer loaded with use_fast=False lacks: backend_tokenizer
+        eos_token_id = 0
+
+    with pytest.raises(ms.InvalidArgumentError, match="need a fast tokenizer.*SlowTokenizer is not one"):
+        constraint_for(grammar_of(compile_allowed("yes|no"), None), SlowTokenizer(), frozenset({0}), vocab_size=8)
+
+
 def test_the_mask_keeps_only_tokens_that_extend_a_match(text_tokenizer) -> None:
     eos = frozenset({text_tokenizer.eos_token_id})
     allowed = constraint_for(grammar_of(compile_allowed("yes|no"), None), text_tokenizer, eos)
