@@ -116,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
         drafted = int(m.get("drafted_tokens") or 0)
         drafts = (f"{int(m.get('decode_steps') or 0)} decode steps ({int(m.get('accepted_tokens') or 0)} of {drafted} "
                   "drafts kept), ") if drafted else ""
+        if m.get("repetition_loops") and final.finish_reason != "repetition":  # type: ignore[union-attr]
+            # A small model loops ("a gentle rain, a gentle rain, ..."); say so, and how to end it there.
+            print(f"multistream: from token {int(m.get('repetition_start') or 0)} the answer repeats a "
+                  f"{int(m.get('repetition_period') or 0)}-token unit; --stop-on-repetition ends it there "
+                  "(or --repetition-penalty 1.2)", file=sys.stderr)
         print(
             f"[{usage.get('completion_tokens', 0)} tokens, TTFT {m.get('ttft_ms', 0):.0f} ms, "
             f"{m.get('tokens_per_s', 0):.1f} tokens/s, {drafts}finish: {final.finish_reason}]",  # type: ignore[union-attr]

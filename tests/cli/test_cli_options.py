@@ -121,3 +121,23 @@ def test_a_flag_for_each_wire_kind() -> None:
     assert cli_values(parser.parse_args(["--steps", "4"]), names) == {"steps": 4}
     with pytest.raises(SystemExit):
         parser.parse_args(["--steps", "four"])
+
+
+@pytest.mark.model
+def test_the_text_command_says_when_the_answer_loops_and_how_to_end_it_there(
+        text_model, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The 135M model loops on some prompts ("A gentle rain, a gentle rain, ..." to the token limit);
+    the command names the loop and the flag that ends it, and says nothing once the flag has."""
+    monkeypatch.setattr(text_pkg, "load_text_model", lambda *a, **k: text_model)
+    prompt = "Write a haiku about rain."
+    expected = text_model.generate(prompt, max_new_tokens=96).metrics
+    assert expected.get("repetition_loops") == 1.0  # the loop this test is about
+    assert main(["text", prompt, "--max-new-tokens", "96"]) == 0
+    hint, line = capsys.readouterr().err.strip().splitlines()[-2:]
+    assert hint == (f"multistream: from token {int(expected['repetition_start'])} the answer repeats a "
+                    f"{int(expected['repetition_period'])}-token unit; --stop-on-repetition ends it there "
+                    "(or --repetition-penalty 1.2)"), hint
+    assert line.endswith("finish: length]"), line
+    assert main(["text", prompt, "--max-new-tokens", "96", "--stop-on-repetition"]) == 0
+    err = capsys.readouterr().err
+    assert "repeats a" not in err and err.strip().endswith("finish: repetition]"), err
