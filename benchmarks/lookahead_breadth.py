@@ -54,15 +54,20 @@ def _stdlib_modules() -> list[tuple[str, ast.Module]]:
     return out
 
 
-def _paragraphs(modules: list[tuple[str, ast.Module]]) -> list[str]:
-    """Prose paragraphs of 400-1200 characters from the modules' docstrings, without code, tables or lists."""
+def _paragraphs(modules: list[tuple[str, ast.Module]], *, shortest: int = 400,
+                every_docstring: bool = False) -> list[str]:
+    """Prose paragraphs of ``shortest``-1200 characters from the modules' docstrings (with
+    ``every_docstring``, their classes' and functions' too), without code, tables or lists."""
     out = []
     for _, tree in modules:
-        for para in re.split(r"\n\s*\n", ast.get_docstring(tree) or ""):
-            flat = " ".join(para.split())
-            letters = sum(c.isalpha() or c.isspace() for c in flat) / max(len(flat), 1)
-            if 400 <= len(flat) <= 1200 and letters > 0.9 and not re.search(r">>>|\||==|^\s*[-*]", para, re.M):
-                out.append(flat)
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))] \
+            if every_docstring else [tree]
+        for node in nodes:
+            for para in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
+                flat = " ".join(para.split())
+                letters = sum(c.isalpha() or c.isspace() for c in flat) / max(len(flat), 1)
+                if shortest <= len(flat) <= 1200 and letters > 0.9 and not re.search(r">>>|\||==|^\s*[-*]", para, re.M):
+                    out.append(flat)
     return out
 
 

@@ -58,7 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from lookahead_breadth import _functions  # noqa: E402
+from lookahead_breadth import _functions, _paragraphs  # noqa: E402
 from lookahead_breadth import tasks as breadth_tasks  # noqa: E402
 from lookahead_policies import record, replay  # noqa: E402
 
@@ -97,26 +97,11 @@ def _subpackage_sources() -> list[tuple[str, ast.Module]]:
     return out
 
 
-def _paragraphs(modules: list[tuple[str, ast.Module]]) -> list[str]:
-    """Prose paragraphs of 300-1200 characters from the modules', classes' and functions' docstrings."""
-    out: list[str] = []
-    for _, tree in modules:
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
-                continue
-            for para in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
-                flat = " ".join(para.split())
-                letters = sum(c.isalpha() or c.isspace() for c in flat) / max(len(flat), 1)
-                if 300 <= len(flat) <= 1200 and letters > 0.9 and not re.search(r">>>|\||==|^\s*[-*]", para, re.M):
-                    out.append(flat)
-    return out
-
-
 def prompts(summaries: int, quotes: int, rewrites: int, open_ended: int, seed: int = 0) -> list[str]:
     """The corpus's questions, the same for a Python version and seed."""
     rng = random.Random(seed)
     modules = _subpackage_sources()
-    paragraphs = _paragraphs(modules)
+    paragraphs = _paragraphs(modules, shortest=300, every_docstring=True)
     rng.shuffle(paragraphs)
     functions = _functions(modules)
     rng.shuffle(functions)
