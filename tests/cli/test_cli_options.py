@@ -129,9 +129,12 @@ def test_the_text_command_says_when_the_answer_loops_and_how_to_end_it_there(
     """The 135M model loops on some prompts ("A gentle rain, a gentle rain, ..." to the token limit);
     the command names the loop and the flag that ends it, and says nothing once the flag has."""
     monkeypatch.setattr(text_pkg, "load_text_model", lambda *a, **k: text_model)
-    prompt = "Write a haiku about rain."
-    expected = text_model.generate(prompt, max_new_tokens=96).metrics
-    assert expected.get("repetition_loops") == 1.0  # the loop this test is about
+    # Two prompts the default model loops on (from token 6 and 12 with AVX2); the first that loops on
+    # this CPU (the kernels' vector width may change a greedy answer) is the one tested.
+    looping = [(prompt, metrics) for prompt in ("Write a haiku about rain.", "Write a haiku about snow.")
+               if (metrics := text_model.generate(prompt, max_new_tokens=96).metrics).get("repetition_loops")]
+    assert looping, "neither prompt loops on this CPU: the test needs another"
+    prompt, expected = looping[0]
     assert main(["text", prompt, "--max-new-tokens", "96"]) == 0
     hint, line = capsys.readouterr().err.strip().splitlines()[-2:]
     assert hint == (f"multistream: from token {int(expected['repetition_start'])} the answer repeats a "
