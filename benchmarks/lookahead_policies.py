@@ -227,10 +227,12 @@ def oracle(prompt: list[int], answer: list[int], cap: int = AUTO_CAP) -> tuple[i
     return steps, drafted
 
 
-def record(llm: Any, tokens: int) -> dict[str, tuple[list[int], list[int]]]:
-    """Each task's prompt ids and greedy answer ids (``speculate=0``)."""
+def record(llm: Any, tokens: int, tasks: dict[str, tuple[Any, dict[str, Any]]] | None = None,
+           ) -> dict[str, tuple[list[int], list[int]]]:
+    """Each task's prompt ids and greedy answer ids (``speculate=0``); ``tasks``: name -> (messages,
+    extra options), `lookahead.py`'s by default."""
     out = {}
-    for task, (messages, extra) in TASKS.items():
+    for task, (messages, extra) in (TASKS if tasks is None else tasks).items():
         prompt = llm.encode_prompt(messages)  # the ids the engine prefills
         answer: list[int] = []
         for ev in llm.stream(messages, max_new_tokens=tokens, temperature=0.0, speculate=0, **extra):

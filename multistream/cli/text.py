@@ -118,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
                   "drafts kept), ") if drafted else ""
         if m.get("repetition_loops") and final.finish_reason != "repetition":  # type: ignore[union-attr]
             # A small model loops ("a gentle rain, a gentle rain, ..."); say so, and how to end it there.
-            print(f"multistream: from token {int(m.get('repetition_start') or 0)} the answer repeats a "
-                  f"{int(m.get('repetition_period') or 0)}-token unit; --stop-on-repetition ends it there "
+            print(f"multistream: from token {int(m['repetition_start'])} the answer repeats a "
+                  f"{int(m['repetition_period'])}-token unit; --stop-on-repetition ends it there "
                   "(or --repetition-penalty 1.2)", file=sys.stderr)
         print(
             f"[{usage.get('completion_tokens', 0)} tokens, TTFT {m.get('ttft_ms', 0):.0f} ms, "

@@ -131,10 +131,10 @@ def test_the_text_command_says_when_the_answer_loops_and_how_to_end_it_there(
     monkeypatch.setattr(text_pkg, "load_text_model", lambda *a, **k: text_model)
     # Two prompts the default model loops on (from token 6 and 12 with AVX2); the first that loops on
     # this CPU (the kernels' vector width may change a greedy answer) is the one tested.
-    looping = [(prompt, metrics) for prompt in ("Write a haiku about rain.", "Write a haiku about snow.")
-               if (metrics := text_model.generate(prompt, max_new_tokens=96).metrics).get("repetition_loops")]
-    assert looping, "neither prompt loops on this CPU: the test needs another"
-    prompt, expected = looping[0]
+    runs = ((prompt, text_model.generate(prompt, max_new_tokens=96).metrics)
+            for prompt in ("Write a haiku about rain.", "Write a haiku about snow."))
+    prompt, expected = next(((p, m) for p, m in runs if m.get("repetition_loops")), (None, None))
+    assert expected is not None, "neither prompt loops on this CPU: the test needs another"
     assert main(["text", prompt, "--max-new-tokens", "96"]) == 0
     hint, line = capsys.readouterr().err.strip().splitlines()[-2:]
     assert hint == (f"multistream: from token {int(expected['repetition_start'])} the answer repeats a "
