@@ -31,6 +31,12 @@ Policies:
   (1, 2, 3, 4 or more tokens) and by whether the match's earlier occurrences go on alike. The
   table is measured on the task's own answer (it knows each task's acceptance in advance), and the
   drafts are chosen for each cost ``c`` in turn: a bound on drafting by kind of match, not a policy;
+- ``tree BxL``: several drafts at once, as tree verification (SpecInfer, Medusa, EAGLE's draft
+  trees) would check them: the next ``L`` tokens after up to ``B`` earlier occurrences of the
+  context's end (the longest matches first, latest first among equals, at least 2 tokens, distinct
+  continuations only), merged into a tree whose every node is a drafted position; the step keeps
+  the longest branch that equals the answer. A tree needs an attention mask per branch, which the
+  engine does not have: this asks whether several places to copy from would pay for it;
 - ``oracle``: the longest correct continuation from any earlier occurrence of the last token (what
   prompt lookup could give if it always chose the right place): an upper bound, not a policy.
 
@@ -122,22 +128,29 @@ class Classed:
             self.cursor = start + kept + 1
 
 
+def earlier_matches(context: list[int], most: int = 16) -> list[tuple[int, int]]:
+    """Every earlier occurrence of the context's last token: (how many tokens of the context's end
+    it matches, up to ``most``; where its continuation starts), longest first, latest first among
+    equals."""
+    found = []
+    for s in range(len(context) - 1, 0, -1):
+        if context[s - 1] == context[-1]:
+            n = 1
+            while n < most and s - 1 - n >= 0 and context[s - 1 - n] == context[-1 - n]:
+                n += 1
+            found.append((n, s))
+    return sorted(found, key=lambda match: -match[0])  # stable: latest first among equals
+
+
 def longest_match(context: list[int], most: int = 16) -> tuple[int, int, str] | None:
     """The longest earlier match of the context's end (up to ``most`` tokens): (its length, where its
     latest occurrence's continuation starts, "one" | "agree" | "disagree": whether the occurrences of
     that length are one, or several whose next tokens are the same, or several that differ)."""
-    found: list[tuple[int, int]] = []  # (continuation start, match length)
-    for s in range(len(context) - 1, 0, -1):
-        if context[s - 1] != context[-1]:
-            continue
-        n = 1
-        while n < most and s - 1 - n >= 0 and context[s - 1 - n] == context[-1 - n]:
-            n += 1
-        found.append((s, n))
+    found = earlier_matches(context, most)
     if not found:
         return None
-    length = max(n for _, n in found)
-    starts = [s for s, n in found if n == length]  # latest first
+    length = found[0][0]
+    starts = [s for n, s in found if n == length]  # latest first
     kind = "one" if len(starts) == 1 else ("agree" if len({context[s] for s in starts}) == 1 else "disagree")
     return length, starts[0], kind
 
@@ -212,6 +225,28 @@ def replay(prompt: list[int], answer: list[int], policy: Policy) -> tuple[int, i
     return steps, drafted
 
 
+def tree_replay(prompt: list[int], answer: list[int], branches: int, length: int, shortest: int = 2,
+                ) -> tuple[int, int]:
+    """(decode steps, drafted positions) of drafting a tree each step: the next ``length`` tokens
+    after up to ``branches`` earlier matches of at least ``shortest`` tokens whose continuations
+    differ; a position shared by two branches (a common prefix) is drafted once."""
+    pos, steps, drafted = 1, 0, 0
+    while pos < len(answer):
+        context = prompt + answer[:pos]
+        tree: list[tuple[int, ...]] = []
+        for n, start in earlier_matches(context):
+            if n < shortest or len(tree) == branches:
+                break
+            branch = tuple(context[start:start + min(length, len(answer) - pos - 1)])
+            if branch and not any(other[:len(branch)] == branch for other in tree):
+                tree.append(branch)
+        kept = max((copied(list(branch), 0, answer, pos, len(branch)) for branch in tree), default=0)
+        pos += kept + 1
+        steps += 1
+        drafted += len({branch[:i] for branch in tree for i in range(1, len(branch) + 1)})
+    return steps, drafted
+
+
 def oracle(prompt: list[int], answer: list[int], cap: int = AUTO_CAP) -> tuple[int, int]:
     """(steps, drafted) if every step drafted exactly the longest correct continuation on offer."""
     pos, steps, drafted = 1, 0, 0
@@ -263,6 +298,9 @@ def main() -> None:
     # Drafts chosen for each cost in turn from each task's own table, the speed modelled at that cost.
     row("class table (bound)", [cell(len(a) - 1, [replay(p, a, ClassTable(class_table(p, a), c)) for c in costs], costs)
                                 for p, a in tasks])
+    for branches, length in ((1, 2), (2, 2), (3, 2), (1, 4), (2, 4)):
+        row(f"tree {branches}x{length}", [cell(len(a) - 1, [tree_replay(p, a, branches, length)] * len(costs), costs)
+                                          for p, a in tasks])
     row("oracle (bound)", [cell(len(a) - 1, [oracle(p, a)] * len(costs), costs) for p, a in tasks])
 
 
