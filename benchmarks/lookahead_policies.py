@@ -233,14 +233,15 @@ def tree_replay(prompt: list[int], answer: list[int], branches: int, length: int
     pos, steps, drafted = 1, 0, 0
     while pos < len(answer):
         context = prompt + answer[:pos]
-        tree: list[tuple[int, ...]] = []
+        span = min(length, len(answer) - pos - 1)
+        tree: dict[tuple[int, ...], int] = {}  # branch -> where it starts in the context
         for n, start in earlier_matches(context):
             if n < shortest or len(tree) == branches:
                 break
-            branch = tuple(context[start:start + min(length, len(answer) - pos - 1)])
+            branch = tuple(context[start:start + span])
             if branch and not any(other[:len(branch)] == branch for other in tree):
-                tree.append(branch)
-        kept = max((copied(list(branch), 0, answer, pos, len(branch)) for branch in tree), default=0)
+                tree[branch] = start
+        kept = max((copied(context, start, answer, pos, span) for start in tree.values()), default=0)
         pos += kept + 1
         steps += 1
         drafted += len({branch[:i] for branch in tree for i in range(1, len(branch) + 1)})
@@ -252,10 +253,7 @@ def oracle(prompt: list[int], answer: list[int], cap: int = AUTO_CAP) -> tuple[i
     pos, steps, drafted = 1, 0, 0
     while pos < len(answer):
         context = prompt + answer[:pos]
-        best = 0
-        for s in range(1, len(context)):
-            if context[s - 1] == context[-1]:
-                best = max(best, copied(context, s, answer, pos, cap))
+        best = max((copied(context, start, answer, pos, cap) for _, start in earlier_matches(context)), default=0)
         pos += best + 1
         steps += 1
         drafted += best
@@ -307,8 +305,20 @@ def main() -> None:
 def cell(tokens: int, runs: list[tuple[int, int]], costs: list[float]) -> str:
     """A task's tokens per step (of its first run) and modelled speed, run i at cost i: ``runs``
     holds (decode steps, drafted positions) per cost."""
-    speeds = "/".join(f"{tokens / (steps + c * drafted):.2f}" for (steps, drafted), c in zip(runs, costs))
+    speeds = "/".join(f"{modelled_speed(tokens, run, c):.2f}" for run, c in zip(runs, costs))
     return f"{tokens / runs[0][0]:.2f} ({speeds})"
+
+
+def modelled_speed(tokens: int, run: tuple[int, int], cost: float) -> float:
+    """Speed against one token a step of ``tokens`` made in ``run`` = (decode steps, drafted
+    positions), a step with ``k`` drafts costing ``1 + cost * k`` one-token steps.
+
+    Example:
+        >>> modelled_speed(120, (60, 100), 0.2)   # 2 tokens a step, 100 drafts at a fifth of a step
+        1.5
+    """
+    steps, drafted = run
+    return tokens / (steps + cost * drafted)
 
 
 def row(name: str, cells: list[str]) -> None:

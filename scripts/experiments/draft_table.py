@@ -62,11 +62,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lookahead_breadth import _functions, _paragraphs  # noqa: E402
 from lookahead_breadth import tasks as breadth_tasks  # noqa: E402
-from lookahead_policies import record, replay  # noqa: E402
+from lookahead_policies import modelled_speed, record, replay  # noqa: E402
 
 import multistream as ms  # noqa: E402
 from multistream._cache import cache_dir  # noqa: E402
-from multistream.text._lookahead import AUTO_CAP, Lookahead, draft_length  # noqa: E402
+from multistream.text._lookahead import _DECAY, _RECOVER, AUTO_CAP, Lookahead, draft_length  # noqa: E402
 
 SKIP = {"test", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip", "venv"}
 
@@ -177,8 +177,9 @@ class TableLookahead(Lookahead):
         self.first = [0, 0]  # table chains run, and those whose first draft was kept
 
     def drafts(self, context: list[int], *, rows: int, room: int, **kw: Any) -> list[int]:
-        self.tried = self.tried * 0.98 + 0.02 * self.weight  # drifts back to the prior, as the engine's rates do
-        self.kept = self.kept * 0.98 + 0.02 * self.weight * self.prior
+        # drifts back to the prior, as the engine's rates do
+        self.tried = self.tried * _RECOVER + (1 - _RECOVER) * self.weight
+        self.kept = self.kept * _RECOVER + (1 - _RECOVER) * self.weight * self.prior
         self.from_table = False
         own = super().drafts(context, rows=rows, room=room, **kw)
         if own or room <= 0 or (self.only_unmatched and (context[-1],) in self._index):
@@ -198,14 +199,8 @@ class TableLookahead(Lookahead):
             return
         self.first[0] += 1
         self.first[1] += kept > 0
-        self.tried = self.tried * 0.9 + kept + (1 if kept < drafted else 0)
-        self.kept = self.kept * 0.9 + kept
-
-
-def speed(prompt: list[int], answer: list[int], look: Lookahead, cost: float) -> float:
-    """Modelled speed against one token a step (`benchmarks/lookahead_policies.py`'s replay)."""
-    steps, drafted = replay(prompt, answer, look)
-    return (len(answer) - 1) / (steps + cost * drafted)
+        self.tried = self.tried * _DECAY + kept + (1 if kept < drafted else 0)
+        self.kept = self.kept * _DECAY + kept
 
 
 def main() -> None:
@@ -229,21 +224,24 @@ def main() -> None:
     held_out.update(record(llm, 128, {name: (messages, {}) for name, (_, messages) in breadth_tasks(6).items()}))
     llm.close()
     print(f"{len(entries)} entries; new / engine alone, modelled:")
+    # A replay's steps do not depend on the cost, only the modelled speed does: each policy once per answer.
+    runs = {}
+    for name, (prompt, answer) in held_out.items():
+        look = TableLookahead(entries, args.prior, args.prior_weight, args.only_unmatched)
+        runs[name] = (replay(prompt, answer, look), replay(prompt, answer, Lookahead(AUTO_CAP)), look.first)
+    first = [sum(f[0] for *_, f in runs.values()), sum(f[1] for *_, f in runs.values())]
     for cost in (float(c) for c in args.costs.split(",")):
         kinds: dict[str, list[float]] = defaultdict(list)
-        first = [0, 0]
-        for name, (prompt, answer) in held_out.items():
-            look = TableLookahead(entries, args.prior, args.prior_weight, args.only_unmatched)
-            ratio = speed(prompt, answer, look, cost) / speed(prompt, answer, Lookahead(AUTO_CAP), cost)
-            first = [first[0] + look.first[0], first[1] + look.first[1]]
+        for name, (with_table, alone, _) in runs.items():
+            tokens = len(held_out[name][1]) - 1
+            ratio = modelled_speed(tokens, with_table, cost) / modelled_speed(tokens, alone, cost)
             if name[-1].isdigit():
                 kinds[name.rstrip("0123456789")].append(ratio)
             else:
                 print(f"  c={cost} {name}: {ratio:.3f}")
         for kind, ratios in kinds.items():
             print(f"  c={cost} breadth {kind}: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}")
-        print(f"  c={cost} the table's first drafts kept: {first[1]} of {first[0]}")
-
+    print(f"  the table's first drafts kept: {first[1]} of {first[0]}")
 
 if __name__ == "__main__":
     main()
